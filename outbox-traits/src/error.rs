@@ -1,0 +1,182 @@
+//! The one error type at the contract boundary, classified so the engine can decide retries
+//! without matching strings.
+
+use uuid::Uuid;
+
+/// A boxed error source.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Whether retrying the same operation later can succeed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// A retry later may succeed (connection lost, timeout, broker down, lock conflict).
+    Transient,
+    /// A retry will fail the same way (bad input, missing table, message too large).
+    Permanent,
+}
+
+/// Errors returned by stores, publishers and the engine.
+///
+/// Marked `#[non_exhaustive]`: match the named cases you branch on and use [`Error::kind`] for
+/// the rest.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The caller no longer holds the lease on these messages: it expired, was released, or the
+    /// token is stale. Nothing was changed for them. The relay must drop them; another relay owns
+    /// them (or will).
+    #[error("lease lost on {} message(s) (expired, released or claimed by another relay); nothing was changed for them", ids.len())]
+    LeaseLost {
+        /// The messages whose lease was not held.
+        ids: Vec<Uuid>,
+    },
+
+    /// The input was invalid; nothing was written. The message says what to fix.
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+
+    /// A message with this dedup key already exists; nothing was written.
+    #[error("duplicate dedup key {key:?}: a message with this key was already enqueued")]
+    DuplicateKey {
+        /// The offending dedup key.
+        key: String,
+    },
+
+    /// The named messages do not exist (or are not in the state the operation needs).
+    #[error("not found: {0}")]
+    NotFound(String),
+
+    /// A server (database or broker) could not be reached or timed out. Transient.
+    #[error("{what} unavailable: {message}")]
+    Unavailable {
+        /// What was unavailable, e.g. `postgres` or `nats`. Never contains credentials.
+        what: String,
+        /// What happened, with any password removed.
+        message: String,
+        /// The underlying error.
+        #[source]
+        source: Option<BoxError>,
+    },
+
+    /// Any other backend or publisher error, with its classification.
+    #[error("{message}")]
+    Backend {
+        /// What happened, with any password removed.
+        message: String,
+        /// Whether a retry may succeed.
+        kind: ErrorKind,
+        /// The underlying error.
+        #[source]
+        source: Option<BoxError>,
+    },
+}
+
+impl Error {
+    /// An [`Error::InvalidInput`].
+    pub fn invalid_input(message: impl Into<String>) -> Self {
+        Error::InvalidInput(message.into())
+    }
+
+    /// An [`Error::Unavailable`] with a source.
+    pub fn unavailable(
+        what: impl Into<String>,
+        message: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        Error::Unavailable {
+            what: what.into(),
+            message: message.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// A transient [`Error::Backend`].
+    pub fn transient(message: impl Into<String>, source: Option<BoxError>) -> Self {
+        Error::Backend {
+            message: message.into(),
+            kind: ErrorKind::Transient,
+            source,
+        }
+    }
+
+    /// A permanent [`Error::Backend`].
+    pub fn permanent(message: impl Into<String>, source: Option<BoxError>) -> Self {
+        Error::Backend {
+            message: message.into(),
+            kind: ErrorKind::Permanent,
+            source,
+        }
+    }
+
+    /// Whether retrying later may succeed.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Unavailable { .. } | Error::LeaseLost { .. } => ErrorKind::Transient,
+            Error::InvalidInput(_) | Error::DuplicateKey { .. } | Error::NotFound(_) => {
+                ErrorKind::Permanent
+            }
+            Error::Backend { kind, .. } => *kind,
+        }
+    }
+
+    /// Shorthand for `self.kind() == ErrorKind::Transient`.
+    pub fn is_transient(&self) -> bool {
+        self.kind() == ErrorKind::Transient
+    }
+}
+
+/// Remove the password from anything that looks like a URL with credentials
+/// (`scheme://user:password@host`), so that connection strings can be logged and put in errors.
+///
+/// ```
+/// assert_eq!(
+///     outbox_traits::redact_url("postgres://app:s3cret@db:5432/app"),
+///     "postgres://app:***@db:5432/app"
+/// );
+/// ```
+pub fn redact_url(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(pos) = rest.find("://") {
+        let (head, tail) = rest.split_at(pos + 3);
+        out.push_str(head);
+        let end = tail
+            .find(|c: char| c.is_whitespace() || c == '/' || c == '"' || c == '\'')
+            .unwrap_or(tail.len());
+        let authority = &tail[..end];
+        match (authority.rfind('@'), authority.find(':')) {
+            (Some(at), Some(colon)) if colon < at => {
+                out.push_str(&authority[..colon]);
+                out.push_str(":***");
+                out.push_str(&authority[at..]);
+            }
+            _ => out.push_str(authority),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classification() {
+        assert!(Error::LeaseLost { ids: vec![] }.is_transient());
+        assert!(!Error::invalid_input("x").is_transient());
+        assert!(Error::transient("x", None).is_transient());
+        assert!(!Error::permanent("x", None).is_transient());
+    }
+
+    #[test]
+    fn redacts_passwords_only() {
+        assert_eq!(
+            redact_url("failed: mysql://root:pw@127.0.0.1:3306/test and nats://h:4222"),
+            "failed: mysql://root:***@127.0.0.1:3306/test and nats://h:4222"
+        );
+        assert_eq!(redact_url("redis://user@h"), "redis://user@h");
+        assert_eq!(redact_url("no url"), "no url");
+    }
+}

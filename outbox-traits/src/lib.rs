@@ -1,0 +1,59 @@
+//! The contract of the `outbox` relay: a minimal [`OutboxStore`] + [`Publisher`] pair.
+//!
+//! A service writes its business rows and a [`NewMessage`] in one database transaction (through a
+//! backend's `enqueue` function, which takes the caller's transaction). A relay then claims
+//! committed messages from an [`OutboxStore`], publishes them through a [`Publisher`], and
+//! completes or fails them. This crate holds only the traits, the message and error types, and a
+//! few helpers every backend shares; it has no database driver or async runtime dependency.
+//!
+//! The traits are object safe: engines hold `Arc<dyn OutboxStore>` and `Box<dyn Publisher>`
+//! chosen at run time, and both traits are forwarded for `&T`, `Arc<T>` and `Box<T>`.
+//!
+//! # Implementing a backend
+//!
+//! 1. **Table.** Keep for each message its id, a store-assigned increasing `seq`, the fields of
+//!    [`NewMessage`], a state (`pending`, `leased`, `published`, `dead`), an attempt counter, a due
+//!    time, a lease token and lease end, and the last error. Index the unpublished rows only
+//!    (a partial index), so claims stay fast as history grows.
+//! 2. **Enqueue** is your own function, generic over your driver's transaction, writing a whole
+//!    batch in one round trip. Call [`NewMessage::validate`] first and refuse bad input with
+//!    [`Error::InvalidInput`] before writing anything; name checks go through
+//!    [`validate_sql_identifier`].
+//! 3. **Claim by state, never by cursor.** `seq > last_seen` loses messages whose transaction
+//!    commits after a later one. Select pending, due rows (or rows whose lease expired), lease
+//!    them under a fresh [`LeaseToken`] with the lease end computed from the *database's* clock,
+//!    and keep per-key order as [`OutboxStore::claim`] describes. Return at most the limit.
+//! 4. **Fence** every later transition (`complete`, `fail`, `extend`, `release`) on the token and
+//!    an unexpired lease; report what was not held with [`Error::LeaseLost`].
+//! 5. **Never** hold a transaction or row lock after a method returns: the relay publishes
+//!    between calls, and a lock held across a broker call stalls everyone.
+//! 6. Implement [`OutboxAdmin`] (dead letters, purge, counts) so operators and the conformance
+//!    suite can use it.
+//! 7. **Run the conformance suite** (`outbox-conformance-tests`) against your store: implement its
+//!    harness trait (a fresh store per case, enqueue through your transaction, time control, a
+//!    simulated relay crash) and add one macro line to your tests. It generates interleaved
+//!    transactions, relays, crashes and lease expiries, and checks no loss, no phantom, per-key
+//!    order, fencing, exact attempts and accounting.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod error;
+mod ident;
+mod message;
+mod publisher;
+mod store;
+
+pub use error::{redact_url, BoxError, Error, ErrorKind};
+pub use ident::validate_sql_identifier;
+pub use message::{Limits, Message, NewMessage, DEFAULT_MAX_PAYLOAD_BYTES, TRACEPARENT_HEADER};
+pub use publisher::{PublishOutcome, Publisher};
+pub use store::{
+    Capabilities, Claim, ClaimRequest, Counts, DeadMessage, FailAction, Failure, HeadPolicy,
+    LeaseToken, OutboxAdmin, OutboxStore, WakeSource,
+};
+
+/// Re-exported so backends and users name the same versions.
+pub use async_trait::async_trait;
+/// Re-exported so backends and users name the same versions.
+pub use chrono;
+/// Re-exported so backends and users name the same versions.
+pub use uuid;

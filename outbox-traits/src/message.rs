@@ -1,0 +1,213 @@
+//! Messages: what a service enqueues ([`NewMessage`]) and what a relay claims ([`Message`]).
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::error::Error;
+
+/// The default upper bound on a payload's serialized size: 1 MiB.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+
+/// Header that carries a W3C trace context from the enqueuing service to the consumer.
+///
+/// Publishers forward every header; this name is listed so that services and publishers agree on
+/// the spelling.
+pub const TRACEPARENT_HEADER: &str = "traceparent";
+
+/// A message to enqueue, written in the caller's own database transaction.
+///
+/// Build one with [`NewMessage::new`] and the `with_*` methods. The id is a UUID v7 made here,
+/// at enqueue, and never changes: every delivery attempt carries the same id so consumers can
+/// drop duplicates.
+///
+/// ```
+/// use outbox_traits::NewMessage;
+/// let msg = NewMessage::new("order", "order-42", "order.placed", serde_json::json!({"total": 12}))
+///     .with_header("tenant", "acme");
+/// assert_eq!(msg.partition_key.as_deref(), Some("order-42"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NewMessage {
+    /// Stable message id (UUID v7 unless given). Consumers deduplicate on it.
+    pub id: Uuid,
+    /// Kind of aggregate the event is about, e.g. `order`. Debezium's `aggregatetype`.
+    pub aggregate_type: String,
+    /// Id of the aggregate, e.g. `order-42`. Debezium's `aggregateid`.
+    pub aggregate_id: String,
+    /// Event type, e.g. `order.placed`. Must not be empty. Debezium's `type`.
+    pub event_type: String,
+    /// The JSON payload.
+    pub payload: serde_json::Value,
+    /// String headers forwarded to the broker as message headers.
+    pub headers: BTreeMap<String, String>,
+    /// Ordering key. Messages with the same key are published in the order they were enqueued
+    /// (committed); `None` means the message flows unordered. Defaults to the aggregate id.
+    pub partition_key: Option<String>,
+    /// Optional idempotency key: a second message with the same key is refused by the store.
+    pub dedup_key: Option<String>,
+    /// Earliest time the message may be published (delayed delivery). `None` means now.
+    pub not_before: Option<DateTime<Utc>>,
+}
+
+impl NewMessage {
+    /// A message with a fresh UUID v7 id, no headers, and the aggregate id as partition key.
+    pub fn new(
+        aggregate_type: impl Into<String>,
+        aggregate_id: impl Into<String>,
+        event_type: impl Into<String>,
+        payload: serde_json::Value,
+    ) -> Self {
+        let aggregate_id = aggregate_id.into();
+        Self {
+            id: Uuid::now_v7(),
+            aggregate_type: aggregate_type.into(),
+            partition_key: Some(aggregate_id.clone()),
+            aggregate_id,
+            event_type: event_type.into(),
+            payload,
+            headers: BTreeMap::new(),
+            dedup_key: None,
+            not_before: None,
+        }
+    }
+
+    /// Use this id instead of the generated one (e.g. an id the caller already stored).
+    pub fn with_id(mut self, id: Uuid) -> Self {
+        self.id = id;
+        self
+    }
+
+    /// Add (or replace) one header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Order this message by `key` instead of by its aggregate id.
+    pub fn with_partition_key(mut self, key: impl Into<String>) -> Self {
+        self.partition_key = Some(key.into());
+        self
+    }
+
+    /// Let this message flow without any ordering relative to others.
+    pub fn unordered(mut self) -> Self {
+        self.partition_key = None;
+        self
+    }
+
+    /// Refuse this message if another one with the same dedup key was already enqueued.
+    pub fn with_dedup_key(mut self, key: impl Into<String>) -> Self {
+        self.dedup_key = Some(key.into());
+        self
+    }
+
+    /// Do not publish before `at` (delayed delivery). A delayed message also holds back later
+    /// messages of its partition key.
+    pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
+        self.not_before = Some(at);
+        self
+    }
+
+    /// The payload as JSON text, checked against `limits`.
+    ///
+    /// Backends call this (or [`NewMessage::validate`]) before they write anything, so a bad
+    /// message never reaches the database.
+    pub fn payload_json(&self, limits: &Limits) -> Result<String, Error> {
+        let text = serde_json::to_string(&self.payload).map_err(|e| {
+            Error::invalid_input(format!("payload of message {} is not JSON: {e}", self.id))
+        })?;
+        if text.len() > limits.max_payload_bytes {
+            return Err(Error::invalid_input(format!(
+                "payload of message {} is {} bytes, over the limit of {} bytes; \
+                 store large bodies elsewhere and enqueue a reference, or raise the limit",
+                self.id,
+                text.len(),
+                limits.max_payload_bytes
+            )));
+        }
+        Ok(text)
+    }
+
+    /// Check the message against the rules every backend enforces before writing.
+    ///
+    /// Returns the payload as JSON text so that the caller does not serialize it twice.
+    pub fn validate(&self, limits: &Limits) -> Result<String, Error> {
+        if self.event_type.trim().is_empty() {
+            return Err(Error::invalid_input(format!(
+                "message {} has an empty event type; set one such as \"order.placed\"",
+                self.id
+            )));
+        }
+        if self.aggregate_type.trim().is_empty() {
+            return Err(Error::invalid_input(format!(
+                "message {} has an empty aggregate type; set one such as \"order\"",
+                self.id
+            )));
+        }
+        if matches!(self.partition_key.as_deref(), Some("")) {
+            return Err(Error::invalid_input(format!(
+                "message {} has an empty partition key; use `unordered()` for no ordering",
+                self.id
+            )));
+        }
+        if matches!(self.dedup_key.as_deref(), Some("")) {
+            return Err(Error::invalid_input(format!(
+                "message {} has an empty dedup key; leave it unset instead",
+                self.id
+            )));
+        }
+        if let Some((name, _)) = self.headers.iter().find(|(name, _)| name.is_empty()) {
+            return Err(Error::invalid_input(format!(
+                "message {} has a header with an empty name ({name:?})",
+                self.id
+            )));
+        }
+        self.payload_json(limits)
+    }
+}
+
+/// Limits a backend applies to every enqueued message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest accepted payload, in bytes of its JSON text. Default: 1 MiB.
+    pub max_payload_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+        }
+    }
+}
+
+/// A message handed to a relay by a claim.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    /// Stable id, the same on every attempt.
+    pub id: Uuid,
+    /// Position assigned by the store at insert. Unique and increasing in insert order within one
+    /// store, but *not* in commit order: never use it as a cursor.
+    pub seq: i64,
+    /// Kind of aggregate.
+    pub aggregate_type: String,
+    /// Id of the aggregate.
+    pub aggregate_id: String,
+    /// Event type.
+    pub event_type: String,
+    /// JSON payload as text, exactly as the store returned it.
+    pub payload: String,
+    /// Headers given at enqueue.
+    pub headers: BTreeMap<String, String>,
+    /// Ordering key, if any.
+    pub partition_key: Option<String>,
+    /// Dedup key, if any.
+    pub dedup_key: Option<String>,
+    /// Failed attempts recorded before this claim.
+    pub attempts: u32,
+    /// When the message was enqueued (database clock).
+    pub created_at: DateTime<Utc>,
+}

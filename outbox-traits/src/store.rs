@@ -1,0 +1,332 @@
+//! The store side of the contract: what a relay needs from the database that holds the outbox.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::message::Message;
+
+/// Fencing token of one claim. Every message handed out by a claim carries the same token until
+/// it is completed, failed or released; a transition presented with another token changes
+/// nothing and returns [`Error::LeaseLost`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LeaseToken(pub Uuid);
+
+impl LeaseToken {
+    /// A new random token.
+    pub fn new() -> Self {
+        LeaseToken(Uuid::new_v4())
+    }
+}
+
+impl Default for LeaseToken {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Display for LeaseToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// What a relay does when the head message of a partition key is dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum HeadPolicy {
+    /// The key's later messages wait until an operator requeues or discards the dead one.
+    #[default]
+    Block,
+    /// The key's later messages flow on past the dead one.
+    Skip,
+}
+
+/// Arguments of [`OutboxStore::claim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRequest {
+    /// Most messages to return. Must be at least 1.
+    pub limit: usize,
+    /// How long the claim is held before another relay may take the messages over.
+    pub lease: Duration,
+    /// How dead head messages affect their key.
+    pub head_policy: HeadPolicy,
+}
+
+/// The result of [`OutboxStore::claim`]: messages leased under one token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Claim {
+    /// The fencing token to present on complete, fail, extend and release.
+    pub token: LeaseToken,
+    /// When the lease ends, by the database's clock.
+    pub lease_until: DateTime<Utc>,
+    /// The leased messages: ordered by `seq`, so a key's messages appear in their order.
+    pub messages: Vec<Message>,
+}
+
+/// What to do with one failed message, decided by the engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FailAction {
+    /// Count the attempt and make the message claimable again after `delay`
+    /// (by the database's clock).
+    Retry {
+        /// Back-off before the next attempt.
+        delay: Duration,
+    },
+    /// Count the attempt and dead-letter the message.
+    Dead,
+}
+
+/// One entry of [`OutboxStore::fail`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// The failed message.
+    pub id: Uuid,
+    /// The reason, stored as the message's last error.
+    pub error: String,
+    /// Retry or dead-letter.
+    pub action: FailAction,
+}
+
+/// What a store supports beyond the required behaviour; selects which conformance checks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// Several relays (connections, processes) may claim concurrently with exclusive results.
+    pub concurrent_claimers: bool,
+    /// [`OutboxStore::wakeups`] returns a source of wake-up hints.
+    pub wakeups: bool,
+}
+
+impl Capabilities {
+    /// Neither concurrent claimers nor wake-ups.
+    pub const fn none() -> Self {
+        Self {
+            concurrent_claimers: false,
+            wakeups: false,
+        }
+    }
+
+    /// Set [`Capabilities::concurrent_claimers`].
+    pub const fn with_concurrent_claimers(mut self, yes: bool) -> Self {
+        self.concurrent_claimers = yes;
+        self
+    }
+
+    /// Set [`Capabilities::wakeups`].
+    pub const fn with_wakeups(mut self, yes: bool) -> Self {
+        self.wakeups = yes;
+        self
+    }
+}
+
+/// A source of wake-up hints from the store (e.g. Postgres `LISTEN/NOTIFY`).
+///
+/// Hints may be lost or spurious; the engine always polls as well.
+#[async_trait]
+pub trait WakeSource: Send {
+    /// Wait for the next hint.
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: the engine races it against a timer and drops it.
+    async fn wait(&mut self) -> Result<(), Error>;
+}
+
+/// The store side of a relay: claim, complete, fail, extend, release.
+///
+/// Enqueue is deliberately *not* here: each backend exposes enqueue functions that take the
+/// caller's own transaction, so the business write and the outbox write commit together.
+///
+/// Message states are `pending` (claimable once due), `leased` (held under a token until the
+/// lease ends), `published` and `dead`. An expired lease makes a message claimable again.
+///
+/// All times (lease ends, retry due times, "now") come from the database's clock, never from
+/// the relay host's clock.
+#[async_trait]
+pub trait OutboxStore: Send + Sync {
+    /// Lease up to `req.limit` due messages under a new token.
+    ///
+    /// # Behavior
+    /// - MUST return at most `req.limit` messages, and only messages that are committed, pending
+    ///   (or leased with an expired lease), and due (`not_before` and retry time reached).
+    /// - MUST select by state, never by a cursor such as `seq > last_seen` (a later-committing
+    ///   transaction may hold a lower `seq`).
+    /// - MUST be exclusive: no message is held by two unexpired leases.
+    /// - MUST keep per-key order: a message with partition key `k` is returned only if every
+    ///   earlier (lower `seq`) message of `k` that is not published is also returned, earlier in
+    ///   the list. Earlier messages leased to someone else, waiting for a retry or not yet due,
+    ///   or locked by a concurrent claim, hold back the key. Dead earlier messages hold it back
+    ///   under [`HeadPolicy::Block`] and are ignored under [`HeadPolicy::Skip`]. Messages with no
+    ///   partition key are not ordered.
+    /// - SHOULD return messages in `seq` order; MUST keep each key's messages in `seq` order.
+    /// - MUST NOT count an attempt: attempts are counted by [`OutboxStore::fail`].
+    /// - SHOULD cost one round trip and use an index that stays small as history grows.
+    /// - MUST NOT leave a transaction or row lock open after it returns.
+    /// - An empty claim returns `Ok` with no messages.
+    ///
+    /// # Cancel safety
+    /// If dropped before it returns, messages it may have leased stay leased until the lease
+    /// ends and are then claimable again: nothing is lost.
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error>;
+
+    /// Mark messages as published.
+    ///
+    /// # Behavior
+    /// - MUST mark published exactly the listed messages that are leased under `token` with an
+    ///   unexpired lease, in one statement or transaction.
+    /// - MUST NOT change any other listed message; if there are such messages, MUST return
+    ///   [`Error::LeaseLost`] naming them (after completing the others).
+    ///
+    /// # Cancel safety
+    /// If dropped, the messages are either all marked or still leased; a still-leased message is
+    /// claimed again after its lease ends (a duplicate delivery, never a loss).
+    async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error>;
+
+    /// Record failed attempts: count the attempt, store the error, then schedule a retry or
+    /// dead-letter, as each [`Failure`] says.
+    ///
+    /// # Behavior
+    /// - Same fencing as [`OutboxStore::complete`]: only messages leased under `token` with an
+    ///   unexpired lease change; others are named in [`Error::LeaseLost`].
+    /// - `Retry { delay }`: attempts + 1, state pending, due at database now + `delay`.
+    /// - `Dead`: attempts + 1, state dead, with the error kept for operators.
+    /// - One round trip per call, not per message.
+    async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error>;
+
+    /// Extend the lease of every message still held under `token` to database now + `lease`.
+    ///
+    /// # Behavior
+    /// - Returns the new lease end.
+    /// - If no message is held under `token` any more (all expired, completed or released),
+    ///   returns [`Error::LeaseLost`] with an empty list and changes nothing.
+    /// - An expired lease is not revived.
+    async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error>;
+
+    /// Give messages back without counting an attempt: they become pending and due at once.
+    ///
+    /// Used for a key's later messages in a batch after an earlier one failed, and for in-flight
+    /// work at shutdown.
+    ///
+    /// # Behavior
+    /// - Same fencing as [`OutboxStore::complete`].
+    async fn release(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error>;
+
+    /// What this store supports beyond the required behaviour.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::none()
+    }
+
+    /// A source of wake-up hints, if the store has one (see [`Capabilities::wakeups`]).
+    async fn wakeups(&self) -> Result<Option<Box<dyn WakeSource>>, Error> {
+        Ok(None)
+    }
+}
+
+/// A dead-lettered message, as listed for operators.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadMessage {
+    /// The message as it would be published.
+    pub message: Message,
+    /// The last recorded error.
+    pub last_error: String,
+}
+
+/// How many messages a store holds in each state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Counts {
+    /// Not yet published, not leased (due or waiting for a retry or a not-before time).
+    pub pending: u64,
+    /// Leased to a relay (lease possibly expired but not yet reclaimed).
+    pub leased: u64,
+    /// Published and not yet purged.
+    pub published: u64,
+    /// Dead-lettered.
+    pub dead: u64,
+}
+
+/// Operator functions: dead letters, purge and counts.
+///
+/// Not needed by the relay loop itself; the conformance suite, the CLI and operators use them.
+#[async_trait]
+pub trait OutboxAdmin: Send + Sync {
+    /// List up to `limit` dead messages, oldest first, after the given `seq` (for paging).
+    async fn list_dead(&self, after_seq: Option<i64>, limit: usize)
+        -> Result<Vec<DeadMessage>, Error>;
+
+    /// Make dead messages pending and due again, with their attempts reset to zero.
+    ///
+    /// # Behavior
+    /// Returns how many were requeued; ids that are not dead are ignored.
+    async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error>;
+
+    /// Delete dead messages for good. Under [`HeadPolicy::Block`] this unblocks their keys.
+    ///
+    /// # Behavior
+    /// Returns how many were discarded; ids that are not dead are ignored.
+    async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error>;
+
+    /// Delete at most `batch` published messages published more than `older_than` ago
+    /// (database clock). Returns how many were deleted; call again until it returns 0.
+    ///
+    /// # Behavior
+    /// - MUST NOT delete unpublished or dead messages.
+    /// - MUST NOT make ids or `seq` values reusable.
+    async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error>;
+
+    /// Count messages by state.
+    async fn counts(&self) -> Result<Counts, Error>;
+}
+
+macro_rules! forward_store {
+    ($($ty:ty),*) => {$(
+        #[async_trait]
+        impl<T: OutboxStore + ?Sized> OutboxStore for $ty {
+            async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
+                (**self).claim(req).await
+            }
+            async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
+                (**self).complete(token, ids).await
+            }
+            async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error> {
+                (**self).fail(token, failures).await
+            }
+            async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
+                (**self).extend(token, lease).await
+            }
+            async fn release(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
+                (**self).release(token, ids).await
+            }
+            fn capabilities(&self) -> Capabilities {
+                (**self).capabilities()
+            }
+            async fn wakeups(&self) -> Result<Option<Box<dyn WakeSource>>, Error> {
+                (**self).wakeups().await
+            }
+        }
+
+        #[async_trait]
+        impl<T: OutboxAdmin + ?Sized> OutboxAdmin for $ty {
+            async fn list_dead(&self, after_seq: Option<i64>, limit: usize) -> Result<Vec<DeadMessage>, Error> {
+                (**self).list_dead(after_seq, limit).await
+            }
+            async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error> {
+                (**self).requeue(ids).await
+            }
+            async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error> {
+                (**self).discard(ids).await
+            }
+            async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
+                (**self).purge_published(older_than, batch).await
+            }
+            async fn counts(&self) -> Result<Counts, Error> {
+                (**self).counts().await
+            }
+        }
+    )*};
+}
+
+forward_store!(&T, Arc<T>, Box<T>);
