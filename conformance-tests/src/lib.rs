@@ -1,0 +1,3 @@
+//! Conformance suite for outbox stores and publishers.
+
+pub mod env;
