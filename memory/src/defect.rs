@@ -1,0 +1,48 @@
+//! Deliberate contract violations, to prove that a conformance suite catches them.
+
+/// One way to break the store contract on purpose (see `MemoryStore::with_defect`).
+///
+/// Each defect is a real bug seen in outbox implementations; the conformance suite's meta-test
+/// requires every one of them to be caught.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(not(feature = "defects"), allow(dead_code))]
+#[non_exhaustive]
+pub enum Defect {
+    /// Claim with an `seq > last_seen` cursor: a transaction that commits after a later one
+    /// is never published.
+    CursorClaim,
+    /// Claim one message more than the limit.
+    OverClaim,
+    /// Ignore per-key order: a key's later messages flow while an earlier one is leased,
+    /// waiting for a retry or dead.
+    NoHeadOfLine,
+    /// Accept complete/fail/release with any token, as long as the message is leased.
+    NoFencingToken,
+    /// Accept complete/fail/release under the right token even after the lease expired.
+    CompleteIgnoresExpiry,
+    /// Re-insert a retried message under a fresh id, so consumers cannot deduplicate.
+    NewIdPerAttempt,
+    /// Treat `FailAction::Dead` as an immediate retry: poison messages never stop.
+    NoDeadLettering,
+    /// Mark messages published when they are claimed, before the broker confirmed them.
+    PublishedAtClaim,
+    /// Compute lease ends from the relay host's clock (the real wall clock) instead of the
+    /// store's clock.
+    RelayClockLeases,
+}
+
+#[cfg_attr(not(feature = "defects"), allow(dead_code))]
+impl Defect {
+    /// Every defect, for meta-tests that loop over them.
+    pub const ALL: [Defect; 9] = [
+        Defect::CursorClaim,
+        Defect::OverClaim,
+        Defect::NoHeadOfLine,
+        Defect::NoFencingToken,
+        Defect::CompleteIgnoresExpiry,
+        Defect::NewIdPerAttempt,
+        Defect::NoDeadLettering,
+        Defect::PublishedAtClaim,
+        Defect::RelayClockLeases,
+    ];
+}

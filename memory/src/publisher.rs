@@ -1,0 +1,214 @@
+//! A publisher that records what it is asked to publish, with scripted outcomes.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use async_trait::async_trait;
+use outbox_traits::{Message, PublishOutcome, Publisher};
+use tokio::sync::watch;
+use uuid::Uuid;
+
+type OutcomeFn = Arc<dyn Fn(&Message) -> PublishOutcome + Send + Sync>;
+
+/// One message the publisher sent, with the outcome it reported.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delivery {
+    /// The message as the relay handed it over (its `attempts` is the failed attempts so far).
+    pub message: Message,
+    /// What the publisher reported for it.
+    pub outcome: PublishOutcome,
+    /// Which delivery of this id this is, from 1: above 1 means a duplicate reached the broker.
+    pub delivery: u32,
+    /// Which `publish` call carried it, from 1.
+    pub call: u64,
+}
+
+#[derive(Default)]
+struct Log {
+    sent: Vec<Delivery>,
+    delivered_per_id: HashMap<Uuid, u32>,
+    calls: u64,
+    scripted: HashMap<Uuid, VecDeque<PublishOutcome>>,
+}
+
+/// A [`Publisher`] for tests: acknowledges everything unless told otherwise, and records every
+/// message it sends.
+///
+/// A message whose outcome is [`PublishOutcome::Acked`] or [`PublishOutcome::Ambiguous`] counts
+/// as *published* (it reached the broker, or may have); a failed one was refused. Like a real
+/// publisher it keeps per-key order within a batch: after a key's message is not acknowledged,
+/// the key's later messages in that batch are not sent, not recorded, and get
+/// [`PublishOutcome::NotAttempted`].
+///
+/// Cloning shares the same log and script.
+#[derive(Clone)]
+pub struct RecordingPublisher {
+    log: Arc<Mutex<Log>>,
+    outcome: Arc<Mutex<Option<OutcomeFn>>>,
+    published: watch::Sender<usize>,
+}
+
+impl std::fmt::Debug for RecordingPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecordingPublisher")
+            .field("published", &*self.published.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for RecordingPublisher {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RecordingPublisher {
+    /// A publisher that acknowledges every message.
+    pub fn new() -> Self {
+        Self {
+            log: Arc::default(),
+            outcome: Arc::default(),
+            published: watch::Sender::new(0),
+        }
+    }
+
+    /// Report `outcome` for the next publish of message `id` (queued: call it twice to script
+    /// two attempts). Scripted outcomes win over [`RecordingPublisher::set_outcome`].
+    pub fn fail_next(&self, id: Uuid, outcome: PublishOutcome) {
+        self.lock()
+            .scripted
+            .entry(id)
+            .or_default()
+            .push_back(outcome);
+    }
+
+    /// Decide every unscripted outcome with `f` (the default acknowledges everything).
+    pub fn set_outcome(&self, f: impl Fn(&Message) -> PublishOutcome + Send + Sync + 'static) {
+        *self
+            .outcome
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Arc::new(f));
+    }
+
+    /// Go back to acknowledging every unscripted message.
+    pub fn ack_all(&self) {
+        *self
+            .outcome
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+    }
+
+    /// Every message sent, failed ones included, in order.
+    pub fn sent(&self) -> Vec<Delivery> {
+        self.lock().sent.clone()
+    }
+
+    /// Every delivery that reached the broker (acknowledged or ambiguous), in order, duplicates
+    /// included.
+    pub fn published(&self) -> Vec<Delivery> {
+        self.lock()
+            .sent
+            .iter()
+            .filter(|d| reached_broker(&d.outcome))
+            .cloned()
+            .collect()
+    }
+
+    /// The ids of [`RecordingPublisher::published`], in order.
+    pub fn published_ids(&self) -> Vec<Uuid> {
+        self.lock()
+            .sent
+            .iter()
+            .filter(|d| reached_broker(&d.outcome))
+            .map(|d| d.message.id)
+            .collect()
+    }
+
+    /// How many `publish` calls were made.
+    pub fn calls(&self) -> u64 {
+        self.lock().calls
+    }
+
+    /// Wait until at least `count` deliveries reached the broker (see
+    /// [`RecordingPublisher::published`]). Returns at once if they already did.
+    pub async fn wait_for(&self, count: usize) {
+        let mut rx = self.published.subscribe();
+        // The sender is owned by `self`, which outlives this borrow, so `wait_for` cannot see a
+        // closed channel; if it somehow did, returning is the only non-hanging choice.
+        let _ = rx.wait_for(|n| *n >= count).await;
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Log> {
+        self.log
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+fn reached_broker(outcome: &PublishOutcome) -> bool {
+    matches!(
+        outcome,
+        PublishOutcome::Acked | PublishOutcome::Ambiguous { .. }
+    )
+}
+
+#[async_trait]
+impl Publisher for RecordingPublisher {
+    async fn publish(&self, batch: &[Message]) -> Vec<PublishOutcome> {
+        let decide = self
+            .outcome
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone();
+        let mut outcomes = Vec::with_capacity(batch.len());
+        let mut stopped_keys: HashSet<&str> = HashSet::new();
+        let published = {
+            let mut log = self.lock();
+            log.calls += 1;
+            let call = log.calls;
+            for message in batch {
+                let key = message.partition_key.as_deref();
+                if key.is_some_and(|k| stopped_keys.contains(k)) {
+                    outcomes.push(PublishOutcome::NotAttempted);
+                    continue;
+                }
+                let scripted = log
+                    .scripted
+                    .get_mut(&message.id)
+                    .and_then(VecDeque::pop_front);
+                let outcome = scripted
+                    .or_else(|| decide.as_ref().map(|f| f(message)))
+                    .unwrap_or(PublishOutcome::Acked);
+                if !outcome.is_acked() {
+                    if let Some(k) = key {
+                        stopped_keys.insert(k);
+                    }
+                }
+                let delivery = if reached_broker(&outcome) {
+                    let n = log.delivered_per_id.entry(message.id).or_insert(0);
+                    *n += 1;
+                    *n
+                } else {
+                    0
+                };
+                log.sent.push(Delivery {
+                    message: message.clone(),
+                    outcome: outcome.clone(),
+                    delivery,
+                    call,
+                });
+                outcomes.push(outcome);
+            }
+            log.sent
+                .iter()
+                .filter(|d| reached_broker(&d.outcome))
+                .count()
+        };
+        self.published.send_replace(published);
+        outcomes
+    }
+
+    fn name(&self) -> &str {
+        "recording"
+    }
+}
