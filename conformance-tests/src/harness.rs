@@ -1,0 +1,131 @@
+//! The harness trait: what a backend provides so the suite can drive it.
+//!
+//! Implement [`Harness`] (a factory of fresh stores) and [`HarnessStore`] (one isolated store
+//! under test) for your backend, then add one line to your tests:
+//!
+//! ```ignore
+//! outbox_conformance_tests::conformance_suite!(my_backend_tests::MyHarness::new());
+//! ```
+//!
+//! # Rules every implementation follows
+//! - **Isolation.** Each [`Harness::fresh`] returns a store that shares no messages with any
+//!   other (its own schema, table or file), so cases run in parallel and never see each
+//!   other's rows.
+//! - **Real paths.** Enqueue goes through the backend's real transactional enqueue function
+//!   inside a real database transaction; relays use the backend's real [`OutboxStore`].
+//! - **Database time.** [`HarnessStore::advance_time`] moves the store's notion of "now"
+//!   forward without sleeping: by shifting every stored timestamp (lease ends, due times,
+//!   not-before times, created and published times) back by the same amount, or by moving a
+//!   clock the store reads. The suite never sleeps to let a lease or a retry come due.
+//! - **Crash = drop.** A relay crash is simulated by dropping the handle returned by
+//!   [`HarnessStore::relay`] mid-step. Dropping it closes its connections but MUST NOT release
+//!   its leases: they stay until they expire, as after a real crash.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_traits::chrono::{DateTime, Utc};
+use outbox_traits::{async_trait, Capabilities, Error, NewMessage, OutboxAdmin, OutboxStore};
+
+/// What a store under test supports, as far as the suite needs to know.
+///
+/// Build it with [`HarnessCapabilities::new`] and the `with_*` methods; fields may be added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HarnessCapabilities {
+    /// What the store declares through [`OutboxStore::capabilities`]. With
+    /// `concurrent_claimers`, the suite also runs relays that claim at the same moment.
+    pub store: Capabilities,
+    /// Several enqueue transactions may be open at once and commit in any order. SQLite has one
+    /// writer, so it declares `false`: the suite then opens, fills and ends each transaction in
+    /// one step, never interleaving it with other steps.
+    pub concurrent_transactions: bool,
+}
+
+impl HarnessCapabilities {
+    /// The store's declared capabilities, with concurrent transactions allowed.
+    pub const fn new(store: Capabilities) -> Self {
+        Self {
+            store,
+            concurrent_transactions: true,
+        }
+    }
+
+    /// Set [`HarnessCapabilities::concurrent_transactions`].
+    pub const fn with_concurrent_transactions(mut self, yes: bool) -> Self {
+        self.concurrent_transactions = yes;
+        self
+    }
+}
+
+/// A backend under test: a factory of fresh, isolated stores.
+///
+/// Cheap to create; connect lazily in [`Harness::fresh`]. The suite calls `fresh` once per
+/// check and once per generated case, possibly from several test threads at once.
+#[async_trait]
+pub trait Harness: Send + Sync {
+    /// A short name for failure messages, e.g. `postgres`.
+    fn name(&self) -> String;
+
+    /// A new, empty store that shares nothing with any other (its own schema, table or file).
+    async fn fresh(&self) -> Result<Box<dyn HarnessStore>, Error>;
+}
+
+/// One isolated store under test.
+#[async_trait]
+pub trait HarnessStore: Send + Sync {
+    /// What the store supports; selects which checks run and how steps interleave.
+    fn capabilities(&self) -> HarnessCapabilities;
+
+    /// A new relay handle: the backend's real [`OutboxStore`] on its own connection(s).
+    ///
+    /// The suite opens several (one per simulated relay) and simulates a relay crash by
+    /// dropping one mid-step: that MUST NOT release its leases.
+    async fn relay(&self) -> Result<Arc<dyn OutboxStore>, Error>;
+
+    /// The operator side of the same store, for dead letters, purge and counts.
+    async fn admin(&self) -> Result<Arc<dyn OutboxAdmin>, Error>;
+
+    /// Open a business transaction on the backend's real enqueue path.
+    ///
+    /// With [`HarnessCapabilities::concurrent_transactions`], several may be open at once; the
+    /// suite then commits them in another order than they inserted, and a message's `seq` must
+    /// come from its insert, not its commit.
+    async fn begin(&self) -> Result<Box<dyn HarnessTx>, Error>;
+
+    /// Move the store's "now" forward by `by`, without sleeping (see the module docs).
+    ///
+    /// After it returns, every relay handle sees the new time: leases that end within `by` have
+    /// expired, retries due within `by` are due, and messages published `by` ago are that old.
+    async fn advance_time(&self, by: Duration) -> Result<(), Error>;
+
+    /// The store's current time, as its claims see it (the suite derives not-before times from
+    /// it). The default is the host's clock, right for a database on the same machine whose
+    /// timestamps [`HarnessStore::advance_time`] shifts back; a store with its own clock
+    /// returns that clock.
+    async fn now(&self) -> Result<DateTime<Utc>, Error> {
+        Ok(Utc::now())
+    }
+
+    /// Free what the store holds (drop its schema, delete its file). Called once at the end of a
+    /// check or case that passed; a failing one leaves the store for inspection.
+    async fn teardown(self: Box<Self>) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+/// An open business transaction of a [`HarnessStore`].
+///
+/// Dropping it without commit must roll it back.
+#[async_trait]
+pub trait HarnessTx: Send {
+    /// Write `messages` through the backend's real enqueue function, in this transaction.
+    /// Each message's `seq` is assigned here, at insert.
+    async fn enqueue(&mut self, messages: &[NewMessage]) -> Result<(), Error>;
+
+    /// Commit: the messages become visible to claims.
+    async fn commit(self: Box<Self>) -> Result<(), Error>;
+
+    /// Roll back: the messages are never seen by anyone.
+    async fn rollback(self: Box<Self>) -> Result<(), Error>;
+}
