@@ -1,0 +1,283 @@
+//! One batch's life after its claim: publish (extending the lease while the publish runs), then
+//! settle the outcomes with one bulk store call per kind of transition.
+
+use std::future::{pending, Future};
+use std::pin::pin;
+
+use futures::future::BoxFuture;
+use outbox_traits::{Claim, Error, FailAction, Failure, LeaseToken};
+use tokio::sync::watch;
+use tokio::time::{sleep_until, Instant};
+use tracing::{debug, error, warn};
+use uuid::Uuid;
+
+use crate::engine::Shared;
+use crate::outcome::{settle, FailPolicy};
+use crate::stats::Counter;
+use crate::telemetry::Recorder;
+
+/// Await the future in `slot`, or never if the slot is empty.
+pub(crate) async fn poll_slot<F: Future + Unpin>(slot: &mut Option<F>) -> F::Output {
+    match slot {
+        Some(fut) => fut.await,
+        None => pending().await,
+    }
+}
+
+/// Resolve once the loop asks in-flight batches to give up (shutdown deadline passed).
+pub(crate) async fn abandoned(rx: &mut watch::Receiver<bool>) {
+    let signalled = rx.wait_for(|stop| *stop).await.is_ok();
+    if !signalled {
+        // The loop is gone, so this batch is being dropped anyway.
+        pending::<()>().await;
+    }
+}
+
+/// What a store call for a batch came to.
+enum CallResult {
+    /// Applied to every listed message.
+    Done,
+    /// Applied except to these messages, whose lease was lost.
+    LeaseLost(Vec<Uuid>),
+    /// A transient error outlasted the lease (or shutdown): the messages stay leased until the
+    /// lease ends and are then claimed again.
+    GaveUp,
+    /// A permanent error: retrying will not help.
+    Fatal(Error),
+}
+
+pub(crate) struct Batch<'a> {
+    pub(crate) shared: &'a Shared,
+    pub(crate) rec: &'a Recorder,
+    pub(crate) abandon: watch::Receiver<bool>,
+}
+
+impl Batch<'_> {
+    /// Publish and settle one claim. Returns a permanent store error, if one stopped it.
+    pub(crate) async fn run(mut self, claim: Claim, claimed_at: Instant) -> Option<Error> {
+        let token = claim.token;
+        let Some((outcomes, lease_end)) = self.publish(&claim, claimed_at).await else {
+            let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
+            warn!(%token, messages = ids.len(), "shutdown deadline passed during publish; releasing the batch");
+            return self
+                .release(token, &ids, Instant::now() + self.shared.config.lease)
+                .await;
+        };
+        let policy = FailPolicy {
+            max_attempts: self.shared.config.max_attempts,
+            backoff: self.shared.config.backoff,
+        };
+        let plan = settle(&claim.messages, outcomes, &policy, &mut rand::rng());
+        if let Some(got) = plan.wrong_outcome_count {
+            error!(
+                publisher = %self.shared.publisher_name,
+                expected = claim.messages.len(),
+                got,
+                "publisher bug: wrong number of outcomes; retrying the whole batch as ambiguous"
+            );
+        }
+        if !plan.order_violations.is_empty() {
+            error!(
+                publisher = %self.shared.publisher_name,
+                ids = ?plan.order_violations,
+                "publisher bug: acknowledged a message after an earlier message of its key was \
+                 not; per-key order may be broken at the broker"
+            );
+            self.rec
+                .add(Counter::OrderViolations, plan.order_violations.len() as u64);
+        }
+        let mut fatal = None;
+        if !plan.complete.is_empty() {
+            fatal = fatal.or(self.complete(token, &plan.complete, lease_end).await);
+        }
+        if !plan.fail.is_empty() {
+            fatal = fatal.or(self.fail(token, &plan.fail, lease_end).await);
+        }
+        if !plan.release.is_empty() {
+            fatal = fatal.or(self.release(token, &plan.release, lease_end).await);
+        }
+        fatal
+    }
+
+    /// Publish the batch, extending its lease at half-time while the publish runs. Returns the
+    /// outcomes and the (local) time until which the lease is believed held, or `None` if the
+    /// loop abandoned the batch first.
+    async fn publish(
+        &mut self,
+        claim: &Claim,
+        claimed_at: Instant,
+    ) -> Option<(Vec<outbox_traits::PublishOutcome>, Instant)> {
+        let shared = self.shared;
+        let lease = shared.config.lease;
+        let half = lease / 2;
+        let started = Instant::now();
+        let mut publish = pin!(shared.publisher.publish(&claim.messages));
+        let mut held_until = claimed_at + lease;
+        let mut next_extend = Some(claimed_at + half);
+        let mut extending: Option<BoxFuture<'_, Result<_, Error>>> = None;
+        let mut extend_started = claimed_at;
+        let mut extend_failures = 0u32;
+        let outcomes = loop {
+            tokio::select! {
+                biased;
+                outcomes = &mut publish => break outcomes,
+                () = abandoned(&mut self.abandon) => return None,
+                result = poll_slot(&mut extending) => {
+                    extending = None;
+                    match result {
+                        Ok(_) => {
+                            extend_failures = 0;
+                            held_until = extend_started + lease;
+                            next_extend = Some(extend_started + half);
+                            debug!(token = %claim.token, "lease extended while publishing");
+                        }
+                        Err(Error::LeaseLost { .. }) => {
+                            // Keep publishing: the store fences the completion, and what was
+                            // sent is sent. Another relay may publish these too (duplicates).
+                            warn!(token = %claim.token, "lease lost while publishing; completion will be refused");
+                            self.rec.extend_lost();
+                        }
+                        Err(e) => {
+                            self.rec.add(Counter::StoreErrors, 1);
+                            extend_failures += 1;
+                            let now = Instant::now();
+                            if now < held_until {
+                                let pause = shared.config.backoff.delay(extend_failures)
+                                    .min((held_until - now) / 2);
+                                warn!(token = %claim.token, error = %e, "could not extend the lease; trying again");
+                                next_extend = Some(now + pause);
+                            } else {
+                                warn!(token = %claim.token, error = %e, "could not extend the lease before it ended");
+                            }
+                        }
+                    }
+                }
+                () = sleep_until_some(next_extend), if extending.is_none() && next_extend.is_some() => {
+                    next_extend = None;
+                    extend_started = Instant::now();
+                    extending = Some(shared.store.extend(claim.token, lease));
+                }
+            }
+        };
+        self.rec.publish_took(started.elapsed());
+        Some((outcomes, held_until))
+    }
+
+    async fn complete(&self, token: LeaseToken, ids: &[Uuid], lease_end: Instant) -> Option<Error> {
+        let store = &self.shared.store;
+        let result = self
+            .call("complete", lease_end, || store.complete(token, ids))
+            .await;
+        self.count(result, ids.len(), Counter::Published)
+    }
+
+    async fn fail(
+        &self,
+        token: LeaseToken,
+        failures: &[Failure],
+        lease_end: Instant,
+    ) -> Option<Error> {
+        let store = &self.shared.store;
+        let result = self
+            .call("fail", lease_end, || store.fail(token, failures))
+            .await;
+        let dead_count = |fs: &mut dyn Iterator<Item = &Failure>| {
+            fs.filter(|f| f.action == FailAction::Dead).count() as u64
+        };
+        match result {
+            CallResult::Done => {
+                let dead = dead_count(&mut failures.iter());
+                self.rec.add(Counter::Dead, dead);
+                self.rec.add(Counter::Retried, failures.len() as u64 - dead);
+                None
+            }
+            CallResult::LeaseLost(lost) => {
+                let held: Vec<&Failure> =
+                    failures.iter().filter(|f| !lost.contains(&f.id)).collect();
+                let dead = dead_count(&mut held.iter().copied());
+                self.rec.add(Counter::Dead, dead);
+                self.rec.add(Counter::Retried, held.len() as u64 - dead);
+                self.rec
+                    .add(Counter::LeaseLost, (failures.len() - held.len()) as u64);
+                None
+            }
+            CallResult::GaveUp => None,
+            CallResult::Fatal(e) => Some(e),
+        }
+    }
+
+    pub(crate) async fn release(
+        &self,
+        token: LeaseToken,
+        ids: &[Uuid],
+        lease_end: Instant,
+    ) -> Option<Error> {
+        let store = &self.shared.store;
+        let result = self
+            .call("release", lease_end, || store.release(token, ids))
+            .await;
+        self.count(result, ids.len(), Counter::Released)
+    }
+
+    /// Count a complete or release: the messages not named as lost went to `counter`.
+    fn count(&self, result: CallResult, n: usize, counter: Counter) -> Option<Error> {
+        match result {
+            CallResult::Done => {
+                self.rec.add(counter, n as u64);
+                None
+            }
+            CallResult::LeaseLost(lost) => {
+                let lost = lost.len().min(n);
+                self.rec.add(counter, (n - lost) as u64);
+                self.rec.add(Counter::LeaseLost, lost as u64);
+                None
+            }
+            CallResult::GaveUp => None,
+            CallResult::Fatal(e) => Some(e),
+        }
+    }
+
+    /// Run one store transition, retrying transient errors while the lease is still held (a
+    /// later success saves a duplicate delivery) unless the loop abandoned the batch.
+    async fn call<'f, F>(&self, what: &str, lease_end: Instant, mut attempt: F) -> CallResult
+    where
+        F: FnMut() -> BoxFuture<'f, Result<(), Error>>,
+    {
+        let mut failures = 0u32;
+        loop {
+            let err = match attempt().await {
+                Ok(()) => return CallResult::Done,
+                Err(Error::LeaseLost { ids }) => {
+                    warn!(
+                        call = what,
+                        messages = ids.len(),
+                        "lease lost: another relay owns these messages now; their outcome is dropped here"
+                    );
+                    return CallResult::LeaseLost(ids);
+                }
+                Err(e) => e,
+            };
+            self.rec.add(Counter::StoreErrors, 1);
+            if !err.is_transient() {
+                error!(call = what, error = %err, "permanent store error; the batch's leases will expire");
+                return CallResult::Fatal(err);
+            }
+            failures += 1;
+            let now = Instant::now();
+            let pause = self.shared.config.backoff.delay(failures);
+            if now + pause >= lease_end || *self.abandon.borrow() {
+                warn!(call = what, error = %err, "store unavailable; giving up on this batch, its messages are claimed again when the lease ends");
+                return CallResult::GaveUp;
+            }
+            warn!(call = what, error = %err, retry_in = ?pause, "store call failed; retrying");
+            tokio::time::sleep(pause).await;
+        }
+    }
+}
+
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => sleep_until(at).await,
+        None => pending().await,
+    }
+}

@@ -1,0 +1,260 @@
+//! Relay settings and their validation.
+
+use std::time::Duration;
+
+use outbox_traits::{Error, HeadPolicy};
+
+use crate::backoff::Backoff;
+
+/// Settings of a [`Relay`](crate::Relay). Build with struct update syntax over the defaults:
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_relay::RelayConfig;
+/// let config = RelayConfig { batch_size: 100, lease: Duration::from_secs(10), ..RelayConfig::default() };
+/// config.validate().unwrap();
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct RelayConfig {
+    /// Most messages per claim (and per publish call). Default: 500.
+    pub batch_size: usize,
+    /// How long a claim is held before another relay may take it over. The relay extends it at
+    /// half-time while a publish is still running. Default: 30 s.
+    pub lease: Duration,
+    /// Attempts after which a transiently failing message is dead-lettered: a failure of a
+    /// message that already has `max_attempts - 1` recorded attempts kills it. Default: 10.
+    pub max_attempts: u32,
+    /// Back-off of retried messages, and of the loop while the store is unreachable.
+    pub backoff: Backoff,
+    /// Batches in flight at once: while one is being published the next is claimed. Default: 2.
+    pub concurrency: usize,
+    /// What a dead head message does to its key's later messages. Default: [`HeadPolicy::Block`].
+    pub head_policy: HeadPolicy,
+    /// First wait after an empty claim; it doubles on each further empty claim up to
+    /// `poll_max`, and is also the pause after a partial claim. Default: 10 ms.
+    pub poll_min: Duration,
+    /// Longest wait between claims when idle (wake-ups cut it short). Default: 1 s.
+    pub poll_max: Duration,
+    /// Deadline used when the relay is stopped without an explicit one ([`Relay::run`] and a
+    /// dropped [`RelayHandle`]). Default: 10 s.
+    ///
+    /// [`Relay::run`]: crate::Relay::run
+    /// [`RelayHandle`]: crate::RelayHandle
+    pub shutdown_deadline: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        Self {
+            batch_size: 500,
+            lease: Duration::from_secs(30),
+            max_attempts: 10,
+            backoff: Backoff::default(),
+            concurrency: 2,
+            head_policy: HeadPolicy::Block,
+            poll_min: Duration::from_millis(10),
+            poll_max: Duration::from_secs(1),
+            shutdown_deadline: Duration::from_secs(10),
+        }
+    }
+}
+
+impl RelayConfig {
+    /// Check the settings; [`Error::InvalidInput`] says which one to fix.
+    pub fn validate(&self) -> Result<(), Error> {
+        let bad = |msg: String| Err(Error::invalid_input(format!("relay config: {msg}")));
+        if self.batch_size == 0 {
+            return bad("batch_size is 0; it must be at least 1 (default 500)".into());
+        }
+        if self.lease.is_zero() {
+            return bad("lease is 0; it must be longer than a publish takes (default 30s)".into());
+        }
+        if self.max_attempts == 0 {
+            return bad("max_attempts is 0; it must be at least 1 (default 10)".into());
+        }
+        if self.concurrency == 0 {
+            return bad("concurrency is 0; at least 1 batch must be in flight (default 2)".into());
+        }
+        let b = &self.backoff;
+        if !(0.0..=1.0).contains(&b.jitter) {
+            return bad(format!(
+                "backoff.jitter is {}; it must be between 0 and 1 (default 0.2)",
+                b.jitter
+            ));
+        }
+        if !b.multiplier.is_finite() || b.multiplier < 1.0 {
+            return bad(format!(
+                "backoff.multiplier is {}; it must be a finite number of at least 1 (default 2)",
+                b.multiplier
+            ));
+        }
+        if b.initial > b.max {
+            return bad(format!(
+                "backoff.initial ({:?}) is greater than backoff.max ({:?})",
+                b.initial, b.max
+            ));
+        }
+        if self.poll_min.is_zero() {
+            return bad(
+                "poll_min is 0; an idle relay would claim in a tight loop (default 10ms)".into(),
+            );
+        }
+        if self.poll_min > self.poll_max {
+            return bad(format!(
+                "poll_min ({:?}) is greater than poll_max ({:?})",
+                self.poll_min, self.poll_max
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message_of(config: RelayConfig) -> String {
+        match config.validate() {
+            Err(Error::InvalidInput(msg)) => msg,
+            other => panic!("expected InvalidInput, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid_and_as_documented() {
+        let c = RelayConfig::default();
+        c.validate().unwrap();
+        assert_eq!(c.batch_size, 500);
+        assert_eq!(c.lease, Duration::from_secs(30));
+        assert_eq!(c.max_attempts, 10);
+        assert_eq!(c.concurrency, 2);
+        assert_eq!(c.head_policy, HeadPolicy::Block);
+        assert_eq!(c.poll_min, Duration::from_millis(10));
+        assert_eq!(c.poll_max, Duration::from_secs(1));
+        assert_eq!(c.shutdown_deadline, Duration::from_secs(10));
+        assert_eq!(c.backoff.initial, Duration::from_secs(1));
+        assert_eq!(c.backoff.max, Duration::from_secs(300));
+        assert_eq!(c.backoff.multiplier, 2.0);
+        assert_eq!(c.backoff.jitter, 0.2);
+    }
+
+    #[test]
+    fn each_bad_setting_is_named() {
+        let d = RelayConfig::default;
+        let cases: Vec<(RelayConfig, &str)> = vec![
+            (
+                RelayConfig {
+                    batch_size: 0,
+                    ..d()
+                },
+                "batch_size",
+            ),
+            (
+                RelayConfig {
+                    lease: Duration::ZERO,
+                    ..d()
+                },
+                "lease",
+            ),
+            (
+                RelayConfig {
+                    max_attempts: 0,
+                    ..d()
+                },
+                "max_attempts",
+            ),
+            (
+                RelayConfig {
+                    concurrency: 0,
+                    ..d()
+                },
+                "concurrency",
+            ),
+            (
+                RelayConfig {
+                    backoff: Backoff {
+                        jitter: 1.5,
+                        ..Backoff::default()
+                    },
+                    ..d()
+                },
+                "jitter",
+            ),
+            (
+                RelayConfig {
+                    backoff: Backoff {
+                        jitter: -0.1,
+                        ..Backoff::default()
+                    },
+                    ..d()
+                },
+                "jitter",
+            ),
+            (
+                RelayConfig {
+                    backoff: Backoff {
+                        jitter: f64::NAN,
+                        ..Backoff::default()
+                    },
+                    ..d()
+                },
+                "jitter",
+            ),
+            (
+                RelayConfig {
+                    backoff: Backoff {
+                        multiplier: 0.5,
+                        ..Backoff::default()
+                    },
+                    ..d()
+                },
+                "multiplier",
+            ),
+            (
+                RelayConfig {
+                    backoff: Backoff {
+                        initial: Duration::from_secs(600),
+                        ..Backoff::default()
+                    },
+                    ..d()
+                },
+                "backoff.initial",
+            ),
+            (
+                RelayConfig {
+                    poll_min: Duration::ZERO,
+                    ..d()
+                },
+                "poll_min is 0",
+            ),
+            (
+                RelayConfig {
+                    poll_min: Duration::from_secs(2),
+                    ..d()
+                },
+                "poll_min (2s) is greater than poll_max (1s)",
+            ),
+        ];
+        for (config, needle) in cases {
+            let msg = message_of(config);
+            assert!(msg.contains(needle), "{msg:?} should mention {needle:?}");
+        }
+    }
+
+    #[test]
+    fn edge_values_are_accepted() {
+        let c = RelayConfig {
+            batch_size: 1,
+            max_attempts: 1,
+            concurrency: 1,
+            backoff: Backoff {
+                jitter: 1.0,
+                multiplier: 1.0,
+                ..Backoff::default()
+            },
+            poll_min: Duration::from_secs(1),
+            ..RelayConfig::default()
+        };
+        c.validate().unwrap();
+    }
+}

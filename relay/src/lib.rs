@@ -1,0 +1,95 @@
+//! The outbox relay engine: claim → publish → complete / fail / release, over any
+//! [`OutboxStore`](outbox_traits::OutboxStore) and [`Publisher`](outbox_traits::Publisher).
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use outbox_relay::{Relay, RelayConfig};
+//! use outbox_traits::{Error, OutboxStore, Publisher};
+//!
+//! async fn serve(store: Arc<dyn OutboxStore>, publisher: Arc<dyn Publisher>) -> Result<(), Error> {
+//!     let relay = Relay::new(store, publisher, RelayConfig::default())?;
+//!     // Hand the notifier to the code that enqueues; it calls `notify()` after each commit.
+//!     let notifier = relay.notifier();
+//!     let handle = relay.spawn();
+//!     notifier.notify();
+//!     tokio::signal::ctrl_c().await.ok();
+//!     let stats = handle.shutdown(Duration::from_secs(10)).await?;
+//!     println!("published {} messages, {} dead", stats.published, stats.dead);
+//!     Ok(())
+//! }
+//! ```
+//!
+//! # What the engine does
+//!
+//! - **Batches, pipelined.** It claims up to [`RelayConfig::batch_size`] messages at once and
+//!   keeps up to [`RelayConfig::concurrency`] batches in flight: the next claim overlaps the
+//!   current publish. Each batch is settled in bulk: one `complete` with every acknowledged id,
+//!   one `fail` with every failure, one `release` with every message not attempted.
+//! - **Outcomes.** `Acked` → complete. `Failed { Transient }` and `Ambiguous` → retry after a
+//!   [`Backoff`] delay, or dead-letter once the attempt is the [`RelayConfig::max_attempts`]-th.
+//!   `Failed { Permanent }` → dead-letter at once. `NotAttempted` → release (no attempt counted),
+//!   so a key's later messages wait for the failed one and per-key order holds. A publisher that
+//!   returns the wrong number of outcomes has the whole batch retried as ambiguous; one that
+//!   acknowledges a message after its key's earlier message failed is logged as a bug
+//!   (`outbox_order_violations_total`), and the message is still completed.
+//! - **Leases.** While a publish runs past half the lease, the lease is extended (again at each
+//!   half-time). A lost lease is not an error: the store fences the later transition, the relay
+//!   counts it ([`RelayStats::lease_lost`]) and carries on.
+//! - **Outages.** Store errors never end a running relay: it backs off and tries again. Only
+//!   [`Relay::run_until_idle`] returns an error, and only a permanent one.
+//! - **Idle polling and wake-ups.** After an empty claim the relay waits
+//!   [`RelayConfig::poll_min`], doubling on each further empty claim up to
+//!   [`RelayConfig::poll_max`]; after a full claim it claims again at once. A [`Notifier`] or the
+//!   store's [`WakeSource`](outbox_traits::WakeSource) cuts the wait short; both are hints, and a
+//!   failing wake-up source is resubscribed later while polling carries on.
+//! - **Shutdown.** [`RelayHandle::shutdown`] stops claiming, lets in-flight batches publish and
+//!   settle until the deadline, then releases what is still leased.
+//!
+//! # Delivery guarantees
+//!
+//! At least once, in per-key order, with the stable message id on every delivery so consumers
+//! can drop duplicates. No database transaction or lock is held while publishing: every store
+//! call returns before the publish starts.
+//!
+//! **Crash and cancel safety.** Dropping the engine, a [`Relay::run_until_idle`] future, or
+//! aborting a spawned relay's task ([`RelayHandle::abort`]) at any await point loses nothing:
+//! messages it had claimed stay leased until their lease ends and are then claimed again; a
+//! message published but not yet completed is published again (a duplicate, never a loss).
+//!
+//! # Metrics
+//!
+//! Through the [`metrics`] facade, every metric labelled `publisher` with
+//! [`Publisher::name`](outbox_traits::Publisher::name): counters
+//! `outbox_claimed_total`, `outbox_published_total`, `outbox_retried_total`, `outbox_dead_total`,
+//! `outbox_released_total`, `outbox_lease_lost_total`, `outbox_store_errors_total`,
+//! `outbox_order_violations_total`; histograms `outbox_claim_seconds`,
+//! `outbox_publish_seconds`, `outbox_batch_size`. The names are constants in [`metric_names`].
+//! Each batch runs in a `tracing` span `outbox_batch` with its size, lease token and publisher.
+
+mod backoff;
+mod batch;
+mod config;
+mod engine;
+mod handle;
+mod notifier;
+mod outcome;
+mod stats;
+mod telemetry;
+
+pub use backoff::Backoff;
+pub use config::RelayConfig;
+pub use engine::{Relay, RELEASE_GRACE};
+pub use handle::RelayHandle;
+pub use notifier::Notifier;
+pub use stats::RelayStats;
+pub use telemetry::describe_metrics;
+
+/// Names of the metrics the relay records, and of their label.
+pub mod metric_names {
+    pub use crate::telemetry::{
+        BATCH_SIZE, CLAIMED_TOTAL, CLAIM_SECONDS, DEAD_TOTAL, LEASE_LOST_TOTAL,
+        ORDER_VIOLATIONS_TOTAL, PUBLISHED_TOTAL, PUBLISHER_LABEL, PUBLISH_SECONDS, RELEASED_TOTAL,
+        RETRIED_TOTAL, STORE_ERRORS_TOTAL,
+    };
+}
