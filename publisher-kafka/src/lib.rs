@@ -1,0 +1,77 @@
+//! Kafka publisher for the outbox relay, on librdkafka's idempotent producer.
+//!
+//! ```no_run
+//! # async fn demo(batch: Vec<outbox_traits::Message>) -> Result<(), outbox_traits::Error> {
+//! use outbox_publisher_kafka::{KafkaConfig, KafkaPublisher};
+//! use outbox_traits::Publisher;
+//!
+//! let config = KafkaConfig::from_url(
+//!     "kafka://127.0.0.1:9092?topic=outbox.{aggregate_type}&message.timeout.ms=5000&linger.ms=5",
+//! )?;
+//! let publisher = KafkaPublisher::new(config)?;
+//! let outcomes = publisher.publish(&batch).await; // one outcome per message
+//! # Ok(()) }
+//! ```
+//!
+//! # What goes to Kafka
+//! - **Topic**: [`KafkaConfig::topic`] rendered for the message. Field values are made valid for
+//!   a topic name by replacing every character other than `a-z A-Z 0-9 . _ -` with `_`.
+//! - **Key**: the message's partition key, so one key stays on one partition and in order.
+//!   An unordered message (no partition key) is sent without a key and spread over partitions.
+//!   librdkafka's default partitioner (`consistent_random`, CRC32) differs from the Java client's
+//!   murmur2; set `partitioner=murmur2_random` to place keys as Java producers do.
+//! - **Value**: the payload's JSON text, byte for byte as stored.
+//! - **Headers** ([`outbox_routing::standard_headers`]): `message-id` (the message's UUID, the
+//!   same on every attempt, for consumer dedup), `event-type`, `aggregate-type`, `aggregate-id`,
+//!   `partition-key` (absent for unordered messages), then the user's headers in name order,
+//!   including `traceparent`.
+//!
+//! # Delivery and outcomes
+//! A batch is enqueued whole into librdkafka, which batches and pipelines it (up to 5 requests
+//! in flight per broker, as idempotence allows); then all delivery reports are awaited together.
+//! The idempotent producer (`enable.idempotence=true`, `acks=all`) retries internally without
+//! duplicating or reordering. Outcomes per message:
+//! - delivered: [`PublishOutcome::Acked`];
+//! - refused for good (message too large, invalid or unknown topic, not authorized, invalid
+//!   record): `Failed { kind: Permanent }`;
+//! - delivery timed out ([`KafkaConfig::message_timeout`]) or lost with the producer:
+//!   [`PublishOutcome::Ambiguous`] — it may have been stored;
+//! - never handed to the broker (local queue full for the whole timeout, producer purged):
+//!   `Failed { kind: Transient }`;
+//! - any message whose partition key has an earlier message in the batch that was not
+//!   acknowledged: [`PublishOutcome::NotAttempted`] unless it was acknowledged itself.
+//!
+//! # Order of a key when a message fails
+//! Messages of a key are in flight together, so "later messages are not sent" cannot hold
+//! literally; instead the broker's sequence check keeps them from being stored. The publisher
+//! sets `enable.gapless.guarantee=true` (unless configured otherwise): when the broker refuses a
+//! message, librdkafka raises a fatal error instead of renumbering and sending the key's later
+//! messages, so none of them is stored after the gap. The publisher then reports the refused
+//! message with its own error, the rest as described above, and builds a new producer for the
+//! next batch. Without the gapless guarantee librdkafka would bump the producer epoch and store
+//! the later messages, and a requeued head message would land after them. One gap remains that
+//! no setting closes (librdkafka documents it): a message that times out *while in flight* may or
+//! may not be stored, while a later message of its key may be stored after it; it is reported
+//! [`PublishOutcome::Ambiguous`], and a republish lands after the later one. This needs the
+//! broker unreachable for longer than the message timeout, mid-request.
+//!
+//! # Fatal producer errors
+//! After a fatal error (e.g. `OUT_OF_ORDER_SEQUENCE_NUMBER`, or the gapless guarantee above) a
+//! librdkafka producer refuses all further work. The publisher notices it after the batch (or
+//! before the next one), replaces the producer, and reports the batch's unacknowledged messages
+//! as [`PublishOutcome::Ambiguous`] (or their own permanent failure). The next batch goes
+//! through the new producer. A new producer is a new idempotence session: its retries of the
+//! same messages can be stored twice; consumers drop duplicates by `message-id`.
+//!
+//! # Timeouts
+//! `publish` returns within about [`KafkaConfig::message_timeout`] plus a margin whatever the
+//! broker does; keep the relay's lease longer than that.
+
+mod config;
+mod publisher;
+
+pub use config::{KafkaConfig, DEFAULT_MESSAGE_TIMEOUT, DEFAULT_TOPIC_TEMPLATE};
+pub use publisher::KafkaPublisher;
+
+#[cfg(doc)]
+use outbox_traits::PublishOutcome;

@@ -1,0 +1,645 @@
+//! [`KafkaPublisher`]: the [`Publisher`] implementation.
+
+use std::borrow::Cow;
+use std::collections::HashSet;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use outbox_routing::standard_headers;
+use outbox_traits::{async_trait, Error, Message, PublishOutcome, Publisher};
+use rdkafka::client::ClientContext;
+use rdkafka::config::{ClientConfig, FromClientConfigAndContext, RDKafkaLogLevel};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use tokio::time::Instant;
+
+use crate::config::{check_topic_name, is_topic_char, KafkaConfig};
+
+/// Extra time, beyond the message timeout, that `publish` waits for delivery reports before it
+/// calls the rest ambiguous. librdkafka reports every message within the message timeout (an
+/// in-flight request may add up to one request timeout); this margin only guards against a
+/// report that never comes, so that `publish` cannot hang.
+const REPORT_MARGIN: Duration = Duration::from_secs(30);
+
+/// How long to wait before retrying an enqueue when librdkafka's local queue is full and this
+/// batch has no delivery of its own left to wait for (other batches filled the queue).
+const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(5);
+
+/// A [`Publisher`] that sends messages to Kafka with librdkafka's idempotent producer.
+///
+/// Create it with [`KafkaPublisher::new`]; it connects lazily, so it can be created while the
+/// brokers are down. It is cheap to share (`Arc`) and safe to call from several tasks at once.
+/// See the [crate documentation](crate) for what is sent and how outcomes are classified.
+pub struct KafkaPublisher {
+    config: KafkaConfig,
+    client_config: ClientConfig,
+    slot: RwLock<Arc<Slot>>,
+}
+
+/// One producer instance and the generation number that tells a replaced one from its successor.
+struct Slot {
+    producer: Option<FutureProducer<LogContext>>,
+    generation: u64,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // Dropping a producer purges it and may wait for its threads; keep that off the async
+        // workers when a runtime is around.
+        if let Some(producer) = self.producer.take() {
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                handle.spawn_blocking(move || drop(producer));
+            }
+        }
+    }
+}
+
+impl Slot {
+    fn producer(&self) -> Option<&FutureProducer<LogContext>> {
+        self.producer.as_ref()
+    }
+}
+
+impl std::fmt::Debug for KafkaPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaPublisher")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaPublisher {
+    /// Check `config` and create the producer. Does not connect: the brokers are contacted on
+    /// the first publish (or by [`KafkaPublisher::check_connection`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad configuration (what to fix is in the message; secret
+    /// values are never shown), [`Error::Unavailable`] when librdkafka cannot create a client.
+    pub fn new(config: KafkaConfig) -> Result<Self, Error> {
+        let client_config = config.client_config()?;
+        let producer = create_producer(&client_config)?;
+        Ok(Self {
+            config,
+            client_config,
+            slot: RwLock::new(Arc::new(Slot {
+                producer: Some(producer),
+                generation: 0,
+            })),
+        })
+    }
+
+    /// The configuration this publisher was made from.
+    pub fn config(&self) -> &KafkaConfig {
+        &self.config
+    }
+
+    /// How many times the producer has been replaced after a fatal error.
+    pub fn producer_generation(&self) -> u64 {
+        self.current().generation
+    }
+
+    /// Ask the cluster for its metadata, to fail fast at start-up when no broker answers.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when no broker answered within `timeout`.
+    pub async fn check_connection(&self, timeout: Duration) -> Result<(), Error> {
+        let slot = self.usable_slot();
+        let brokers = self.config.brokers.clone();
+        let result = tokio::task::spawn_blocking(move || {
+            // A client of this slot: the producer itself is kept alive by `slot`.
+            slot.producer()
+                .map(|p| p.client().fetch_metadata(None, timeout).map(|_| ()))
+        })
+        .await;
+        match result {
+            Ok(Some(Ok(()))) => Ok(()),
+            Ok(Some(Err(e))) => Err(Error::unavailable(
+                "kafka",
+                format!("no metadata from brokers {brokers} within {timeout:?}: {e}"),
+                e,
+            )),
+            Ok(None) => Err(Error::Unavailable {
+                what: "kafka".into(),
+                message: "no Kafka producer could be created".into(),
+                source: None,
+            }),
+            Err(join) => Err(Error::Unavailable {
+                what: "kafka".into(),
+                message: format!("metadata request did not complete: {join}"),
+                source: None,
+            }),
+        }
+    }
+
+    fn current(&self) -> Arc<Slot> {
+        // A poisoned lock only means another thread panicked while swapping the Arc; the Arc
+        // inside is still a whole, valid value.
+        match self.slot.read() {
+            Ok(guard) => Arc::clone(&guard),
+            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
+        }
+    }
+
+    /// The current producer, replaced first if it has hit a fatal error.
+    fn usable_slot(&self) -> Arc<Slot> {
+        let slot = self.current();
+        match slot.producer() {
+            Some(p) if p.client().fatal_error().is_none() => slot,
+            _ => self.replace_producer(slot.generation),
+        }
+    }
+
+    /// Replace the producer of generation `seen` (unless another task already did) and return
+    /// the current slot.
+    fn replace_producer(&self, seen: u64) -> Arc<Slot> {
+        let mut guard = match self.slot.write() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if guard.generation == seen {
+            match create_producer(&self.client_config) {
+                Ok(producer) => {
+                    tracing::warn!(
+                        generation = seen + 1,
+                        "kafka: replaced the producer after a fatal error"
+                    );
+                    *guard = Arc::new(Slot {
+                        producer: Some(producer),
+                        generation: seen + 1,
+                    });
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "kafka: could not create a new producer; will retry on the next batch");
+                }
+            }
+        }
+        Arc::clone(&guard)
+    }
+
+    fn topic_for(&self, msg: &Message) -> Result<String, String> {
+        let topic = self.config.topic.render_with(msg, sanitize_topic_value);
+        check_topic_name(&topic)?;
+        Ok(topic)
+    }
+}
+
+/// Make a field value usable inside a topic name.
+fn sanitize_topic_value(value: &str) -> Cow<'_, str> {
+    if value.chars().all(is_topic_char) {
+        Cow::Borrowed(value)
+    } else {
+        Cow::Owned(
+            value
+                .chars()
+                .map(|c| if is_topic_char(c) { c } else { '_' })
+                .collect(),
+        )
+    }
+}
+
+fn create_producer(cc: &ClientConfig) -> Result<FutureProducer<LogContext>, Error> {
+    FutureProducer::from_config_and_context(cc, LogContext).map_err(|e| match e {
+        KafkaError::ClientConfig(..) => Error::invalid_input(format!(
+            "librdkafka refused the producer configuration: {}",
+            redact_config_error(&e)
+        )),
+        other => Error::unavailable("kafka", format!("cannot create a producer: {other}"), other),
+    })
+}
+
+fn redact_config_error(err: &KafkaError) -> String {
+    match err {
+        KafkaError::ClientConfig(_, description, key, value) => {
+            let value = if crate::config::is_sensitive(key) {
+                "***"
+            } else {
+                value
+            };
+            format!("{key}={value}: {description}")
+        }
+        other => other.to_string(),
+    }
+}
+
+/// Sends librdkafka's own log lines and errors to `tracing`.
+#[derive(Clone, Copy)]
+struct LogContext;
+
+impl ClientContext for LogContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        match level {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error => {
+                tracing::error!(target: "librdkafka", "{fac} {log_message}")
+            }
+            RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", "{fac} {log_message}"),
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+                tracing::info!(target: "librdkafka", "{fac} {log_message}")
+            }
+            RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", "{fac} {log_message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        // Connection errors repeat while a broker is down; each message's outcome carries what
+        // matters to the relay, so these are warnings, not errors.
+        tracing::warn!(target: "librdkafka", error = %error, "{reason}");
+    }
+}
+
+/// What became of one message while the batch was handed to librdkafka.
+enum Slotted {
+    /// Enqueued; its delivery report is pending.
+    Pending(DeliveryFuture),
+    /// Outcome known without a delivery report.
+    Done(PublishOutcome),
+    /// Enqueued, and its delivery report was awaited early (to make room in a full queue).
+    Reported(PublishOutcome),
+    /// Placeholder while a report is being awaited early.
+    Empty,
+}
+
+#[async_trait]
+impl Publisher for KafkaPublisher {
+    async fn publish(&self, batch: &[Message]) -> Vec<PublishOutcome> {
+        let slot = self.usable_slot();
+        let Some(producer) = slot.producer() else {
+            return batch
+                .iter()
+                .map(|_| PublishOutcome::transient("kafka: no producer could be created"))
+                .collect();
+        };
+        let report_deadline = Instant::now() + self.config.message_timeout + REPORT_MARGIN;
+        let queue_deadline = Instant::now() + self.config.message_timeout;
+
+        let mut slots: Vec<Slotted> = Vec::with_capacity(batch.len());
+        // The topic of each message, for error reasons (empty when it had none).
+        let mut topics: Vec<String> = Vec::with_capacity(batch.len());
+        // Keys that already have a message not handed to librdkafka in this batch: their later
+        // messages are not sent at all.
+        let mut blocked: HashSet<&str> = HashSet::new();
+        // Index of the oldest pending delivery not yet awaited, for freeing queue space.
+        let mut oldest = 0usize;
+        let mut fatal_while_enqueueing = false;
+
+        for msg in batch {
+            let key = msg.partition_key.as_deref();
+            if key.is_some_and(|k| blocked.contains(k)) {
+                slots.push(Slotted::Done(PublishOutcome::NotAttempted));
+                topics.push(String::new());
+                continue;
+            }
+            if fatal_while_enqueueing {
+                topics.push(String::new());
+                slots.push(Slotted::Done(PublishOutcome::transient(
+                    "kafka: not sent: the producer hit a fatal error and is being replaced",
+                )));
+                continue;
+            }
+            let topic = match self.topic_for(msg) {
+                Ok(t) => t,
+                Err(why) => {
+                    slots.push(Slotted::Done(PublishOutcome::permanent(format!(
+                        "kafka: no valid topic for message {}: {why}",
+                        msg.id
+                    ))));
+                    topics.push(String::new());
+                    block(&mut blocked, key);
+                    continue;
+                }
+            };
+            let mut headers = OwnedHeaders::new_with_capacity(5 + msg.headers.len());
+            for (name, value) in standard_headers(msg) {
+                headers = headers.insert(Header {
+                    key: &name,
+                    value: Some(value.as_bytes()),
+                });
+            }
+            let mut record: FutureRecord<'_, str, [u8]> = FutureRecord::to(&topic)
+                .payload(msg.payload.as_bytes())
+                .headers(headers);
+            if let Some(k) = key {
+                record = record.key(k);
+            }
+            let outcome = loop {
+                match producer.send_result(record) {
+                    Ok(delivery) => break Slotted::Pending(delivery),
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                        record = back;
+                        if Instant::now() >= queue_deadline {
+                            break Slotted::Done(PublishOutcome::transient(format!(
+                                "kafka: local producer queue stayed full for {:?}; raise \
+                                 queue.buffering.max.messages or publish smaller batches",
+                                self.config.message_timeout
+                            )));
+                        }
+                        // Waiting for this batch's oldest delivery frees queue space without
+                        // polling in a loop.
+                        if let Some(i) = next_pending(&slots, oldest) {
+                            let taken = std::mem::replace(&mut slots[i], Slotted::Empty);
+                            if let Slotted::Pending(fut) = taken {
+                                slots[i] = Slotted::Reported(
+                                    await_report(fut, report_deadline, &topics[i]).await,
+                                );
+                            }
+                            oldest = i + 1;
+                        } else {
+                            tokio::time::sleep(QUEUE_FULL_PAUSE).await;
+                        }
+                    }
+                    Err((KafkaError::MessageProduction(code), _)) => {
+                        if code == RDKafkaErrorCode::Fatal {
+                            fatal_while_enqueueing = true;
+                        }
+                        break Slotted::Done(classify_enqueue_error(code, &topic));
+                    }
+                    Err((other, _)) => {
+                        break Slotted::Done(PublishOutcome::transient(format!(
+                            "kafka: could not enqueue to {topic}: {other}"
+                        )));
+                    }
+                }
+            };
+            if matches!(outcome, Slotted::Done(_)) {
+                block(&mut blocked, key);
+            }
+            slots.push(outcome);
+            topics.push(topic);
+        }
+
+        // Every message is in librdkafka's hands now; collect the reports. Awaiting them one
+        // after the other costs nothing extra: they are all in flight together.
+        let mut outcomes = Vec::with_capacity(batch.len());
+        let mut sent = Vec::with_capacity(batch.len());
+        for (i, s) in slots.into_iter().enumerate() {
+            let (outcome, was_sent) = match s {
+                Slotted::Pending(fut) => {
+                    (await_report(fut, report_deadline, &topics[i]).await, true)
+                }
+                Slotted::Reported(o) => (o, true),
+                Slotted::Done(o) => (o, false),
+                Slotted::Empty => (
+                    PublishOutcome::Ambiguous {
+                        reason: "kafka: delivery report lost".into(),
+                    },
+                    true,
+                ),
+            };
+            outcomes.push(outcome);
+            sent.push(was_sent);
+        }
+
+        if let Some((code, reason)) = producer.client().fatal_error() {
+            tracing::error!(%code, %reason, "kafka: fatal producer error; replacing the producer");
+            for (outcome, was_sent) in outcomes.iter_mut().zip(&sent) {
+                let own_permanent = matches!(
+                    outcome,
+                    PublishOutcome::Failed {
+                        kind: outbox_traits::ErrorKind::Permanent,
+                        ..
+                    }
+                );
+                if *was_sent && !outcome.is_acked() && !own_permanent {
+                    *outcome = PublishOutcome::Ambiguous {
+                        reason: format!("kafka: fatal producer error ({code}: {reason}); the producer was replaced"),
+                    };
+                }
+            }
+            let generation = slot.generation;
+            drop(slot);
+            self.replace_producer(generation);
+        }
+
+        keep_key_order(batch, &mut outcomes);
+        outcomes
+    }
+
+    fn name(&self) -> &str {
+        "kafka"
+    }
+}
+
+fn block<'a>(blocked: &mut HashSet<&'a str>, key: Option<&'a str>) {
+    if let Some(k) = key {
+        blocked.insert(k);
+    }
+}
+
+fn next_pending(slots: &[Slotted], from: usize) -> Option<usize> {
+    (from..slots.len()).find(|&i| matches!(slots[i], Slotted::Pending(_)))
+}
+
+/// Wait for one delivery report, at most until `deadline`.
+async fn await_report(fut: DeliveryFuture, deadline: Instant, topic: &str) -> PublishOutcome {
+    match tokio::time::timeout_at(deadline, fut).await {
+        Ok(Ok(Ok(_delivery))) => PublishOutcome::Acked,
+        Ok(Ok(Err((KafkaError::MessageProduction(code), _)))) => classify_delivery(code, topic),
+        Ok(Ok(Err((other, _)))) => PublishOutcome::Ambiguous {
+            reason: format!("kafka: delivery to {topic} failed: {other}"),
+        },
+        Ok(Err(_canceled)) => PublishOutcome::Ambiguous {
+            reason: format!("kafka: the producer was closed before reporting delivery to {topic}"),
+        },
+        Err(_elapsed) => PublishOutcome::Ambiguous {
+            reason: format!("kafka: no delivery report from {topic} in time"),
+        },
+    }
+}
+
+/// Whether a broker or librdkafka error code means the message will never be accepted as is.
+fn is_permanent(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::MessageSizeTooLarge
+            | C::InvalidMessageSize
+            | C::MessageBatchTooLarge
+            | C::InvalidMessage
+            | C::InvalidRecord
+            | C::InvalidTopic
+            | C::UnknownTopic
+            | C::UnknownTopicOrPartition
+            | C::UnknownPartition
+            | C::TopicAuthorizationFailed
+            | C::ClusterAuthorizationFailed
+            | C::InvalidTimestamp
+            | C::UnsupportedForMessageFormat
+            | C::PolicyViolation
+            | C::InvalidRequiredAcks
+            | C::InvalidArgument
+            | C::BadMessage
+    )
+}
+
+/// Classify a failed delivery report.
+fn classify_delivery(code: RDKafkaErrorCode, topic: &str) -> PublishOutcome {
+    use RDKafkaErrorCode as C;
+    let reason = format!("kafka: delivery to {topic} failed: {code} ({code:?})");
+    if is_permanent(code) {
+        return PublishOutcome::permanent(hint(code, reason));
+    }
+    match code {
+        // The message was (or may have been) sent; the broker may have stored it.
+        C::MessageTimedOut
+        | C::RequestTimedOut
+        | C::OperationTimedOut
+        | C::PurgeInflight
+        | C::Fatal
+        | C::GaplessGuarantee
+        | C::NotEnoughReplicasAfterAppend
+        | C::BrokerTransportFailure
+        | C::NetworkException
+        | C::OutOfOrderSequenceNumber
+        | C::UnknownProducerId
+        | C::InvalidProducerEpoch
+        | C::InvalidProducerIdMapping => PublishOutcome::Ambiguous { reason },
+        // Never left the local queue, or a retriable broker error: not stored.
+        _ => PublishOutcome::transient(reason),
+    }
+}
+
+/// Classify an error returned when handing a message to librdkafka (nothing was sent).
+fn classify_enqueue_error(code: RDKafkaErrorCode, topic: &str) -> PublishOutcome {
+    let reason = format!("kafka: could not enqueue to {topic}: {code} ({code:?})");
+    if is_permanent(code) {
+        PublishOutcome::permanent(hint(code, reason))
+    } else {
+        PublishOutcome::transient(reason)
+    }
+}
+
+fn hint(code: RDKafkaErrorCode, reason: String) -> String {
+    use RDKafkaErrorCode as C;
+    match code {
+        C::MessageSizeTooLarge | C::InvalidMessageSize | C::MessageBatchTooLarge => format!(
+            "{reason}; the broker's max.message.bytes (or the producer's message.max.bytes) is \
+             smaller than the message: store large bodies elsewhere or raise the limits"
+        ),
+        C::UnknownTopic | C::UnknownTopicOrPartition | C::UnknownPartition => {
+            format!("{reason}; create the topic or enable the broker's auto.create.topics.enable")
+        }
+        _ => reason,
+    }
+}
+
+/// Apply the per-key rule of the contract: after a message that was not acknowledged, the key's
+/// later messages that were not acknowledged either are given back as not attempted (their
+/// failure, if any, was caused by the earlier one). A later message that *was* acknowledged is
+/// reported as such: it is stored, and pretending otherwise would only duplicate it.
+fn keep_key_order(batch: &[Message], outcomes: &mut [PublishOutcome]) {
+    let mut failed: HashSet<&str> = HashSet::new();
+    for (msg, outcome) in batch.iter().zip(outcomes.iter_mut()) {
+        let Some(key) = msg.partition_key.as_deref() else {
+            continue;
+        };
+        if failed.contains(key) {
+            if outcome.is_acked() {
+                tracing::warn!(
+                    message_id = %msg.id,
+                    "kafka: message acknowledged after an earlier message of its key was not; \
+                     the key's order is broken if the earlier one is republished"
+                );
+            } else {
+                *outcome = PublishOutcome::NotAttempted;
+            }
+        } else if !outcome.is_acked() {
+            failed.insert(key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_traits::chrono::Utc;
+    use outbox_traits::uuid::Uuid;
+
+    fn msg(key: Option<&str>) -> Message {
+        Message {
+            id: Uuid::now_v7(),
+            seq: 1,
+            aggregate_type: "order".into(),
+            aggregate_id: "o-1".into(),
+            event_type: "order.placed".into(),
+            payload: "{}".into(),
+            headers: Default::default(),
+            partition_key: key.map(str::to_owned),
+            dedup_key: None,
+            attempts: 0,
+            created_at: Utc::now(),
+        }
+    }
+
+    #[test]
+    fn later_messages_of_a_failed_key_become_not_attempted() {
+        let batch = [
+            msg(Some("a")),
+            msg(Some("b")),
+            msg(Some("a")),
+            msg(Some("a")),
+            msg(None),
+            msg(None),
+        ];
+        let mut outcomes = vec![
+            PublishOutcome::Ambiguous { reason: "t".into() },
+            PublishOutcome::Acked,
+            PublishOutcome::transient("x"),
+            PublishOutcome::Acked,
+            PublishOutcome::transient("y"),
+            PublishOutcome::transient("z"),
+        ];
+        keep_key_order(&batch, &mut outcomes);
+        assert!(matches!(outcomes[0], PublishOutcome::Ambiguous { .. }));
+        assert_eq!(outcomes[1], PublishOutcome::Acked);
+        assert_eq!(outcomes[2], PublishOutcome::NotAttempted);
+        // Stored: reported truthfully.
+        assert_eq!(outcomes[3], PublishOutcome::Acked);
+        // Unordered messages are independent of each other.
+        assert!(matches!(outcomes[4], PublishOutcome::Failed { .. }));
+        assert!(matches!(outcomes[5], PublishOutcome::Failed { .. }));
+    }
+
+    #[test]
+    fn classification() {
+        use outbox_traits::ErrorKind;
+        let kind = |o: PublishOutcome| match o {
+            PublishOutcome::Failed { kind, .. } => Some(kind),
+            _ => None,
+        };
+        assert_eq!(
+            kind(classify_delivery(
+                RDKafkaErrorCode::MessageSizeTooLarge,
+                "t"
+            )),
+            Some(ErrorKind::Permanent)
+        );
+        assert_eq!(
+            kind(classify_delivery(
+                RDKafkaErrorCode::TopicAuthorizationFailed,
+                "t"
+            )),
+            Some(ErrorKind::Permanent)
+        );
+        assert!(matches!(
+            classify_delivery(RDKafkaErrorCode::MessageTimedOut, "t"),
+            PublishOutcome::Ambiguous { .. }
+        ));
+        assert_eq!(
+            kind(classify_delivery(RDKafkaErrorCode::PurgeQueue, "t")),
+            Some(ErrorKind::Transient)
+        );
+        assert_eq!(
+            kind(classify_enqueue_error(RDKafkaErrorCode::QueueFull, "t")),
+            Some(ErrorKind::Transient)
+        );
+    }
+
+    #[test]
+    fn topic_values_are_sanitized() {
+        assert_eq!(sanitize_topic_value("order-1.x_y"), "order-1.x_y");
+        assert_eq!(sanitize_topic_value("a b/c*"), "a_b_c_");
+    }
+}
