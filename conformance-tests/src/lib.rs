@@ -6,6 +6,7 @@
 pub mod env;
 pub mod harness;
 pub mod memory;
+pub mod publisher;
 
 pub use harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
 pub use memory::{MemoryHarness, MemoryHarnessStore};

@@ -1,0 +1,337 @@
+//! Configuration of the NATS publisher, from code or from a URL.
+
+use std::time::Duration;
+
+use outbox_routing::RoutingTemplate;
+use outbox_traits::{redact_url, Error};
+
+use crate::subject;
+
+/// Default time to wait for a connection, an ack, or a stream API reply.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Default number of partition keys (lanes) with a message in flight at once.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 256;
+
+/// The query options [`NatsConfig::from_url`] understands.
+pub const URL_OPTIONS: &[&str] = &[
+    "subject",
+    "stream",
+    "create_stream",
+    "stream_subjects",
+    "duplicate_window_ms",
+    "max_msg_size",
+    "timeout_ms",
+    "max_in_flight",
+];
+
+/// The JetStream stream the publisher writes to: checked (or created) at connect time so that a
+/// missing stream is reported at start-up rather than as a failure of every message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamSetup {
+    /// Stream name, e.g. `OUTBOX`.
+    pub name: String,
+    /// Create the stream at connect time when it does not exist (an existing stream is used as
+    /// it is, never changed).
+    pub create: bool,
+    /// Subjects the created stream captures. Empty: derived from the subject template (its text
+    /// up to the first placeholder, then `>`; e.g. `outbox.>` for `outbox.{aggregate_type}`).
+    pub subjects: Vec<String>,
+    /// Dedup window of the created stream (server default: 2 minutes). Keep the relay's retry
+    /// horizon below it, or a late retry is stored twice (FM-C4).
+    pub duplicate_window: Option<Duration>,
+    /// Largest message the created stream accepts, in bytes (server default: the server's
+    /// `max_payload`).
+    pub max_message_size: Option<i32>,
+}
+
+impl StreamSetup {
+    /// Use the existing stream `name`; connecting fails if it is missing.
+    pub fn existing(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            create: false,
+            subjects: Vec::new(),
+            duplicate_window: None,
+            max_message_size: None,
+        }
+    }
+
+    /// Use stream `name`, creating it at connect time if it is missing.
+    pub fn create(name: impl Into<String>) -> Self {
+        Self {
+            create: true,
+            ..Self::existing(name)
+        }
+    }
+}
+
+/// Everything [`NatsPublisher::connect`](crate::NatsPublisher::connect) needs.
+#[derive(Debug, Clone)]
+pub struct NatsConfig {
+    /// Server URL, e.g. `nats://user:pass@127.0.0.1:4222` (credentials allowed; they never appear
+    /// in errors or logs).
+    pub url: String,
+    /// Subject of each message.
+    pub subject: RoutingTemplate,
+    /// Connection, ack and API timeout.
+    pub timeout: Duration,
+    /// Partition keys with a message in flight at once (each key has at most one).
+    pub max_in_flight: usize,
+    /// Stream to check or create at connect time; `None` checks nothing (then a subject that no
+    /// stream captures fails each message as "no stream").
+    pub stream: Option<StreamSetup>,
+}
+
+impl NatsConfig {
+    /// A configuration with the default timeout and in-flight limit, and no stream check.
+    pub fn new(url: impl Into<String>, subject: &str) -> Result<Self, Error> {
+        let config = Self {
+            url: url.into(),
+            subject: RoutingTemplate::parse(subject)?,
+            timeout: DEFAULT_TIMEOUT,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            stream: None,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parse `nats://[user:pass@]host:port?subject=...&stream=...`.
+    ///
+    /// Options ([`URL_OPTIONS`]):
+    /// - `subject` (required): routing template, e.g. `outbox.{aggregate_type}.{event_type}`;
+    /// - `stream`: stream name, checked at connect; `create_stream=true` creates it if missing,
+    ///   capturing `stream_subjects` (comma-separated; default derived from the template), with
+    ///   `duplicate_window_ms` and `max_msg_size`;
+    /// - `timeout_ms` (default 5000) and `max_in_flight` (default 256).
+    ///
+    /// An unknown option, a bad value or a missing `subject` gives [`Error::InvalidInput`] naming
+    /// the valid options.
+    ///
+    /// ```
+    /// use outbox_publisher_nats::NatsConfig;
+    /// let c = NatsConfig::from_url(
+    ///     "nats://127.0.0.1:4222?subject=outbox.{aggregate_type}&stream=OUTBOX&create_stream=true&timeout_ms=2000",
+    /// ).unwrap();
+    /// assert_eq!(c.url, "nats://127.0.0.1:4222");
+    /// assert_eq!(c.stream.unwrap().subjects, vec!["outbox.>".to_string()]);
+    /// assert!(NatsConfig::from_url("nats://h:4222?subject=a&colour=red").is_err());
+    /// ```
+    pub fn from_url(url: &str) -> Result<Self, Error> {
+        let shown = redact_url(url);
+        let parsed = url::Url::parse(url)
+            .map_err(|e| Error::invalid_input(format!("NATS URL {shown:?} is not a URL: {e}")))?;
+        if !matches!(parsed.scheme(), "nats" | "tls" | "ws" | "wss") {
+            return Err(Error::invalid_input(format!(
+                "NATS URL {shown:?} has scheme {:?}; use nats:// (or tls://, ws://, wss://)",
+                parsed.scheme()
+            )));
+        }
+        let mut subject = None;
+        let mut stream_name = None;
+        let mut create = false;
+        let mut subjects = Vec::new();
+        let mut duplicate_window = None;
+        let mut max_message_size = None;
+        let mut timeout = DEFAULT_TIMEOUT;
+        let mut max_in_flight = DEFAULT_MAX_IN_FLIGHT;
+        for (key, value) in parsed.query_pairs() {
+            let value = value.into_owned();
+            match key.as_ref() {
+                "subject" => subject = Some(value),
+                "stream" => stream_name = Some(value),
+                "create_stream" => create = parse_bool(&key, &value)?,
+                "stream_subjects" => {
+                    subjects = value
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|s| !s.is_empty())
+                        .map(String::from)
+                        .collect()
+                }
+                "duplicate_window_ms" => {
+                    duplicate_window = Some(Duration::from_millis(parse_num(&key, &value)?))
+                }
+                "max_msg_size" => {
+                    let size: u64 = parse_num(&key, &value)?;
+                    max_message_size = Some(i32::try_from(size).map_err(|_| {
+                        Error::invalid_input(format!(
+                            "NATS option max_msg_size={value} is too large (at most {})",
+                            i32::MAX
+                        ))
+                    })?);
+                }
+                "timeout_ms" => timeout = Duration::from_millis(parse_num(&key, &value)?),
+                "max_in_flight" => max_in_flight = parse_num(&key, &value)?,
+                other => {
+                    return Err(Error::invalid_input(format!(
+                        "unknown NATS option {other:?} in {shown:?}; valid options: {}",
+                        URL_OPTIONS.join(", ")
+                    )))
+                }
+            }
+        }
+        let Some(subject) = subject else {
+            return Err(Error::invalid_input(format!(
+                "NATS URL {shown:?} has no subject option; add e.g. \
+                 ?subject=outbox.{{aggregate_type}}.{{event_type}} (valid options: {})",
+                URL_OPTIONS.join(", ")
+            )));
+        };
+        let has_stream_options = create
+            || !subjects.is_empty()
+            || duplicate_window.is_some()
+            || max_message_size.is_some();
+        if stream_name.is_none() && has_stream_options {
+            return Err(Error::invalid_input(
+                "NATS options create_stream, stream_subjects, duplicate_window_ms and max_msg_size \
+                 need stream=NAME",
+            ));
+        }
+        let mut server = parsed.clone();
+        server.set_query(None);
+        server.set_fragment(None);
+        let mut server = server.to_string();
+        // `Url` writes an empty path as "/", which the NATS client does not expect.
+        if matches!(parsed.path(), "" | "/") {
+            server = server.trim_end_matches('/').to_owned();
+        }
+        let subject_template = RoutingTemplate::parse(&subject)?;
+        let mut stream = stream_name.map(|name| StreamSetup {
+            name,
+            create,
+            subjects,
+            duplicate_window,
+            max_message_size,
+        });
+        if let Some(setup) = stream.as_mut() {
+            if setup.create && setup.subjects.is_empty() {
+                setup.subjects = vec![subject::default_stream_subject(&subject_template)?];
+            }
+        }
+        let config = Self {
+            url: server,
+            subject: subject_template,
+            timeout,
+            max_in_flight,
+            stream,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Check the values: positive timeout and in-flight limit, a subject template whose literal
+    /// text is valid in a NATS subject, a valid stream name and stream subjects.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.timeout.is_zero() {
+            return Err(Error::invalid_input(
+                "NATS timeout must be positive (timeout_ms=5000, for example)",
+            ));
+        }
+        if self.max_in_flight == 0 {
+            return Err(Error::invalid_input(
+                "NATS max_in_flight must be at least 1",
+            ));
+        }
+        subject::check_template(&self.subject)?;
+        if let Some(stream) = &self.stream {
+            subject::check_stream_name(&stream.name)?;
+            if stream.create && stream.subjects.is_empty() {
+                return Err(Error::invalid_input(format!(
+                    "stream {:?} is to be created but has no subjects; set stream_subjects \
+                     (e.g. outbox.>)",
+                    stream.name
+                )));
+            }
+            for s in &stream.subjects {
+                subject::check_filter(s)?;
+            }
+            if stream.max_message_size.is_some_and(|n| n <= 0) {
+                return Err(Error::invalid_input("NATS max_msg_size must be positive"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn parse_bool(key: &str, value: &str) -> Result<bool, Error> {
+    match value {
+        "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" => Ok(false),
+        _ => Err(Error::invalid_input(format!(
+            "NATS option {key}={value:?} is not a boolean; use true or false"
+        ))),
+    }
+}
+
+fn parse_num<T: std::str::FromStr>(key: &str, value: &str) -> Result<T, Error> {
+    value.parse().map_err(|_| {
+        Error::invalid_input(format!(
+            "NATS option {key}={value:?} is not a non-negative whole number"
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_option() {
+        let c = NatsConfig::from_url(
+            "nats://u:p@127.0.0.1:4222?subject=o.{aggregate_type}.{event_type}&stream=S\
+             &create_stream=true&stream_subjects=o.>,p.>&duplicate_window_ms=5000\
+             &max_msg_size=1000&timeout_ms=1500&max_in_flight=8",
+        )
+        .unwrap();
+        assert_eq!(c.url, "nats://u:p@127.0.0.1:4222");
+        assert_eq!(c.subject.as_str(), "o.{aggregate_type}.{event_type}");
+        assert_eq!(c.timeout, Duration::from_millis(1500));
+        assert_eq!(c.max_in_flight, 8);
+        let s = c.stream.unwrap();
+        assert_eq!(s.name, "S");
+        assert!(s.create);
+        assert_eq!(s.subjects, ["o.>", "p.>"]);
+        assert_eq!(s.duplicate_window, Some(Duration::from_secs(5)));
+        assert_eq!(s.max_message_size, Some(1000));
+    }
+
+    #[test]
+    fn refuses_bad_options_naming_the_valid_ones() {
+        let cases = [
+            "nats://h:4222?subject=a&colour=red",
+            "nats://h:4222?subject=a&timeout_ms=soon",
+            "nats://h:4222?subject=a&timeout_ms=0",
+            "nats://h:4222?subject=a&max_in_flight=0",
+            "nats://h:4222?subject=a.{tenant}",
+            "nats://h:4222?subject=a b.{id}",
+            "nats://h:4222?subject=a.*",
+            "nats://h:4222?stream=S",
+            "nats://h:4222?subject=a&create_stream=true",
+            "nats://h:4222?subject=a&stream=bad.name",
+            "nats://h:4222?subject={aggregate_type}&stream=S&create_stream=true",
+            "nats://h:4222?subject=a&stream=S&create_stream=maybe",
+            "http://h:4222?subject=a",
+        ];
+        for url in cases {
+            let err = NatsConfig::from_url(url).unwrap_err();
+            assert!(matches!(err, Error::InvalidInput(_)), "{url}: {err}");
+        }
+        let err = NatsConfig::from_url("nats://h:4222?subject=a&colour=red").unwrap_err();
+        assert!(err.to_string().contains("timeout_ms"), "{err}");
+    }
+
+    #[test]
+    fn errors_never_show_the_password() {
+        let err = NatsConfig::from_url("nats://app:s3cret@h:4222?subject=a&bogus=1").unwrap_err();
+        assert!(!err.to_string().contains("s3cret"), "{err}");
+    }
+
+    #[test]
+    fn static_subject_is_its_own_stream_subject() {
+        let c =
+            NatsConfig::from_url("nats://h:4222?subject=events&stream=S&create_stream=1").unwrap();
+        assert_eq!(c.stream.unwrap().subjects, ["events"]);
+    }
+}

@@ -1,0 +1,53 @@
+//! NATS JetStream publisher for the `outbox` relay.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), outbox_traits::Error> {
+//! use outbox_publisher_nats::{NatsConfig, NatsPublisher};
+//! let config = NatsConfig::from_url(
+//!     "nats://127.0.0.1:4222?subject=outbox.{aggregate_type}.{event_type}&stream=OUTBOX&create_stream=true",
+//! )?;
+//! let publisher = NatsPublisher::connect(config).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # What it guarantees
+//! - **Subject** from a [`RoutingTemplate`](outbox_routing::RoutingTemplate) over the message's
+//!   fields. Field values are made subject-safe: spaces, control characters, `*` and `>` become `_`,
+//!   and an empty token becomes `_` (dots are kept, so `order.placed` adds a subject level).
+//! - **Headers**: `Nats-Msg-Id` = the message id (JetStream drops a republish within the stream's
+//!   duplicate window), plus [`outbox_routing::standard_headers`] (message id, event type,
+//!   aggregate type and id, partition key, user headers such as `traceparent`).
+//! - **Pipelining with per-key order**: every partition key is a lane that has at most one
+//!   message in flight, and up to `max_in_flight` lanes run at once. JetStream can store a later
+//!   message after an earlier one failed, so a key never has two messages in flight; different keys
+//!   (and unordered messages) go in parallel. When a key's message is not acknowledged, its later
+//!   messages in the batch are not sent ([`PublishOutcome::NotAttempted`](outbox_traits::PublishOutcome)).
+//! - **Verified duplicates** (FM-C4): an ack with `duplicate: true` counts as
+//!   [`Acked`](outbox_traits::PublishOutcome::Acked) only after the stream message at the acked
+//!   sequence is read back and carries this message's `Nats-Msg-Id`; otherwise it is
+//!   [`Ambiguous`](outbox_traits::PublishOutcome::Ambiguous), because a server can refuse a retry
+//!   as a duplicate of a message it never stored (nats-server PR #6415).
+//!
+//! # Outcome classification
+//! | what happened | outcome |
+//! |---|---|
+//! | ack | `Acked` |
+//! | duplicate ack, stored message verified | `Acked` |
+//! | duplicate ack, not verifiable | `Ambiguous` |
+//! | no ack within the timeout, connection lost after sending | `Ambiguous` |
+//! | client not connected, or the send itself timed out (nothing left the client) | `Failed` transient |
+//! | no stream captures the subject ("no responders") | `Failed` transient: an operator can create the stream and the relay's retries then succeed; `max_attempts` still dead-letters it eventually |
+//! | message over the server's `max_payload` or the stream's `max_msg_size` | `Failed` permanent: retrying can never succeed |
+//! | subject or header not valid in NATS | `Failed` permanent |
+//! | other JetStream API errors (e.g. stream limits with discard=new) | `Failed` transient |
+//!
+//! Once one message of a batch times out or finds the connection gone, messages of other lanes
+//! that were not sent yet fail as transient at once instead of each waiting for its own timeout,
+//! so a batch against a dead server returns within about one timeout.
+
+mod config;
+mod publisher;
+mod subject;
+
+pub use config::{NatsConfig, StreamSetup, DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT, URL_OPTIONS};
+pub use publisher::NatsPublisher;

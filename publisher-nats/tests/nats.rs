@@ -1,0 +1,331 @@
+//! Against the real NATS server (`OUTBOX_TEST_NATS_URL`), each test on its own stream and
+//! subjects; outages on a private `nats-server` started on a free port.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use async_nats::header::NATS_MESSAGE_ID;
+use async_nats::jetstream;
+use outbox_conformance_tests::env::service_url;
+use outbox_conformance_tests::publisher::{
+    self as conformance, message, BrokerReader, PublisherHarness, ReceivedMessage,
+};
+use outbox_publisher_nats::{NatsConfig, NatsPublisher, StreamSetup};
+use outbox_routing::HEADER_PARTITION_KEY;
+use outbox_traits::{async_trait, Error, ErrorKind, PublishOutcome, Publisher};
+
+const VAR: &str = "OUTBOX_TEST_NATS_URL";
+
+fn suffix() -> String {
+    uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
+}
+
+/// A config for a fresh stream `T_<suffix>` capturing `t<suffix>.>`.
+fn fresh_config(url: &str) -> (NatsConfig, String) {
+    let s = suffix();
+    let stream = format!("T_{s}");
+    let config = NatsConfig::from_url(&format!(
+        "{url}?subject=t{s}.{{aggregate_type}}.{{event_type}}&stream={stream}&create_stream=true\
+         &duplicate_window_ms=60000&timeout_ms=5000"
+    ))
+    .unwrap();
+    (config, stream)
+}
+
+struct NatsReader {
+    jetstream: jetstream::Context,
+    stream: String,
+}
+
+#[async_trait]
+impl BrokerReader for NatsReader {
+    async fn read_all(&self) -> Result<Vec<ReceivedMessage>, Error> {
+        let fail = |e: String| Error::transient(format!("reading stream back: {e}"), None);
+        let stream = self
+            .jetstream
+            .get_stream(&self.stream)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let state = stream.cached_info().state.clone();
+        let mut out = Vec::new();
+        if state.messages == 0 {
+            return Ok(out);
+        }
+        for seq in state.first_sequence..=state.last_sequence {
+            let stored = stream
+                .get_raw_message(seq)
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            let mut headers = Vec::new();
+            for (name, values) in stored.headers.iter() {
+                for value in values {
+                    headers.push((name.to_string(), value.as_str().to_owned()));
+                }
+            }
+            out.push(ReceivedMessage {
+                id: stored
+                    .headers
+                    .get(NATS_MESSAGE_ID)
+                    .map(|v| v.as_str().to_owned())
+                    .unwrap_or_default(),
+                payload: stored.payload.to_vec(),
+                key: stored
+                    .headers
+                    .get(HEADER_PARTITION_KEY)
+                    .map(|v| v.as_str().to_owned()),
+                headers,
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// A private nats-server on a free port, killed on drop. Never the shared one.
+struct PrivateServer {
+    child: Child,
+    url: String,
+}
+
+impl PrivateServer {
+    fn start() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server must be installed (it is the NATS the project tests against)");
+        Self {
+            child,
+            url: format!("nats://127.0.0.1:{port}"),
+        }
+    }
+
+    /// Connect, retrying while the server starts up (readiness, not a timed assertion).
+    async fn connect(&self, config: NatsConfig) -> NatsPublisher {
+        for _ in 0..200 {
+            if let Ok(p) = NatsPublisher::connect(config.clone()).await {
+                return p;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("private nats-server at {} did not come up", self.url);
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+struct Harness {
+    url: String,
+    private: std::sync::Mutex<Vec<PrivateServer>>,
+}
+
+#[async_trait]
+impl PublisherHarness for Harness {
+    type Publisher = NatsPublisher;
+
+    async fn fresh(&self) -> (NatsPublisher, Box<dyn BrokerReader>) {
+        let (config, stream) = fresh_config(&self.url);
+        let publisher = NatsPublisher::connect(config).await.unwrap();
+        let reader = NatsReader {
+            jetstream: jetstream::new(publisher.client().clone()),
+            stream,
+        };
+        (publisher, Box::new(reader))
+    }
+
+    fn oversized_payload(&self) -> Option<String> {
+        // Over the server's default max_payload of 1 MiB.
+        Some(format!(r#"{{"big":"{}"}}"#, "x".repeat(2 * 1024 * 1024)))
+    }
+
+    fn broker_dedup(&self) -> bool {
+        true
+    }
+
+    async fn down(&self) -> (Box<dyn Publisher>, Duration) {
+        let mut server = PrivateServer::start();
+        let config = NatsConfig::from_url(&format!(
+            "{}?subject=down.{{aggregate_type}}&timeout_ms=1000",
+            server.url
+        ))
+        .unwrap();
+        let publisher = server.connect(config).await;
+        server.stop();
+        self.private.lock().unwrap().push(server);
+        (Box::new(publisher), Duration::from_secs(1))
+    }
+}
+
+#[tokio::test]
+async fn conformance_suite() {
+    let Some(url) = service_url(VAR) else { return };
+    let harness = Harness {
+        url,
+        private: Default::default(),
+    };
+    conformance::run_publisher_suite(&harness).await;
+}
+
+#[tokio::test]
+async fn many_keys_keep_order_under_load() {
+    let Some(url) = service_url(VAR) else { return };
+    let harness = Harness {
+        url,
+        private: Default::default(),
+    };
+    let (publisher, reader) = harness.fresh().await;
+    let mut batch = Vec::new();
+    for n in 0..20 {
+        for key in 0..50 {
+            batch.push(message(
+                Some(&format!("k{key}")),
+                &format!(r#"{{"n":{n}}}"#),
+            ));
+        }
+    }
+    let outcomes = publisher.publish(&batch).await;
+    assert!(outcomes.iter().all(PublishOutcome::is_acked));
+    let stored = reader.read_all().await.unwrap();
+    assert_eq!(stored.len(), batch.len());
+    let mut last: std::collections::HashMap<String, u32> = Default::default();
+    for r in &stored {
+        let n: u32 = serde_n(&r.payload);
+        let key = r.key.clone().unwrap();
+        if let Some(prev) = last.insert(key.clone(), n) {
+            assert_eq!(prev + 1, n, "key {key} out of order");
+        }
+    }
+}
+
+fn serde_n(payload: &[u8]) -> u32 {
+    let text = std::str::from_utf8(payload).unwrap();
+    text.trim_start_matches(r#"{"n":"#)
+        .trim_end_matches('}')
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn stream_max_msg_size_fails_only_that_message_permanently() {
+    let Some(url) = service_url(VAR) else { return };
+    let s = suffix();
+    let config = NatsConfig::from_url(&format!(
+        "{url}?subject=m{s}.{{aggregate_type}}&stream=M_{s}&create_stream=true&max_msg_size=2000"
+    ))
+    .unwrap();
+    let publisher = NatsPublisher::connect(config).await.unwrap();
+    let big = format!(r#"{{"x":"{}"}}"#, "y".repeat(5000));
+    let batch = vec![
+        message(Some("a"), "{}"),
+        message(Some("a"), &big),
+        message(Some("a"), "{}"),
+        message(Some("b"), "{}"),
+    ];
+    let outcomes = publisher.publish(&batch).await;
+    assert_eq!(outcomes[0], PublishOutcome::Acked);
+    assert!(
+        matches!(&outcomes[1], PublishOutcome::Failed { kind: ErrorKind::Permanent, reason } if reason.contains("max_msg_size")),
+        "{:?}",
+        outcomes[1]
+    );
+    assert_eq!(outcomes[2], PublishOutcome::NotAttempted);
+    assert_eq!(outcomes[3], PublishOutcome::Acked);
+}
+
+#[tokio::test]
+async fn subject_without_stream_is_a_transient_failure_naming_the_fix() {
+    let Some(url) = service_url(VAR) else { return };
+    let s = suffix();
+    let config =
+        NatsConfig::from_url(&format!("{url}?subject=nostream{s}.{{aggregate_type}}")).unwrap();
+    let publisher = NatsPublisher::connect(config).await.unwrap();
+    let batch = vec![message(Some("a"), "{}"), message(Some("a"), "{}")];
+    let outcomes = publisher.publish(&batch).await;
+    assert!(
+        matches!(&outcomes[0], PublishOutcome::Failed { kind: ErrorKind::Transient, reason } if reason.contains("no JetStream stream")),
+        "{:?}",
+        outcomes[0]
+    );
+    assert_eq!(outcomes[1], PublishOutcome::NotAttempted);
+}
+
+#[tokio::test]
+async fn missing_stream_that_is_not_created_is_refused_at_connect() {
+    let Some(url) = service_url(VAR) else { return };
+    let mut config = NatsConfig::new(url, "x.{id}").unwrap();
+    config.stream = Some(StreamSetup::existing(format!("MISSING_{}", suffix())));
+    let err = NatsPublisher::connect(config).await.unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    assert!(err.to_string().contains("create_stream=true"), "{err}");
+}
+
+#[tokio::test]
+async fn duplicate_ack_for_a_message_no_longer_stored_is_ambiguous() {
+    let Some(url) = service_url(VAR) else { return };
+    let (config, stream) = fresh_config(&url);
+    let publisher = NatsPublisher::connect(config).await.unwrap();
+    let msg = message(Some("k"), r#"{"v":1}"#);
+    assert_eq!(
+        publisher.publish(std::slice::from_ref(&msg)).await,
+        [PublishOutcome::Acked]
+    );
+    // The stored copy disappears while its Nats-Msg-Id stays in the dedup window: the server
+    // answers "duplicate" to the retry, but nothing with this id is stored any more.
+    let js = jetstream::new(publisher.client().clone());
+    let handle = js.get_stream(&stream).await.unwrap();
+    assert!(handle.delete_message(1).await.unwrap());
+    let outcome = publisher.publish(std::slice::from_ref(&msg)).await;
+    assert!(
+        matches!(&outcome[0], PublishOutcome::Ambiguous { reason } if reason.contains("duplicate")),
+        "{outcome:?}"
+    );
+}
+
+#[tokio::test]
+async fn unreachable_server_is_unavailable_without_the_password() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = NatsConfig::from_url(&format!(
+        "nats://app:s3cret@127.0.0.1:{port}?subject=x.{{id}}&timeout_ms=1000"
+    ))
+    .unwrap();
+    let err = NatsPublisher::connect(config).await.unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    assert!(err.is_transient());
+    let text = format!("{err} {err:?}");
+    assert!(!text.contains("s3cret"), "{text}");
+}
+
+#[tokio::test]
+async fn server_killed_mid_session_gives_transient_or_ambiguous_outcomes() {
+    // Always runs: it uses its own private server, never the shared one.
+    let mut server = PrivateServer::start();
+    let config = NatsConfig::from_url(&format!(
+        "{}?subject=k.{{aggregate_type}}&timeout_ms=1000",
+        server.url
+    ))
+    .unwrap();
+    let publisher = server.connect(config).await;
+    server.stop();
+    conformance::check_broker_down(&publisher, Duration::from_secs(1)).await;
+    // And again, once the client knows it is disconnected.
+    conformance::check_broker_down(&publisher, Duration::from_secs(1)).await;
+}
