@@ -1,0 +1,139 @@
+//! Operator functions: dead letters, purge, counts.
+
+use rusqlite::{params, Connection, TransactionBehavior};
+
+use outbox_traits::uuid::Uuid;
+use outbox_traits::{Counts, DeadMessage, Error};
+
+use crate::error::{map_err, Ctx};
+use crate::lease::db_now;
+use crate::row::{id_text, message};
+use crate::schema::Sql;
+
+fn err(table: &str) -> impl Fn(rusqlite::Error) -> Error + '_ {
+    move |e| map_err(e, Ctx::Admin, table)
+}
+
+/// A row count or limit as SQLite's integer.
+fn as_i64(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+pub(crate) fn list_dead(
+    conn: &Connection,
+    sql: &Sql,
+    table: &str,
+    after_seq: Option<i64>,
+    limit: usize,
+) -> Result<Vec<DeadMessage>, Error> {
+    if limit == 0 {
+        return Ok(Vec::new());
+    }
+    // A single read statement needs no write lock: in WAL mode it never blocks the relay.
+    let mut stmt = conn.prepare_cached(&sql.list_dead).map_err(err(table))?;
+    let rows = stmt
+        .query_map(
+            params![after_seq.unwrap_or(i64::MIN), as_i64(limit)],
+            |row| {
+                Ok(DeadMessage {
+                    message: message(row)?,
+                    last_error: row.get::<_, Option<String>>(11)?.unwrap_or_default(),
+                })
+            },
+        )
+        .and_then(|rows| rows.collect())
+        .map_err(err(table))?;
+    Ok(rows)
+}
+
+/// Run `statement` (binding `?1` = id, `?2` = database now) for each id in one transaction;
+/// returns how many rows changed.
+fn per_id(
+    conn: &mut Connection,
+    sql: &Sql,
+    table: &str,
+    statement: &str,
+    ids: &[Uuid],
+) -> Result<u64, Error> {
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(err(table))?;
+    let now = db_now(&tx, sql).map_err(err(table))?;
+    let mut changed = 0u64;
+    {
+        let mut stmt = tx.prepare_cached(statement).map_err(err(table))?;
+        let binds_now = stmt.parameter_count() >= 2;
+        for id in ids {
+            let n = if binds_now {
+                stmt.execute(params![id_text(*id), now])
+            } else {
+                stmt.execute(params![id_text(*id)])
+            }
+            .map_err(err(table))?;
+            changed += n as u64;
+        }
+    }
+    tx.commit().map_err(err(table))?;
+    Ok(changed)
+}
+
+pub(crate) fn requeue(
+    conn: &mut Connection,
+    sql: &Sql,
+    table: &str,
+    ids: &[Uuid],
+) -> Result<u64, Error> {
+    per_id(conn, sql, table, &sql.requeue, ids)
+}
+
+pub(crate) fn discard(
+    conn: &mut Connection,
+    sql: &Sql,
+    table: &str,
+    ids: &[Uuid],
+) -> Result<u64, Error> {
+    per_id(conn, sql, table, &sql.discard, ids)
+}
+
+pub(crate) fn purge_published(
+    conn: &mut Connection,
+    sql: &Sql,
+    table: &str,
+    older_than_ms: i64,
+    batch: usize,
+) -> Result<u64, Error> {
+    if batch == 0 {
+        return Ok(0);
+    }
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(err(table))?;
+    let now = db_now(&tx, sql).map_err(err(table))?;
+    // The statement's state = 'published' filter is what keeps unpublished and dead rows safe;
+    // AUTOINCREMENT keeps the deleted seq values from being handed out again.
+    let deleted = tx
+        .prepare_cached(&sql.purge)
+        .and_then(|mut s| s.execute(params![now.saturating_sub(older_than_ms), as_i64(batch)]))
+        .map_err(err(table))?;
+    tx.commit().map_err(err(table))?;
+    Ok(deleted as u64)
+}
+
+pub(crate) fn counts(conn: &Connection, sql: &Sql, table: &str) -> Result<Counts, Error> {
+    conn.prepare_cached(&sql.counts)
+        .and_then(|mut s| {
+            s.query_row([], |r| {
+                let n = |i: usize| r.get::<_, i64>(i).map(|n| n.max(0) as u64);
+                Ok(Counts {
+                    pending: n(0)?,
+                    leased: n(1)?,
+                    published: n(2)?,
+                    dead: n(3)?,
+                })
+            })
+        })
+        .map_err(err(table))
+}

@@ -1,0 +1,159 @@
+//! SQLite backend for the `outbox` relay: the embedded default.
+//!
+//! Write your business rows and an outbox message in one rusqlite transaction with [`enqueue`];
+//! a relay claims committed messages from a [`SqliteStore`] (an
+//! [`OutboxStore`](outbox_traits::OutboxStore) + [`OutboxAdmin`](outbox_traits::OutboxAdmin)),
+//! publishes them, and completes them. SQLite needs no server: the file is the whole setup.
+//!
+//! # Capabilities
+//!
+//! | | |
+//! |---|---|
+//! | Enqueue in the caller's transaction | yes: [`enqueue`], [`enqueue_batch`] take a [`rusqlite::Transaction`] |
+//! | Claim by state, never by cursor (FM-A1) | yes |
+//! | Per-key order, dead head `Block` / `Skip` (FM-B3) | yes, in one `BEGIN IMMEDIATE` transaction |
+//! | Fenced leases: token + unexpired lease (FM-B4) | yes, [`Error::LeaseLost`](outbox_traits::Error::LeaseLost) names what was not held |
+//! | Times from the database clock | yes: SQLite's `unixepoch('now','subsec')`, read once per transaction |
+//! | `seq` never reused after purge + reopen (FM-A3) | yes: `AUTOINCREMENT`, checked by [`migrate`] |
+//! | No `SQLITE_BUSY` from read-then-write upgrades (FM-E3) | yes: every store write transaction is `BEGIN IMMEDIATE` |
+//! | [`concurrent_claimers`](outbox_traits::Capabilities::concurrent_claimers) | **yes**: several handles or processes on one file stay exclusive |
+//! | [`wakeups`](outbox_traits::Capabilities::wakeups) | no: SQLite has no cross-connection notification; notify the relay in-process after your commit, it also polls |
+//! | Dedup key | yes: `UNIQUE`; the key is free again once its message is purged |
+//! | Blocking I/O kept off the async workers | yes: Tokio's blocking pool (see [`SqliteStore`]) |
+//!
+//! # Use through `outbox`
+//!
+//! The `outbox` facade crate re-exports this crate under its `sqlite` feature:
+//!
+//! ```toml
+//! [dependencies]
+//! outbox = { version = "0.1", features = ["sqlite"] }
+//! ```
+//!
+//! # Use directly
+//!
+//! ```toml
+//! [dependencies]
+//! outbox-backend-sqlite = "0.1"
+//! outbox-traits = "0.1"
+//! rusqlite = "0.37"
+//! ```
+//!
+//! ```
+//! use std::time::Duration;
+//! use outbox_backend_sqlite::{enqueue, open_connection, SqliteConfig, SqliteStore};
+//! use outbox_traits::{ClaimRequest, HeadPolicy, NewMessage, OutboxStore};
+//! use rusqlite::TransactionBehavior;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! let path = dir.path().join("app.db");
+//! let config = SqliteConfig::default();
+//! // The relay's side; opening it creates the outbox table if needed.
+//! let store = SqliteStore::open(&path, config.clone()).await?;
+//!
+//! // The service's side: its own connection, one transaction for the order and its event.
+//! let mut conn = open_connection(&path, &config)?;
+//! conn.execute_batch("CREATE TABLE orders (id TEXT PRIMARY KEY, total INTEGER)")?;
+//! let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+//! tx.execute("INSERT INTO orders (id, total) VALUES ('order-42', 12)", [])?;
+//! let event = NewMessage::new("order", "order-42", "order.placed", serde_json::json!({"total": 12}));
+//! enqueue(&tx, &config, &event)?;
+//! tx.commit()?;
+//!
+//! // What a relay does (the `outbox-relay` engine runs this loop for you).
+//! let claim = store
+//!     .claim(&ClaimRequest { limit: 100, lease: Duration::from_secs(30), head_policy: HeadPolicy::Block })
+//!     .await?;
+//! assert_eq!(claim.messages.len(), 1);
+//! assert_eq!(claim.messages[0].id, event.id);
+//! // ... publish, then:
+//! store.complete(claim.token, &[event.id]).await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Transactions: use `BEGIN IMMEDIATE`
+//!
+//! Begin the transactions that call [`enqueue`] with
+//! [`TransactionBehavior::Immediate`](rusqlite::TransactionBehavior::Immediate). SQLite admits one
+//! writer at a time; a DEFERRED transaction (rusqlite's default) that reads first and writes later
+//! fails with `SQLITE_BUSY` at its first write when another connection wrote in between, and
+//! SQLite does not wait `busy_timeout` in that case (FM-E3). `BEGIN IMMEDIATE` waits for the lock
+//! up front, where the busy timeout applies. The store uses it for every write transaction.
+//! Keep write transactions short: while one is open, the relay's claims wait for it.
+//!
+//! # Durability
+//!
+//! The database runs in WAL mode. The default [`Synchronous::Normal`] survives process crashes
+//! (including `kill -9`) but may lose the last commits on power loss or OS crash, which for an
+//! outbox can mean a published message whose business transaction is gone. Choose
+//! [`Synchronous::Full`] (about 5× slower commits) when that is not acceptable.
+//!
+//! # Clock
+//!
+//! Lease ends, retry times and ages are computed from SQLite's `'now'`, read once per
+//! transaction. SQLite is embedded, so that is the clock of the host running it, shared by all
+//! processes using the file (SQLite files must not be shared over a network file system). A wall
+//! clock jump forward expires leases early (a duplicate publish, never a clobbered state thanks to
+//! fencing); a jump back lengthens them.
+//!
+//! # The SQL
+//!
+//! [`migrate`] runs [`schema_sql`] for the configured table (`outbox` here):
+//!
+//! ```sql
+//! CREATE TABLE IF NOT EXISTS outbox (
+//!     seq           INTEGER PRIMARY KEY AUTOINCREMENT,
+//!     id            TEXT    NOT NULL UNIQUE,          -- UUID, hyphenated
+//!     aggregatetype TEXT    NOT NULL,
+//!     aggregateid   TEXT    NOT NULL,
+//!     type          TEXT    NOT NULL,
+//!     payload       TEXT    NOT NULL,                 -- JSON
+//!     headers       TEXT    NOT NULL DEFAULT '{}',    -- JSON object of strings
+//!     partition_key TEXT,                             -- NULL: unordered
+//!     dedup_key     TEXT    UNIQUE,
+//!     state         TEXT    NOT NULL DEFAULT 'pending'
+//!                   CHECK (state IN ('pending', 'leased', 'published', 'dead')),
+//!     attempts      INTEGER NOT NULL DEFAULT 0,
+//!     available_at  INTEGER NOT NULL DEFAULT (CAST(ROUND(unixepoch('now', 'subsec') * 1000) AS INTEGER)),
+//!     lease_token   TEXT,
+//!     lease_until   INTEGER,
+//!     last_error    TEXT,
+//!     created_at    INTEGER NOT NULL DEFAULT (CAST(ROUND(unixepoch('now', 'subsec') * 1000) AS INTEGER)),
+//!     published_at  INTEGER
+//! );
+//! CREATE INDEX IF NOT EXISTS outbox_live
+//!     ON outbox (seq, partition_key, state, available_at, lease_until)
+//!     WHERE state IN ('pending', 'leased');
+//! CREATE INDEX IF NOT EXISTS outbox_lease ON outbox (lease_token) WHERE state = 'leased';
+//! CREATE INDEX IF NOT EXISTS outbox_dead ON outbox (seq) WHERE state = 'dead';
+//! CREATE INDEX IF NOT EXISTS outbox_dead_key ON outbox (partition_key, seq) WHERE state = 'dead';
+//! CREATE INDEX IF NOT EXISTS outbox_published ON outbox (published_at) WHERE state = 'published';
+//! ```
+//!
+//! Times are integer milliseconds since the Unix epoch (`available_at` is the due time of a
+//! pending message: its not-before time or its retry time).
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod admin;
+mod claim;
+mod config;
+mod connection;
+mod enqueue;
+mod error;
+mod lease;
+mod row;
+mod schema;
+mod store;
+
+pub use config::{SqliteConfig, Synchronous, DEFAULT_BUSY_TIMEOUT, DEFAULT_TABLE};
+pub use connection::open_connection;
+pub use enqueue::{enqueue, enqueue_batch};
+pub use error::sqlite_error;
+pub use schema::{migrate, schema_sql};
+pub use store::SqliteStore;
+
+/// Re-exported so that callers name the same rusqlite version as this crate.
+pub use rusqlite;

@@ -1,0 +1,320 @@
+//! [`SqliteStore`]: the relay's side, implementing [`OutboxStore`] and [`OutboxAdmin`].
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use rusqlite::{Connection, Transaction, TransactionBehavior};
+
+use outbox_traits::async_trait;
+use outbox_traits::chrono::{DateTime, Utc};
+use outbox_traits::uuid::Uuid;
+use outbox_traits::{
+    Capabilities, Claim, ClaimRequest, Counts, DeadMessage, Error, Failure, LeaseToken,
+    OutboxAdmin, OutboxStore,
+};
+
+use crate::config::SqliteConfig;
+use crate::connection::open_connection;
+use crate::error::{map_err, Ctx};
+use crate::lease::{same_change, Change};
+use crate::row::duration_ms;
+use crate::schema::{migrate, Sql};
+use crate::{admin, claim, lease};
+
+/// The SQLite outbox store: an [`OutboxStore`] and [`OutboxAdmin`] over one file.
+///
+/// Each handle owns one connection. Every call runs on Tokio's blocking pool
+/// ([`tokio::task::spawn_blocking`]) with that connection taken from a mutex, so the async
+/// runtime's workers never wait on SQLite's disk I/O or lock waits. Why not a dedicated thread
+/// with a channel: SQLite admits one writer at a time anyway, so a queue in front of the
+/// connection would add no throughput, and the mutex keeps the store free of a thread's
+/// lifecycle (nothing to shut down; a dropped call's work simply finishes, which the trait's
+/// cancel-safety notes allow).
+///
+/// Cloning is cheap and shares the connection. Several handles (in one process or several) may
+/// use the same file: writes serialize through `BEGIN IMMEDIATE`, and claims stay exclusive
+/// ([`Capabilities::concurrent_claimers`]). One handle per process is the fastest setup: two
+/// handles in one process wait on each other through SQLite's busy handler, which sleeps.
+///
+/// Requires a Tokio runtime (any flavour); called outside one, methods return a permanent error.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    conn: Mutex<Connection>,
+    sql: Sql,
+    config: SqliteConfig,
+    path: PathBuf,
+}
+
+impl SqliteStore {
+    /// Open the database at `path` (created if missing, its directory must exist) with
+    /// [`open_connection`], and create the outbox table and indexes if needed with
+    /// [`migrate`](crate::migrate()).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad config or a missing directory; [`Error::Unavailable`]
+    /// when the file cannot be opened; a permanent error when an existing table is not
+    /// compatible (see [`migrate`](crate::migrate())).
+    pub async fn open(path: impl AsRef<Path>, config: SqliteConfig) -> Result<Self, Error> {
+        config.validate()?;
+        let path = path.as_ref().to_path_buf();
+        let handle = runtime(Ctx::Open)?;
+        let (conn, path, config) = handle
+            .spawn_blocking(move || {
+                let conn = open_connection(&path, &config)?;
+                migrate(&conn, &config)?;
+                Ok::<_, Error>((conn, path, config))
+            })
+            .await
+            .map_err(|e| join_error(Ctx::Open, e))??;
+        Ok(SqliteStore {
+            inner: Arc::new(Inner {
+                conn: Mutex::new(conn),
+                sql: Sql::new(&config.table),
+                config,
+                path,
+            }),
+        })
+    }
+
+    /// The configuration this store was opened with (pass it to [`crate::enqueue`]).
+    pub fn config(&self) -> &SqliteConfig {
+        &self.inner.config
+    }
+
+    /// The database path this store was opened with.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Run `f` in a `BEGIN IMMEDIATE` transaction on the store's own connection and commit it
+    /// if `f` returns `Ok` (roll back otherwise).
+    ///
+    /// For applications that keep their business tables in the same file and want no second
+    /// connection: write your rows and call [`crate::enqueue`] with the given transaction and
+    /// config. Runs on the blocking pool like every other call. Convert rusqlite errors of your
+    /// own statements with [`crate::sqlite_error`] (or use an error type that converts both).
+    ///
+    /// ```
+    /// use outbox_backend_sqlite::{enqueue, sqlite_error, SqliteConfig, SqliteStore};
+    /// use outbox_traits::{Error, NewMessage};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Error> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// let store = SqliteStore::open(dir.path().join("app.db"), SqliteConfig::default()).await?;
+    /// store
+    ///     .transaction(|tx, config| {
+    ///         tx.execute_batch("CREATE TABLE IF NOT EXISTS orders (id TEXT PRIMARY KEY)")
+    ///             .map_err(sqlite_error)?;
+    ///         tx.execute("INSERT INTO orders (id) VALUES (?1)", ["order-7"])
+    ///             .map_err(sqlite_error)?;
+    ///         let event = serde_json::json!({"id": "order-7"});
+    ///         enqueue(tx, config, &NewMessage::new("order", "order-7", "order.placed", event))
+    ///     })
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn transaction<T, E, F>(&self, f: F) -> Result<T, E>
+    where
+        F: FnOnce(&Transaction<'_>, &SqliteConfig) -> Result<T, E> + Send + 'static,
+        T: Send + 'static,
+        E: From<Error> + Send + 'static,
+    {
+        let result = self
+            .blocking(Ctx::Transaction, move |conn, inner| {
+                let table = inner.config.table.as_str();
+                let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
+                    Ok(tx) => tx,
+                    Err(e) => return Err(E::from(map_err(e, Ctx::Transaction, table))),
+                };
+                let value = f(&tx, &inner.config)?;
+                tx.commit()
+                    .map_err(|e| E::from(map_err(e, Ctx::Transaction, table)))?;
+                Ok(value)
+            })
+            .await;
+        match result {
+            Ok(inner) => inner,
+            Err(e) => Err(E::from(e)),
+        }
+    }
+
+    /// Run `f` with the connection on the blocking pool.
+    async fn blocking<R, F>(&self, ctx: Ctx, f: F) -> Result<R, Error>
+    where
+        F: FnOnce(&mut Connection, &Inner) -> R + Send + 'static,
+        R: Send + 'static,
+    {
+        let handle = runtime(ctx)?;
+        let inner = Arc::clone(&self.inner);
+        handle
+            .spawn_blocking(move || {
+                // A panic in a caller's transaction closure poisons the mutex, but rusqlite's
+                // Transaction rolls back while unwinding, so the connection is still sound.
+                let mut conn = inner.conn.lock().unwrap_or_else(PoisonError::into_inner);
+                if !conn.is_autocommit() {
+                    // Only reachable if a caller's closure left a transaction of its own open;
+                    // never let it swallow the relay's writes.
+                    let _ = conn.execute_batch("ROLLBACK");
+                }
+                f(&mut conn, &inner)
+            })
+            .await
+            .map_err(|e| join_error(ctx, e))
+    }
+
+    /// Run a store operation that returns the contract's error.
+    async fn run<T, F>(&self, ctx: Ctx, f: F) -> Result<T, Error>
+    where
+        F: FnOnce(&mut Connection, &Sql, &str) -> Result<T, Error> + Send + 'static,
+        T: Send + 'static,
+    {
+        self.blocking(ctx, move |conn, inner| {
+            f(conn, &inner.sql, &inner.config.table)
+        })
+        .await?
+    }
+}
+
+fn runtime(ctx: Ctx) -> Result<tokio::runtime::Handle, Error> {
+    tokio::runtime::Handle::try_current().map_err(|_| {
+        Error::permanent(
+            format!(
+                "sqlite: {}: SqliteStore must be used inside a Tokio runtime (it runs \
+                 SQLite on the blocking pool)",
+                ctx.what()
+            ),
+            None,
+        )
+    })
+}
+
+fn join_error(ctx: Ctx, err: tokio::task::JoinError) -> Error {
+    if err.is_panic() {
+        Error::permanent(
+            format!(
+                "sqlite: {}: the blocking task panicked (in a transaction closure?)",
+                ctx.what()
+            ),
+            None,
+        )
+    } else {
+        Error::transient(
+            format!(
+                "sqlite: {}: the blocking task was cancelled (runtime shutting down)",
+                ctx.what()
+            ),
+            Some(Box::new(err)),
+        )
+    }
+}
+
+#[async_trait]
+impl OutboxStore for SqliteStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
+        if req.limit == 0 {
+            return Err(Error::invalid_input(
+                "claim limit is 0; ask for at least 1 message",
+            ));
+        }
+        if req.lease.is_zero() {
+            return Err(Error::invalid_input(
+                "claim lease is 0; give the relay time to publish, e.g. 30s",
+            ));
+        }
+        let lease_ms = duration_ms(req.lease, "lease")?;
+        let (limit, policy) = (req.limit, req.head_policy);
+        self.run(Ctx::Claim, move |conn, sql, table| {
+            claim::claim(conn, sql, table, limit, lease_ms, policy)
+        })
+        .await
+    }
+
+    async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
+        let changes = same_change(ids, || Change::Complete);
+        self.run(Ctx::Complete, move |conn, sql, table| {
+            lease::apply(conn, sql, table, Ctx::Complete, token, &changes)
+        })
+        .await
+    }
+
+    async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error> {
+        let changes = lease::failures(failures)?;
+        self.run(Ctx::Fail, move |conn, sql, table| {
+            lease::apply(conn, sql, table, Ctx::Fail, token, &changes)
+        })
+        .await
+    }
+
+    async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
+        let lease_ms = duration_ms(lease, "lease")?;
+        self.run(Ctx::Extend, move |conn, sql, table| {
+            lease::extend(conn, sql, table, token, lease_ms)
+        })
+        .await
+    }
+
+    async fn release(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
+        let changes = same_change(ids, || Change::Release);
+        self.run(Ctx::Release, move |conn, sql, table| {
+            lease::apply(conn, sql, table, Ctx::Release, token, &changes)
+        })
+        .await
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::none().with_concurrent_claimers(true)
+    }
+}
+
+#[async_trait]
+impl OutboxAdmin for SqliteStore {
+    async fn list_dead(
+        &self,
+        after_seq: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<DeadMessage>, Error> {
+        self.run(Ctx::Admin, move |conn, sql, table| {
+            admin::list_dead(conn, sql, table, after_seq, limit)
+        })
+        .await
+    }
+
+    async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        let ids = ids.to_vec();
+        self.run(Ctx::Admin, move |conn, sql, table| {
+            admin::requeue(conn, sql, table, &ids)
+        })
+        .await
+    }
+
+    async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        let ids = ids.to_vec();
+        self.run(Ctx::Admin, move |conn, sql, table| {
+            admin::discard(conn, sql, table, &ids)
+        })
+        .await
+    }
+
+    async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
+        let older_than_ms = duration_ms(older_than, "purge age")?;
+        self.run(Ctx::Admin, move |conn, sql, table| {
+            admin::purge_published(conn, sql, table, older_than_ms, batch)
+        })
+        .await
+    }
+
+    async fn counts(&self) -> Result<Counts, Error> {
+        self.run(Ctx::Admin, move |conn, sql, table| {
+            admin::counts(conn, sql, table)
+        })
+        .await
+    }
+}
