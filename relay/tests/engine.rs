@@ -1,0 +1,588 @@
+//! The engine against the in-memory reference store: exact stats, retries, dead letters,
+//! releases, wake-ups, leases, shutdown and crash recovery. Time is controlled through the
+//! store's clock and tokio's paused clock; nothing sleeps to let work come due.
+
+mod support;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_memory::RecordingPublisher;
+use outbox_relay::{Backoff, Relay, RelayConfig, RelayStats};
+use outbox_traits::{Error, HeadPolicy, OutboxAdmin, PublishOutcome};
+use support::*;
+
+fn config() -> RelayConfig {
+    RelayConfig {
+        batch_size: 10,
+        ..RelayConfig::default()
+    }
+}
+
+/// Long enough for any retry of the default back-off to come due.
+const PAST_ANY_RETRY: Duration = Duration::from_secs(400);
+
+#[tokio::test(start_paused = true)]
+async fn drains_many_messages_over_several_keys_with_exact_stats() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = Arc::new(RecordingPublisher::new());
+    let keys = ["a", "b", "c", "d", "e", "f", "g"];
+    let mut total = 0u64;
+    for n in 0..100u32 {
+        let batch: Vec<_> = keys.iter().map(|k| msg(k, n)).collect();
+        total += batch.len() as u64;
+        store.inner.enqueue(batch).unwrap();
+    }
+    store
+        .inner
+        .enqueue((0..50).map(|n| msg("x", n).unordered()))
+        .unwrap();
+    total += 50;
+
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            batch_size: 64,
+            concurrency: 3,
+            ..config()
+        },
+    )
+    .unwrap();
+    let stats = relay.run_until_idle().await.unwrap();
+
+    assert_eq!(stats.claimed, total);
+    assert_eq!(stats.published, total);
+    assert_eq!(
+        (stats.retried, stats.dead, stats.released, stats.lease_lost),
+        (0, 0, 0, 0)
+    );
+    assert_eq!(stats.store_errors, 0);
+    assert!(stats.batches >= total.div_ceil(64), "{stats:?}");
+    // One bulk complete per batch, nothing else.
+    assert_eq!(store.complete_calls.load(Ordering::SeqCst), stats.batches);
+    assert_eq!(store.fail_calls.load(Ordering::SeqCst), 0);
+    assert_eq!(store.release_calls.load(Ordering::SeqCst), 0);
+
+    let mut ids = publisher.published_ids();
+    assert_eq!(ids.len() as u64, total);
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len() as u64, total, "no duplicates");
+    assert_key_order(&publisher);
+    let counts = store.inner.counts().await.unwrap();
+    assert_eq!(
+        (counts.published, counts.pending, counts.leased),
+        (total, 0, 0)
+    );
+
+    // Nothing left: a second run does nothing.
+    assert_eq!(relay.run_until_idle().await.unwrap(), RelayStats::default());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_transient_failure_is_retried_later_and_holds_its_key() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = Arc::new(RecordingPublisher::new());
+    let a: Vec<_> = (0..3).map(|n| msg("a", n)).collect();
+    let b: Vec<_> = (0..2).map(|n| msg("b", n)).collect();
+    let a0 = a[0].id;
+    store
+        .inner
+        .enqueue(a.iter().cloned().chain(b.iter().cloned()))
+        .unwrap();
+    publisher.fail_next(a0, PublishOutcome::transient("broker busy"));
+
+    let relay = Relay::new(store.clone(), publisher.clone(), config()).unwrap();
+    let first = relay.run_until_idle().await.unwrap();
+    assert_eq!(
+        first,
+        RelayStats {
+            claimed: 5,
+            published: 2,
+            retried: 1,
+            released: 2,
+            batches: 1,
+            ..RelayStats::default()
+        }
+    );
+    // The failure counted an attempt; the not-attempted messages did not.
+    let left = store.inner.unpublished();
+    let attempts: Vec<(u64, u32)> = left.iter().map(|m| (n_of(m), m.attempts)).collect();
+    assert_eq!(attempts, vec![(0, 1), (1, 0), (2, 0)]);
+
+    // Not due yet: the key is held back as a whole (a1 and a2 do not overtake a0).
+    let waiting = relay.run_until_idle().await.unwrap();
+    assert_eq!(waiting.claimed, 0);
+
+    // The back-off is at least initial * (1 - jitter) = 0.8 s.
+    store.advance(Duration::from_millis(700));
+    assert_eq!(relay.run_until_idle().await.unwrap().claimed, 0);
+    store.advance(Duration::from_millis(600));
+    let second = relay.run_until_idle().await.unwrap();
+    assert_eq!((second.claimed, second.published), (3, 3));
+
+    let order: Vec<u64> = publisher
+        .published()
+        .iter()
+        .filter(|d| d.message.partition_key.as_deref() == Some("a"))
+        .map(|d| n_of(&d.message))
+        .collect();
+    assert_eq!(order, vec![0, 1, 2]);
+    assert_key_order(&publisher);
+    let retried = publisher
+        .published()
+        .into_iter()
+        .find(|d| d.message.id == a0)
+        .unwrap();
+    assert_eq!(retried.message.attempts, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_permanent_failure_is_dead_at_once_and_blocks_or_skips_its_key() {
+    for policy in [HeadPolicy::Block, HeadPolicy::Skip] {
+        let store = TestStore::new(Wakeups::Inner);
+        let publisher = Arc::new(RecordingPublisher::new());
+        let k: Vec<_> = (0..2).map(|n| msg("k", n)).collect();
+        store.inner.enqueue(k.clone()).unwrap();
+        publisher.fail_next(k[0].id, PublishOutcome::permanent("message too large"));
+        let relay = Relay::new(
+            store.clone(),
+            publisher.clone(),
+            RelayConfig {
+                head_policy: policy,
+                ..config()
+            },
+        )
+        .unwrap();
+        let stats = relay.run_until_idle().await.unwrap();
+        assert_eq!((stats.dead, stats.retried, stats.released), (1, 0, 1));
+        let dead = store.inner.list_dead(None, 10).await.unwrap();
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].message.id, k[0].id);
+        assert_eq!(dead[0].message.attempts, 1);
+        assert!(
+            dead[0].last_error.contains("message too large"),
+            "{}",
+            dead[0].last_error
+        );
+        match policy {
+            HeadPolicy::Block => {
+                assert_eq!(stats.published, 0);
+                assert_eq!(store.inner.unpublished().len(), 1);
+            }
+            HeadPolicy::Skip => {
+                assert_eq!(stats.published, 1);
+                assert!(store.inner.unpublished().is_empty());
+            }
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_attempts_dead_letters_with_the_last_error() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = Arc::new(RecordingPublisher::new());
+    publisher.set_outcome(|_| PublishOutcome::transient("broker down"));
+    store.inner.enqueue([msg("k", 0)]).unwrap();
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            max_attempts: 3,
+            ..config()
+        },
+    )
+    .unwrap();
+    let mut total = RelayStats::default();
+    for _ in 0..5 {
+        let s = relay.run_until_idle().await.unwrap();
+        total.claimed += s.claimed;
+        total.retried += s.retried;
+        total.dead += s.dead;
+        store.advance(PAST_ANY_RETRY);
+    }
+    assert_eq!((total.claimed, total.retried, total.dead), (3, 2, 1));
+    assert_eq!(publisher.sent().len(), 3);
+    let dead = store.inner.list_dead(None, 10).await.unwrap();
+    assert_eq!(dead[0].message.attempts, 3);
+    assert_eq!(
+        dead[0].last_error,
+        "gave up after 3 attempts: transient: broker down"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn ambiguous_outcomes_are_retried_and_count_attempts() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = Arc::new(RecordingPublisher::new());
+    let m = msg("k", 0);
+    store.inner.enqueue([m.clone()]).unwrap();
+    publisher.fail_next(
+        m.id,
+        PublishOutcome::Ambiguous {
+            reason: "timeout after send".into(),
+        },
+    );
+    let relay = Relay::new(store.clone(), publisher.clone(), config()).unwrap();
+    assert_eq!(relay.run_until_idle().await.unwrap().retried, 1);
+    assert_eq!(store.inner.unpublished()[0].attempts, 1);
+    store.advance(PAST_ANY_RETRY);
+    assert_eq!(relay.run_until_idle().await.unwrap().published, 1);
+    // Delivered twice (the ambiguous one may have arrived), same id both times.
+    let deliveries: Vec<u32> = publisher.published().iter().map(|d| d.delivery).collect();
+    assert_eq!(deliveries, vec![1, 2]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn wrong_outcome_count_retries_the_batch_and_out_of_order_acks_are_flagged() {
+    let store = TestStore::new(Wakeups::Inner);
+    store.inner.enqueue([msg("k", 0), msg("k", 1)]).unwrap();
+    let short = Arc::new(ScriptedPublisher(|_: &[outbox_traits::Message]| {
+        vec![PublishOutcome::Acked]
+    }));
+    let relay = Relay::new(store.clone(), short, config()).unwrap();
+    let stats = relay.run_until_idle().await.unwrap();
+    assert_eq!((stats.retried, stats.published), (2, 0));
+
+    store.advance(PAST_ANY_RETRY);
+    let buggy = Arc::new(ScriptedPublisher(|batch: &[outbox_traits::Message]| {
+        let mut out = vec![PublishOutcome::transient("refused")];
+        out.extend(batch[1..].iter().map(|_| PublishOutcome::Acked));
+        out
+    }));
+    let relay = Relay::new(store.clone(), buggy, config()).unwrap();
+    let stats = relay.run_until_idle().await.unwrap();
+    assert_eq!(
+        (stats.order_violations, stats.published, stats.retried),
+        (1, 1, 1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn batches_are_pipelined_up_to_the_concurrency() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = GatedPublisher::closed();
+    store
+        .inner
+        .enqueue((0..6).map(|n| msg(&format!("k{n}"), 0)))
+        .unwrap();
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            batch_size: 2,
+            concurrency: 3,
+            ..config()
+        },
+    )
+    .unwrap();
+    let run = tokio::spawn(async move { relay.run_until_idle().await });
+    // Three publishes are waiting at the gate at once: claims overlapped the publishes.
+    until(&publisher.entered, 3).await;
+    publisher.open();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!((stats.published, stats.batches), (6, 3));
+}
+
+#[tokio::test(start_paused = true)]
+async fn transient_store_errors_are_retried_and_permanent_ones_returned() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = Arc::new(RecordingPublisher::new());
+    store.inner.enqueue((0..4).map(|n| msg("k", n))).unwrap();
+    store.transient_claim_errors.store(3, Ordering::SeqCst);
+    store.transient_complete_errors.store(1, Ordering::SeqCst);
+    let relay = Relay::new(store.clone(), publisher.clone(), config()).unwrap();
+    let stats = relay.run_until_idle().await.unwrap();
+    assert_eq!((stats.published, stats.store_errors), (4, 4));
+    // The failed complete was retried within the lease, so nothing was delivered twice.
+    assert_eq!(publisher.sent().len(), 4);
+
+    store.permanent_claim_error.store(true, Ordering::SeqCst);
+    let err = relay.run_until_idle().await.unwrap_err();
+    assert!(!err.is_transient());
+    assert!(err.to_string().contains("does not exist"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_lease_is_counted_and_the_messages_are_delivered_again() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = GatedPublisher::closed();
+    store.inner.enqueue((0..3).map(|n| msg("k", n))).unwrap();
+    let relay = Relay::new(store.clone(), publisher.clone(), config()).unwrap();
+    let run = tokio::spawn(async move { relay.run_until_idle().await });
+    until(&publisher.entered, 1).await;
+    // The publish outlives the lease by the store's clock; another relay could take over.
+    store.advance(Duration::from_secs(31));
+    publisher.open();
+    let stats = run.await.unwrap().unwrap();
+    // The stale completion was refused, then the expired messages were claimed again.
+    assert_eq!(stats.lease_lost, 3);
+    assert_eq!(stats.claimed, 6);
+    assert_eq!(stats.published, 3);
+    assert!(store.inner.unpublished().is_empty());
+    let deliveries: Vec<u32> = publisher
+        .inner
+        .published()
+        .iter()
+        .map(|d| d.delivery)
+        .collect();
+    assert_eq!(deliveries, vec![1, 1, 1, 2, 2, 2]);
+    assert_key_order(&publisher.inner);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_long_publish_keeps_its_lease_by_extending_it() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = GatedPublisher::closed();
+    store.inner.enqueue((0..3).map(|n| msg("k", n))).unwrap();
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            lease: Duration::from_secs(2),
+            ..config()
+        },
+    )
+    .unwrap();
+    let run = tokio::spawn(async move { relay.run_until_idle().await });
+    until(&publisher.entered, 1).await;
+    // Each extension pushes the lease end to store-now + 2 s; without them it would have
+    // ended 2 s after the claim, well before the store's clock reaches +3 s.
+    for round in 1..=3u64 {
+        until(&store.extends, round).await;
+        store.advance(Duration::from_millis(1500));
+    }
+    publisher.open();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!(
+        (stats.published, stats.lease_lost, stats.claimed),
+        (3, 0, 3)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_extension_still_tries_to_complete_and_counts_the_loss() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = GatedPublisher::closed();
+    store.inner.enqueue([msg("k", 0), msg("k", 1)]).unwrap();
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            lease: Duration::from_secs(2),
+            ..config()
+        },
+    )
+    .unwrap();
+    let run = tokio::spawn(async move { relay.run_until_idle().await });
+    until(&publisher.entered, 1).await;
+    store.advance(Duration::from_secs(3));
+    until(&store.extends, 1).await;
+    publisher.open();
+    let stats = run.await.unwrap().unwrap();
+    assert_eq!(store.complete_calls.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        (stats.lease_lost, stats.published, stats.claimed),
+        (2, 2, 4)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_notifier_wakes_an_idle_relay() {
+    // No store wake-ups and an hour between polls: only the notifier can wake it in time.
+    let store = TestStore::new(Wakeups::Off);
+    let publisher = Arc::new(RecordingPublisher::new());
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            poll_min: Duration::from_secs(3600),
+            poll_max: Duration::from_secs(3600),
+            ..config()
+        },
+    )
+    .unwrap();
+    let handle = relay.spawn();
+    until(&store.claims, 1).await; // the first, empty claim: now idle
+    store.inner.enqueue([msg("k", 0)]).unwrap();
+    handle.notifier().notify();
+    published(&publisher, 1).await;
+    // A notification sent while the relay is busy is not lost either.
+    store.inner.enqueue([msg("k", 1)]).unwrap();
+    relay.notifier().notify();
+    published(&publisher, 2).await;
+    let stats = handle.shutdown(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(stats.published, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn store_wake_ups_wake_an_idle_relay_and_are_resubscribed_after_errors() {
+    let store = TestStore::new(Wakeups::FailFirst(2));
+    let publisher = Arc::new(RecordingPublisher::new());
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            poll_min: Duration::from_secs(3600),
+            poll_max: Duration::from_secs(3600),
+            backoff: Backoff {
+                initial: Duration::from_millis(100),
+                ..Backoff::default()
+            },
+            ..config()
+        },
+    )
+    .unwrap();
+    let handle = relay.spawn();
+    // Two failed subscriptions, then a working one.
+    until(&store.subscribes, 3).await;
+    until(&store.claims, 1).await;
+    // The commit itself is the wake-up; nobody calls the notifier.
+    store.inner.enqueue([msg("k", 0)]).unwrap();
+    published(&publisher, 1).await;
+    let stats = handle.shutdown(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(stats.published, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn adaptive_polling_finds_messages_without_any_wake_up() {
+    let store = TestStore::new(Wakeups::Off);
+    let publisher = Arc::new(RecordingPublisher::new());
+    let relay = Relay::new(store.clone(), publisher.clone(), config()).unwrap();
+    let handle = relay.spawn();
+    until(&store.claims, 5).await;
+    store.inner.enqueue([msg("k", 0)]).unwrap();
+    published(&publisher, 1).await;
+    let stats = handle.shutdown(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(stats.published, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_lets_an_in_flight_batch_finish_and_stops_claiming() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = GatedPublisher::closed();
+    store.inner.enqueue([msg("a", 0), msg("a", 1)]).unwrap();
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            concurrency: 1,
+            ..config()
+        },
+    )
+    .unwrap();
+    let handle = relay.spawn();
+    until(&publisher.entered, 1).await;
+    // Enqueued while the only slot is busy: must not be claimed once shutdown began.
+    store.inner.enqueue([msg("b", 0)]).unwrap();
+    let opener = {
+        let publisher = publisher.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            publisher.open();
+        })
+    };
+    let stats = handle.shutdown(Duration::from_secs(10)).await.unwrap();
+    opener.await.unwrap();
+    assert_eq!((stats.published, stats.released, stats.claimed), (2, 0, 2));
+    let left = store.inner.unpublished();
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].partition_key.as_deref(), Some("b"));
+    assert_eq!(store.inner.counts().await.unwrap().leased, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_past_the_deadline_releases_what_is_still_leased() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = GatedPublisher::closed();
+    store.inner.enqueue((0..3).map(|n| msg("a", n))).unwrap();
+    let relay = Relay::new(store.clone(), publisher.clone(), config()).unwrap();
+    let handle = relay.spawn();
+    until(&publisher.entered, 1).await;
+    // The publish never finishes.
+    let stats = handle.shutdown(Duration::from_secs(2)).await.unwrap();
+    assert_eq!((stats.claimed, stats.released, stats.published), (3, 3, 0));
+    let counts = store.inner.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.leased), (3, 0));
+    // Released without counting an attempt, and claimable at once by the next relay.
+    assert!(store.inner.unpublished().iter().all(|m| m.attempts == 0));
+    let next = Arc::new(RecordingPublisher::new());
+    let stats = Relay::new(store.clone(), next.clone(), config())
+        .unwrap()
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(stats.published, 3);
+    assert_key_order(&next);
+}
+
+#[tokio::test(start_paused = true)]
+async fn aborting_mid_publish_loses_nothing() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = GatedPublisher::closed();
+    // 13 keys: the first claim takes 10 of them, the second the other 3.
+    store
+        .inner
+        .enqueue((0..25).map(|n| msg(&format!("k{}", n % 13), n)))
+        .unwrap();
+    let relay = Relay::new(store.clone(), publisher.clone(), config()).unwrap();
+    let handle = relay.spawn();
+    until(&publisher.entered, 2).await;
+    handle.abort().await;
+    // Leases held by the crashed relay end; a new relay takes everything over.
+    store.advance(Duration::from_secs(31));
+    let next = Arc::new(RecordingPublisher::new());
+    let stats = Relay::new(store.clone(), next.clone(), config())
+        .unwrap()
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(stats.published, 25);
+    assert!(store.inner.unpublished().is_empty());
+    assert_key_order(&next);
+}
+
+#[tokio::test(start_paused = true)]
+async fn aborting_between_publish_and_complete_duplicates_but_loses_nothing() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = Arc::new(RecordingPublisher::new());
+    store.inner.enqueue((0..5).map(|n| msg("k", n))).unwrap();
+    store.complete_open.send_replace(false);
+    let relay = Relay::new(store.clone(), publisher.clone(), config()).unwrap();
+    let handle = relay.spawn();
+    until(&store.completes_entered, 1).await;
+    handle.abort().await;
+    store.complete_open.send_replace(true);
+    store.advance(Duration::from_secs(31));
+    let stats = Relay::new(store.clone(), publisher.clone(), config())
+        .unwrap()
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(stats.published, 5);
+    assert!(store.inner.unpublished().is_empty());
+    // At least once: each message reached the broker twice, with the same id.
+    let deliveries: Vec<u32> = publisher.published().iter().map(|d| d.delivery).collect();
+    assert_eq!(deliveries, vec![1, 1, 1, 1, 1, 2, 2, 2, 2, 2]);
+}
+
+#[tokio::test]
+async fn invalid_config_is_refused_before_anything_runs() {
+    let store = TestStore::new(Wakeups::Inner);
+    let err = Relay::new(
+        store.clone(),
+        Arc::new(RecordingPublisher::new()),
+        RelayConfig {
+            batch_size: 0,
+            ..config()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidInput(ref m) if m.contains("batch_size")),
+        "{err}"
+    );
+    assert_eq!(*store.claims.borrow(), 0);
+}
