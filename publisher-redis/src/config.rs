@@ -1,0 +1,177 @@
+//! Configuration of the Redis Streams publisher, from code or from a URL.
+
+use std::time::Duration;
+
+use outbox_routing::RoutingTemplate;
+use outbox_traits::{redact_url, Error};
+
+/// Default connection and reply timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The query options [`RedisConfig::from_url`] understands.
+pub const URL_OPTIONS: &[&str] = &["stream", "maxlen", "timeout_ms", "max_payload"];
+
+/// Everything [`RedisPublisher::connect`](crate::RedisPublisher::connect) needs.
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    /// Server URL, e.g. `redis://:password@127.0.0.1:6379/0` (credentials allowed; they never
+    /// appear in errors).
+    pub url: String,
+    /// Stream key of each message.
+    pub stream: RoutingTemplate,
+    /// Trim each stream to about this many entries (`MAXLEN ~ N`: Redis trims whole nodes, so a
+    /// stream may keep somewhat more). `None`: no trimming.
+    pub maxlen: Option<u64>,
+    /// Connection and reply timeout; a batch returns within about this long.
+    pub timeout: Duration,
+    /// Refuse (permanently) payloads larger than this many bytes. Redis itself takes up to
+    /// 512 MB, which would stall everyone; `None`: no limit.
+    pub max_payload: Option<usize>,
+}
+
+impl RedisConfig {
+    /// A configuration with the default timeout, no trimming and no payload limit.
+    pub fn new(url: impl Into<String>, stream: &str) -> Result<Self, Error> {
+        let config = Self {
+            url: url.into(),
+            stream: RoutingTemplate::parse(stream)?,
+            maxlen: None,
+            timeout: DEFAULT_TIMEOUT,
+            max_payload: None,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parse `redis://[user:pass@]host:port[/db]?stream=...`.
+    ///
+    /// Options ([`URL_OPTIONS`]): `stream` (required, a routing template such as
+    /// `outbox.{aggregate_type}`), `maxlen` (approximate trim length), `timeout_ms` (default
+    /// 5000), `max_payload` (bytes). An unknown option, a bad value or a missing `stream` gives
+    /// [`Error::InvalidInput`] naming the valid options.
+    ///
+    /// ```
+    /// use outbox_publisher_redis::RedisConfig;
+    /// let c = RedisConfig::from_url("redis://127.0.0.1:6379?stream=outbox.{aggregate_type}&maxlen=1000").unwrap();
+    /// assert_eq!(c.url, "redis://127.0.0.1:6379");
+    /// assert_eq!(c.maxlen, Some(1000));
+    /// assert!(RedisConfig::from_url("redis://h?stream=s&colour=red").is_err());
+    /// ```
+    pub fn from_url(url: &str) -> Result<Self, Error> {
+        let shown = redact_url(url);
+        let parsed = url::Url::parse(url)
+            .map_err(|e| Error::invalid_input(format!("Redis URL {shown:?} is not a URL: {e}")))?;
+        if parsed.scheme() != "redis" {
+            return Err(Error::invalid_input(format!(
+                "Redis URL {shown:?} has scheme {:?}; use redis://host:6379?stream=...",
+                parsed.scheme()
+            )));
+        }
+        let mut stream = None;
+        let mut maxlen = None;
+        let mut timeout = DEFAULT_TIMEOUT;
+        let mut max_payload = None;
+        for (key, value) in parsed.query_pairs() {
+            match key.as_ref() {
+                "stream" => stream = Some(value.into_owned()),
+                "maxlen" => maxlen = Some(parse_num(&key, &value)?),
+                "timeout_ms" => timeout = Duration::from_millis(parse_num(&key, &value)?),
+                "max_payload" => max_payload = Some(parse_num(&key, &value)?),
+                other => {
+                    return Err(Error::invalid_input(format!(
+                        "unknown Redis option {other:?} in {shown:?}; valid options: {}",
+                        URL_OPTIONS.join(", ")
+                    )))
+                }
+            }
+        }
+        let Some(stream) = stream else {
+            return Err(Error::invalid_input(format!(
+                "Redis URL {shown:?} has no stream option; add e.g. \
+                 ?stream=outbox.{{aggregate_type}} (valid options: {})",
+                URL_OPTIONS.join(", ")
+            )));
+        };
+        let mut server = parsed.clone();
+        server.set_query(None);
+        server.set_fragment(None);
+        let config = Self {
+            url: server.to_string(),
+            stream: RoutingTemplate::parse(&stream)?,
+            maxlen,
+            timeout,
+            max_payload,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Check the values: a positive timeout, a positive `maxlen` and `max_payload` when set.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.timeout.is_zero() {
+            return Err(Error::invalid_input(
+                "Redis timeout must be positive (timeout_ms=5000, for example)",
+            ));
+        }
+        if self.maxlen == Some(0) {
+            return Err(Error::invalid_input(
+                "Redis maxlen must be at least 1 (leave it out for no trimming)",
+            ));
+        }
+        if self.max_payload == Some(0) {
+            return Err(Error::invalid_input(
+                "Redis max_payload must be at least 1 (leave it out for no limit)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn parse_num<T: std::str::FromStr>(key: &str, value: &str) -> Result<T, Error> {
+    value.parse().map_err(|_| {
+        Error::invalid_input(format!(
+            "Redis option {key}={value:?} is not a non-negative whole number"
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_option() {
+        let c = RedisConfig::from_url(
+            "redis://:pw@127.0.0.1:6379/2?stream=o.{aggregate_type}&maxlen=5&timeout_ms=250&max_payload=1000",
+        )
+        .unwrap();
+        assert_eq!(c.url, "redis://:pw@127.0.0.1:6379/2");
+        assert_eq!(c.stream.as_str(), "o.{aggregate_type}");
+        assert_eq!(c.maxlen, Some(5));
+        assert_eq!(c.timeout, Duration::from_millis(250));
+        assert_eq!(c.max_payload, Some(1000));
+    }
+
+    #[test]
+    fn refuses_bad_options_naming_the_valid_ones() {
+        for url in [
+            "redis://h?stream=s&colour=red",
+            "redis://h",
+            "redis://h?stream=s.{tenant}",
+            "redis://h?stream=s&maxlen=-1",
+            "redis://h?stream=s&maxlen=0",
+            "redis://h?stream=s&timeout_ms=0",
+            "redis://h?stream=s&max_payload=big",
+            "nats://h?stream=s",
+        ] {
+            let err = RedisConfig::from_url(url).unwrap_err();
+            assert!(matches!(err, Error::InvalidInput(_)), "{url}: {err}");
+        }
+        let err = RedisConfig::from_url("redis://u:s3cret@h?stream=s&colour=red").unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("maxlen") && !text.contains("s3cret"),
+            "{text}"
+        );
+    }
+}

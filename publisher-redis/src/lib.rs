@@ -1,0 +1,52 @@
+//! Redis Streams publisher for the `outbox` relay.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), outbox_traits::Error> {
+//! use outbox_publisher_redis::{RedisConfig, RedisPublisher};
+//! let config = RedisConfig::from_url("redis://127.0.0.1:6379?stream=outbox.{aggregate_type}&maxlen=100000")?;
+//! let publisher = RedisPublisher::connect(config).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # What it writes
+//! One `XADD <stream> [MAXLEN ~ N] * field value ...` per message, into the stream named by a
+//! [`RoutingTemplate`](outbox_routing::RoutingTemplate) (Redis keys are binary-safe, so values are
+//! used as they are). Fields, in this order:
+//!
+//! | field | value |
+//! |---|---|
+//! | `id` | message id (UUID, hyphenated): consumers deduplicate on it |
+//! | `event_type`, `aggregate_type`, `aggregate_id` | the message's fields |
+//! | `partition_key` | only when the message has one |
+//! | `payload` | the JSON payload text, byte for byte |
+//! | `headers` | the user headers (including `traceparent`) as one JSON object, `{}` when none |
+//!
+//! Headers go in one JSON field rather than one `h:<name>` field each, so a header can never
+//! collide with the fixed fields and a consumer reads them with one lookup.
+//!
+//! # Batches, order and outcomes
+//! A batch is one pipeline, in batch order, so per-key order holds: Redis runs a connection's
+//! commands in the order sent. Outcomes:
+//! - an entry id back: `Acked`;
+//! - a message over `max_payload` (when set): `Failed` permanent before anything is sent, and
+//!   its key's later messages are left out of the pipeline (`NotAttempted`);
+//! - an error reply for one entry (`WRONGTYPE`: the stream key holds another type; `ERR`):
+//!   `Failed` permanent; `OOM`, `READONLY`, `LOADING`, `BUSY`, `TRYAGAIN`, `MASTERDOWN` and the
+//!   rest: `Failed` transient. Its key's later entries were already in the pipeline: they are
+//!   reported as they came back (a stored entry is `Acked`, as it is stored). Such a per-entry
+//!   error hits every entry of that stream alike (a wrong key type, out of memory, a read-only
+//!   replica), so in practice a key's later entries on the same stream fail too; only a key whose
+//!   messages go to several streams (a template using `{event_type}`) could see a later entry
+//!   stored after an earlier one failed. Use a stream template without `{event_type}` when that
+//!   matters;
+//! - connection refused: `Failed` transient (nothing was sent);
+//! - any other connection error or no reply within the timeout: `Ambiguous` for every message
+//!   of the pipeline (some entries may be stored).
+//!
+//! Redis has no dedup by message id: a retried message is stored again, with the same `id`.
+
+mod config;
+mod publisher;
+
+pub use config::{RedisConfig, DEFAULT_TIMEOUT, URL_OPTIONS};
+pub use publisher::RedisPublisher;
