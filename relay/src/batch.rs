@@ -2,9 +2,10 @@
 //! settle the outcomes with one bulk store call per kind of transition.
 
 use std::future::{pending, Future};
+use std::panic::AssertUnwindSafe;
 use std::pin::pin;
 
-use futures::future::BoxFuture;
+use futures::future::{BoxFuture, FutureExt};
 use outbox_traits::{Claim, Error, FailAction, Failure, LeaseToken};
 use tokio::sync::watch;
 use tokio::time::{sleep_until, Instant};
@@ -111,7 +112,16 @@ impl Batch<'_> {
         let lease = shared.config.lease;
         let half = lease / 2;
         let started = Instant::now();
-        let mut publish = pin!(shared.publisher.publish(&claim.messages));
+        // A panicking publisher breaks its contract; treating the batch as ambiguous (an empty
+        // outcome list) keeps the relay and every other batch alive.
+        let mut publish = pin!(AssertUnwindSafe(shared.publisher.publish(&claim.messages))
+            .catch_unwind()
+            .map(|result| {
+                result.unwrap_or_else(|_| {
+                    error!("publisher bug: publish panicked; retrying the batch as ambiguous");
+                    Vec::new()
+                })
+            }));
         let mut held_until = claimed_at + lease;
         let mut next_extend = Some(claimed_at + half);
         let mut extending: Option<BoxFuture<'_, Result<_, Error>>> = None;
@@ -142,7 +152,7 @@ impl Batch<'_> {
                             extend_failures += 1;
                             let now = Instant::now();
                             if now < held_until {
-                                let pause = shared.config.backoff.delay(extend_failures)
+                                let pause = shared.config.store_backoff.delay(extend_failures)
                                     .min((held_until - now) / 2);
                                 warn!(token = %claim.token, error = %e, "could not extend the lease; trying again");
                                 next_extend = Some(now + pause);
@@ -264,7 +274,7 @@ impl Batch<'_> {
             }
             failures += 1;
             let now = Instant::now();
-            let pause = self.shared.config.backoff.delay(failures);
+            let pause = self.shared.config.store_backoff.delay(failures);
             if now + pause >= lease_end || *self.abandon.borrow() {
                 warn!(call = what, error = %err, "store unavailable; giving up on this batch, its messages are claimed again when the lease ends");
                 return CallResult::GaveUp;

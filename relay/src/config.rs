@@ -24,8 +24,13 @@ pub struct RelayConfig {
     /// Attempts after which a transiently failing message is dead-lettered: a failure of a
     /// message that already has `max_attempts - 1` recorded attempts kills it. Default: 10.
     pub max_attempts: u32,
-    /// Back-off of retried messages, and of the loop while the store is unreachable.
+    /// Back-off of failed messages (the delay before their next attempt, by the store's clock).
+    /// Default: 1 s doubling up to 5 min, ±20 %.
     pub backoff: Backoff,
+    /// Back-off of the relay itself when a store call fails (claim, complete, fail, extend,
+    /// release, wake-up subscription): short, so the relay resumes soon after an outage.
+    /// Default: 100 ms doubling up to 30 s, ±20 %.
+    pub store_backoff: Backoff,
     /// Batches in flight at once: while one is being published the next is claimed. Default: 2.
     pub concurrency: usize,
     /// What a dead head message does to its key's later messages. Default: [`HeadPolicy::Block`].
@@ -50,6 +55,11 @@ impl Default for RelayConfig {
             lease: Duration::from_secs(30),
             max_attempts: 10,
             backoff: Backoff::default(),
+            store_backoff: Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_secs(30),
+                ..Backoff::default()
+            },
             concurrency: 2,
             head_policy: HeadPolicy::Block,
             poll_min: Duration::from_millis(10),
@@ -75,25 +85,8 @@ impl RelayConfig {
         if self.concurrency == 0 {
             return bad("concurrency is 0; at least 1 batch must be in flight (default 2)".into());
         }
-        let b = &self.backoff;
-        if !(0.0..=1.0).contains(&b.jitter) {
-            return bad(format!(
-                "backoff.jitter is {}; it must be between 0 and 1 (default 0.2)",
-                b.jitter
-            ));
-        }
-        if !b.multiplier.is_finite() || b.multiplier < 1.0 {
-            return bad(format!(
-                "backoff.multiplier is {}; it must be a finite number of at least 1 (default 2)",
-                b.multiplier
-            ));
-        }
-        if b.initial > b.max {
-            return bad(format!(
-                "backoff.initial ({:?}) is greater than backoff.max ({:?})",
-                b.initial, b.max
-            ));
-        }
+        check_backoff("backoff", &self.backoff)?;
+        check_backoff("store_backoff", &self.store_backoff)?;
         if self.poll_min.is_zero() {
             return bad(
                 "poll_min is 0; an idle relay would claim in a tight loop (default 10ms)".into(),
@@ -107,6 +100,28 @@ impl RelayConfig {
         }
         Ok(())
     }
+}
+
+fn check_backoff(name: &str, b: &Backoff) -> Result<(), Error> {
+    let problem = if !(0.0..=1.0).contains(&b.jitter) {
+        format!(
+            "{name}.jitter is {}; it must be between 0 and 1 (e.g. 0.2)",
+            b.jitter
+        )
+    } else if !b.multiplier.is_finite() || b.multiplier < 1.0 {
+        format!(
+            "{name}.multiplier is {}; it must be a finite number of at least 1 (e.g. 2)",
+            b.multiplier
+        )
+    } else if b.initial > b.max {
+        format!(
+            "{name}.initial ({:?}) is greater than {name}.max ({:?})",
+            b.initial, b.max
+        )
+    } else {
+        return Ok(());
+    };
+    Err(Error::invalid_input(format!("relay config: {problem}")))
 }
 
 #[cfg(test)]
@@ -136,6 +151,8 @@ mod tests {
         assert_eq!(c.backoff.max, Duration::from_secs(300));
         assert_eq!(c.backoff.multiplier, 2.0);
         assert_eq!(c.backoff.jitter, 0.2);
+        assert_eq!(c.store_backoff.initial, Duration::from_millis(100));
+        assert_eq!(c.store_backoff.max, Duration::from_secs(30));
     }
 
     #[test]

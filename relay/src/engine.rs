@@ -137,7 +137,7 @@ impl Relay {
     /// shut down gracefully within [`RelayConfig::shutdown_deadline`] and return the stats.
     pub async fn run<F>(&self, shutdown: F) -> Result<RelayStats, Error>
     where
-        F: Future<Output = ()> + Send,
+        F: Future<Output = ()>,
     {
         let deadline = self.shared.config.shutdown_deadline;
         let stats = Arc::new(StatsCell::default());
@@ -152,6 +152,12 @@ impl Relay {
 
     /// Run the relay on the tokio runtime until [`RelayHandle::shutdown`] (or until the handle is
     /// dropped, which shuts down with [`RelayConfig::shutdown_deadline`] in the background).
+    ///
+    /// Each call starts another loop; loops of one `Relay` share its [`Notifier`], and a
+    /// notification wakes one of them.
+    ///
+    /// # Panics
+    /// Like [`tokio::spawn`], if called outside a tokio runtime.
     pub fn spawn(&self) -> RelayHandle {
         let (stop_tx, stop_rx) = oneshot::channel::<Duration>();
         let stats = Arc::new(StatsCell::default());
@@ -199,7 +205,7 @@ async fn run_loop(
     shared: &Shared,
     rec: &Recorder,
     mode: Mode,
-    mut stop: Pin<&mut (impl Future<Output = Duration> + Send)>,
+    mut stop: Pin<&mut impl Future<Output = Duration>>,
 ) -> Result<(), Error> {
     let cfg = &shared.config;
     let serve = mode == Mode::Serve;
@@ -359,7 +365,7 @@ async fn run_loop(
                                 fatal = Some(e);
                             } else {
                                 store_failures += 1;
-                                let pause = cfg.backoff.delay(store_failures);
+                                let pause = cfg.store_backoff.delay(store_failures);
                                 if e.is_transient() {
                                     warn!(error = %e, retry_in = ?pause, "claim failed; backing off");
                                 } else {
@@ -378,7 +384,7 @@ async fn run_loop(
                     if let Some(e) = batch_fatal {
                         if serve {
                             store_failures += 1;
-                            paused_until = Some(Instant::now() + cfg.backoff.delay(store_failures));
+                            paused_until = Some(Instant::now() + cfg.store_backoff.delay(store_failures));
                         } else if fatal.is_none() {
                             fatal = Some(e);
                         }
@@ -394,7 +400,7 @@ async fn run_loop(
                         Ok(None) => debug!("the store offers no wake-ups; polling only"),
                         Err(e) => {
                             wake_failures += 1;
-                            let retry = cfg.backoff.delay(wake_failures);
+                            let retry = cfg.store_backoff.delay(wake_failures);
                             warn!(error = %e, retry_in = ?retry, "could not subscribe to wake-ups; polling meanwhile");
                             resubscribe_at = Some(Instant::now() + retry);
                         }
@@ -414,7 +420,7 @@ async fn run_loop(
                 Err(e) => {
                     wake = None;
                     wake_failures += 1;
-                    let retry = cfg.backoff.delay(wake_failures);
+                    let retry = cfg.store_backoff.delay(wake_failures);
                     warn!(error = %e, retry_in = ?retry, "wake-up source failed; polling until it is back");
                     resubscribe_at = Some(Instant::now() + retry);
                 }

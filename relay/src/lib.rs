@@ -1,6 +1,30 @@
 //! The outbox relay engine: claim → publish → complete / fail / release, over any
 //! [`OutboxStore`](outbox_traits::OutboxStore) and [`Publisher`](outbox_traits::Publisher).
 //!
+//! Drain what is due (tests, examples, cron jobs), here with the in-memory reference store:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use outbox_memory::{MemoryStore, RecordingPublisher};
+//! use outbox_relay::{Relay, RelayConfig};
+//! use outbox_traits::NewMessage;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), outbox_traits::Error> {
+//! let store = Arc::new(MemoryStore::new());
+//! let publisher = Arc::new(RecordingPublisher::new());
+//! store.enqueue([NewMessage::new("order", "o-1", "order.placed", serde_json::json!({"total": 12}))])?;
+//!
+//! let relay = Relay::new(store, publisher.clone(), RelayConfig::default())?;
+//! let stats = relay.run_until_idle().await?;
+//! assert_eq!((stats.claimed, stats.published), (1, 1));
+//! assert_eq!(publisher.published_ids().len(), 1);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Or serve until told to stop:
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use std::time::Duration;

@@ -30,6 +30,21 @@ pub struct RelayStats {
     pub order_violations: u64,
 }
 
+impl std::ops::AddAssign for RelayStats {
+    /// Sum the counters of several runs.
+    fn add_assign(&mut self, other: Self) {
+        self.claimed += other.claimed;
+        self.published += other.published;
+        self.retried += other.retried;
+        self.dead += other.dead;
+        self.released += other.released;
+        self.lease_lost += other.lease_lost;
+        self.batches += other.batches;
+        self.store_errors += other.store_errors;
+        self.order_violations += other.order_violations;
+    }
+}
+
 /// The shared, lock-free form of [`RelayStats`] updated by the loop and its batches.
 #[derive(Debug, Default)]
 pub(crate) struct StatsCell {

@@ -197,10 +197,7 @@ async fn max_attempts_dead_letters_with_the_last_error() {
     .unwrap();
     let mut total = RelayStats::default();
     for _ in 0..5 {
-        let s = relay.run_until_idle().await.unwrap();
-        total.claimed += s.claimed;
-        total.retried += s.retried;
-        total.dead += s.dead;
+        total += relay.run_until_idle().await.unwrap();
         store.advance(PAST_ANY_RETRY);
     }
     assert_eq!((total.claimed, total.retried, total.dead), (3, 2, 1));
@@ -585,4 +582,24 @@ async fn invalid_config_is_refused_before_anything_runs() {
         "{err}"
     );
     assert_eq!(*store.claims.borrow(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_publisher_is_retried_not_fatal() {
+    let store = TestStore::new(Wakeups::Inner);
+    store.inner.enqueue([msg("k", 0), msg("k", 1)]).unwrap();
+    let panicked = std::sync::atomic::AtomicBool::new(false);
+    let publisher = Arc::new(ScriptedPublisher(
+        move |batch: &[outbox_traits::Message]| {
+            if !panicked.swap(true, Ordering::SeqCst) {
+                panic!("publisher bug under test");
+            }
+            vec![PublishOutcome::Acked; batch.len()]
+        },
+    ));
+    let relay = Relay::new(store.clone(), publisher, config()).unwrap();
+    let first = relay.run_until_idle().await.unwrap();
+    assert_eq!((first.retried, first.published), (2, 0));
+    store.advance(PAST_ANY_RETRY);
+    assert_eq!(relay.run_until_idle().await.unwrap().published, 2);
 }
