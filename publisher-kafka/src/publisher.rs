@@ -477,7 +477,7 @@ fn is_permanent(code: RDKafkaErrorCode) -> bool {
 /// Classify a failed delivery report.
 fn classify_delivery(code: RDKafkaErrorCode, topic: &str) -> PublishOutcome {
     use RDKafkaErrorCode as C;
-    let reason = format!("kafka: delivery to {topic} failed: {code} ({code:?})");
+    let reason = format!("kafka: delivery to {topic} failed: {code}");
     if is_permanent(code) {
         return PublishOutcome::permanent(hint(code, reason));
     }
@@ -503,7 +503,7 @@ fn classify_delivery(code: RDKafkaErrorCode, topic: &str) -> PublishOutcome {
 
 /// Classify an error returned when handing a message to librdkafka (nothing was sent).
 fn classify_enqueue_error(code: RDKafkaErrorCode, topic: &str) -> PublishOutcome {
-    let reason = format!("kafka: could not enqueue to {topic}: {code} ({code:?})");
+    let reason = format!("kafka: could not enqueue to {topic}: {code}");
     if is_permanent(code) {
         PublishOutcome::permanent(hint(code, reason))
     } else {

@@ -201,7 +201,7 @@ async fn from_url_and_check_connection_against_the_broker() {
 
     let msg = message(Some("k"), 1, r#"{"compressed":true}"#);
     assert_eq!(
-        publisher.publish(&[msg.clone()]).await,
+        publisher.publish(std::slice::from_ref(&msg)).await,
         vec![PublishOutcome::Acked]
     );
     let records = consume(&brokers, &topic, 1, 1);
