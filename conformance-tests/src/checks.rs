@@ -1,0 +1,992 @@
+//! Example-based checks, one per rule of the store contract.
+//!
+//! Each check takes a [`Harness`], makes a fresh store, and returns `Err` with what went wrong
+//! in words. Pick single checks with the `pub async fn`s, or run them all through
+//! [`Check::ALL`] or the [`conformance_suite!`](crate::conformance_suite) macro.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_traits::{
+    Claim, ClaimRequest, Error, FailAction, Failure, HeadPolicy, LeaseToken, NewMessage,
+    OutboxAdmin, OutboxStore,
+};
+use uuid::Uuid;
+
+use crate::harness::{Harness, HarnessStore};
+
+const LEASE: Duration = Duration::from_secs(600);
+
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(format!($($fmt)+));
+        }
+    };
+}
+
+fn msg(key: &str, label: &str) -> NewMessage {
+    NewMessage::new(
+        "item",
+        key,
+        "item.changed",
+        serde_json::json!({ "label": label }),
+    )
+}
+
+fn req(limit: usize, head_policy: HeadPolicy) -> ClaimRequest {
+    ClaimRequest {
+        limit,
+        lease: LEASE,
+        head_policy,
+    }
+}
+
+fn ids(claim: &Claim) -> Vec<Uuid> {
+    claim.messages.iter().map(|m| m.id).collect()
+}
+
+fn err(what: &str) -> impl Fn(Error) -> String + '_ {
+    move |e| format!("{what} failed: {e}")
+}
+
+fn is_lease_lost(result: &Result<(), Error>, want: &[Uuid]) -> bool {
+    match result {
+        Err(Error::LeaseLost { ids }) => {
+            ids.iter().collect::<HashSet<_>>() == want.iter().collect::<HashSet<_>>()
+        }
+        _ => false,
+    }
+}
+
+/// A fresh store with an admin and a first relay handle.
+struct Fixture {
+    store: Box<dyn HarnessStore>,
+    admin: Arc<dyn OutboxAdmin>,
+    relay: Arc<dyn OutboxStore>,
+}
+
+impl Fixture {
+    async fn new(harness: &dyn Harness) -> Result<Self, String> {
+        let store = harness.fresh().await.map_err(err("fresh store"))?;
+        let admin = store.admin().await.map_err(err("admin handle"))?;
+        let relay = store.relay().await.map_err(err("relay handle"))?;
+        Ok(Self {
+            store,
+            admin,
+            relay,
+        })
+    }
+
+    async fn enqueue(&self, messages: &[NewMessage]) -> Result<(), String> {
+        let mut tx = self.store.begin().await.map_err(err("begin"))?;
+        tx.enqueue(messages).await.map_err(err("enqueue"))?;
+        tx.commit().await.map_err(err("commit"))
+    }
+
+    async fn claim(&self, limit: usize) -> Result<Claim, String> {
+        self.claim_with(&self.relay, limit, HeadPolicy::Block).await
+    }
+
+    async fn claim_with(
+        &self,
+        relay: &Arc<dyn OutboxStore>,
+        limit: usize,
+        policy: HeadPolicy,
+    ) -> Result<Claim, String> {
+        relay.claim(&req(limit, policy)).await.map_err(err("claim"))
+    }
+
+    async fn advance(&self, secs: u64) -> Result<(), String> {
+        self.store
+            .advance_time(Duration::from_secs(secs))
+            .await
+            .map_err(err("advance_time"))
+    }
+
+    async fn counts(&self) -> Result<outbox_traits::Counts, String> {
+        self.admin.counts().await.map_err(err("counts"))
+    }
+
+    async fn finish(self) -> Result<(), String> {
+        drop(self.relay);
+        drop(self.admin);
+        self.store.teardown().await.map_err(err("teardown"))
+    }
+}
+
+fn labels(claim: &Claim) -> Vec<String> {
+    claim
+        .messages
+        .iter()
+        .map(|m| {
+            serde_json::from_str::<serde_json::Value>(&m.payload)
+                .ok()
+                .and_then(|v| v.get("label").and_then(|l| l.as_str()).map(String::from))
+                .unwrap_or_else(|| format!("<payload {}>", m.payload))
+        })
+        .collect()
+}
+
+/// A claim returns at most its limit, and successive claims hand out each message once.
+pub async fn claim_respects_limit(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    let batch: Vec<NewMessage> = (0..5)
+        .map(|n| msg(&format!("k{n}"), &format!("m{n}")))
+        .collect();
+    f.enqueue(&batch).await?;
+    let mut seen = HashSet::new();
+    for _ in 0..10 {
+        let claim = f.claim(2).await?;
+        ensure!(
+            claim.messages.len() <= 2,
+            "claim with limit 2 returned {} messages",
+            claim.messages.len()
+        );
+        if claim.messages.is_empty() {
+            break;
+        }
+        for id in ids(&claim) {
+            ensure!(
+                seen.insert(id),
+                "a message was handed out by two claims while leased"
+            );
+        }
+    }
+    ensure!(
+        seen.len() == 5,
+        "claims handed out {} of 5 due messages",
+        seen.len()
+    );
+    f.finish().await
+}
+
+/// Uncommitted and rolled-back messages are never claimed.
+pub async fn no_phantoms(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    let mut rolled = f.store.begin().await.map_err(err("begin"))?;
+    rolled
+        .enqueue(&[msg("a", "rolled-back")])
+        .await
+        .map_err(err("enqueue"))?;
+    rolled.rollback().await.map_err(err("rollback"))?;
+    if f.store.capabilities().concurrent_transactions {
+        let mut open = f.store.begin().await.map_err(err("begin"))?;
+        open.enqueue(&[msg("b", "open")])
+            .await
+            .map_err(err("enqueue"))?;
+        let claim = f.claim(10).await?;
+        ensure!(
+            claim.messages.is_empty(),
+            "claim returned {:?} from an uncommitted or rolled-back transaction",
+            labels(&claim)
+        );
+        open.commit().await.map_err(err("commit"))?;
+        let claim = f.claim(10).await?;
+        ensure!(
+            labels(&claim) == ["open"],
+            "after commit, claim returned {:?}, expected [\"open\"]",
+            labels(&claim)
+        );
+    } else {
+        let claim = f.claim(10).await?;
+        ensure!(
+            claim.messages.is_empty(),
+            "claim returned {:?} from a rolled-back transaction",
+            labels(&claim)
+        );
+    }
+    let counts = f.counts().await?;
+    ensure!(
+        counts.pending + counts.leased <= 1,
+        "counts include rolled-back messages: {counts:?}"
+    );
+    f.finish().await
+}
+
+/// A transaction that commits after a later one (lower `seq`, later commit) is still claimed:
+/// claims go by state, not by a `seq > last_seen` cursor.
+pub async fn late_commit_is_claimed(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    if !f.store.capabilities().concurrent_transactions {
+        return f.finish().await;
+    }
+    let mut early = f.store.begin().await.map_err(err("begin"))?;
+    early
+        .enqueue(&[msg("a", "early-insert")])
+        .await
+        .map_err(err("enqueue"))?;
+    let mut late = f.store.begin().await.map_err(err("begin"))?;
+    late.enqueue(&[msg("b", "late-insert")])
+        .await
+        .map_err(err("enqueue"))?;
+    late.commit().await.map_err(err("commit"))?;
+    let first = f.claim(10).await?;
+    ensure!(
+        labels(&first) == ["late-insert"],
+        "first claim returned {:?}",
+        labels(&first)
+    );
+    f.relay
+        .complete(first.token, &ids(&first))
+        .await
+        .map_err(err("complete"))?;
+    early.commit().await.map_err(err("commit"))?;
+    let second = f.claim(10).await?;
+    ensure!(
+        labels(&second) == ["early-insert"],
+        "a message inserted first but committed last was not claimed (claim returned {:?}): claims must select by state, not by a seq cursor",
+        labels(&second)
+    );
+    f.finish().await
+}
+
+/// A key's later messages wait while its head is leased elsewhere; other keys flow.
+pub async fn per_key_head_of_line(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[msg("k", "k#1"), msg("k", "k#2"), msg("j", "j#1")])
+        .await?;
+    let head = f.claim(1).await?;
+    ensure!(
+        labels(&head) == ["k#1"],
+        "claim(1) returned {:?}, expected the oldest [\"k#1\"]",
+        labels(&head)
+    );
+    let other = f.store.relay().await.map_err(err("relay handle"))?;
+    let next = f.claim_with(&other, 10, HeadPolicy::Block).await?;
+    ensure!(
+        labels(&next) == ["j#1"],
+        "while k#1 is leased, a claim returned {:?}; expected only [\"j#1\"] (k#2 must wait for k#1)",
+        labels(&next)
+    );
+    f.relay
+        .complete(head.token, &ids(&head))
+        .await
+        .map_err(err("complete"))?;
+    let last = f.claim(10).await?;
+    ensure!(
+        labels(&last) == ["k#2"],
+        "after k#1 completed, claim returned {:?}",
+        labels(&last)
+    );
+    f.finish().await
+}
+
+/// A dead head blocks its key under `Block` and is passed under `Skip`.
+pub async fn dead_head_blocks_or_skips(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[msg("k", "k#1"), msg("k", "k#2")]).await?;
+    let head = f.claim(1).await?;
+    let id = ids(&head)[0];
+    let failure = Failure {
+        id,
+        error: "poison pill".into(),
+        action: FailAction::Dead,
+    };
+    f.relay
+        .fail(head.token, &[failure])
+        .await
+        .map_err(err("fail"))?;
+    let blocked = f.claim_with(&f.relay, 10, HeadPolicy::Block).await?;
+    ensure!(
+        blocked.messages.is_empty(),
+        "under Block, claim returned {:?} behind a dead head",
+        labels(&blocked)
+    );
+    let skipped = f.claim_with(&f.relay, 10, HeadPolicy::Skip).await?;
+    ensure!(
+        labels(&skipped) == ["k#2"],
+        "under Skip, claim returned {:?}, expected [\"k#2\"]",
+        labels(&skipped)
+    );
+    f.finish().await
+}
+
+/// Transitions under a token that never held the messages change nothing and name them in
+/// `LeaseLost`.
+pub async fn stale_token_is_fenced(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[msg("k", "k#1")]).await?;
+    let claim = f.claim(1).await?;
+    let id = ids(&claim)[0];
+    let stale = LeaseToken::new();
+    let r = f.relay.complete(stale, &[id]).await;
+    ensure!(
+        is_lease_lost(&r, &[id]),
+        "complete with a foreign token returned {r:?}, expected LeaseLost naming the message"
+    );
+    let r = f
+        .relay
+        .fail(
+            stale,
+            &[Failure {
+                id,
+                error: "x".into(),
+                action: FailAction::Dead,
+            }],
+        )
+        .await;
+    ensure!(
+        is_lease_lost(&r, &[id]),
+        "fail with a foreign token returned {r:?}"
+    );
+    let r = f.relay.release(stale, &[id]).await;
+    ensure!(
+        is_lease_lost(&r, &[id]),
+        "release with a foreign token returned {r:?}"
+    );
+    let r = f.relay.extend(stale, LEASE).await;
+    ensure!(
+        matches!(r, Err(Error::LeaseLost { .. })),
+        "extend with a foreign token returned {r:?}"
+    );
+    let counts = f.counts().await?;
+    ensure!(
+        counts.leased == 1 && counts.published == 0 && counts.dead == 0 && counts.pending == 0,
+        "a foreign token changed the message: counts {counts:?}"
+    );
+    f.relay
+        .complete(claim.token, &[id])
+        .await
+        .map_err(err("complete with the right token"))?;
+    f.finish().await
+}
+
+/// After its lease expires, a relay can no longer complete, fail, release or extend, and
+/// another relay can claim the messages.
+pub async fn expired_lease_is_fenced(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[msg("k", "k#1")]).await?;
+    let first = f.claim(1).await?;
+    let id = ids(&first)[0];
+    f.advance(LEASE.as_secs() + 10).await?;
+    let r = f.relay.complete(first.token, &[id]).await;
+    ensure!(
+        is_lease_lost(&r, &[id]),
+        "complete after the lease expired returned {r:?}, expected LeaseLost"
+    );
+    let r = f.relay.extend(first.token, LEASE).await;
+    ensure!(
+        matches!(r, Err(Error::LeaseLost { .. })),
+        "extend revived an expired lease: {r:?}"
+    );
+    let other = f.store.relay().await.map_err(err("relay handle"))?;
+    let second = f.claim_with(&other, 1, HeadPolicy::Block).await?;
+    ensure!(
+        ids(&second) == [id],
+        "after expiry another relay claimed {:?}",
+        labels(&second)
+    );
+    ensure!(
+        second.token != first.token,
+        "the second claim reused the first token"
+    );
+    let r = f.relay.complete(first.token, &[id]).await;
+    ensure!(
+        is_lease_lost(&r, &[id]),
+        "the stale relay completed after another took over: {r:?}"
+    );
+    let r = f
+        .relay
+        .fail(
+            first.token,
+            &[Failure {
+                id,
+                error: "late".into(),
+                action: FailAction::Dead,
+            }],
+        )
+        .await;
+    ensure!(
+        is_lease_lost(&r, &[id]),
+        "the stale relay failed the message after another took over: {r:?}"
+    );
+    other
+        .complete(second.token, &[id])
+        .await
+        .map_err(err("complete by the new holder"))?;
+    let counts = f.counts().await?;
+    ensure!(
+        counts.published == 1 && counts.dead == 0,
+        "counts {counts:?}"
+    );
+    f.finish().await
+}
+
+/// Lease ends come from the store's clock: after the store's clock moved, a fresh lease still
+/// lasts its full length.
+pub async fn lease_uses_store_clock(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.advance(3600).await?;
+    f.enqueue(&[msg("k", "k#1")]).await?;
+    let first = f.claim(1).await?;
+    ensure!(first.messages.len() == 1, "claim returned nothing");
+    let other = f.store.relay().await.map_err(err("relay handle"))?;
+    let again = f.claim_with(&other, 1, HeadPolicy::Block).await?;
+    ensure!(
+        again.messages.is_empty(),
+        "a message leased a moment ago was claimed again: the lease end was not computed from the store's clock"
+    );
+    f.advance(LEASE.as_secs() / 2).await?;
+    let again = f.claim_with(&other, 1, HeadPolicy::Block).await?;
+    ensure!(
+        again.messages.is_empty(),
+        "a lease expired after half its length"
+    );
+    f.advance(LEASE.as_secs()).await?;
+    let again = f.claim_with(&other, 1, HeadPolicy::Block).await?;
+    ensure!(
+        again.messages.len() == 1,
+        "a lease did not expire after its length"
+    );
+    f.finish().await
+}
+
+/// A retry waits for its delay by the store's clock and counts exactly one attempt; the id
+/// stays the same.
+pub async fn retry_waits_and_counts(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[msg("k", "k#1")]).await?;
+    let claim = f.claim(1).await?;
+    let id = ids(&claim)[0];
+    ensure!(
+        claim.messages[0].attempts == 0,
+        "a new message has attempts {}",
+        claim.messages[0].attempts
+    );
+    let retry = |delay| Failure {
+        id,
+        error: "broker down".into(),
+        action: FailAction::Retry { delay },
+    };
+    f.relay
+        .fail(claim.token, &[retry(Duration::from_secs(300))])
+        .await
+        .map_err(err("fail"))?;
+    let early = f.claim(1).await?;
+    ensure!(
+        early.messages.is_empty(),
+        "a retry was claimed before its delay"
+    );
+    f.advance(70).await?;
+    ensure!(
+        f.claim(1).await?.messages.is_empty(),
+        "a retry was claimed before its delay"
+    );
+    f.advance(300).await?;
+    let again = f.claim(1).await?;
+    ensure!(
+        ids(&again) == [id],
+        "after its delay the retry was not claimed with the same id (got {:?})",
+        ids(&again)
+    );
+    ensure!(
+        again.messages[0].attempts == 1,
+        "after one failure attempts is {}",
+        again.messages[0].attempts
+    );
+    f.relay
+        .fail(again.token, &[retry(Duration::ZERO)])
+        .await
+        .map_err(err("fail"))?;
+    let third = f.claim(1).await?;
+    ensure!(
+        ids(&third) == [id],
+        "a retry with no delay was not due at once"
+    );
+    ensure!(
+        third.messages[0].attempts == 2,
+        "after two failures attempts is {}",
+        third.messages[0].attempts
+    );
+    f.relay
+        .release(third.token, &[id])
+        .await
+        .map_err(err("release"))?;
+    let fourth = f.claim(1).await?;
+    ensure!(
+        fourth.messages.first().map(|m| m.attempts) == Some(2),
+        "release counted an attempt or lost the message: {:?}",
+        fourth.messages.first().map(|m| m.attempts)
+    );
+    f.finish().await
+}
+
+/// Dead letters keep their reason, requeue resets attempts, discard deletes; counts follow.
+pub async fn dead_letters_requeue_discard(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[msg("k", "k#1"), msg("j", "j#1")]).await?;
+    let claim = f.claim(2).await?;
+    let failures: Vec<Failure> = ids(&claim)
+        .into_iter()
+        .map(|id| Failure {
+            id,
+            error: format!("rejected {id}"),
+            action: FailAction::Dead,
+        })
+        .collect();
+    f.relay
+        .fail(claim.token, &failures)
+        .await
+        .map_err(err("fail"))?;
+    let counts = f.counts().await?;
+    ensure!(
+        counts.dead == 2 && counts.pending == 0,
+        "after dead-lettering two: counts {counts:?}"
+    );
+    let dead = f
+        .admin
+        .list_dead(None, 10)
+        .await
+        .map_err(err("list_dead"))?;
+    ensure!(dead.len() == 2, "list_dead returned {} of 2", dead.len());
+    for d in &dead {
+        ensure!(
+            d.last_error == format!("rejected {}", d.message.id),
+            "dead message kept error {:?}",
+            d.last_error
+        );
+        ensure!(
+            d.message.attempts == 1,
+            "dead message has attempts {}",
+            d.message.attempts
+        );
+    }
+    let page = f
+        .admin
+        .list_dead(Some(dead[0].message.seq), 10)
+        .await
+        .map_err(err("list_dead"))?;
+    ensure!(
+        page.len() == 1 && page[0].message.id == dead[1].message.id,
+        "list_dead after a seq did not page"
+    );
+    ensure!(
+        f.claim(10).await?.messages.is_empty(),
+        "a dead message was claimed"
+    );
+    let (a, b) = (dead[0].message.id, dead[1].message.id);
+    let n = f
+        .admin
+        .requeue(&[a, Uuid::now_v7()])
+        .await
+        .map_err(err("requeue"))?;
+    ensure!(
+        n == 1,
+        "requeue of one dead and one unknown id returned {n}"
+    );
+    let again = f.claim(10).await?;
+    ensure!(
+        ids(&again) == [a],
+        "a requeued message was not claimable: {:?}",
+        ids(&again)
+    );
+    ensure!(
+        again.messages[0].attempts == 0,
+        "requeue did not reset attempts: {}",
+        again.messages[0].attempts
+    );
+    let n = f.admin.discard(&[b, a]).await.map_err(err("discard"))?;
+    ensure!(
+        n == 1,
+        "discard of one dead and one leased message returned {n}"
+    );
+    let counts = f.counts().await?;
+    ensure!(
+        counts.dead == 0 && counts.leased == 1,
+        "after discard: counts {counts:?}"
+    );
+    f.finish().await
+}
+
+/// Purge deletes at most its batch, only published messages older than asked.
+pub async fn purge_is_bounded(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    let batch: Vec<NewMessage> = (0..5)
+        .map(|n| msg(&format!("k{n}"), &format!("m{n}")))
+        .collect();
+    f.enqueue(&batch).await?;
+    let claim = f.claim(3).await?;
+    ensure!(
+        claim.messages.len() == 3,
+        "claim(3) of 5 returned {}",
+        claim.messages.len()
+    );
+    f.relay
+        .complete(claim.token, &ids(&claim))
+        .await
+        .map_err(err("complete"))?;
+    let age = Duration::from_secs(100);
+    let n = f
+        .admin
+        .purge_published(age, 10)
+        .await
+        .map_err(err("purge"))?;
+    ensure!(
+        n == 0,
+        "purge deleted {n} messages published less than its age ago"
+    );
+    f.advance(170).await?;
+    let n = f
+        .admin
+        .purge_published(age, 2)
+        .await
+        .map_err(err("purge"))?;
+    ensure!(
+        n == 2,
+        "purge with batch 2 deleted {n} of 3 old published messages"
+    );
+    let n = f
+        .admin
+        .purge_published(age, 2)
+        .await
+        .map_err(err("purge"))?;
+    ensure!(n == 1, "second purge deleted {n}, expected the last 1");
+    let n = f
+        .admin
+        .purge_published(age, 2)
+        .await
+        .map_err(err("purge"))?;
+    ensure!(
+        n == 0,
+        "third purge deleted {n}: it must not touch unpublished messages"
+    );
+    let counts = f.counts().await?;
+    ensure!(
+        counts.published == 0 && counts.pending == 2,
+        "after purge: counts {counts:?}"
+    );
+    f.finish().await
+}
+
+/// A message with a not-before time waits for it, by the store's clock.
+pub async fn not_before_delays(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    let now = f.store.now().await.map_err(err("now"))?;
+    let at = now + outbox_traits::chrono::Duration::seconds(1000);
+    f.enqueue(&[
+        msg("k", "later").not_before(at),
+        msg("k", "after-later"),
+        msg("j", "now"),
+    ])
+    .await?;
+    let first = f.claim(10).await?;
+    ensure!(
+        labels(&first) == ["now"],
+        "before the not-before time, claim returned {:?}",
+        labels(&first)
+    );
+    f.relay
+        .complete(first.token, &ids(&first))
+        .await
+        .map_err(err("complete"))?;
+    f.advance(1070).await?;
+    let second = f.claim(10).await?;
+    ensure!(
+        labels(&second) == ["later", "after-later"],
+        "after the not-before time, claim returned {:?}",
+        labels(&second)
+    );
+    f.finish().await
+}
+
+/// A crashed relay's leases stay until they expire, then its messages are claimed again.
+pub async fn crash_keeps_leases(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[msg("k", "k#1"), msg("j", "j#1")]).await?;
+    let doomed = f.store.relay().await.map_err(err("relay handle"))?;
+    let claim = f.claim_with(&doomed, 10, HeadPolicy::Block).await?;
+    ensure!(
+        claim.messages.len() == 2,
+        "claim returned {} of 2",
+        claim.messages.len()
+    );
+    drop(doomed);
+    ensure!(
+        f.claim(10).await?.messages.is_empty(),
+        "a crashed relay's leases were released at once"
+    );
+    let counts = f.counts().await?;
+    ensure!(counts.leased == 2, "after the crash: counts {counts:?}");
+    f.advance(LEASE.as_secs() + 10).await?;
+    let again = f.claim(10).await?;
+    ensure!(
+        ids(&again) == ids(&claim),
+        "after the lease expired, claim returned {:?}",
+        labels(&again)
+    );
+    f.finish().await
+}
+
+/// Extend keeps a live lease past its first end.
+pub async fn extend_keeps_lease(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[msg("k", "k#1")]).await?;
+    let claim = f.claim(1).await?;
+    f.advance(300).await?;
+    f.relay
+        .extend(claim.token, LEASE)
+        .await
+        .map_err(err("extend"))?;
+    f.advance(400).await?;
+    let other = f.store.relay().await.map_err(err("relay handle"))?;
+    let taken = f.claim_with(&other, 1, HeadPolicy::Block).await?;
+    ensure!(
+        taken.messages.is_empty(),
+        "an extended lease was taken over at its original end"
+    );
+    f.relay
+        .complete(claim.token, &ids(&claim))
+        .await
+        .map_err(err("complete after extend"))?;
+    f.finish().await
+}
+
+/// Every field enqueued comes back as enqueued, with the same id on every attempt.
+pub async fn message_round_trip(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    let sent = NewMessage::new(
+        "order",
+        "o-7",
+        "order.placed",
+        serde_json::json!({"total": 12, "items": ["a"]}),
+    )
+    .with_header(
+        "traceparent",
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    )
+    .with_partition_key("customer-3")
+    .with_dedup_key("order-7-placed");
+    f.enqueue(std::slice::from_ref(&sent)).await?;
+    let claim = f.claim(1).await?;
+    let got = claim.messages.first().ok_or("claim returned nothing")?;
+    ensure!(got.id == sent.id, "id changed: {} -> {}", sent.id, got.id);
+    ensure!(
+        got.aggregate_type == "order"
+            && got.aggregate_id == "o-7"
+            && got.event_type == "order.placed",
+        "aggregate or event type changed: {got:?}"
+    );
+    ensure!(
+        got.headers == sent.headers,
+        "headers changed: {:?}",
+        got.headers
+    );
+    ensure!(
+        got.partition_key.as_deref() == Some("customer-3"),
+        "partition key changed: {:?}",
+        got.partition_key
+    );
+    ensure!(
+        got.dedup_key.as_deref() == Some("order-7-placed"),
+        "dedup key changed: {:?}",
+        got.dedup_key
+    );
+    let payload: serde_json::Value =
+        serde_json::from_str(&got.payload).map_err(|e| format!("payload is not JSON: {e}"))?;
+    ensure!(payload == sent.payload, "payload changed: {}", got.payload);
+    let retry = Failure {
+        id: got.id,
+        error: "again".into(),
+        action: FailAction::Retry {
+            delay: Duration::ZERO,
+        },
+    };
+    f.relay
+        .fail(claim.token, &[retry])
+        .await
+        .map_err(err("fail"))?;
+    let again = f.claim(1).await?;
+    ensure!(
+        ids(&again) == [sent.id],
+        "the retry carries another id: {:?}",
+        ids(&again)
+    );
+    f.finish().await
+}
+
+/// A second message with the same dedup key, and an invalid message, are refused with typed
+/// errors and write nothing.
+pub async fn enqueue_refusals(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[msg("k", "first").with_dedup_key("once")])
+        .await?;
+    let mut tx = f.store.begin().await.map_err(err("begin"))?;
+    let result = match tx
+        .enqueue(&[msg("k", "second").with_dedup_key("once")])
+        .await
+    {
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+        Ok(()) => tx.commit().await,
+    };
+    ensure!(
+        matches!(result, Err(Error::DuplicateKey { .. })),
+        "a second message with the same dedup key gave {result:?}, expected DuplicateKey"
+    );
+    let mut tx = f.store.begin().await.map_err(err("begin"))?;
+    let bad = NewMessage::new("item", "k", " ", serde_json::json!({}));
+    let result = tx.enqueue(&[bad]).await;
+    let _ = tx.rollback().await;
+    ensure!(
+        matches!(result, Err(Error::InvalidInput(_))),
+        "a message with a blank event type gave {result:?}, expected InvalidInput"
+    );
+    let counts = f.counts().await?;
+    ensure!(
+        counts.pending == 1,
+        "refused messages were written: counts {counts:?}"
+    );
+    f.finish().await
+}
+
+/// Relays claiming at the same moment get disjoint messages (stores declaring concurrent
+/// claimers only).
+pub async fn concurrent_claims_are_exclusive(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    if !f.store.capabilities().store.concurrent_claimers {
+        return f.finish().await;
+    }
+    let batch: Vec<NewMessage> = (0..40)
+        .map(|n| {
+            let m = msg(&format!("k{}", n % 8), &format!("m{n}"));
+            if n % 5 == 0 {
+                m.unordered()
+            } else {
+                m
+            }
+        })
+        .collect();
+    f.enqueue(&batch).await?;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let relay = f.store.relay().await.map_err(err("relay handle"))?;
+        tasks.push(tokio::spawn(async move {
+            let mut got = Vec::new();
+            loop {
+                let claim = relay.claim(&req(3, HeadPolicy::Block)).await?;
+                if claim.messages.is_empty() {
+                    return Ok::<_, Error>(got);
+                }
+                got.extend(ids(&claim));
+                relay.complete(claim.token, &ids(&claim)).await?;
+            }
+        }));
+    }
+    let mut all = Vec::new();
+    for task in tasks {
+        let got = task
+            .await
+            .map_err(|e| format!("claimer task failed: {e}"))?
+            .map_err(err("concurrent claim"))?;
+        all.extend(got);
+    }
+    let unique: HashSet<Uuid> = all.iter().copied().collect();
+    ensure!(
+        unique.len() == all.len(),
+        "{} messages were handed to two concurrent claimers",
+        all.len() - unique.len()
+    );
+    let counts = f.counts().await?;
+    ensure!(
+        counts.published + counts.pending == 40 && counts.leased == 0,
+        "after concurrent claims: counts {counts:?}"
+    );
+    f.finish().await
+}
+
+/// Every check, by name, so the macro and pickers can run them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Check {
+    /// [`claim_respects_limit`]
+    ClaimRespectsLimit,
+    /// [`no_phantoms`]
+    NoPhantoms,
+    /// [`late_commit_is_claimed`]
+    LateCommitIsClaimed,
+    /// [`per_key_head_of_line`]
+    PerKeyHeadOfLine,
+    /// [`dead_head_blocks_or_skips`]
+    DeadHeadBlocksOrSkips,
+    /// [`stale_token_is_fenced`]
+    StaleTokenIsFenced,
+    /// [`expired_lease_is_fenced`]
+    ExpiredLeaseIsFenced,
+    /// [`lease_uses_store_clock`]
+    LeaseUsesStoreClock,
+    /// [`retry_waits_and_counts`]
+    RetryWaitsAndCounts,
+    /// [`dead_letters_requeue_discard`]
+    DeadLettersRequeueDiscard,
+    /// [`purge_is_bounded`]
+    PurgeIsBounded,
+    /// [`not_before_delays`]
+    NotBeforeDelays,
+    /// [`crash_keeps_leases`]
+    CrashKeepsLeases,
+    /// [`extend_keeps_lease`]
+    ExtendKeepsLease,
+    /// [`message_round_trip`]
+    MessageRoundTrip,
+    /// [`enqueue_refusals`]
+    EnqueueRefusals,
+    /// [`concurrent_claims_are_exclusive`]
+    ConcurrentClaimsAreExclusive,
+}
+
+impl Check {
+    /// Every check.
+    pub const ALL: [Check; 17] = [
+        Check::ClaimRespectsLimit,
+        Check::NoPhantoms,
+        Check::LateCommitIsClaimed,
+        Check::PerKeyHeadOfLine,
+        Check::DeadHeadBlocksOrSkips,
+        Check::StaleTokenIsFenced,
+        Check::ExpiredLeaseIsFenced,
+        Check::LeaseUsesStoreClock,
+        Check::RetryWaitsAndCounts,
+        Check::DeadLettersRequeueDiscard,
+        Check::PurgeIsBounded,
+        Check::NotBeforeDelays,
+        Check::CrashKeepsLeases,
+        Check::ExtendKeepsLease,
+        Check::MessageRoundTrip,
+        Check::EnqueueRefusals,
+        Check::ConcurrentClaimsAreExclusive,
+    ];
+
+    /// Run this check against a fresh store of `harness`.
+    pub async fn run(self, harness: &dyn Harness) -> Result<(), String> {
+        match self {
+            Check::ClaimRespectsLimit => claim_respects_limit(harness).await,
+            Check::NoPhantoms => no_phantoms(harness).await,
+            Check::LateCommitIsClaimed => late_commit_is_claimed(harness).await,
+            Check::PerKeyHeadOfLine => per_key_head_of_line(harness).await,
+            Check::DeadHeadBlocksOrSkips => dead_head_blocks_or_skips(harness).await,
+            Check::StaleTokenIsFenced => stale_token_is_fenced(harness).await,
+            Check::ExpiredLeaseIsFenced => expired_lease_is_fenced(harness).await,
+            Check::LeaseUsesStoreClock => lease_uses_store_clock(harness).await,
+            Check::RetryWaitsAndCounts => retry_waits_and_counts(harness).await,
+            Check::DeadLettersRequeueDiscard => dead_letters_requeue_discard(harness).await,
+            Check::PurgeIsBounded => purge_is_bounded(harness).await,
+            Check::NotBeforeDelays => not_before_delays(harness).await,
+            Check::CrashKeepsLeases => crash_keeps_leases(harness).await,
+            Check::ExtendKeepsLease => extend_keeps_lease(harness).await,
+            Check::MessageRoundTrip => message_round_trip(harness).await,
+            Check::EnqueueRefusals => enqueue_refusals(harness).await,
+            Check::ConcurrentClaimsAreExclusive => concurrent_claims_are_exclusive(harness).await,
+        }
+    }
+
+    /// Run this check on a runtime of its own, for a plain `#[test]`. Blocking.
+    pub fn run_blocking(self, harness: &dyn Harness) -> Result<(), String> {
+        crate::property::runtime()?
+            .block_on(self.run(harness))
+            .map_err(|e| format!("{} failed check {self:?}: {e}", harness.name()))
+    }
+}

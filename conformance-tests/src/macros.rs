@@ -1,0 +1,78 @@
+//! The one-line entry point.
+
+/// Expand to one `#[test]` per check and property of the suite, run against the harness that
+/// `$harness` evaluates to (evaluated once per test).
+///
+/// ```ignore
+/// // tests/conformance.rs of a backend crate:
+/// outbox_conformance_tests::conformance_suite!(my_backend::tests::MyHarness::new());
+/// ```
+///
+/// For a backend that needs a server, give an `Option` (e.g. `None` when its URL variable is
+/// unset, after [`service_url`](crate::env::service_url) printed why) with `optional:`; each
+/// test then returns early when it is `None`:
+///
+/// ```ignore
+/// outbox_conformance_tests::conformance_suite!(optional: PgHarness::from_env());
+/// ```
+///
+/// Invoke it once per module (the tests have fixed names). The model property takes its
+/// number of cases from `PROPTEST_CASES` and saves failing seeds under `proptest-regressions/`.
+#[macro_export]
+macro_rules! conformance_suite {
+    (optional: $harness:expr) => {
+        $crate::__conformance_tests!(@opt $harness;
+            claim_respects_limit ClaimRespectsLimit,
+            no_phantoms NoPhantoms,
+            late_commit_is_claimed LateCommitIsClaimed,
+            per_key_head_of_line PerKeyHeadOfLine,
+            dead_head_blocks_or_skips DeadHeadBlocksOrSkips,
+            stale_token_is_fenced StaleTokenIsFenced,
+            expired_lease_is_fenced ExpiredLeaseIsFenced,
+            lease_uses_store_clock LeaseUsesStoreClock,
+            retry_waits_and_counts RetryWaitsAndCounts,
+            dead_letters_requeue_discard DeadLettersRequeueDiscard,
+            purge_is_bounded PurgeIsBounded,
+            not_before_delays NotBeforeDelays,
+            crash_keeps_leases CrashKeepsLeases,
+            extend_keeps_lease ExtendKeepsLease,
+            message_round_trip MessageRoundTrip,
+            enqueue_refusals EnqueueRefusals,
+            concurrent_claims_are_exclusive ConcurrentClaimsAreExclusive,
+        );
+    };
+    ($harness:expr) => {
+        $crate::conformance_suite!(optional: ::core::option::Option::Some($harness));
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_tests {
+    (@opt $harness:expr; $($name:ident $check:ident,)*) => {
+        $(
+            #[test]
+            fn $name() {
+                if let ::core::option::Option::Some(harness) = $harness {
+                    if let ::core::result::Result::Err(report) =
+                        $crate::checks::Check::$check.run_blocking(&harness)
+                    {
+                        ::core::panic!("{}", report);
+                    }
+                }
+            }
+        )*
+
+        #[test]
+        fn model_property() {
+            if let ::core::option::Option::Some(harness) = $harness {
+                if let ::core::result::Result::Err(report) = $crate::property::check_model(
+                    &harness,
+                    $crate::property::config(::core::file!()),
+                ) {
+                    ::core::panic!("{}", report);
+                }
+            }
+        }
+    };
+}

@@ -1,0 +1,1231 @@
+//! The reference model and the runner that plays a [`Scenario`] against a store under test,
+//! checking every invariant after every step.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_traits::{
+    Claim, ClaimRequest, Error, FailAction, Failure, HeadPolicy, LeaseToken, Message, NewMessage,
+    OutboxAdmin, OutboxStore,
+};
+use uuid::Uuid;
+
+use crate::harness::{HarnessCapabilities, HarnessStore, HarnessTx};
+use crate::scenario::{
+    relay_name, Advance, OutcomeSpec, Phase, Scenario, Step, KEYS, LEASE, MAX_ATTEMPTS, PURGE_AGE,
+    RELAYS, TX_SLOTS,
+};
+
+/// A broken invariant: which one, and what was seen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    /// The invariant's name, e.g. `no loss` or `fencing`.
+    pub invariant: &'static str,
+    /// What the store did and what the model expected.
+    pub detail: String,
+}
+
+fn violation(invariant: &'static str, detail: impl Into<String>) -> Violation {
+    Violation {
+        invariant,
+        detail: detail.into(),
+    }
+}
+
+fn store_error(what: &str, e: &Error) -> Violation {
+    violation("store error", format!("{what} failed: {e}"))
+}
+
+/// Causes a duplicate delivery may have; any other duplicate is a violation.
+const CAUSE_AMBIGUOUS: &str = "ambiguous publish";
+const CAUSE_CRASH: &str = "crash after publish before complete";
+const CAUSE_EXPIRY: &str = "lease expiry";
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Status {
+    /// In open transaction slot `n`.
+    Open(u8),
+    RolledBack,
+    Pending,
+    Leased {
+        claim: u64,
+        until: u64,
+    },
+    Published,
+    Dead,
+    Discarded,
+}
+
+#[derive(Debug)]
+struct Msg {
+    id: Uuid,
+    label: String,
+    key: Option<u8>,
+    /// Insert order; `seq` must follow it.
+    order: usize,
+    status: Status,
+    attempts: u32,
+    /// Model time (seconds) from which it is claimable.
+    due: u64,
+    last_error: Option<String>,
+    seq: Option<i64>,
+    delivered: u32,
+    /// Causes that allow one more duplicate delivery each.
+    causes: Vec<&'static str>,
+    ever_dead: bool,
+    published_at: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+enum Resolved {
+    Ack,
+    Retry { delay: Duration, reason: String },
+    Dead { reason: String },
+    NotAttempted,
+}
+
+struct Batch {
+    claim: u64,
+    token: LeaseToken,
+    ids: Vec<Uuid>,
+    outcomes: Option<Vec<Resolved>>,
+    /// Messages this relay's publish put on the broker (acked or ambiguous).
+    delivered: Vec<Uuid>,
+}
+
+#[derive(Default)]
+struct RelaySim {
+    handle: Option<Arc<dyn OutboxStore>>,
+    batch: Option<Batch>,
+}
+
+/// Plays scenarios against one fresh store, keeping the reference model beside it.
+pub struct Runner<'a> {
+    store: &'a dyn HarnessStore,
+    caps: HarnessCapabilities,
+    admin: Arc<dyn OutboxAdmin>,
+    policy: HeadPolicy,
+    now: u64,
+    msgs: Vec<Msg>,
+    by_id: HashMap<Uuid, usize>,
+    txs: Vec<Option<Box<dyn HarnessTx>>>,
+    relays: Vec<RelaySim>,
+    next_claim: u64,
+    purged: u64,
+    per_key: [u32; KEYS as usize],
+    unordered: u32,
+    log: Vec<String>,
+    attributed: BTreeMap<&'static str, u32>,
+}
+
+/// Play `scenario` against `store` and then drain it; on a broken invariant, return a report in
+/// words: the invariant, what was seen, and every step as it ran.
+pub async fn run_scenario(store: &dyn HarnessStore, scenario: &Scenario) -> Result<(), String> {
+    let mut runner = match Runner::new(store, scenario.head_policy).await {
+        Ok(runner) => runner,
+        Err(v) => return Err(format!("{}: {}", v.invariant, v.detail)),
+    };
+    let result = runner.play(&scenario.steps).await;
+    result.map_err(|v| runner.report(&v))
+}
+
+impl<'a> Runner<'a> {
+    async fn new(store: &'a dyn HarnessStore, policy: HeadPolicy) -> Result<Self, Violation> {
+        let admin = store
+            .admin()
+            .await
+            .map_err(|e| store_error("opening the admin handle", &e))?;
+        Ok(Self {
+            caps: store.capabilities(),
+            store,
+            admin,
+            policy,
+            now: 0,
+            msgs: Vec::new(),
+            by_id: HashMap::new(),
+            txs: (0..TX_SLOTS).map(|_| None).collect(),
+            relays: (0..=RELAYS).map(|_| RelaySim::default()).collect(),
+            next_claim: 1,
+            purged: 0,
+            per_key: [0; KEYS as usize],
+            unordered: 0,
+            log: Vec::new(),
+            attributed: BTreeMap::new(),
+        })
+    }
+
+    async fn play(&mut self, steps: &[Step]) -> Result<(), Violation> {
+        for step in steps {
+            self.log.push(format!("{step:?}"));
+            self.step(step).await?;
+            self.check_counts().await?;
+        }
+        self.log.push("final drain: faults off, every relay crashed, open transactions commit, clock +1 day, dead letters requeued, relay D drains".into());
+        self.drain().await
+    }
+
+    fn report(&self, v: &Violation) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "invariant broken: {}", v.invariant);
+        let _ = writeln!(out, "  {}", v.detail);
+        let _ = writeln!(out, "head policy {:?}; steps as run:", self.policy);
+        for (i, line) in self.log.iter().enumerate() {
+            let marker = if i + 1 == self.log.len() {
+                "  <-- broke here"
+            } else {
+                ""
+            };
+            let _ = writeln!(out, "  {:>2}. {line}{marker}", i + 1);
+        }
+        if !self.attributed.is_empty() {
+            let _ = writeln!(out, "duplicates so far, by cause: {:?}", self.attributed);
+        }
+        out
+    }
+
+    fn note(&mut self, text: impl AsRef<str>) {
+        if let Some(last) = self.log.last_mut() {
+            last.push_str(" -> ");
+            last.push_str(text.as_ref());
+        }
+    }
+
+    fn label(&self, id: &Uuid) -> String {
+        self.by_id.get(id).map_or_else(
+            || format!("unknown id {id}"),
+            |&i| self.msgs[i].label.clone(),
+        )
+    }
+
+    fn labels(&self, ids: &[Uuid]) -> String {
+        let names: Vec<String> = ids.iter().map(|id| self.label(id)).collect();
+        format!("[{}]", names.join(", "))
+    }
+
+    fn held_by(&self, i: usize, claim: u64) -> bool {
+        matches!(self.msgs[i].status, Status::Leased { claim: c, until } if c == claim && until > self.now)
+    }
+
+    async fn handle(&mut self, relay: usize) -> Result<Arc<dyn OutboxStore>, Violation> {
+        if let Some(h) = &self.relays[relay].handle {
+            return Ok(h.clone());
+        }
+        let h = self
+            .store
+            .relay()
+            .await
+            .map_err(|e| store_error("opening a relay handle", &e))?;
+        self.relays[relay].handle = Some(h.clone());
+        Ok(h)
+    }
+
+    async fn step(&mut self, step: &Step) -> Result<(), Violation> {
+        match step {
+            Step::Enqueue { tx, keys } => self.enqueue(*tx, keys).await,
+            Step::Commit { tx } => self.end_tx(*tx, true).await,
+            Step::Rollback { tx } => self.end_tx(*tx, false).await,
+            Step::Claim { relay, limit } => {
+                let relay = usize::from(*relay);
+                if self.relays[relay].batch.is_some() {
+                    self.note("skipped: it still holds a batch");
+                    return Ok(());
+                }
+                self.claim(relay, usize::from(*limit)).await.map(|_| ())
+            }
+            Step::Cycle {
+                relay,
+                limit,
+                outcomes,
+                until,
+            } => {
+                let relay = usize::from(*relay);
+                if self.relays[relay].batch.is_some() {
+                    self.note("skipped: it still holds a batch");
+                    return Ok(());
+                }
+                self.claim(relay, usize::from(*limit)).await?;
+                if *until == Phase::Claimed {
+                    return Ok(());
+                }
+                self.publish(relay, outcomes)?;
+                if *until == Phase::Published {
+                    return Ok(());
+                }
+                self.settle(relay).await
+            }
+            Step::Stale {
+                relay,
+                outcomes,
+                takeover,
+            } => {
+                let relay = usize::from(*relay);
+                if self.relays[relay].batch.is_some() {
+                    self.note("skipped: it still holds a batch");
+                    return Ok(());
+                }
+                if self.claim(relay, 4).await? == 0 {
+                    self.relays[relay].batch = None;
+                    return Ok(());
+                }
+                self.publish(relay, outcomes)?;
+                self.advance(Advance::PastLease).await?;
+                let other = (relay + 1) % usize::from(RELAYS);
+                if *takeover {
+                    if self.relays[other].batch.is_some() {
+                        self.note(format!(
+                            "relay {} still holds a batch: no takeover",
+                            relay_name(other as u8)
+                        ));
+                    } else {
+                        self.claim(other, 4).await?;
+                    }
+                }
+                self.settle(relay).await
+            }
+            Step::Publish { relay, outcomes } => self.publish(usize::from(*relay), outcomes),
+            Step::Settle { relay } => self.settle(usize::from(*relay)).await,
+            Step::Extend { relay } => self.extend(usize::from(*relay)).await,
+            Step::Crash { relay } => {
+                self.crash(usize::from(*relay));
+                Ok(())
+            }
+            Step::Advance(a) => self.advance(*a).await,
+            Step::Requeue { pick } => self.operator(*pick, true).await,
+            Step::Discard { pick } => self.operator(*pick, false).await,
+            Step::Purge { batch } => self.purge(usize::from(*batch)).await,
+        }
+    }
+
+    fn new_message(&mut self, key: Option<u8>, slot: u8) -> NewMessage {
+        let label = match key {
+            Some(k) => {
+                self.per_key[usize::from(k)] += 1;
+                format!("k{k}#{}", self.per_key[usize::from(k)])
+            }
+            None => {
+                self.unordered += 1;
+                format!("u#{}", self.unordered)
+            }
+        };
+        let aggregate = key.map_or_else(|| "none".to_string(), |k| format!("k{k}"));
+        let mut message = NewMessage::new(
+            "item",
+            aggregate,
+            "item.changed",
+            serde_json::json!({ "label": label }),
+        );
+        if key.is_none() {
+            message = message.unordered();
+        }
+        let order = self.msgs.len();
+        self.by_id.insert(message.id, order);
+        self.msgs.push(Msg {
+            id: message.id,
+            label,
+            key,
+            order,
+            status: Status::Open(slot),
+            attempts: 0,
+            due: 0,
+            last_error: None,
+            seq: None,
+            delivered: 0,
+            causes: Vec::new(),
+            ever_dead: false,
+            published_at: None,
+        });
+        message
+    }
+
+    async fn enqueue(&mut self, slot: u8, keys: &[Option<u8>]) -> Result<(), Violation> {
+        let concurrent = self.caps.concurrent_transactions;
+        // A key is written by one open transaction at a time, as when applications lock the
+        // aggregate row: then the commit order of a key's messages is their insert order.
+        let locked: HashSet<u8> = self
+            .msgs
+            .iter()
+            .filter_map(|m| match m.status {
+                Status::Open(s) if s != slot => m.key,
+                _ => None,
+            })
+            .collect();
+        let mut batch = Vec::new();
+        let mut skipped = Vec::new();
+        for key in keys {
+            if key.is_some_and(|k| locked.contains(&k)) {
+                skipped.push(format!("k{}", key.unwrap_or_default()));
+                continue;
+            }
+            batch.push(self.new_message(*key, slot));
+        }
+        let ids: Vec<Uuid> = batch.iter().map(|m| m.id).collect();
+        let mut text = format!("wrote {}", self.labels(&ids));
+        if !skipped.is_empty() {
+            let _ = write!(
+                text,
+                " (skipped {} locked by another open tx)",
+                skipped.join(", ")
+            );
+        }
+        if batch.is_empty() {
+            self.note(text);
+            return Ok(());
+        }
+        let slot_ix = usize::from(slot);
+        if self.txs[slot_ix].is_none() {
+            let tx = self
+                .store
+                .begin()
+                .await
+                .map_err(|e| store_error("begin", &e))?;
+            self.txs[slot_ix] = Some(tx);
+        }
+        if let Some(tx) = self.txs[slot_ix].as_mut() {
+            tx.enqueue(&batch)
+                .await
+                .map_err(|e| store_error("enqueue", &e))?;
+        }
+        if !concurrent {
+            // One writer: the transaction opens, writes and commits within this step.
+            text.push_str(", committed at once (store allows one open transaction)");
+            self.note(text);
+            return self.end_tx(slot, true).await;
+        }
+        self.note(text);
+        Ok(())
+    }
+
+    async fn end_tx(&mut self, slot: u8, commit: bool) -> Result<(), Violation> {
+        let Some(tx) = self.txs[usize::from(slot)].take() else {
+            self.note("skipped: no open transaction");
+            return Ok(());
+        };
+        if commit {
+            tx.commit().await.map_err(|e| store_error("commit", &e))?;
+        } else {
+            tx.rollback()
+                .await
+                .map_err(|e| store_error("rollback", &e))?;
+        }
+        let now = self.now;
+        let mut ids = Vec::new();
+        for m in &mut self.msgs {
+            if m.status == Status::Open(slot) {
+                m.status = if commit {
+                    Status::Pending
+                } else {
+                    Status::RolledBack
+                };
+                m.due = now;
+                ids.push(m.id);
+            }
+        }
+        let labels = self.labels(&ids);
+        self.note(if commit {
+            format!("committed {labels}")
+        } else {
+            format!("rolled back {labels}")
+        });
+        Ok(())
+    }
+
+    /// Claim for `relay` and check the claim against the model; returns the claimed count.
+    async fn claim(&mut self, relay: usize, limit: usize) -> Result<usize, Violation> {
+        let handle = self.handle(relay).await?;
+        let req = ClaimRequest {
+            limit,
+            lease: LEASE,
+            head_policy: self.policy,
+        };
+        let claim = handle
+            .claim(&req)
+            .await
+            .map_err(|e| store_error("claim", &e))?;
+        let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
+        self.note(format!("got {}", self.labels(&ids)));
+        self.check_claim(&claim, limit)?;
+        let serial = self.next_claim;
+        self.next_claim += 1;
+        let until = self.now + LEASE.as_secs();
+        for id in &ids {
+            let i = self.by_id[id];
+            if let Status::Leased { claim: old, .. } = self.msgs[i].status {
+                // Taken over after expiry: if the old holder already published it, this
+                // relay will publish it again.
+                let old_delivered = self.relays.iter().any(|r| {
+                    r.batch
+                        .as_ref()
+                        .is_some_and(|b| b.claim == old && b.delivered.contains(id))
+                });
+                if old_delivered {
+                    self.msgs[i].causes.push(CAUSE_EXPIRY);
+                }
+            }
+            self.msgs[i].status = Status::Leased {
+                claim: serial,
+                until,
+            };
+        }
+        let n = ids.len();
+        self.relays[relay].batch = Some(Batch {
+            claim: serial,
+            token: claim.token,
+            ids,
+            outcomes: None,
+            delivered: Vec::new(),
+        });
+        Ok(n)
+    }
+
+    fn check_claim(&mut self, claim: &Claim, limit: usize) -> Result<(), Violation> {
+        if claim.messages.len() > limit {
+            return Err(violation(
+                "claim limit",
+                format!(
+                    "claim with limit {limit} returned {} messages",
+                    claim.messages.len()
+                ),
+            ));
+        }
+        let mut seen = HashSet::new();
+        for (pos, m) in claim.messages.iter().enumerate() {
+            let Some(&i) = self.by_id.get(&m.id) else {
+                return Err(violation(
+                    "no phantom",
+                    format!(
+                        "claim returned message id {} that was never enqueued (a phantom, or an id that changed between attempts)",
+                        m.id
+                    ),
+                ));
+            };
+            let label = self.msgs[i].label.clone();
+            if !seen.insert(m.id) {
+                return Err(violation(
+                    "claim exclusivity",
+                    format!("claim returned {label} twice"),
+                ));
+            }
+            let now = self.now;
+            let msg = &self.msgs[i];
+            let refused = match msg.status {
+                Status::Open(slot) => Some((
+                    "no phantom",
+                    format!("{label} is in transaction tx{}, not committed", slot + 1),
+                )),
+                Status::RolledBack => Some(("no phantom", format!("{label} was rolled back"))),
+                Status::Discarded => Some(("no phantom", format!("{label} was discarded"))),
+                Status::Published => {
+                    Some(("claim eligibility", format!("{label} is already published")))
+                }
+                Status::Dead => Some(("claim eligibility", format!("{label} is dead"))),
+                Status::Leased { until, .. } if until > now => Some((
+                    "claim exclusivity",
+                    format!(
+                        "{label} is leased to another claim for {} more seconds",
+                        until - now
+                    ),
+                )),
+                Status::Pending if msg.due > now => Some((
+                    "claim eligibility",
+                    format!("{label} is not due for {} more seconds", msg.due - now),
+                )),
+                _ => None,
+            };
+            if let Some((invariant, detail)) = refused {
+                return Err(violation(invariant, format!("claim returned {detail}")));
+            }
+            if m.attempts != msg.attempts {
+                return Err(violation(
+                    "exact attempts",
+                    format!(
+                        "claim returned {label} with attempts {}, expected {}",
+                        m.attempts, msg.attempts
+                    ),
+                ));
+            }
+            self.check_payload(i, m)?;
+            self.check_seq(i, m.seq)?;
+            // Per-key order: every earlier unpublished message of the key is in this claim,
+            // before this one.
+            if let Some(k) = self.msgs[i].key {
+                let earlier_in_claim: HashSet<Uuid> =
+                    claim.messages[..pos].iter().map(|m| m.id).collect();
+                for p in &self.msgs[..self.msgs[i].order] {
+                    let holds_back = p.key == Some(k)
+                        && match p.status {
+                            Status::Pending | Status::Leased { .. } => true,
+                            Status::Dead => self.policy == HeadPolicy::Block,
+                            _ => false,
+                        };
+                    if holds_back && !earlier_in_claim.contains(&p.id) {
+                        return Err(violation(
+                            "per-key order",
+                            format!(
+                                "claim returned {label} while the earlier {} of key k{k} ({}) was not returned before it",
+                                p.label,
+                                describe(p.status, self.now)
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_payload(&self, i: usize, m: &Message) -> Result<(), Violation> {
+        let label = &self.msgs[i].label;
+        let got: Option<serde_json::Value> = serde_json::from_str(&m.payload).ok();
+        let want = serde_json::json!({ "label": label });
+        if got.as_ref() != Some(&want) {
+            return Err(violation(
+                "message integrity",
+                format!("{label} came back with payload {:?}", m.payload),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_seq(&mut self, i: usize, seq: i64) -> Result<(), Violation> {
+        if let Some(old) = self.msgs[i].seq {
+            if old != seq {
+                return Err(violation(
+                    "stable seq",
+                    format!("{} changed seq from {old} to {seq}", self.msgs[i].label),
+                ));
+            }
+            return Ok(());
+        }
+        for other in &self.msgs {
+            if let Some(s) = other.seq {
+                if (other.order < i) != (s < seq) {
+                    return Err(violation(
+                        "seq follows insert order",
+                        format!(
+                            "{} (inserted {}) has seq {seq}, {} (inserted {}) has seq {s}",
+                            self.msgs[i].label,
+                            if other.order < i { "later" } else { "earlier" },
+                            other.label,
+                            if other.order < i { "earlier" } else { "later" },
+                        ),
+                    ));
+                }
+            }
+        }
+        self.msgs[i].seq = Some(seq);
+        Ok(())
+    }
+
+    fn publish(&mut self, relay: usize, specs: &[OutcomeSpec]) -> Result<(), Violation> {
+        let Some(batch) = self.relays[relay].batch.as_ref() else {
+            self.note("skipped: nothing claimed");
+            return Ok(());
+        };
+        if batch.outcomes.is_some() {
+            self.note("skipped: already published");
+            return Ok(());
+        }
+        let ids = batch.ids.clone();
+        let claim = batch.claim;
+        let mut stopped = HashSet::new();
+        let mut resolved = Vec::with_capacity(ids.len());
+        let mut words = Vec::new();
+        let mut delivered_ids = Vec::new();
+        for (n, id) in ids.iter().enumerate() {
+            let i = self.by_id[id];
+            let key = self.msgs[i].key;
+            let spec = specs
+                .get(n % specs.len().max(1))
+                .copied()
+                .unwrap_or(OutcomeSpec::Ack);
+            if key.is_some_and(|k| stopped.contains(&k)) {
+                resolved.push(Resolved::NotAttempted);
+                words.push(format!("{} not attempted", self.msgs[i].label));
+                continue;
+            }
+            let (outcome, delivered) = match spec {
+                OutcomeSpec::Ack => (Resolved::Ack, true),
+                OutcomeSpec::Transient(_) => (
+                    Resolved::Retry {
+                        delay: spec.delay(),
+                        reason: "transient: broker unavailable".into(),
+                    },
+                    false,
+                ),
+                OutcomeSpec::Ambiguous(_) => (
+                    Resolved::Retry {
+                        delay: spec.delay(),
+                        reason: "ambiguous: timed out after sending".into(),
+                    },
+                    true,
+                ),
+                OutcomeSpec::Permanent => (
+                    Resolved::Dead {
+                        reason: "permanent: broker rejected the message".into(),
+                    },
+                    false,
+                ),
+            };
+            if !matches!(outcome, Resolved::Ack) {
+                if let Some(k) = key {
+                    stopped.insert(k);
+                }
+            }
+            words.push(format!("{} {spec:?}", self.msgs[i].label));
+            if delivered {
+                delivered_ids.push(*id);
+                let stale = !self.held_by(i, claim);
+                self.deliver(i, stale)?;
+                if matches!(spec, OutcomeSpec::Ambiguous(_)) {
+                    self.msgs[i].causes.push(CAUSE_AMBIGUOUS);
+                }
+            }
+            resolved.push(outcome);
+        }
+        self.note(words.join(", "));
+        if let Some(batch) = self.relays[relay].batch.as_mut() {
+            batch.outcomes = Some(resolved);
+            batch.delivered = delivered_ids;
+        }
+        Ok(())
+    }
+
+    /// Record one delivery of message `i` to the broker and check order and duplicates.
+    fn deliver(&mut self, i: usize, stale: bool) -> Result<(), Violation> {
+        let label = self.msgs[i].label.clone();
+        if self.msgs[i].delivered == 0 {
+            if let Some(k) = self.msgs[i].key {
+                for p in &self.msgs[..self.msgs[i].order] {
+                    if p.key != Some(k)
+                        || matches!(p.status, Status::RolledBack | Status::Discarded)
+                        || p.delivered > 0
+                        || (self.policy == HeadPolicy::Skip && p.ever_dead)
+                    {
+                        continue;
+                    }
+                    return Err(violation(
+                        "per-key order",
+                        format!(
+                            "{label} was delivered for the first time before the earlier {} of key k{k} ({})",
+                            p.label,
+                            describe(p.status, self.now)
+                        ),
+                    ));
+                }
+            }
+        } else if stale {
+            *self.attributed.entry(CAUSE_EXPIRY).or_default() += 1;
+        } else if let Some(cause) = self.msgs[i].causes.pop() {
+            *self.attributed.entry(cause).or_default() += 1;
+        } else {
+            return Err(violation(
+                "duplicates only from listed causes",
+                format!(
+                    "{label} was delivered again (delivery {}) with no ambiguous publish, crash after publish or lease expiry to explain it",
+                    self.msgs[i].delivered + 1
+                ),
+            ));
+        }
+        if stale {
+            // The relay that holds it now will deliver it again.
+            self.msgs[i].causes.push(CAUSE_EXPIRY);
+        }
+        self.msgs[i].delivered += 1;
+        Ok(())
+    }
+
+    fn expect_fenced(
+        &self,
+        what: &str,
+        result: Result<(), Error>,
+        lost: &[Uuid],
+    ) -> Result<(), Violation> {
+        match result {
+            Ok(()) if lost.is_empty() => Ok(()),
+            Ok(()) => Err(violation(
+                "fencing",
+                format!(
+                    "{what} succeeded, but the lease on {} was no longer held (expired or taken over): it must return LeaseLost and change nothing",
+                    self.labels(lost)
+                ),
+            )),
+            Err(Error::LeaseLost { ids }) => {
+                let got: HashSet<Uuid> = ids.iter().copied().collect();
+                let want: HashSet<Uuid> = lost.iter().copied().collect();
+                if got == want {
+                    Ok(())
+                } else {
+                    Err(violation(
+                        "fencing",
+                        format!(
+                            "{what} returned LeaseLost for {}, expected it for exactly {}",
+                            self.labels(&ids),
+                            self.labels(lost)
+                        ),
+                    ))
+                }
+            }
+            Err(e) => Err(store_error(what, &e)),
+        }
+    }
+
+    async fn settle(&mut self, relay: usize) -> Result<(), Violation> {
+        let Some(batch) = self.relays[relay].batch.take() else {
+            self.note("skipped: nothing claimed");
+            return Ok(());
+        };
+        let handle = self.handle(relay).await?;
+        let outcomes = batch
+            .outcomes
+            .clone()
+            .unwrap_or_else(|| vec![Resolved::NotAttempted; batch.ids.len()]);
+        let mut acked = Vec::new();
+        let mut failures = Vec::new();
+        let mut released = Vec::new();
+        for (id, outcome) in batch.ids.iter().zip(&outcomes) {
+            let i = self.by_id[id];
+            match outcome {
+                Resolved::Ack => acked.push(*id),
+                Resolved::NotAttempted => released.push(*id),
+                Resolved::Retry { delay, reason } => {
+                    let action = if self.msgs[i].attempts + 1 >= MAX_ATTEMPTS {
+                        FailAction::Dead
+                    } else {
+                        FailAction::Retry { delay: *delay }
+                    };
+                    failures.push(Failure {
+                        id: *id,
+                        error: reason.clone(),
+                        action,
+                    });
+                }
+                Resolved::Dead { reason } => failures.push(Failure {
+                    id: *id,
+                    error: reason.clone(),
+                    action: FailAction::Dead,
+                }),
+            }
+        }
+        let lost_of = |this: &Self, ids: &[Uuid]| -> Vec<Uuid> {
+            ids.iter()
+                .copied()
+                .filter(|id| !this.held_by(this.by_id[id], batch.claim))
+                .collect()
+        };
+        let mut words = Vec::new();
+        if !acked.is_empty() {
+            let lost = lost_of(self, &acked);
+            let result = handle.complete(batch.token, &acked).await;
+            self.expect_fenced("complete", result, &lost)?;
+            for id in &acked {
+                let i = self.by_id[id];
+                if lost.contains(id) {
+                    // Published but not marked: the message will be published again.
+                    self.msgs[i].causes.push(CAUSE_EXPIRY);
+                } else {
+                    self.msgs[i].status = Status::Published;
+                    self.msgs[i].published_at = Some(self.now);
+                }
+            }
+            words.push(format!(
+                "complete {} (lease lost on {})",
+                self.labels(&acked),
+                self.labels(&lost)
+            ));
+        }
+        if !failures.is_empty() {
+            let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
+            let lost = lost_of(self, &ids);
+            let result = handle.fail(batch.token, &failures).await;
+            self.expect_fenced("fail", result, &lost)?;
+            let mut parts = Vec::new();
+            for f in &failures {
+                let i = self.by_id[&f.id];
+                let action = match f.action {
+                    FailAction::Retry { delay } => format!("retry in {delay:?}"),
+                    FailAction::Dead => "dead".to_string(),
+                };
+                parts.push(format!("{} {action}", self.msgs[i].label));
+                if lost.contains(&f.id) {
+                    continue;
+                }
+                let m = &mut self.msgs[i];
+                m.attempts += 1;
+                m.last_error = Some(f.error.clone());
+                match f.action {
+                    FailAction::Retry { delay } => {
+                        m.status = Status::Pending;
+                        m.due = self.now + delay.as_secs();
+                    }
+                    FailAction::Dead => {
+                        m.status = Status::Dead;
+                        m.ever_dead = true;
+                    }
+                }
+            }
+            words.push(format!(
+                "fail [{}] (lease lost on {})",
+                parts.join(", "),
+                self.labels(&lost)
+            ));
+        }
+        if !released.is_empty() {
+            let lost = lost_of(self, &released);
+            let result = handle.release(batch.token, &released).await;
+            self.expect_fenced("release", result, &lost)?;
+            for id in &released {
+                if !lost.contains(id) {
+                    let i = self.by_id[id];
+                    self.msgs[i].status = Status::Pending;
+                    self.msgs[i].due = self.now;
+                }
+            }
+            words.push(format!(
+                "release {} (lease lost on {})",
+                self.labels(&released),
+                self.labels(&lost)
+            ));
+        }
+        self.note(words.join("; "));
+        Ok(())
+    }
+
+    async fn extend(&mut self, relay: usize) -> Result<(), Violation> {
+        let Some((claim, token, ids)) = self.relays[relay]
+            .batch
+            .as_ref()
+            .map(|b| (b.claim, b.token, b.ids.clone()))
+        else {
+            self.note("skipped: nothing claimed");
+            return Ok(());
+        };
+        let handle = self.handle(relay).await?;
+        let held: Vec<usize> = ids
+            .iter()
+            .map(|id| self.by_id[id])
+            .filter(|&i| self.held_by(i, claim))
+            .collect();
+        let result = handle.extend(token, LEASE).await;
+        match (result, held.is_empty()) {
+            (Ok(_), false) => {
+                let until = self.now + LEASE.as_secs();
+                for i in held {
+                    self.msgs[i].status = Status::Leased { claim, until };
+                }
+                self.note("extended");
+                Ok(())
+            }
+            (Err(Error::LeaseLost { .. }), true) => {
+                self.note("LeaseLost, as nothing is held any more");
+                Ok(())
+            }
+            (Ok(_), true) => Err(violation(
+                "fencing",
+                "extend succeeded although every lease of the claim had expired or been taken over (an expired lease must not be revived)",
+            )),
+            (Err(Error::LeaseLost { .. }), false) => Err(violation(
+                "fencing",
+                "extend returned LeaseLost although the claim still holds unexpired leases",
+            )),
+            (Err(e), _) => Err(store_error("extend", &e)),
+        }
+    }
+
+    fn crash(&mut self, relay: usize) {
+        let sim = std::mem::take(&mut self.relays[relay]);
+        if let Some(
+            batch @ Batch {
+                outcomes: Some(_), ..
+            },
+        ) = &sim.batch
+        {
+            for id in &batch.delivered {
+                let i = self.by_id[id];
+                self.msgs[i].causes.push(CAUSE_CRASH);
+            }
+            self.note("crashed after publishing, before completing: its leases stay");
+        } else if sim.batch.is_some() {
+            self.note("crashed between claim and publish: its leases stay");
+        } else {
+            self.note("crashed holding nothing");
+        }
+        // Dropping the handle closes the relay's connections without releasing anything.
+        drop(sim);
+    }
+
+    async fn advance(&mut self, a: Advance) -> Result<(), Violation> {
+        self.store
+            .advance_time(a.duration())
+            .await
+            .map_err(|e| store_error("advance_time", &e))?;
+        self.now += a.duration().as_secs();
+        Ok(())
+    }
+
+    fn dead_in_order(&self) -> Vec<usize> {
+        (0..self.msgs.len())
+            .filter(|&i| self.msgs[i].status == Status::Dead)
+            .collect()
+    }
+
+    async fn check_dead_list(&self) -> Result<(), Violation> {
+        let listed = self
+            .admin
+            .list_dead(None, 10_000)
+            .await
+            .map_err(|e| store_error("list_dead", &e))?;
+        let want = self.dead_in_order();
+        let got: Vec<Uuid> = listed.iter().map(|d| d.message.id).collect();
+        let want_ids: Vec<Uuid> = want.iter().map(|&i| self.msgs[i].id).collect();
+        if got != want_ids {
+            return Err(violation(
+                "dead letters",
+                format!(
+                    "list_dead returned {}, expected {} (oldest first)",
+                    self.labels(&got),
+                    self.labels(&want_ids)
+                ),
+            ));
+        }
+        for (d, &i) in listed.iter().zip(&want) {
+            let m = &self.msgs[i];
+            if Some(&d.last_error) != m.last_error.as_ref() {
+                return Err(violation(
+                    "every dead message has its reason",
+                    format!(
+                        "{} is dead with last error {:?}, expected {:?}",
+                        m.label, d.last_error, m.last_error
+                    ),
+                ));
+            }
+            if d.message.attempts != m.attempts {
+                return Err(violation(
+                    "exact attempts",
+                    format!(
+                        "dead {} lists attempts {}, expected {}",
+                        m.label, d.message.attempts, m.attempts
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    async fn operator(&mut self, pick: u8, requeue: bool) -> Result<(), Violation> {
+        self.check_dead_list().await?;
+        let dead = self.dead_in_order();
+        let (target, expect) = if dead.is_empty() {
+            // Nothing dead: the call must ignore a live message.
+            match self.msgs.iter().position(|m| {
+                matches!(
+                    m.status,
+                    Status::Pending | Status::Leased { .. } | Status::Published
+                )
+            }) {
+                Some(i) => (i, 0),
+                None => {
+                    self.note("skipped: no messages");
+                    return Ok(());
+                }
+            }
+        } else {
+            (dead[usize::from(pick) % dead.len()], 1)
+        };
+        let id = self.msgs[target].id;
+        let what = if requeue { "requeue" } else { "discard" };
+        let n = if requeue {
+            self.admin.requeue(&[id]).await
+        } else {
+            self.admin.discard(&[id]).await
+        }
+        .map_err(|e| store_error(what, &e))?;
+        if n != expect {
+            return Err(violation(
+                "dead letters",
+                format!(
+                    "{what} of {} ({}) returned {n}, expected {expect}",
+                    self.msgs[target].label,
+                    describe(self.msgs[target].status, self.now)
+                ),
+            ));
+        }
+        if expect == 1 {
+            let m = &mut self.msgs[target];
+            if requeue {
+                m.status = Status::Pending;
+                m.attempts = 0;
+                m.due = self.now;
+            } else {
+                m.status = Status::Discarded;
+            }
+        }
+        self.note(format!("{what} {} -> {n}", self.msgs[target].label));
+        Ok(())
+    }
+
+    async fn purge(&mut self, batch: usize) -> Result<(), Violation> {
+        let old = self
+            .msgs
+            .iter()
+            .filter(|m| {
+                m.status == Status::Published
+                    && m.published_at
+                        .is_some_and(|at| at + PURGE_AGE.as_secs() < self.now)
+            })
+            .count() as u64;
+        // Which old ones a store deletes is its choice; the model only tracks how many.
+        let purgeable = old.saturating_sub(self.purged);
+        let want = purgeable.min(batch as u64);
+        let n = self
+            .admin
+            .purge_published(PURGE_AGE, batch)
+            .await
+            .map_err(|e| store_error("purge_published", &e))?;
+        if n != want {
+            return Err(violation(
+                "bounded purge",
+                format!(
+                    "purge_published(older than {PURGE_AGE:?}, at most {batch}) deleted {n}, expected {want} ({purgeable} published messages were old enough)"
+                ),
+            ));
+        }
+        self.purged += n;
+        self.note(format!("deleted {n}"));
+        Ok(())
+    }
+
+    async fn check_counts(&self) -> Result<(), Violation> {
+        let counts = self
+            .admin
+            .counts()
+            .await
+            .map_err(|e| store_error("counts", &e))?;
+        let mut want = outbox_traits::Counts::default();
+        let mut committed = 0u64;
+        for m in &self.msgs {
+            match m.status {
+                Status::Pending => want.pending += 1,
+                Status::Leased { .. } => want.leased += 1,
+                Status::Published => want.published += 1,
+                Status::Dead => want.dead += 1,
+                Status::Open(_) | Status::RolledBack | Status::Discarded => continue,
+            }
+            committed += 1;
+        }
+        want.published -= self.purged.min(want.published);
+        if counts != want {
+            return Err(violation(
+                "accounting",
+                format!(
+                    "counts() = {counts:?}, expected {want:?} ({committed} committed and not discarded = published + dead + pending + in flight, {} purged)",
+                    self.purged
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    async fn drain(&mut self) -> Result<(), Violation> {
+        for relay in 0..self.relays.len() {
+            self.crash(relay);
+        }
+        for slot in 0..TX_SLOTS {
+            if self.txs[usize::from(slot)].is_some() {
+                self.end_tx(slot, true).await?;
+            }
+        }
+        let day = Duration::from_secs(86_400);
+        self.store
+            .advance_time(day)
+            .await
+            .map_err(|e| store_error("advance_time", &e))?;
+        self.now += day.as_secs();
+        self.check_dead_list().await?;
+        let dead: Vec<Uuid> = self
+            .dead_in_order()
+            .into_iter()
+            .map(|i| self.msgs[i].id)
+            .collect();
+        if !dead.is_empty() {
+            let n = self
+                .admin
+                .requeue(&dead)
+                .await
+                .map_err(|e| store_error("requeue", &e))?;
+            if n != dead.len() as u64 {
+                return Err(violation(
+                    "dead letters",
+                    format!("requeue of {} dead messages returned {n}", dead.len()),
+                ));
+            }
+            for id in &dead {
+                let i = self.by_id[id];
+                self.msgs[i].status = Status::Pending;
+                self.msgs[i].attempts = 0;
+                self.msgs[i].due = self.now;
+            }
+        }
+        self.check_counts().await?;
+        let drain_relay = usize::from(RELAYS);
+        let committed = self
+            .msgs
+            .iter()
+            .filter(|m| !matches!(m.status, Status::RolledBack | Status::Discarded))
+            .count();
+        // Each round publishes at least one message, so this bound only stops a store that
+        // keeps handing out nothing new.
+        for _ in 0..=committed + 1 {
+            self.log
+                .push(format!("relay {} claims 4", relay_name(RELAYS)));
+            let n = self.claim(drain_relay, 4).await?;
+            if n == 0 {
+                self.relays[drain_relay].batch = None;
+                break;
+            }
+            self.log
+                .push(format!("relay {} publishes (ack)", relay_name(RELAYS)));
+            self.publish(drain_relay, &[OutcomeSpec::Ack])?;
+            self.log
+                .push(format!("relay {} settles", relay_name(RELAYS)));
+            self.settle(drain_relay).await?;
+            self.check_counts().await?;
+        }
+        let lost: Vec<Uuid> = self
+            .msgs
+            .iter()
+            .filter(|m| !matches!(m.status, Status::RolledBack | Status::Discarded))
+            .filter(|m| m.status != Status::Published || m.delivered == 0)
+            .map(|m| m.id)
+            .collect();
+        if !lost.is_empty() {
+            let i = self.by_id[&lost[0]];
+            return Err(violation(
+                "no loss",
+                format!(
+                    "with faults off and every lease and retry due, the drain never published {} ({} of them is {})",
+                    self.labels(&lost),
+                    self.msgs[i].label,
+                    describe(self.msgs[i].status, self.now)
+                ),
+            ));
+        }
+        self.check_counts().await
+    }
+}
+
+fn describe(status: Status, now: u64) -> String {
+    match status {
+        Status::Open(slot) => format!("uncommitted in tx{}", slot + 1),
+        Status::RolledBack => "rolled back".into(),
+        Status::Pending => "pending".into(),
+        Status::Leased { until, .. } if until > now => {
+            format!("leased for {} more seconds", until - now)
+        }
+        Status::Leased { .. } => "leased, lease expired".into(),
+        Status::Published => "published".into(),
+        Status::Dead => "dead".into(),
+        Status::Discarded => "discarded".into(),
+    }
+}

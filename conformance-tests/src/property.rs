@@ -1,0 +1,68 @@
+//! The model property: generated scenarios played against fresh stores.
+
+use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError, TestError, TestRunner};
+
+use crate::harness::Harness;
+use crate::model::run_scenario;
+use crate::scenario::scenario;
+
+/// The proptest configuration the suite uses: cases from `PROPTEST_CASES` (256 when unset),
+/// failing seeds saved under `proptest-regressions/` beside the calling crate's sources and
+/// replayed first on the next run.
+///
+/// `source_file` is the caller's `file!()`; it names the file seeds are saved in.
+pub fn config(source_file: &'static str) -> Config {
+    Config {
+        source_file: Some(source_file),
+        failure_persistence: Some(Box::new(FileFailurePersistence::SourceParallel(
+            "proptest-regressions",
+        ))),
+        ..Config::default()
+    }
+}
+
+/// A runtime for the blocking entry points: multi-threaded, so checks that race relays run in
+/// parallel for real.
+pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start a tokio runtime: {e}"))
+}
+
+/// Run the model property against `harness` with `config`: every generated scenario is played
+/// on a fresh store and must keep every invariant.
+///
+/// Blocking (it owns its runtime): call it from a plain `#[test]`, not from async code.
+/// Returns the report of the shrunk failing scenario, in words.
+pub fn check_model(harness: &dyn Harness, config: Config) -> Result<(), String> {
+    let rt = runtime()?;
+    let mut runner = TestRunner::new(config);
+    let result = runner.run(&scenario(), |scenario| {
+        rt.block_on(async {
+            let store = harness
+                .fresh()
+                .await
+                .map_err(|e| TestCaseError::fail(format!("harness could not make a store: {e}")))?;
+            run_scenario(&*store, &scenario)
+                .await
+                .map_err(TestCaseError::fail)?;
+            store
+                .teardown()
+                .await
+                .map_err(|e| TestCaseError::fail(format!("harness teardown failed: {e}")))
+        })
+    });
+    match result {
+        Ok(()) => Ok(()),
+        Err(TestError::Fail(reason, scenario)) => Err(format!(
+            "{} broke the model property.\n{reason}\nshrunk scenario as generated:\n{scenario:?}",
+            harness.name()
+        )),
+        Err(TestError::Abort(reason)) => Err(format!(
+            "{}: model property aborted: {reason}",
+            harness.name()
+        )),
+    }
+}

@@ -1,0 +1,338 @@
+//! The generated input of the model property: a head policy and a sequence of steps.
+
+use std::fmt;
+use std::time::Duration;
+
+use outbox_traits::HeadPolicy;
+use proptest::prelude::*;
+
+/// How long every claim in the property leases its messages.
+pub const LEASE: Duration = Duration::from_secs(600);
+/// Published messages older than this are purgeable in a purge step.
+pub const PURGE_AGE: Duration = Duration::from_secs(100);
+/// The model's relays dead-letter a message on its third failed attempt.
+pub const MAX_ATTEMPTS: u32 = 3;
+/// How many business transactions can be open at once.
+pub const TX_SLOTS: u8 = 3;
+/// How many relays take turns.
+pub const RELAYS: u8 = 2;
+/// How many partition keys messages spread over.
+pub const KEYS: u8 = 2;
+
+// Time steps are chosen so that no sum of them lands within 20 s of a lease end, a retry due
+// time or the purge age: the result never depends on `<` versus `<=`, nor on the few
+// milliseconds of real time a case against a real database takes.
+const TICK: u64 = 70;
+const PAST_LEASE: u64 = 610;
+const PAST_RETRIES: u64 = 3600;
+const RETRY_DELAYS: [u64; 3] = [0, 45, 300];
+
+/// How far a time step moves the store's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Advance {
+    /// 70 s: less than a lease, more than the shortest retry delays.
+    Tick,
+    /// 610 s: past every lease taken before it.
+    PastLease,
+    /// One hour: past every lease and retry.
+    PastRetries,
+}
+
+impl Advance {
+    /// The step as a duration.
+    pub fn duration(self) -> Duration {
+        Duration::from_secs(match self {
+            Advance::Tick => TICK,
+            Advance::PastLease => PAST_LEASE,
+            Advance::PastRetries => PAST_RETRIES,
+        })
+    }
+}
+
+/// How far a [`Step::Cycle`] goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Stop holding the claimed batch (a later step publishes, settles or crashes).
+    Claimed,
+    /// Stop after publishing, before completing.
+    Published,
+    /// Complete, fail and release: the batch is done.
+    Settled,
+}
+
+/// What the simulated broker answers for one message.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum OutcomeSpec {
+    /// Acknowledged.
+    Ack,
+    /// Transient failure; retried after the given delay (index into the retry delays).
+    Transient(u8),
+    /// Permanent failure: dead-lettered.
+    Permanent,
+    /// Timed out after sending: may be stored; retried after the given delay.
+    Ambiguous(u8),
+}
+
+impl OutcomeSpec {
+    /// The retry delay this outcome asks for, if it is retried.
+    pub fn delay(self) -> Duration {
+        match self {
+            OutcomeSpec::Transient(i) | OutcomeSpec::Ambiguous(i) => {
+                Duration::from_secs(RETRY_DELAYS[usize::from(i) % RETRY_DELAYS.len()])
+            }
+            OutcomeSpec::Ack | OutcomeSpec::Permanent => Duration::ZERO,
+        }
+    }
+}
+
+impl fmt::Debug for OutcomeSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OutcomeSpec::Ack => write!(f, "ack"),
+            OutcomeSpec::Transient(_) => write!(f, "transient (retry in {:?})", self.delay()),
+            OutcomeSpec::Permanent => write!(f, "permanent"),
+            OutcomeSpec::Ambiguous(_) => write!(f, "ambiguous (retry in {:?})", self.delay()),
+        }
+    }
+}
+
+/// One generated step. Steps that do not apply when they run (e.g. publishing with nothing
+/// claimed) are skipped, which keeps every shrunk sequence runnable.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Business transaction `tx` (opened if needed) enqueues messages, one per entry: `Some(k)`
+    /// is partition key `k`, `None` an unordered message.
+    Enqueue {
+        /// Transaction slot.
+        tx: u8,
+        /// Keys of the messages.
+        keys: Vec<Option<u8>>,
+    },
+    /// Transaction `tx` commits.
+    Commit {
+        /// Transaction slot.
+        tx: u8,
+    },
+    /// Transaction `tx` rolls back.
+    Rollback {
+        /// Transaction slot.
+        tx: u8,
+    },
+    /// A relay claims up to `limit` messages.
+    Claim {
+        /// Which relay.
+        relay: u8,
+        /// Claim limit.
+        limit: u8,
+    },
+    /// A relay publishes its claimed batch; outcomes repeat over the batch.
+    Publish {
+        /// Which relay.
+        relay: u8,
+        /// Broker answers, cycled over the batch.
+        outcomes: Vec<OutcomeSpec>,
+    },
+    /// A relay claims, then (as far as `until` says) publishes and settles, in one step.
+    Cycle {
+        /// Which relay.
+        relay: u8,
+        /// Claim limit.
+        limit: u8,
+        /// Broker answers, cycled over the batch.
+        outcomes: Vec<OutcomeSpec>,
+        /// Where the relay stops: after the claim, after publishing, or after settling.
+        until: Phase,
+    },
+    /// A stale relay: it claims and publishes, its lease runs out (and, with `takeover`, the
+    /// other relay claims the messages), then it settles anyway and must be refused.
+    Stale {
+        /// Which relay goes stale.
+        relay: u8,
+        /// Broker answers, cycled over the batch.
+        outcomes: Vec<OutcomeSpec>,
+        /// Whether another relay claims the messages before the stale one settles.
+        takeover: bool,
+    },
+    /// A relay completes, fails and releases its batch as the broker answered (or releases it
+    /// all if it has not published).
+    Settle {
+        /// Which relay.
+        relay: u8,
+    },
+    /// A relay extends its lease.
+    Extend {
+        /// Which relay.
+        relay: u8,
+    },
+    /// A relay crashes: its connections drop, its leases stay.
+    Crash {
+        /// Which relay.
+        relay: u8,
+    },
+    /// The store's clock moves forward.
+    Advance(Advance),
+    /// An operator requeues a dead message (the `pick`-th one).
+    Requeue {
+        /// Which dead message.
+        pick: u8,
+    },
+    /// An operator discards a dead message (the `pick`-th one).
+    Discard {
+        /// Which dead message.
+        pick: u8,
+    },
+    /// Purge at most `batch` published messages older than the purge age.
+    Purge {
+        /// Most to delete.
+        batch: u8,
+    },
+}
+
+/// A relay's name in words.
+pub fn relay_name(relay: u8) -> char {
+    char::from(b'A' + relay)
+}
+
+impl fmt::Debug for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Step::Enqueue { tx, keys } => {
+                let keys: Vec<String> = keys
+                    .iter()
+                    .map(|k| k.map_or("unordered".to_string(), |k| format!("k{k}")))
+                    .collect();
+                write!(f, "tx{} enqueue [{}]", tx + 1, keys.join(", "))
+            }
+            Step::Commit { tx } => write!(f, "tx{} commit", tx + 1),
+            Step::Rollback { tx } => write!(f, "tx{} rollback", tx + 1),
+            Step::Claim { relay, limit } => {
+                write!(f, "relay {} claims {limit}", relay_name(*relay))
+            }
+            Step::Publish { relay, outcomes } => {
+                write!(f, "relay {} publishes ({outcomes:?})", relay_name(*relay))
+            }
+            Step::Cycle {
+                relay,
+                limit,
+                outcomes,
+                until,
+            } => {
+                let r = relay_name(*relay);
+                match until {
+                    Phase::Claimed => write!(f, "relay {r} claims {limit} and stops"),
+                    Phase::Published => write!(
+                        f,
+                        "relay {r} claims {limit}, publishes ({outcomes:?}) and stops before completing"
+                    ),
+                    Phase::Settled => write!(
+                        f,
+                        "relay {r} claims {limit}, publishes ({outcomes:?}), settles"
+                    ),
+                }
+            }
+            Step::Stale {
+                relay,
+                outcomes,
+                takeover,
+            } => {
+                let r = relay_name(*relay);
+                write!(
+                    f,
+                    "relay {r} claims 4, publishes ({outcomes:?}), clock +{:?} so its lease ends, ",
+                    Advance::PastLease.duration()
+                )?;
+                if *takeover {
+                    write!(f, "relay {} claims 4, ", relay_name((relay + 1) % RELAYS))?;
+                }
+                write!(f, "relay {r} settles late")
+            }
+            Step::Settle { relay } => write!(f, "relay {} settles", relay_name(*relay)),
+            Step::Extend { relay } => write!(f, "relay {} extends its lease", relay_name(*relay)),
+            Step::Crash { relay } => write!(f, "relay {} crashes", relay_name(*relay)),
+            Step::Advance(a) => write!(f, "clock +{:?}", a.duration()),
+            Step::Requeue { pick } => write!(f, "operator requeues dead #{pick}"),
+            Step::Discard { pick } => write!(f, "operator discards dead #{pick}"),
+            Step::Purge { batch } => write!(f, "purge at most {batch}"),
+        }
+    }
+}
+
+/// A generated case: the head policy its relays use and its steps.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Scenario {
+    /// Head policy of every claim.
+    pub head_policy: HeadPolicy,
+    /// The steps, in order.
+    pub steps: Vec<Step>,
+}
+
+impl fmt::Debug for Scenario {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "head policy {:?}; steps:", self.head_policy)?;
+        for (i, step) in self.steps.iter().enumerate() {
+            writeln!(f, "  {:>2}. {step:?}", i + 1)?;
+        }
+        Ok(())
+    }
+}
+
+fn outcome() -> impl Strategy<Value = OutcomeSpec> {
+    prop_oneof![
+        5 => Just(OutcomeSpec::Ack),
+        3 => (0u8..3).prop_map(OutcomeSpec::Transient),
+        1 => Just(OutcomeSpec::Permanent),
+        1 => (0u8..3).prop_map(OutcomeSpec::Ambiguous),
+    ]
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let key = prop_oneof![4 => (0..KEYS).prop_map(Some), 1 => Just(None)];
+    prop_oneof![
+        4 => (0..TX_SLOTS, prop::collection::vec(key, 1..=3))
+            .prop_map(|(tx, keys)| Step::Enqueue { tx, keys }),
+        3 => (0..TX_SLOTS).prop_map(|tx| Step::Commit { tx }),
+        1 => (0..TX_SLOTS).prop_map(|tx| Step::Rollback { tx }),
+        2 => (0..RELAYS, 1u8..=4).prop_map(|(relay, limit)| Step::Claim { relay, limit }),
+        6 => (
+            0..RELAYS,
+            1u8..=4,
+            prop::collection::vec(outcome(), 1..=3),
+            prop_oneof![
+                1 => Just(Phase::Claimed),
+                1 => Just(Phase::Published),
+                3 => Just(Phase::Settled)
+            ]
+        )
+            .prop_map(|(relay, limit, outcomes, until)| Step::Cycle {
+                relay,
+                limit,
+                outcomes,
+                until
+            }),
+        2 => (0..RELAYS, prop::collection::vec(outcome(), 1..=3), any::<bool>())
+            .prop_map(|(relay, outcomes, takeover)| Step::Stale { relay, outcomes, takeover }),
+        2 => (0..RELAYS, prop::collection::vec(outcome(), 1..=3))
+            .prop_map(|(relay, outcomes)| Step::Publish { relay, outcomes }),
+        2 => (0..RELAYS).prop_map(|relay| Step::Settle { relay }),
+        1 => (0..RELAYS).prop_map(|relay| Step::Extend { relay }),
+        1 => (0..RELAYS).prop_map(|relay| Step::Crash { relay }),
+        3 => prop_oneof![
+            Just(Advance::Tick),
+            Just(Advance::PastLease),
+            Just(Advance::PastRetries)
+        ]
+        .prop_map(Step::Advance),
+        1 => any::<u8>().prop_map(|pick| Step::Requeue { pick }),
+        1 => any::<u8>().prop_map(|pick| Step::Discard { pick }),
+        1 => (1u8..=3).prop_map(|batch| Step::Purge { batch }),
+    ]
+}
+
+/// Scenarios of 1 to 40 steps over a few keys, either head policy.
+pub fn scenario() -> impl Strategy<Value = Scenario> {
+    (
+        prop_oneof![Just(HeadPolicy::Block), Just(HeadPolicy::Skip)],
+        prop::collection::vec(step(), 1..=40),
+    )
+        .prop_map(|(head_policy, steps)| Scenario { head_policy, steps })
+}
