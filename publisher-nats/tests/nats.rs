@@ -132,6 +132,27 @@ impl Drop for PrivateServer {
 struct Harness {
     url: String,
     private: std::sync::Mutex<Vec<PrivateServer>>,
+    streams: std::sync::Mutex<Vec<String>>,
+}
+
+impl Harness {
+    fn new(url: String) -> Self {
+        Self {
+            url,
+            private: Default::default(),
+            streams: Default::default(),
+        }
+    }
+
+    /// Delete the streams this harness created, so the shared server does not fill up.
+    async fn cleanup(&self) {
+        let client = async_nats::connect(&self.url).await.unwrap();
+        let js = jetstream::new(client);
+        let streams = std::mem::take(&mut *self.streams.lock().unwrap());
+        for stream in streams {
+            js.delete_stream(&stream).await.unwrap();
+        }
+    }
 }
 
 #[async_trait]
@@ -141,6 +162,7 @@ impl PublisherHarness for Harness {
     async fn fresh(&self) -> (NatsPublisher, Box<dyn BrokerReader>) {
         let (config, stream) = fresh_config(&self.url);
         let publisher = NatsPublisher::connect(config).await.unwrap();
+        self.streams.lock().unwrap().push(stream.clone());
         let reader = NatsReader {
             jetstream: jetstream::new(publisher.client().clone()),
             stream,
@@ -174,20 +196,15 @@ impl PublisherHarness for Harness {
 #[tokio::test]
 async fn conformance_suite() {
     let Some(url) = service_url(VAR) else { return };
-    let harness = Harness {
-        url,
-        private: Default::default(),
-    };
+    let harness = Harness::new(url);
     conformance::run_publisher_suite(&harness).await;
+    harness.cleanup().await;
 }
 
 #[tokio::test]
 async fn many_keys_keep_order_under_load() {
     let Some(url) = service_url(VAR) else { return };
-    let harness = Harness {
-        url,
-        private: Default::default(),
-    };
+    let harness = Harness::new(url);
     let (publisher, reader) = harness.fresh().await;
     let mut batch = Vec::new();
     for n in 0..20 {
@@ -210,6 +227,7 @@ async fn many_keys_keep_order_under_load() {
             assert_eq!(prev + 1, n, "key {key} out of order");
         }
     }
+    harness.cleanup().await;
 }
 
 fn serde_n(payload: &[u8]) -> u32 {
@@ -245,6 +263,8 @@ async fn stream_max_msg_size_fails_only_that_message_permanently() {
     );
     assert_eq!(outcomes[2], PublishOutcome::NotAttempted);
     assert_eq!(outcomes[3], PublishOutcome::Acked);
+    let js = jetstream::new(publisher.client().clone());
+    js.delete_stream(format!("M_{s}")).await.unwrap();
 }
 
 #[tokio::test]
@@ -294,6 +314,7 @@ async fn duplicate_ack_for_a_message_no_longer_stored_is_ambiguous() {
         matches!(&outcome[0], PublishOutcome::Ambiguous { reason } if reason.contains("duplicate")),
         "{outcome:?}"
     );
+    js.delete_stream(&stream).await.unwrap();
 }
 
 #[tokio::test]

@@ -47,6 +47,12 @@ async fn entries(url: &str, stream: &str) -> Vec<Fields> {
     reply.into_iter().map(|(_, fields)| fields).collect()
 }
 
+/// Remove a test's keys so the shared server does not fill up.
+async fn delete(url: &str, keys: &[String]) {
+    let mut con = raw(url).await;
+    let _: usize = con.del(keys).await.unwrap();
+}
+
 struct RedisReader {
     url: String,
     stream: String,
@@ -162,6 +168,7 @@ impl Drop for PrivateServer {
 struct Harness {
     url: String,
     private: std::sync::Mutex<Vec<PrivateServer>>,
+    keys: std::sync::Mutex<Vec<String>>,
 }
 
 #[async_trait]
@@ -180,6 +187,7 @@ impl PublisherHarness for Harness {
             url: self.url.clone(),
             stream: format!("t{s}.conformance"),
         };
+        self.keys.lock().unwrap().push(reader.stream.clone());
         (publisher, Box::new(reader))
     }
 
@@ -206,10 +214,13 @@ impl PublisherHarness for Harness {
 async fn conformance_suite() {
     let Some(url) = service_url(VAR) else { return };
     let harness = Harness {
-        url,
+        url: url.clone(),
         private: Default::default(),
+        keys: Default::default(),
     };
     conformance::run_publisher_suite(&harness).await;
+    let keys = std::mem::take(&mut *harness.keys.lock().unwrap());
+    delete(&url, &keys).await;
 }
 
 #[tokio::test]
@@ -241,6 +252,7 @@ async fn fields_are_written_as_documented() {
     assert_eq!(stored[0][0].1, msg.id.to_string().as_bytes());
     assert_eq!(stored[0][6].1, br#"{"traceparent":"00-aa-bb-01"}"#);
     assert!(stored[1].iter().all(|(n, _)| n != "partition_key"));
+    delete(&url, &[format!("f{s}")]).await;
 }
 
 #[tokio::test]
@@ -265,6 +277,7 @@ async fn maxlen_trims_the_stream() {
     let stored = entries(&url, &stream).await;
     let last = stored.last().unwrap();
     assert_eq!(last[0].1, batch[999].id.to_string().as_bytes());
+    delete(&url, &[stream]).await;
 }
 
 #[tokio::test]
@@ -292,6 +305,7 @@ async fn a_refused_entry_fails_alone_in_the_pipeline() {
     );
     assert_eq!(outcomes[2], PublishOutcome::Acked);
     assert_eq!(entries(&url, &format!("w{s}.good")).await.len(), 2);
+    delete(&url, &[format!("w{s}.good"), format!("w{s}.bad")]).await;
 }
 
 #[tokio::test]
