@@ -603,3 +603,67 @@ async fn a_panicking_publisher_is_retried_not_fatal() {
     store.advance(PAST_ANY_RETRY);
     assert_eq!(relay.run_until_idle().await.unwrap().published, 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn several_relays_with_mixed_outcomes_lose_nothing_and_keep_key_order() {
+    use rand::{Rng, SeedableRng};
+    for seed in 0..8u64 {
+        let store = TestStore::new(Wakeups::Inner);
+        let publisher = Arc::new(RecordingPublisher::new());
+        let rng = std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(seed));
+        publisher.set_outcome(move |_| {
+            let roll = rng.lock().unwrap().random_range(0..100);
+            match roll {
+                0..=9 => PublishOutcome::transient("busy"),
+                10..=14 => PublishOutcome::Ambiguous {
+                    reason: "timeout".into(),
+                },
+                15..=16 => PublishOutcome::permanent("rejected"),
+                _ => PublishOutcome::Acked,
+            }
+        });
+        let mut total = 0u64;
+        for n in 0..30u32 {
+            let batch: Vec<_> = (0..6).map(|k| msg(&format!("k{k}"), n)).collect();
+            total += batch.len() as u64;
+            store.inner.enqueue(batch).unwrap();
+        }
+        let relays: Vec<Relay> = (0..3)
+            .map(|i| {
+                let config = RelayConfig {
+                    batch_size: 5 + i * 7,
+                    concurrency: 1 + i,
+                    max_attempts: 4,
+                    head_policy: HeadPolicy::Skip,
+                    ..config()
+                };
+                Relay::new(store.clone(), publisher.clone(), config).unwrap()
+            })
+            .collect();
+        let mut stats = RelayStats::default();
+        for _ in 0..40 {
+            for run in futures::future::join_all(relays.iter().map(|r| r.run_until_idle())).await {
+                stats += run.unwrap();
+            }
+            if store.inner.unpublished().is_empty() {
+                break;
+            }
+            store.advance(PAST_ANY_RETRY);
+        }
+        let counts = store.inner.counts().await.unwrap();
+        assert_eq!(counts.pending + counts.leased, 0, "seed {seed}: loss");
+        assert_eq!(counts.published + counts.dead, total, "seed {seed}");
+        assert_eq!(
+            (stats.published, stats.dead),
+            (counts.published, counts.dead),
+            "seed {seed}"
+        );
+        assert_eq!(
+            stats.claimed,
+            stats.published + stats.retried + stats.dead + stats.released,
+            "seed {seed}: every claimed message settled once"
+        );
+        assert_eq!(stats.lease_lost, 0);
+        assert_key_order(&publisher);
+    }
+}
