@@ -99,6 +99,22 @@
 //! clock jump forward expires leases early (a duplicate publish, never a clobbered state thanks to
 //! fencing); a jump back lengthens them.
 //!
+//! # Performance
+//!
+//! A claim walks the live index (pending and leased rows only) in `seq` order and stops once it
+//! has `limit` messages, so with a due backlog it reads about `limit` index entries however long
+//! the backlog or the history is. Rows in front of the claimable ones that it must skip (leased
+//! to another relay, waiting for a retry or a not-before time, or behind a blocked key head)
+//! cost about 0.2 µs each. Measured on the project's 2-core machine (release build, WAL,
+//! `synchronous = NORMAL`, 100,000 messages over 1,000 keys):
+//!
+//! | | |
+//! |---|---|
+//! | claim (limit 100) + complete loop | ≈ 47,000–54,000 messages/s |
+//! | enqueue, 1,000 messages per transaction | ≈ 100,000–130,000 messages/s |
+//! | enqueue, 1 message per transaction | ≈ 10,000–15,000 transactions/s |
+//! | claim when every key's head is leased elsewhere (walks the whole 105,000-row backlog) | ≈ 24 ms |
+//!
 //! # The SQL
 //!
 //! [`migrate`] runs [`schema_sql`] for the configured table (`outbox` here):
