@@ -667,3 +667,105 @@ async fn several_relays_with_mixed_outcomes_lose_nothing_and_keep_key_order() {
         assert_key_order(&publisher);
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_notifier_made_before_the_relay_wakes_it_and_stats_are_live() {
+    let store = TestStore::new(Wakeups::Off);
+    let publisher = Arc::new(RecordingPublisher::new());
+    let notifier = outbox_relay::Notifier::new();
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            poll_min: Duration::from_secs(3600),
+            poll_max: Duration::from_secs(3600),
+            ..config()
+        },
+    )
+    .unwrap()
+    .with_notifier(notifier.clone());
+    let handle = relay.spawn();
+    until(&store.claims, 1).await;
+    store.inner.enqueue([msg("k", 0)]).unwrap();
+    notifier.notify();
+    published(&publisher, 1).await;
+    // After a partial claim the next one waits for the batch to settle (or poll_min, an
+    // hour): the third claim therefore comes after the completion.
+    until(&store.claims, 3).await;
+    assert_eq!(handle.stats().published, 1);
+    assert!(!handle.is_finished());
+    handle.shutdown(Duration::from_secs(1)).await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn run_serves_until_its_shutdown_future_resolves() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = Arc::new(RecordingPublisher::new());
+    let relay = Relay::new(store.clone(), publisher.clone(), config()).unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        relay
+            .run(async {
+                let _ = stop_rx.await;
+            })
+            .await
+    });
+    store.inner.enqueue([msg("k", 0), msg("k", 1)]).unwrap();
+    published(&publisher, 2).await;
+    until(&store.completes_entered, 1).await;
+    stop_tx.send(()).unwrap();
+    let stats = task.await.unwrap().unwrap();
+    assert_eq!((stats.claimed, stats.published), (2, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_handle_shuts_down_with_the_configured_deadline() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = GatedPublisher::closed();
+    store.inner.enqueue([msg("k", 0), msg("k", 1)]).unwrap();
+    let relay = Relay::new(store.clone(), publisher.clone(), config()).unwrap();
+    let handle = relay.spawn();
+    until(&publisher.entered, 1).await;
+    drop(handle);
+    // The publish never ends: past `shutdown_deadline` the relay releases the batch.
+    until(&store.releases, 1).await;
+    let counts = store.inner.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.leased), (2, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_idle_poll_interval_doubles_up_to_poll_max_and_resets_on_work() {
+    let store = TestStore::new(Wakeups::Off);
+    let publisher = Arc::new(RecordingPublisher::new());
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            poll_min: Duration::from_millis(10),
+            poll_max: Duration::from_millis(80),
+            ..config()
+        },
+    )
+    .unwrap();
+    let handle = relay.spawn();
+    until(&store.claims, 7).await;
+    store.inner.enqueue([msg("k", 0)]).unwrap();
+    published(&publisher, 1).await;
+    until(&store.claims, 11).await;
+    handle.shutdown(Duration::from_secs(1)).await.unwrap();
+
+    // Tokio's clock is paused, so the gaps are exactly the relay's waits (to timer resolution).
+    let times = store.claim_times.lock().unwrap().clone();
+    let gaps: Vec<u128> = times
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_millis())
+        .collect();
+    let close = |got: u128, want: u128| got >= want && got <= want + 2;
+    // Six empty claims (10 → 80 ms, capped), the claim that finds the message 80 ms later, an
+    // immediate claim once its batch settled, then polling from poll_min again.
+    let want = [10, 20, 40, 80, 80, 80, 80, 0, 10, 20];
+    assert!(gaps.len() >= want.len(), "gaps {gaps:?}");
+    for (got, want) in gaps.iter().zip(want) {
+        assert!(close(*got, want), "gaps {gaps:?}");
+    }
+}

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_memory::{MemoryStore, RecordingPublisher};
@@ -81,10 +81,14 @@ pub struct TestStore {
     pub inner: MemoryStore,
     /// Claims that returned (any result).
     pub claims: watch::Sender<u64>,
+    /// When each claim returned, by tokio's clock (paused in tests, so exact).
+    pub claim_times: Mutex<Vec<tokio::time::Instant>>,
     /// Extend calls that returned.
     pub extends: watch::Sender<u64>,
     /// Subscription attempts.
     pub subscribes: watch::Sender<u64>,
+    /// Release calls that returned.
+    pub releases: watch::Sender<u64>,
     pub complete_calls: AtomicU64,
     pub fail_calls: AtomicU64,
     pub release_calls: AtomicU64,
@@ -107,8 +111,10 @@ impl TestStore {
         Arc::new(Self {
             inner: MemoryStore::new(),
             claims: watch::Sender::new(0),
+            claim_times: Mutex::new(Vec::new()),
             extends: watch::Sender::new(0),
             subscribes: watch::Sender::new(0),
+            releases: watch::Sender::new(0),
             complete_calls: AtomicU64::new(0),
             fail_calls: AtomicU64::new(0),
             release_calls: AtomicU64::new(0),
@@ -148,6 +154,10 @@ impl OutboxStore for TestStore {
         } else {
             self.inner.claim(req).await
         };
+        self.claim_times
+            .lock()
+            .unwrap()
+            .push(tokio::time::Instant::now());
         bump(&self.claims);
         result
     }
@@ -180,7 +190,9 @@ impl OutboxStore for TestStore {
 
     async fn release(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
         self.release_calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.release(token, ids).await
+        let result = self.inner.release(token, ids).await;
+        bump(&self.releases);
+        result
     }
 
     fn capabilities(&self) -> Capabilities {
