@@ -855,3 +855,40 @@ async fn fail_records_attempts_and_errors_in_one_call() {
     let counts = store.counts().await.unwrap();
     assert_eq!((counts.pending, counts.leased, counts.dead), (0, 1, 1));
 }
+
+#[tokio::test]
+async fn a_lock_held_past_the_busy_timeout_is_a_transient_error() {
+    let mut db = Db::new();
+    db.config = db
+        .config
+        .clone()
+        .with_busy_timeout(Duration::from_millis(20));
+    let store = db.store().await;
+    db.enqueue(&[msg("k", 1)]);
+    let mut holder = db.conn();
+    let tx = holder
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .unwrap();
+    let err = store.claim(&req(10)).await.unwrap_err();
+    assert!(err.is_transient(), "{err:?}");
+    assert!(err.to_string().contains("locked"), "{err}");
+    tx.rollback().unwrap();
+    assert_eq!(store.claim(&req(10)).await.unwrap().messages.len(), 1);
+}
+
+#[tokio::test]
+async fn an_in_memory_store_works_through_its_own_transactions() {
+    let store = SqliteStore::open(":memory:", SqliteConfig::default())
+        .await
+        .unwrap();
+    let m = msg("k", 1);
+    let m2 = m.clone();
+    store
+        .transaction(move |tx, config| enqueue(tx, config, &m2))
+        .await
+        .unwrap();
+    let claim = store.claim(&req(10)).await.unwrap();
+    assert_eq!(ids(&claim), vec![m.id]);
+    store.complete(claim.token, &[m.id]).await.unwrap();
+    assert_eq!(store.counts().await.unwrap().published, 1);
+}
