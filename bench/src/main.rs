@@ -1,0 +1,282 @@
+//! Benchmarks of the outbox relay and enqueue paths against the real Postgres and SQLite.
+//!
+//! ```text
+//! cargo run --release -p outbox-bench -- [sqlite|postgres|all] [MESSAGES] [KEYS]
+//! ```
+//!
+//! For each store: enqueue throughput with single-message transactions from 8 concurrent
+//! writers, enqueue throughput in batches, then a drain of MESSAGES (default 100,000) over KEYS
+//! (default 1,000) partition keys through the real engine into the recording publisher, with
+//! per-key order checked afterwards. Prints one Markdown table row per figure. Postgres comes
+//! from `OUTBOX_TEST_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and
+//! uses a fresh schema that is dropped afterwards.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use outbox_backend_postgres::{PostgresConfig, PostgresStore};
+use outbox_backend_sqlite::{SqliteConfig, SqliteStore};
+use outbox_memory::RecordingPublisher;
+use outbox_relay::{Relay, RelayConfig};
+use outbox_traits::{Error, NewMessage, OutboxAdmin, OutboxStore};
+
+type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+const WRITERS: usize = 8;
+const ENQUEUE_BATCH: usize = 500;
+const SINGLE_TXNS_PER_WRITER: usize = 1_000;
+
+fn message(n: usize, keys: usize) -> NewMessage {
+    let key = format!("customer-{}", n % keys);
+    NewMessage::new(
+        "order",
+        format!("order-{n}"),
+        "order.placed",
+        serde_json::json!({ "order": n, "customer": key, "total_cents": 1000 + n, "note": "benchmark payload of about two hundred bytes, as in the raw SQL limits table" }),
+    )
+    .with_partition_key(key)
+}
+
+fn row(store: &str, what: &str, count: usize, elapsed: Duration, settings: &str) {
+    let rate = count as f64 / elapsed.as_secs_f64();
+    println!(
+        "| {store} | {what} | {count} | {:.2} s | {:.0} msg/s | {settings} |",
+        elapsed.as_secs_f64(),
+        rate
+    );
+}
+
+/// Drain everything through the engine into the recording publisher and check per-key order.
+async fn drain(
+    name: &str,
+    store: Arc<dyn OutboxStore>,
+    admin: &dyn OutboxAdmin,
+    expected: usize,
+) -> BoxResult<()> {
+    let publisher = Arc::new(RecordingPublisher::new());
+    let config = RelayConfig::default();
+    let settings = format!(
+        "batch {}, {} batches in flight, per-key order + fencing on",
+        config.batch_size, config.concurrency
+    );
+    let relay = Relay::new(store, publisher.clone(), config)?;
+    let started = Instant::now();
+    let stats = relay.run_until_idle().await?;
+    let elapsed = started.elapsed();
+    row(
+        name,
+        "drain (claim → publish → complete)",
+        expected,
+        elapsed,
+        &settings,
+    );
+
+    let published = publisher.published();
+    let counts = admin.counts().await?;
+    if stats.published as usize != expected || counts.published as usize != expected {
+        return Err(format!(
+            "{name}: drained {} (store says {}), expected {expected}",
+            stats.published, counts.published
+        )
+        .into());
+    }
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for d in &published {
+        if let Some(key) = &d.message.partition_key {
+            let prev = last.insert(key.clone(), d.message.seq).unwrap_or(i64::MIN);
+            if prev >= d.message.seq {
+                return Err(format!("{name}: key {key} out of order").into());
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn bench_postgres(messages: usize, keys: usize) -> BoxResult<()> {
+    let url = std::env::var("OUTBOX_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(WRITERS as u32 + 4)
+        .connect(&url)
+        .await
+        .map_err(|e| outbox_traits::redact_url(&e.to_string()))?;
+    let schema = format!("bench_{}", uuid::Uuid::new_v4().simple());
+    let config = PostgresConfig::builder()
+        .schema(&schema)
+        .notify(false)
+        .build()?;
+    let store = Arc::new(PostgresStore::new(pool.clone(), config.clone()));
+    store.migrate().await?;
+
+    // Single-message transactions, 8 concurrent writers.
+    let started = Instant::now();
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
+        let (pool, config) = (pool.clone(), config.clone());
+        writers.push(tokio::spawn(async move {
+            for i in 0..SINGLE_TXNS_PER_WRITER {
+                let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
+                outbox_backend_postgres::enqueue(
+                    &mut *tx,
+                    &config,
+                    &message(w * SINGLE_TXNS_PER_WRITER + i, keys),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+                tx.commit().await.map_err(|e| e.to_string())?;
+            }
+            Ok::<_, String>(())
+        }));
+    }
+    for w in writers {
+        w.await??;
+    }
+    row(
+        "postgres",
+        "enqueue, 1 message per transaction",
+        WRITERS * SINGLE_TXNS_PER_WRITER,
+        started.elapsed(),
+        "8 concurrent writers",
+    );
+    drain(
+        "postgres",
+        store.clone(),
+        &*store,
+        WRITERS * SINGLE_TXNS_PER_WRITER,
+    )
+    .await?;
+    store.purge_published(Duration::ZERO, usize::MAX).await?;
+
+    // Batches, one writer.
+    let started = Instant::now();
+    for chunk in (0..messages).collect::<Vec<_>>().chunks(ENQUEUE_BATCH) {
+        let batch: Vec<_> = chunk.iter().map(|&n| message(n, keys)).collect();
+        let mut tx = pool.begin().await?;
+        outbox_backend_postgres::enqueue_batch(&mut *tx, &config, &batch).await?;
+        tx.commit().await?;
+    }
+    row(
+        "postgres",
+        "enqueue, batches of 500 per transaction",
+        messages,
+        started.elapsed(),
+        "1 writer",
+    );
+    sqlx::query(&format!("ANALYZE {}", config.qualified_table()))
+        .execute(&pool)
+        .await?;
+
+    drain("postgres", store.clone(), &*store, messages).await?;
+    sqlx::query(&format!("DROP SCHEMA {schema} CASCADE"))
+        .execute(&pool)
+        .await?;
+    Ok(())
+}
+
+fn sqlite_single_writers(path: &Path, config: &SqliteConfig, keys: usize) -> BoxResult<()> {
+    let threads: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let (path, config) = (path.to_path_buf(), config.clone());
+            std::thread::spawn(move || -> Result<(), Error> {
+                let mut conn = outbox_backend_sqlite::open_connection(&path, &config)?;
+                for i in 0..SINGLE_TXNS_PER_WRITER {
+                    let tx = conn
+                        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+                        .map_err(outbox_backend_sqlite::sqlite_error)?;
+                    outbox_backend_sqlite::enqueue(
+                        &tx,
+                        &config,
+                        &message(w * SINGLE_TXNS_PER_WRITER + i, keys),
+                    )?;
+                    tx.commit().map_err(outbox_backend_sqlite::sqlite_error)?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().map_err(|_| "writer thread panicked")??;
+    }
+    Ok(())
+}
+
+async fn bench_sqlite(messages: usize, keys: usize) -> BoxResult<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("bench.sqlite");
+    let config = SqliteConfig::default();
+    let store = Arc::new(SqliteStore::open(&path, config.clone()).await?);
+
+    let started = Instant::now();
+    {
+        let (path, config) = (path.clone(), config.clone());
+        tokio::task::spawn_blocking(move || {
+            sqlite_single_writers(&path, &config, keys).map_err(|e| e.to_string())
+        })
+        .await??;
+    }
+    row(
+        "sqlite",
+        "enqueue, 1 message per transaction",
+        WRITERS * SINGLE_TXNS_PER_WRITER,
+        started.elapsed(),
+        "8 concurrent writers, WAL, synchronous=NORMAL",
+    );
+    drain(
+        "sqlite",
+        store.clone(),
+        &*store,
+        WRITERS * SINGLE_TXNS_PER_WRITER,
+    )
+    .await?;
+    store.purge_published(Duration::ZERO, usize::MAX).await?;
+
+    let started = Instant::now();
+    {
+        let (path, config) = (path.clone(), config.clone());
+        tokio::task::spawn_blocking(move || -> Result<(), Error> {
+            let mut conn = outbox_backend_sqlite::open_connection(&path, &config)?;
+            for chunk in (0..messages).collect::<Vec<_>>().chunks(ENQUEUE_BATCH) {
+                let batch: Vec<_> = chunk.iter().map(|&n| message(n, keys)).collect();
+                let tx = conn
+                    .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+                    .map_err(outbox_backend_sqlite::sqlite_error)?;
+                outbox_backend_sqlite::enqueue_batch(&tx, &config, &batch)?;
+                tx.commit().map_err(outbox_backend_sqlite::sqlite_error)?;
+            }
+            Ok(())
+        })
+        .await??;
+    }
+    row(
+        "sqlite",
+        "enqueue, batches of 500 per transaction",
+        messages,
+        started.elapsed(),
+        "1 writer, WAL, synchronous=NORMAL",
+    );
+    drain("sqlite", store.clone(), &*store, messages).await?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> BoxResult<()> {
+    let mut args = std::env::args().skip(1);
+    let which = args.next().unwrap_or_else(|| "all".into());
+    let messages: usize = args
+        .next()
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(100_000);
+    let keys: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(1_000);
+    println!("| store | what | messages | time | throughput | settings |");
+    println!("|---|---|---|---|---|---|");
+    if which == "sqlite" || which == "all" {
+        bench_sqlite(messages, keys).await?;
+    }
+    if which == "postgres" || which == "all" {
+        bench_postgres(messages, keys).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,111 @@
+//! The quickstart: sample orders and their outbox messages written to a SQLite file in one
+//! transaction each, then relayed to a `stdout://`-style publisher by the real engine.
+//!
+//! `main.rs` runs it on standard output; the tests run it into a buffer and check every line.
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use outbox::relay::{Relay, RelayConfig, RelayStats};
+use outbox::sqlite::{migrate, open_connection, SqliteConfig, SqliteStore};
+use outbox::{Counts, Error, NewMessage, OutboxAdmin, StdoutPublisher};
+use rusqlite::TransactionBehavior;
+
+/// Customers whose orders the quickstart places; each customer's events stay in order.
+pub const CUSTOMERS: [&str; 4] = ["alice", "bob", "carol", "dave"];
+
+/// What one run did.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// Orders committed together with their event.
+    pub committed: usize,
+    /// Orders whose transaction was rolled back: their events must never appear.
+    pub rolled_back: usize,
+    /// What the relay did.
+    pub stats: RelayStats,
+    /// The store's counts after the relay went idle.
+    pub counts: Counts,
+    /// Wall-clock time of the relay run, in milliseconds.
+    pub relay_millis: u128,
+}
+
+/// Write `orders` orders (and every fifth one rolled back) into the SQLite file at `path`, then
+/// relay their events to `out`, one JSON line each.
+pub async fn run(
+    path: &Path,
+    orders: usize,
+    out: impl Write + Send + 'static,
+) -> Result<Summary, Error> {
+    let config = SqliteConfig::default();
+    let (committed, rolled_back) = write_orders(path, &config, orders)?;
+
+    let store = Arc::new(SqliteStore::open(path, config).await?);
+    let relay = Relay::new(
+        store.clone(),
+        Arc::new(StdoutPublisher::to_writer(out)),
+        RelayConfig::default(),
+    )?;
+    let started = Instant::now();
+    let stats = relay.run_until_idle().await?;
+    let relay_millis = started.elapsed().as_millis();
+    let counts = store.counts().await?;
+    Ok(Summary {
+        committed,
+        rolled_back,
+        stats,
+        counts,
+        relay_millis,
+    })
+}
+
+/// The service side: each order row and its `order.placed` event commit (or roll back)
+/// together. Returns (committed, rolled back).
+fn write_orders(
+    path: &Path,
+    config: &SqliteConfig,
+    orders: usize,
+) -> Result<(usize, usize), Error> {
+    let sql = |e: rusqlite::Error| outbox::sqlite::sqlite_error(e);
+    let mut conn = open_connection(path, config)?;
+    migrate(&conn, config)?;
+    conn.execute_batch(
+        "CREATE TABLE IF NOT EXISTS orders (
+             id TEXT PRIMARY KEY, customer TEXT NOT NULL, total_cents INTEGER NOT NULL)",
+    )
+    .map_err(sql)?;
+    let (mut committed, mut rolled_back) = (0, 0);
+    for n in 0..orders {
+        let customer = CUSTOMERS[n % CUSTOMERS.len()];
+        let order_id = format!("order-{}", n + 1);
+        let total = 1_000 + 250 * n as i64;
+        // IMMEDIATE: take the write lock up front, so a concurrent writer makes us wait
+        // (busy_timeout) instead of failing half-way.
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(sql)?;
+        tx.execute(
+            "INSERT INTO orders (id, customer, total_cents) VALUES (?1, ?2, ?3)",
+            (&order_id, customer, total),
+        )
+        .map_err(sql)?;
+        let event = NewMessage::new(
+            "order",
+            order_id.as_str(),
+            "order.placed",
+            serde_json::json!({ "order": order_id, "customer": customer, "total_cents": total }),
+        )
+        .with_partition_key(customer);
+        outbox::sqlite::enqueue(&tx, config, &event)?;
+        if n % 5 == 4 {
+            // A business rule rejects the order: the row and its event vanish together.
+            tx.rollback().map_err(sql)?;
+            rolled_back += 1;
+        } else {
+            tx.commit().map_err(sql)?;
+            committed += 1;
+        }
+    }
+    Ok((committed, rolled_back))
+}

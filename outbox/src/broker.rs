@@ -1,0 +1,105 @@
+//! Choose the broker by configuration: a URL picks and configures the publisher.
+//!
+//! | URL | publisher | feature |
+//! |---|---|---|
+//! | `stdout://` | one JSON line per message on standard output | always |
+//! | `nats://host:4222?subject=...` | NATS JetStream | `nats` |
+//! | `kafka://host:9092?topic=...` | Kafka (idempotent producer) | `kafka` |
+//! | `redis://host:6379?stream=...` | Redis Streams | `redis` |
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), outbox::Error> {
+//! let publisher = outbox::broker::connect("stdout://").await?;
+//! assert_eq!(publisher.name(), "stdout");
+//! let err = outbox::broker::connect("amqp://localhost").await.err().unwrap();
+//! assert!(err.to_string().contains("stdout://"));
+//! # Ok(()) }
+//! ```
+
+use outbox_traits::{redact_url, Error, Publisher};
+
+/// The schemes [`connect`] understands, whether or not their feature is compiled in.
+pub const SCHEMES: &[(&str, &str)] = &[
+    ("stdout", "always available"),
+    ("nats", "feature `nats`"),
+    ("kafka", "feature `kafka`"),
+    ("redis", "feature `redis`"),
+];
+
+fn choices() -> String {
+    SCHEMES
+        .iter()
+        .map(|(scheme, how)| format!("{scheme}:// ({how})"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Build the publisher that `url` names, connecting to its broker.
+///
+/// # Errors
+/// [`Error::InvalidInput`] for a URL that does not parse, an unknown scheme, a scheme whose
+/// feature is not compiled in, or a bad option (the message names the valid choices);
+/// [`Error::Unavailable`] when the broker cannot be reached. Passwords never appear in errors.
+pub async fn connect(url: &str) -> Result<Box<dyn Publisher>, Error> {
+    let scheme = url.split_once("://").map(|(s, _)| s).ok_or_else(|| {
+        Error::invalid_input(format!(
+            "broker URL {:?} has no scheme; use one of: {}",
+            redact_url(url),
+            choices()
+        ))
+    })?;
+    match scheme {
+        "stdout" => {
+            let rest = &url["stdout://".len()..];
+            if !rest.is_empty() {
+                return Err(Error::invalid_input(format!(
+                    "stdout:// takes no host or options, got {:?}",
+                    redact_url(url)
+                )));
+            }
+            Ok(Box::new(outbox_publisher_stdout::StdoutPublisher::new()))
+        }
+        "nats" | "kafka" | "redis" => not_compiled(scheme),
+        other => Err(Error::invalid_input(format!(
+            "unknown broker scheme {other:?} in {:?}; use one of: {}",
+            redact_url(url),
+            choices()
+        ))),
+    }
+}
+
+fn not_compiled(scheme: &str) -> Result<Box<dyn Publisher>, Error> {
+    Err(Error::invalid_input(format!(
+        "{scheme}:// needs the `{scheme}` feature of the `outbox` crate, which is not compiled in \
+         (add `features = [\"{scheme}\"]`); compiled-in choices: stdout://"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn unknown_and_malformed_urls_name_the_choices() {
+        for url in [
+            "amqp://guest:secret@localhost",
+            "no-scheme",
+            "stdout://host",
+        ] {
+            let err = connect(url).await.err().expect("must fail");
+            let text = err.to_string();
+            assert!(matches!(err, Error::InvalidInput(_)), "{text}");
+            assert!(!text.contains("secret"), "{text}");
+        }
+        let text = connect("amqp://x").await.err().unwrap().to_string();
+        for (scheme, _) in SCHEMES {
+            assert!(text.contains(&format!("{scheme}://")), "{text}");
+        }
+    }
+
+    #[tokio::test]
+    async fn stdout_is_always_available() {
+        assert_eq!(connect("stdout://").await.unwrap().name(), "stdout");
+    }
+}

@@ -1,0 +1,33 @@
+#![doc = include_str!("../../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub use outbox_traits::*;
+
+/// The relay engine: claim → publish → complete/fail, batching, back-off, shutdown, metrics.
+pub mod relay {
+    pub use outbox_relay::*;
+}
+
+/// The in-memory reference store and the recording publisher, for unit tests of code that
+/// enqueues or relays.
+pub mod memory {
+    pub use outbox_memory::*;
+}
+
+pub use outbox_publisher_stdout::{SharedBuffer, StdoutPublisher};
+
+/// The PostgreSQL backend (`outbox-backend-postgres`).
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres {
+    pub use outbox_backend_postgres::*;
+}
+
+/// The SQLite backend (`outbox-backend-sqlite`), the embedded default.
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub mod sqlite {
+    pub use outbox_backend_sqlite::*;
+}
+
+pub mod broker;
