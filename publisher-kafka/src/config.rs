@@ -39,6 +39,14 @@ const OWNED_PROPERTIES: &[(&str, &str)] = &[
         "give the brokers as the URL's host list or KafkaConfig::brokers",
     ),
     (
+        "message.timeout.ms",
+        "set KafkaConfig::message_timeout (in a URL, ?message.timeout.ms= does that)",
+    ),
+    (
+        "delivery.timeout.ms",
+        "set KafkaConfig::message_timeout (in a URL, ?message.timeout.ms= does that)",
+    ),
+    (
         "transactional.id",
         "the outbox publisher uses the idempotent producer, not transactions",
     ),
@@ -48,8 +56,9 @@ const OWNED_PROPERTIES: &[(&str, &str)] = &[
 ///
 /// Build it with [`KafkaConfig::new`] and the `with_*` methods, or from a URL with
 /// [`KafkaConfig::from_url`]. The publisher always runs librdkafka's idempotent producer
-/// (`enable.idempotence=true`, `acks=all`) with `enable.gapless.guarantee=true`; every other
-/// librdkafka producer property can be passed through [`KafkaConfig::properties`].
+/// (`enable.idempotence=true`, `acks=all`), by default with `enable.gapless.guarantee=true` and
+/// `linger.ms=1`; every other librdkafka producer property can be passed through
+/// [`KafkaConfig::properties`].
 ///
 /// `Debug` output hides the values of secret properties (`sasl.password` and the like).
 #[derive(Clone)]
@@ -204,6 +213,7 @@ impl KafkaConfig {
                 i32::MAX
             )));
         }
+        Self::check_template(&self.topic)?;
         let mut cc = ClientConfig::new();
         cc.set("bootstrap.servers", &self.brokers);
         for (name, value) in &self.properties {
@@ -217,8 +227,15 @@ impl KafkaConfig {
         if !self.properties.contains_key("enable.gapless.guarantee") {
             cc.set("enable.gapless.guarantee", "true");
         }
+        // The whole batch is handed over at once, so waiting for more messages only delays the
+        // batch's tail: 1 ms instead of librdkafka's 5 ms doubled the rate of one relay
+        // publishing batches of 500 one at a time (54,000 -> 100,000 msg/s on Tansu).
+        if !self.properties.contains_key("linger.ms")
+            && !self.properties.contains_key("queue.buffering.max.ms")
+        {
+            cc.set("linger.ms", "1");
+        }
         cc.set("message.timeout.ms", timeout_ms.to_string());
-        cc.remove("delivery.timeout.ms");
         // librdkafka checks names and values here, before any connection.
         cc.create_native_config()
             .map_err(|e| Error::invalid_input(describe_config_error(&e)))?;
@@ -524,6 +541,15 @@ mod tests {
             let err = KafkaConfig::from_url(bad).unwrap_err();
             assert!(matches!(err, Error::InvalidInput(_)), "{bad}: {err}");
         }
+        // In code the timeout has its own field; a property would be silently overridden.
+        let err = KafkaConfig::new("h:1")
+            .with_property("message.timeout.ms", "5")
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("message_timeout"), "{err}");
+        // librdkafka checks the values of passed-through properties too.
+        let err = KafkaConfig::from_url("kafka://h:1?debug=nonsense").unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{err}");
     }
 
     #[test]

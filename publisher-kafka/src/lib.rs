@@ -39,21 +39,33 @@
 //! - never handed to the broker (local queue full for the whole timeout, producer purged):
 //!   `Failed { kind: Transient }`;
 //! - any message whose partition key has an earlier message in the batch that was not
-//!   acknowledged: [`PublishOutcome::NotAttempted`] unless it was acknowledged itself.
+//!   acknowledged: [`PublishOutcome::NotAttempted`] (not sent, or sent and refused because of
+//!   the earlier one; the relay gives it back without counting an attempt) unless it was
+//!   acknowledged itself.
 //!
 //! # Order of a key when a message fails
 //! Messages of a key are in flight together, so "later messages are not sent" cannot hold
-//! literally; instead the broker's sequence check keeps them from being stored. The publisher
-//! sets `enable.gapless.guarantee=true` (unless configured otherwise): when the broker refuses a
-//! message, librdkafka raises a fatal error instead of renumbering and sending the key's later
-//! messages, so none of them is stored after the gap. The publisher then reports the refused
-//! message with its own error, the rest as described above, and builds a new producer for the
-//! next batch. Without the gapless guarantee librdkafka would bump the producer epoch and store
-//! the later messages, and a requeued head message would land after them. One gap remains that
-//! no setting closes (librdkafka documents it): a message that times out *while in flight* may or
-//! may not be stored, while a later message of its key may be stored after it; it is reported
-//! [`PublishOutcome::Ambiguous`], and a republish lands after the later one. This needs the
-//! broker unreachable for longer than the message timeout, mid-request.
+//! literally; the broker's sequence check does the job instead. With idempotence, every record
+//! carries a per-partition sequence number and a broker refuses a record whose predecessor it
+//! did not store (`OUT_OF_ORDER_SEQUENCE_NUMBER`). What librdkafka does next depends on
+//! `enable.gapless.guarantee`:
+//! - `false` (librdkafka's default): it bumps the producer epoch, renumbers the key's later
+//!   messages and sends them again, so they are stored *after the gap*; a requeued head message
+//!   would then land behind them. (So it is not true that librdkafka fails the later messages
+//!   by itself.)
+//! - `true` (**this publisher's default**): it raises a fatal error instead, and the later
+//!   messages are not stored. The publisher reports the refused message with its own error
+//!   (e.g. permanent), the later ones as [`PublishOutcome::NotAttempted`], and builds a new
+//!   producer for the next batch.
+//!
+//! Either way a message is reported [`PublishOutcome::Acked`] exactly when its delivery report
+//! says it is stored: librdkafka's mock broker, for one, checks sequences only for transactional
+//! producers and stores the later messages, and the publisher then reports them acknowledged.
+//!
+//! One gap remains that no setting closes (librdkafka documents it): a message that times out
+//! *while in flight* may or may not be stored, while a later message of its key may be stored
+//! after it; it is reported [`PublishOutcome::Ambiguous`], and a republish lands after the
+//! later one. This needs the broker unreachable for longer than the message timeout, mid-request.
 //!
 //! # Fatal producer errors
 //! After a fatal error (e.g. `OUT_OF_ORDER_SEQUENCE_NUMBER`, or the gapless guarantee above) a

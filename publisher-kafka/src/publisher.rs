@@ -89,6 +89,15 @@ impl KafkaPublisher {
         })
     }
 
+    /// Parse a `kafka://` URL ([`KafkaConfig::from_url`]) and create the publisher
+    /// ([`KafkaPublisher::new`]).
+    ///
+    /// # Errors
+    /// As [`KafkaConfig::from_url`] and [`KafkaPublisher::new`].
+    pub fn from_url(url: &str) -> Result<Self, Error> {
+        Self::new(KafkaConfig::from_url(url)?)
+    }
+
     /// The configuration this publisher was made from.
     pub fn config(&self) -> &KafkaConfig {
         &self.config

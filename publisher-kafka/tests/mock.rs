@@ -337,3 +337,66 @@ async fn fatal_error_replaces_the_producer() {
     );
     assert_eq!(publisher.producer_generation(), 1);
 }
+
+/// A local queue smaller than the batch: the publisher waits for its own earlier deliveries to
+/// make room instead of failing, and the order holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_local_queue_is_waited_out_not_failed() {
+    let cluster = cluster(1, 1);
+    let publisher = publisher(
+        &cluster,
+        Duration::from_secs(20),
+        &[("queue.buffering.max.messages", "5")],
+    );
+    let batch = batch(&["a", "b"], 100);
+    let outcomes = publisher.publish(&batch).await;
+    assert!(
+        outcomes.iter().all(PublishOutcome::is_acked),
+        "{outcomes:?}"
+    );
+    let records = consume(&cluster.bootstrap_servers(), TOPIC, 1, batch.len());
+    let want: Vec<String> = batch.iter().map(|m| m.id.to_string()).collect();
+    assert_eq!(ids(&records), want);
+}
+
+/// A topic the client is not authorized to write: a permanent failure for its messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authorization_failure_is_permanent() {
+    let cluster = cluster(1, 1);
+    let publisher = publisher(&cluster, Duration::from_secs(20), &[]);
+    cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED],
+    );
+    let outcomes = publisher.publish(&batch(&["a"], 1)).await;
+    assert!(is_kind(&outcomes[0], ErrorKind::Permanent), "{outcomes:?}");
+    assert_eq!(stored(&cluster, 1), 0);
+}
+
+/// A topic that does not exist (and is not created automatically): a permanent failure that
+/// says to create it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_topic_is_permanent() {
+    let cluster = cluster(1, 1);
+    let config = KafkaConfig::new(cluster.bootstrap_servers())
+        .with_topic("missing")
+        .unwrap()
+        .with_message_timeout(Duration::from_secs(20))
+        .with_property("topic.metadata.propagation.max.ms", "100");
+    cluster
+        .topic_error(
+            "missing",
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART,
+        )
+        .unwrap();
+    let publisher = KafkaPublisher::new(config).unwrap();
+    let outcomes = publisher.publish(&batch(&["a", "b"], 2)).await;
+    match &outcomes[0] {
+        PublishOutcome::Failed {
+            kind: ErrorKind::Permanent,
+            reason,
+        } => assert!(reason.contains("create the topic"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(outcomes[2], PublishOutcome::NotAttempted);
+}
