@@ -45,6 +45,25 @@
 //! that were not sent yet fail as transient at once instead of each waiting for its own timeout,
 //! so a batch against a dead server returns within about one timeout.
 
+//! # Capabilities
+//! - [x] ids carried to the broker: `Nats-Msg-Id` and `message-id` headers
+//! - [x] broker-side dedup by id, within the stream's duplicate window (FM-C4)
+//! - [x] per-key order, with `NotAttempted` for a key's messages after a failure
+//! - [x] pipelined: up to `max_in_flight` keys in flight per publish call
+//! - [x] per-message classified outcomes, verified duplicates
+//! - [x] bounded time when the server is down (about one `timeout`)
+//! - [x] optional stream creation at start-up
+//!
+//! # Use through `outbox` or directly
+//! Through the `outbox` facade (feature `nats`), a `nats://...` URL picks this publisher. Directly:
+//! depend on `outbox-publisher-nats`, build a [`NatsConfig`] (from a URL or in code) and hand
+//! `NatsPublisher::connect(config).await?` to the relay as its `Publisher`.
+//!
+//! To share a connection, pass your own client to [`NatsPublisher::with_client`]. The in-flight
+//! limit also sizes the JetStream context's ack window, which is shared by concurrent publish
+//! calls on one publisher: with several relay workers, raise `max_in_flight` rather than
+//! building one publisher per worker.
+
 mod config;
 mod publisher;
 mod subject;

@@ -45,6 +45,20 @@
 //!
 //! Redis has no dedup by message id: a retried message is stored again, with the same `id`.
 
+//! # Capabilities
+//! - [x] ids carried to the broker: the `id` field
+//! - [ ] broker-side dedup (consumers deduplicate on `id`)
+//! - [x] per-key order (one ordered pipeline per batch; see above for a refused entry)
+//! - [x] pipelined: one round trip per batch
+//! - [x] per-message classified outcomes
+//! - [x] bounded time when the server is down (about one `timeout`)
+//! - [x] optional approximate trimming (`MAXLEN ~`)
+//!
+//! # Use through `outbox` or directly
+//! Through the `outbox` facade (feature `redis`), a `redis://...` URL picks this publisher.
+//! Directly: depend on `outbox-publisher-redis`, build a [`RedisConfig`] (from a URL or in code)
+//! and hand `RedisPublisher::connect(config).await?` to the relay as its `Publisher`.
+
 mod config;
 mod publisher;
 
