@@ -5,6 +5,7 @@ use rusqlite::{params, Connection, TransactionBehavior};
 use outbox_traits::uuid::Uuid;
 use outbox_traits::{Counts, DeadMessage, Error};
 
+use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
 use crate::lease::db_now;
 use crate::row::{id_text, message};
@@ -54,6 +55,7 @@ fn per_id(
     table: &str,
     statement: &str,
     ids: &[Uuid],
+    caller: &Caller,
 ) -> Result<u64, Error> {
     if ids.is_empty() {
         return Ok(0);
@@ -76,7 +78,7 @@ fn per_id(
             changed += n as u64;
         }
     }
-    tx.commit().map_err(err(table))?;
+    caller.commit(tx, err(table))?;
     Ok(changed)
 }
 
@@ -85,8 +87,9 @@ pub(crate) fn requeue(
     sql: &Sql,
     table: &str,
     ids: &[Uuid],
+    caller: &Caller,
 ) -> Result<u64, Error> {
-    per_id(conn, sql, table, &sql.requeue, ids)
+    per_id(conn, sql, table, &sql.requeue, ids, caller)
 }
 
 pub(crate) fn discard(
@@ -94,8 +97,9 @@ pub(crate) fn discard(
     sql: &Sql,
     table: &str,
     ids: &[Uuid],
+    caller: &Caller,
 ) -> Result<u64, Error> {
-    per_id(conn, sql, table, &sql.discard, ids)
+    per_id(conn, sql, table, &sql.discard, ids, caller)
 }
 
 pub(crate) fn purge_published(
@@ -104,6 +108,7 @@ pub(crate) fn purge_published(
     table: &str,
     older_than_ms: i64,
     batch: usize,
+    caller: &Caller,
 ) -> Result<u64, Error> {
     if batch == 0 {
         return Ok(0);
@@ -118,7 +123,7 @@ pub(crate) fn purge_published(
         .prepare_cached(&sql.purge)
         .and_then(|mut s| s.execute(params![now.saturating_sub(older_than_ms), as_i64(batch)]))
         .map_err(err(table))?;
-    tx.commit().map_err(err(table))?;
+    caller.commit(tx, err(table))?;
     Ok(deleted as u64)
 }
 

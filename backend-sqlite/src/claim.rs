@@ -9,6 +9,7 @@ use rusqlite::{params, Connection, Transaction, TransactionBehavior};
 
 use outbox_traits::{Claim, Error, HeadPolicy, LeaseToken};
 
+use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
 use crate::lease::db_now;
 use crate::row::{id_text, message, to_time};
@@ -46,6 +47,7 @@ pub(crate) fn claim(
     limit: usize,
     lease_ms: i64,
     policy: HeadPolicy,
+    caller: &Caller,
 ) -> Result<Claim, Error> {
     let err = |e| map_err(e, Ctx::Claim, table);
     let tx = conn
@@ -66,7 +68,7 @@ pub(crate) fn claim(
             );
         }
     }
-    tx.commit().map_err(err)?;
+    caller.commit(tx, err)?;
     Ok(Claim {
         token,
         lease_until: to_time(until),

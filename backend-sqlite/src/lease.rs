@@ -13,6 +13,7 @@ use outbox_traits::chrono::{DateTime, Utc};
 use outbox_traits::uuid::Uuid;
 use outbox_traits::{Error, FailAction, Failure, LeaseToken};
 
+use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
 use crate::row::{duration_ms, id_text, to_time};
 use crate::schema::Sql;
@@ -78,6 +79,7 @@ pub(crate) fn apply(
     ctx: Ctx,
     token: LeaseToken,
     changes: &[(Uuid, Change)],
+    caller: &Caller,
 ) -> Result<(), Error> {
     if changes.is_empty() {
         return Ok(());
@@ -118,7 +120,7 @@ pub(crate) fn apply(
             lost.push(*id);
         }
     }
-    tx.commit().map_err(err)?;
+    caller.commit(tx, err)?;
     if lost.is_empty() {
         Ok(())
     } else {
@@ -133,6 +135,7 @@ pub(crate) fn extend(
     table: &str,
     token: LeaseToken,
     lease_ms: i64,
+    caller: &Caller,
 ) -> Result<DateTime<Utc>, Error> {
     let err = |e| map_err(e, Ctx::Extend, table);
     let tx = conn
@@ -144,7 +147,7 @@ pub(crate) fn extend(
         .prepare_cached(&sql.extend)
         .and_then(|mut s| s.execute(params![id_text(token.0), now, until]))
         .map_err(err)?;
-    tx.commit().map_err(err)?;
+    caller.commit(tx, err)?;
     if changed == 0 {
         Err(Error::LeaseLost { ids: Vec::new() })
     } else {

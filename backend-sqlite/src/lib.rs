@@ -154,6 +154,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod admin;
+mod cancel;
 mod claim;
 mod config;
 mod connection;

@@ -14,6 +14,7 @@ use outbox_traits::{
     OutboxAdmin, OutboxStore,
 };
 
+use crate::cancel::Caller;
 use crate::config::SqliteConfig;
 use crate::connection::open_connection;
 use crate::error::{map_err, Ctx};
@@ -29,8 +30,10 @@ use crate::{admin, claim, lease};
 /// runtime's workers never wait on SQLite's disk I/O or lock waits. Why not a dedicated thread
 /// with a channel: SQLite admits one writer at a time anyway, so a queue in front of the
 /// connection would add no throughput, and the mutex keeps the store free of a thread's
-/// lifecycle (nothing to shut down; a dropped call's work simply finishes, which the trait's
-/// cancel-safety notes allow).
+/// lifecycle (nothing to shut down). A call whose future is dropped keeps running on its
+/// thread, but rolls back instead of committing if its caller is gone by then, so an aborted
+/// relay leaves (almost always) no trace of the call it was waiting for; a drop right during
+/// `COMMIT` lets it take effect, which the trait's cancel-safety rules allow.
 ///
 /// Cloning is cheap and shares the connection. Several handles (in one process or several) may
 /// use the same file: writes serialize through `BEGIN IMMEDIATE`, and claims stay exclusive
@@ -97,7 +100,9 @@ impl SqliteStore {
     ///
     /// For applications that keep their business tables in the same file and want no second
     /// connection: write your rows and call [`crate::enqueue`] with the given transaction and
-    /// config. Runs on the blocking pool like every other call. Convert rusqlite errors of your
+    /// config. Runs on the blocking pool like every other call, and holds this handle's
+    /// connection (and SQLite's write lock) until `f` returns: keep `f` short and never wait on
+    /// anything slow inside it. Convert rusqlite errors of your
     /// own statements with [`crate::sqlite_error`] (or use an error type that converts both).
     ///
     /// ```
@@ -128,15 +133,16 @@ impl SqliteStore {
         E: From<Error> + Send + 'static,
     {
         let result = self
-            .blocking(Ctx::Transaction, move |conn, inner| {
+            .blocking(Ctx::Transaction, move |conn, inner, caller| {
                 let table = inner.config.table.as_str();
                 let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
                     Ok(tx) => tx,
                     Err(e) => return Err(E::from(map_err(e, Ctx::Transaction, table))),
                 };
                 let value = f(&tx, &inner.config)?;
-                tx.commit()
-                    .map_err(|e| E::from(map_err(e, Ctx::Transaction, table)))?;
+                caller
+                    .commit(tx, |e| map_err(e, Ctx::Transaction, table))
+                    .map_err(E::from)?;
                 Ok(value)
             })
             .await;
@@ -149,12 +155,14 @@ impl SqliteStore {
     /// Run `f` with the connection on the blocking pool.
     async fn blocking<R, F>(&self, ctx: Ctx, f: F) -> Result<R, Error>
     where
-        F: FnOnce(&mut Connection, &Inner) -> R + Send + 'static,
+        F: FnOnce(&mut Connection, &Inner, &Caller) -> R + Send + 'static,
         R: Send + 'static,
     {
         let handle = runtime(ctx)?;
         let inner = Arc::clone(&self.inner);
-        handle
+        let caller = Caller::default();
+        let waiting = caller.waiting();
+        let result = handle
             .spawn_blocking(move || {
                 // A panic in a caller's transaction closure poisons the mutex, but rusqlite's
                 // Transaction rolls back while unwinding, so the connection is still sound.
@@ -164,20 +172,22 @@ impl SqliteStore {
                     // never let it swallow the relay's writes.
                     let _ = conn.execute_batch("ROLLBACK");
                 }
-                f(&mut conn, &inner)
+                f(&mut conn, &inner, &caller)
             })
             .await
-            .map_err(|e| join_error(ctx, e))
+            .map_err(|e| join_error(ctx, e));
+        waiting.done();
+        result
     }
 
     /// Run a store operation that returns the contract's error.
     async fn run<T, F>(&self, ctx: Ctx, f: F) -> Result<T, Error>
     where
-        F: FnOnce(&mut Connection, &Sql, &str) -> Result<T, Error> + Send + 'static,
+        F: FnOnce(&mut Connection, &Sql, &str, &Caller) -> Result<T, Error> + Send + 'static,
         T: Send + 'static,
     {
-        self.blocking(ctx, move |conn, inner| {
-            f(conn, &inner.sql, &inner.config.table)
+        self.blocking(ctx, move |conn, inner, caller| {
+            f(conn, &inner.sql, &inner.config.table, caller)
         })
         .await?
     }
@@ -231,40 +241,40 @@ impl OutboxStore for SqliteStore {
         }
         let lease_ms = duration_ms(req.lease, "lease")?;
         let (limit, policy) = (req.limit, req.head_policy);
-        self.run(Ctx::Claim, move |conn, sql, table| {
-            claim::claim(conn, sql, table, limit, lease_ms, policy)
+        self.run(Ctx::Claim, move |conn, sql, table, caller| {
+            claim::claim(conn, sql, table, limit, lease_ms, policy, caller)
         })
         .await
     }
 
     async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
         let changes = same_change(ids, || Change::Complete);
-        self.run(Ctx::Complete, move |conn, sql, table| {
-            lease::apply(conn, sql, table, Ctx::Complete, token, &changes)
+        self.run(Ctx::Complete, move |conn, sql, table, caller| {
+            lease::apply(conn, sql, table, Ctx::Complete, token, &changes, caller)
         })
         .await
     }
 
     async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error> {
         let changes = lease::failures(failures)?;
-        self.run(Ctx::Fail, move |conn, sql, table| {
-            lease::apply(conn, sql, table, Ctx::Fail, token, &changes)
+        self.run(Ctx::Fail, move |conn, sql, table, caller| {
+            lease::apply(conn, sql, table, Ctx::Fail, token, &changes, caller)
         })
         .await
     }
 
     async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
         let lease_ms = duration_ms(lease, "lease")?;
-        self.run(Ctx::Extend, move |conn, sql, table| {
-            lease::extend(conn, sql, table, token, lease_ms)
+        self.run(Ctx::Extend, move |conn, sql, table, caller| {
+            lease::extend(conn, sql, table, token, lease_ms, caller)
         })
         .await
     }
 
     async fn release(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
         let changes = same_change(ids, || Change::Release);
-        self.run(Ctx::Release, move |conn, sql, table| {
-            lease::apply(conn, sql, table, Ctx::Release, token, &changes)
+        self.run(Ctx::Release, move |conn, sql, table, caller| {
+            lease::apply(conn, sql, table, Ctx::Release, token, &changes, caller)
         })
         .await
     }
@@ -281,7 +291,7 @@ impl OutboxAdmin for SqliteStore {
         after_seq: Option<i64>,
         limit: usize,
     ) -> Result<Vec<DeadMessage>, Error> {
-        self.run(Ctx::Admin, move |conn, sql, table| {
+        self.run(Ctx::Admin, move |conn, sql, table, _| {
             admin::list_dead(conn, sql, table, after_seq, limit)
         })
         .await
@@ -289,30 +299,30 @@ impl OutboxAdmin for SqliteStore {
 
     async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error> {
         let ids = ids.to_vec();
-        self.run(Ctx::Admin, move |conn, sql, table| {
-            admin::requeue(conn, sql, table, &ids)
+        self.run(Ctx::Admin, move |conn, sql, table, caller| {
+            admin::requeue(conn, sql, table, &ids, caller)
         })
         .await
     }
 
     async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error> {
         let ids = ids.to_vec();
-        self.run(Ctx::Admin, move |conn, sql, table| {
-            admin::discard(conn, sql, table, &ids)
+        self.run(Ctx::Admin, move |conn, sql, table, caller| {
+            admin::discard(conn, sql, table, &ids, caller)
         })
         .await
     }
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
         let older_than_ms = duration_ms(older_than, "purge age")?;
-        self.run(Ctx::Admin, move |conn, sql, table| {
-            admin::purge_published(conn, sql, table, older_than_ms, batch)
+        self.run(Ctx::Admin, move |conn, sql, table, caller| {
+            admin::purge_published(conn, sql, table, older_than_ms, batch, caller)
         })
         .await
     }
 
     async fn counts(&self) -> Result<Counts, Error> {
-        self.run(Ctx::Admin, move |conn, sql, table| {
+        self.run(Ctx::Admin, move |conn, sql, table, _| {
             admin::counts(conn, sql, table)
         })
         .await
