@@ -3,7 +3,7 @@
 //! Implement [`Harness`] (a factory of fresh stores) and [`HarnessStore`] (one isolated store
 //! under test) for your backend, then add one line to your tests:
 //!
-//! ```ignore
+//! ```text
 //! outbox_conformance_tests::conformance_suite!(my_backend_tests::MyHarness::new());
 //! ```
 //!

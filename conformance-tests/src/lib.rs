@@ -16,6 +16,7 @@
 #[cfg(feature = "broken-stores")]
 pub mod broken;
 pub mod checks;
+pub mod engine;
 pub mod env;
 pub mod harness;
 mod macros;
@@ -28,7 +29,7 @@ mod scenario;
 pub use harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
 pub use memory::{MemoryHarness, MemoryHarnessStore};
 pub use model::{run_scenario, Violation};
-pub use scenario::{Advance, OutcomeSpec, Phase, Scenario, Step};
+pub use scenario::{Advance, OutcomeSpec, Phase, Scenario, Step, TxEnd};
 
 #[doc(hidden)]
 pub use proptest as __proptest;

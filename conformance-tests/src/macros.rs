@@ -3,7 +3,7 @@
 /// Expand to one `#[test]` per check and property of the suite, run against the harness that
 /// `$harness` evaluates to (evaluated once per test).
 ///
-/// ```ignore
+/// ```text
 /// // tests/conformance.rs of a backend crate:
 /// outbox_conformance_tests::conformance_suite!(my_backend::tests::MyHarness::new());
 /// ```
@@ -12,7 +12,7 @@
 /// unset, after [`service_url`](crate::env::service_url) printed why) with `optional:`; each
 /// test then returns early when it is `None`:
 ///
-/// ```ignore
+/// ```text
 /// outbox_conformance_tests::conformance_suite!(optional: PgHarness::from_env());
 /// ```
 ///
@@ -67,6 +67,18 @@ macro_rules! __conformance_tests {
         fn model_property() {
             if let ::core::option::Option::Some(harness) = $harness {
                 if let ::core::result::Result::Err(report) = $crate::property::check_model(
+                    &harness,
+                    $crate::property::config(::core::file!()),
+                ) {
+                    ::core::panic!("{}", report);
+                }
+            }
+        }
+
+        #[test]
+        fn engine_property() {
+            if let ::core::option::Option::Some(harness) = $harness {
+                if let ::core::result::Result::Err(report) = $crate::engine::check_engine(
                     &harness,
                     $crate::property::config(::core::file!()),
                 ) {

@@ -14,8 +14,8 @@ use uuid::Uuid;
 
 use crate::harness::{HarnessCapabilities, HarnessStore, HarnessTx};
 use crate::scenario::{
-    relay_name, Advance, OutcomeSpec, Phase, Scenario, Step, KEYS, LEASE, MAX_ATTEMPTS, PURGE_AGE,
-    RELAYS, TX_SLOTS,
+    relay_name, Advance, OutcomeSpec, Phase, Scenario, Step, TxEnd, KEYS, LEASE, MAX_ATTEMPTS,
+    PURGE_AGE, RELAYS, TX_SLOTS,
 };
 
 /// A broken invariant: which one, and what was seen.
@@ -223,7 +223,16 @@ impl<'a> Runner<'a> {
 
     async fn step(&mut self, step: &Step) -> Result<(), Violation> {
         match step {
-            Step::Enqueue { tx, keys } => self.enqueue(*tx, keys).await,
+            Step::Enqueue { tx, keys, end } => {
+                self.enqueue(*tx, keys, *end != TxEnd::Rollback).await?;
+                match end {
+                    TxEnd::Open => Ok(()),
+                    // A single-writer store has already committed inside `enqueue`.
+                    _ if !self.caps.concurrent_transactions => Ok(()),
+                    TxEnd::Commit => self.end_tx(*tx, true).await,
+                    TxEnd::Rollback => self.end_tx(*tx, false).await,
+                }
+            }
             Step::Commit { tx } => self.end_tx(*tx, true).await,
             Step::Rollback { tx } => self.end_tx(*tx, false).await,
             Step::Claim { relay, limit } => {
@@ -339,7 +348,14 @@ impl<'a> Runner<'a> {
         message
     }
 
-    async fn enqueue(&mut self, slot: u8, keys: &[Option<u8>]) -> Result<(), Violation> {
+    /// Enqueue into slot `slot`; a single-writer store ends the transaction at once, committing
+    /// it if `commit_if_single` and rolling it back otherwise.
+    async fn enqueue(
+        &mut self,
+        slot: u8,
+        keys: &[Option<u8>],
+        commit_if_single: bool,
+    ) -> Result<(), Violation> {
         let concurrent = self.caps.concurrent_transactions;
         // A key is written by one open transaction at a time, as when applications lock the
         // aggregate row: then the commit order of a key's messages is their insert order.
@@ -388,10 +404,10 @@ impl<'a> Runner<'a> {
                 .map_err(|e| store_error("enqueue", &e))?;
         }
         if !concurrent {
-            // One writer: the transaction opens, writes and commits within this step.
-            text.push_str(", committed at once (store allows one open transaction)");
+            // One writer: the transaction opens, writes and ends within this step.
+            text.push_str(" (store allows one open transaction: ends at once)");
             self.note(text);
-            return self.end_tx(slot, true).await;
+            return self.end_tx(slot, commit_if_single).await;
         }
         self.note(text);
         Ok(())

@@ -14,7 +14,7 @@ use crate::scenario::scenario;
 pub fn config(source_file: &'static str) -> Config {
     Config {
         source_file: Some(source_file),
-        failure_persistence: Some(Box::new(FileFailurePersistence::SourceParallel(
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(
             "proptest-regressions",
         ))),
         ..Config::default()

@@ -13,7 +13,7 @@ pub const PURGE_AGE: Duration = Duration::from_secs(100);
 /// The model's relays dead-letter a message on its third failed attempt.
 pub const MAX_ATTEMPTS: u32 = 3;
 /// How many business transactions can be open at once.
-pub const TX_SLOTS: u8 = 3;
+pub const TX_SLOTS: u8 = 2;
 /// How many relays take turns.
 pub const RELAYS: u8 = 2;
 /// How many partition keys messages spread over.
@@ -47,6 +47,17 @@ impl Advance {
             Advance::PastRetries => PAST_RETRIES,
         })
     }
+}
+
+/// How a [`Step::Enqueue`] leaves its transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TxEnd {
+    /// Still open: a later step commits or rolls it back.
+    Open,
+    /// Committed right after the enqueue.
+    Commit,
+    /// Rolled back right after the enqueue.
+    Rollback,
 }
 
 /// How far a [`Step::Cycle`] goes.
@@ -107,6 +118,8 @@ pub enum Step {
         tx: u8,
         /// Keys of the messages.
         keys: Vec<Option<u8>>,
+        /// Whether the transaction then stays open, commits or rolls back.
+        end: TxEnd,
     },
     /// Transaction `tx` commits.
     Commit {
@@ -196,12 +209,17 @@ pub fn relay_name(relay: u8) -> char {
 impl fmt::Debug for Step {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Step::Enqueue { tx, keys } => {
+            Step::Enqueue { tx, keys, end } => {
                 let keys: Vec<String> = keys
                     .iter()
                     .map(|k| k.map_or("unordered".to_string(), |k| format!("k{k}")))
                     .collect();
-                write!(f, "tx{} enqueue [{}]", tx + 1, keys.join(", "))
+                write!(f, "tx{} enqueue [{}]", tx + 1, keys.join(", "))?;
+                match end {
+                    TxEnd::Open => Ok(()),
+                    TxEnd::Commit => write!(f, " and commit"),
+                    TxEnd::Rollback => write!(f, " and roll back"),
+                }
             }
             Step::Commit { tx } => write!(f, "tx{} commit", tx + 1),
             Step::Rollback { tx } => write!(f, "tx{} rollback", tx + 1),
@@ -280,7 +298,7 @@ fn outcome() -> impl Strategy<Value = OutcomeSpec> {
     prop_oneof![
         5 => Just(OutcomeSpec::Ack),
         3 => (0u8..3).prop_map(OutcomeSpec::Transient),
-        1 => Just(OutcomeSpec::Permanent),
+        2 => Just(OutcomeSpec::Permanent),
         1 => (0u8..3).prop_map(OutcomeSpec::Ambiguous),
     ]
 }
@@ -288,8 +306,16 @@ fn outcome() -> impl Strategy<Value = OutcomeSpec> {
 fn step() -> impl Strategy<Value = Step> {
     let key = prop_oneof![4 => (0..KEYS).prop_map(Some), 1 => Just(None)];
     prop_oneof![
-        4 => (0..TX_SLOTS, prop::collection::vec(key, 1..=3))
-            .prop_map(|(tx, keys)| Step::Enqueue { tx, keys }),
+        5 => (
+            0..TX_SLOTS,
+            prop::collection::vec(key, 1..=3),
+            prop_oneof![
+                2 => Just(TxEnd::Open),
+                3 => Just(TxEnd::Commit),
+                1 => Just(TxEnd::Rollback)
+            ]
+        )
+            .prop_map(|(tx, keys, end)| Step::Enqueue { tx, keys, end }),
         3 => (0..TX_SLOTS).prop_map(|tx| Step::Commit { tx }),
         1 => (0..TX_SLOTS).prop_map(|tx| Step::Rollback { tx }),
         2 => (0..RELAYS, 1u8..=4).prop_map(|(relay, limit)| Step::Claim { relay, limit }),
