@@ -189,6 +189,14 @@ async fn next_hint(source: &mut Option<Box<dyn WakeSource>>) -> Result<(), Error
     }
 }
 
+/// When to claim after a wake-up: at once, unless a claim made on an earlier wake-up came back
+/// empty less than `poll_min` ago.
+fn woken(spurious_at: Option<Instant>, poll_min: Duration) -> Option<Instant> {
+    spurious_at
+        .map(|at| at + poll_min)
+        .filter(|at| *at > Instant::now())
+}
+
 fn later(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.max(b)),
@@ -228,6 +236,13 @@ async fn run_loop(
     // Earliest next claim, from back-off after store errors.
     let mut paused_until: Option<Instant> = None;
     let mut idle_wait = cfg.poll_min;
+    // A wake-up arrived since the last claim started / the running claim followed one.
+    let mut hinted = false;
+    let mut claim_hinted = false;
+    // When a claim made on a wake-up came back empty: the next wake-up waits out `poll_min`
+    // from then, so a burst of stale hints (or a source that is always ready) cannot spin the
+    // claim loop, while a real wake-up after an enqueue is served at once.
+    let mut spurious_at: Option<Instant> = None;
     let mut store_failures = 0u32;
     let mut fatal: Option<Error> = None;
 
@@ -283,6 +298,7 @@ async fn run_loop(
         let claim_at = later(next_claim, paused_until);
         if may_claim && claim_at.is_none_or(|at| at <= now) {
             claiming = true;
+            claim_hinted = std::mem::take(&mut hinted);
             next_claim = None;
             paused_until = None;
             events.push(Box::pin(async move {
@@ -315,6 +331,9 @@ async fn run_loop(
                         Ok(claim) if claim.messages.is_empty() => {
                             store_failures = 0;
                             quiet = true;
+                            if claim_hinted {
+                                spurious_at = Some(Instant::now());
+                            }
                             if serve {
                                 next_claim = Some(Instant::now() + idle_wait);
                                 idle_wait = (idle_wait * 2).min(cfg.poll_max);
@@ -322,6 +341,7 @@ async fn run_loop(
                         }
                         Ok(claim) => {
                             store_failures = 0;
+                            spurious_at = None;
                             idle_wait = cfg.poll_min;
                             let size = claim.messages.len();
                             rec.add(Counter::Claimed, size as u64);
@@ -408,13 +428,15 @@ async fn run_loop(
                 }
             },
             () = shared.notifier.notified(), if listening => {
-                next_claim = None;
+                hinted = true;
+                next_claim = woken(spurious_at, cfg.poll_min);
                 idle_wait = cfg.poll_min;
             }
             hint = next_hint(&mut wake), if listening && wake.is_some() => match hint {
                 Ok(()) => {
                     wake_failures = 0;
-                    next_claim = None;
+                    hinted = true;
+                    next_claim = woken(spurious_at, cfg.poll_min);
                     idle_wait = cfg.poll_min;
                 }
                 Err(e) => {

@@ -60,13 +60,17 @@
 //! - **Leases.** While a publish runs past half the lease, the lease is extended (again at each
 //!   half-time). A lost lease is not an error: the store fences the later transition, the relay
 //!   counts it ([`RelayStats::lease_lost`]) and carries on.
-//! - **Outages.** Store errors never end a running relay: it backs off and tries again. Only
-//!   [`Relay::run_until_idle`] returns an error, and only a permanent one.
+//! - **Outages.** Store errors never end a running relay: it backs off
+//!   ([`RelayConfig::store_backoff`]) and tries again; a failed `complete`, `fail` or `release`
+//!   is retried while the lease lasts. Only [`Relay::run_until_idle`] returns an error, and only
+//!   a permanent one.
 //! - **Idle polling and wake-ups.** After an empty claim the relay waits
 //!   [`RelayConfig::poll_min`], doubling on each further empty claim up to
 //!   [`RelayConfig::poll_max`]; after a full claim it claims again at once. A [`Notifier`] or the
 //!   store's [`WakeSource`](outbox_traits::WakeSource) cuts the wait short; both are hints, and a
-//!   failing wake-up source is resubscribed later while polling carries on.
+//!   failing wake-up source is resubscribed later while polling carries on. Once a claim made on
+//!   a wake-up finds nothing, further wake-ups wait out `poll_min`, so a flood of stale hints
+//!   cannot spin the loop.
 //! - **Shutdown.** [`RelayHandle::shutdown`] stops claiming, lets in-flight batches publish and
 //!   settle until the deadline, then releases what is still leased.
 //!

@@ -769,3 +769,39 @@ async fn the_idle_poll_interval_doubles_up_to_poll_max_and_resets_on_work() {
         assert!(close(*got, want), "gaps {gaps:?}");
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_flood_of_wake_ups_does_not_spin_the_claim_loop() {
+    let store = TestStore::new(Wakeups::Off);
+    let publisher = Arc::new(RecordingPublisher::new());
+    let relay = Relay::new(
+        store.clone(),
+        publisher,
+        RelayConfig {
+            poll_min: Duration::from_millis(10),
+            poll_max: Duration::from_secs(3600),
+            ..config()
+        },
+    )
+    .unwrap();
+    let handle = relay.spawn();
+    let notifier = handle.notifier();
+    until(&store.claims, 1).await;
+    let start = tokio::time::Instant::now();
+    // Nothing to claim, yet a wake-up after every claim: once a claim made on a wake-up found
+    // nothing, the following claims stay poll_min apart.
+    for n in 2..=20 {
+        notifier.notify();
+        until(&store.claims, n).await;
+    }
+    let elapsed = start.elapsed();
+    handle.shutdown(Duration::from_secs(1)).await.unwrap();
+    let times = store.claim_times.lock().unwrap().clone();
+    assert!(
+        times[1..]
+            .windows(2)
+            .all(|w| w[1] - w[0] >= Duration::from_millis(10)),
+        "claims closer than poll_min: {times:?}"
+    );
+    assert!(elapsed >= Duration::from_millis(180), "{elapsed:?}");
+}
