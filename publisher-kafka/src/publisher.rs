@@ -267,8 +267,6 @@ enum Slotted {
     Done(PublishOutcome),
     /// Enqueued, and its delivery report was awaited early (to make room in a full queue).
     Reported(PublishOutcome),
-    /// Placeholder while a report is being awaited early.
-    Empty,
 }
 
 #[async_trait]
@@ -348,11 +346,9 @@ impl Publisher for KafkaPublisher {
                         // Waiting for this batch's oldest delivery frees queue space without
                         // polling in a loop.
                         if let Some(i) = next_pending(&slots, oldest) {
-                            let taken = std::mem::replace(&mut slots[i], Slotted::Empty);
-                            if let Slotted::Pending(fut) = taken {
-                                slots[i] = Slotted::Reported(
-                                    await_report(fut, report_deadline, &topics[i]).await,
-                                );
+                            if let Slotted::Pending(fut) = &mut slots[i] {
+                                let report = await_report(fut, report_deadline, &topics[i]).await;
+                                slots[i] = Slotted::Reported(report);
                             }
                             oldest = i + 1;
                         } else {
@@ -385,17 +381,12 @@ impl Publisher for KafkaPublisher {
         let mut sent = Vec::with_capacity(batch.len());
         for (i, s) in slots.into_iter().enumerate() {
             let (outcome, was_sent) = match s {
-                Slotted::Pending(fut) => {
-                    (await_report(fut, report_deadline, &topics[i]).await, true)
-                }
-                Slotted::Reported(o) => (o, true),
-                Slotted::Done(o) => (o, false),
-                Slotted::Empty => (
-                    PublishOutcome::Ambiguous {
-                        reason: "kafka: delivery report lost".into(),
-                    },
+                Slotted::Pending(mut fut) => (
+                    await_report(&mut fut, report_deadline, &topics[i]).await,
                     true,
                 ),
+                Slotted::Reported(o) => (o, true),
+                Slotted::Done(o) => (o, false),
             };
             outcomes.push(outcome);
             sent.push(was_sent);
@@ -442,7 +433,7 @@ fn next_pending(slots: &[Slotted], from: usize) -> Option<usize> {
 }
 
 /// Wait for one delivery report, at most until `deadline`.
-async fn await_report(fut: DeliveryFuture, deadline: Instant, topic: &str) -> PublishOutcome {
+async fn await_report(fut: &mut DeliveryFuture, deadline: Instant, topic: &str) -> PublishOutcome {
     match tokio::time::timeout_at(deadline, fut).await {
         Ok(Ok(Ok(_delivery))) => PublishOutcome::Acked,
         Ok(Ok(Err((KafkaError::MessageProduction(code), _)))) => classify_delivery(code, topic),
