@@ -85,17 +85,38 @@ impl BrokerReader for NatsReader {
 struct PrivateServer {
     child: Child,
     url: String,
+    store: Option<std::path::PathBuf>,
 }
 
 impl PrivateServer {
     fn start() -> Self {
+        Self::start_with(false)
+    }
+
+    /// With JetStream enabled, storing in a fresh temporary directory.
+    fn start_with(jetstream: bool) -> Self {
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
+        let mut args = vec![
+            "-a".to_owned(),
+            "127.0.0.1".to_owned(),
+            "-p".to_owned(),
+            port.to_string(),
+        ];
+        let store =
+            jetstream.then(|| std::env::temp_dir().join(format!("outbox-nats-{}", suffix())));
+        if let Some(dir) = &store {
+            args.extend([
+                "-js".to_owned(),
+                "-sd".to_owned(),
+                dir.display().to_string(),
+            ]);
+        }
         let child = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .args(&args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -103,7 +124,18 @@ impl PrivateServer {
         Self {
             child,
             url: format!("nats://127.0.0.1:{port}"),
+            store,
         }
+    }
+
+    /// Freeze (`SIGSTOP`) or thaw (`SIGCONT`) the server: a black hole that accepts TCP and
+    /// never answers.
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
     }
 
     /// Connect, retrying while the server starts up (readiness, not a timed assertion).
@@ -118,8 +150,14 @@ impl PrivateServer {
     }
 
     fn stop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status();
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(dir) = self.store.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 
@@ -349,4 +387,44 @@ async fn server_killed_mid_session_gives_transient_or_ambiguous_outcomes() {
     conformance::check_broker_down(&publisher, Duration::from_secs(1)).await;
     // And again, once the client knows it is disconnected.
     conformance::check_broker_down(&publisher, Duration::from_secs(1)).await;
+}
+
+#[tokio::test]
+async fn frozen_server_gives_ambiguous_outcomes_then_recovers() {
+    // Always runs: a private JetStream server, frozen with SIGSTOP (FM-C3's black hole).
+    let server = PrivateServer::start_with(true);
+    let config = NatsConfig::from_url(&format!(
+        "{}?subject=f.{{aggregate_type}}&stream=F&create_stream=true&timeout_ms=1000",
+        server.url
+    ))
+    .unwrap();
+    let publisher = server.connect(config).await;
+    server.signal("-STOP");
+    let mut batch = Vec::new();
+    for n in 0..3 {
+        for key in ["a", "b", "c"] {
+            batch.push(message(Some(key), &format!(r#"{{"n":{n}}}"#)));
+        }
+    }
+    let outcomes = publisher.publish(&batch).await;
+    server.signal("-CONT");
+    assert!(
+        outcomes
+            .iter()
+            .any(|o| matches!(o, PublishOutcome::Ambiguous { .. })),
+        "{outcomes:?}"
+    );
+    for (i, outcome) in outcomes.iter().enumerate() {
+        match outcome {
+            PublishOutcome::Ambiguous { .. } => assert!(i < 3, "only first messages were sent"),
+            PublishOutcome::NotAttempted => assert!(i >= 3),
+            other => panic!("frozen server: unexpected {other:?}"),
+        }
+    }
+    // Thawed: the same messages go through (the ambiguous ones as verified duplicates).
+    let outcomes = publisher.publish(&batch).await;
+    assert!(
+        outcomes.iter().all(PublishOutcome::is_acked),
+        "{outcomes:?}"
+    );
 }

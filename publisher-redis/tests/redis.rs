@@ -153,7 +153,20 @@ impl PrivateServer {
         panic!("private redis-server at {} did not come up", self.url);
     }
 
+    /// Freeze (`SIGSTOP`) or thaw (`SIGCONT`) the server: a black hole that accepts TCP and
+    /// never answers.
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
     fn stop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -335,4 +348,30 @@ async fn server_killed_mid_session_gives_transient_or_ambiguous_outcomes() {
     server.stop();
     conformance::check_broker_down(&publisher, Duration::from_secs(1)).await;
     conformance::check_broker_down(&publisher, Duration::from_secs(1)).await;
+}
+
+#[tokio::test]
+async fn frozen_server_gives_ambiguous_outcomes_then_recovers() {
+    // Always runs: a private server, frozen with SIGSTOP (a black hole).
+    let server = PrivateServer::start();
+    let config =
+        RedisConfig::from_url(&format!("{}?stream=frozen&timeout_ms=1000", server.url)).unwrap();
+    let publisher = server.connect(config).await;
+    server.signal("-STOP");
+    let batch: Vec<_> = (0..6)
+        .map(|n| message(Some(["a", "b"][n % 2]), "{}"))
+        .collect();
+    let outcomes = publisher.publish(&batch).await;
+    server.signal("-CONT");
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, PublishOutcome::Ambiguous { .. })),
+        "a pipeline without a reply may be stored: {outcomes:?}"
+    );
+    let outcomes = publisher.publish(&batch).await;
+    assert!(
+        outcomes.iter().all(PublishOutcome::is_acked),
+        "{outcomes:?}"
+    );
 }
