@@ -30,6 +30,9 @@
 //! outbox = { version = "0.1", features = ["sqlite"] }
 //! ```
 //!
+//! and names everything of this crate under `outbox::sqlite` (`outbox::sqlite::SqliteStore`,
+//! `outbox::sqlite::enqueue`, ...), next to the relay (`outbox::relay`) and the contract types.
+//!
 //! # Use directly
 //!
 //! ```toml
