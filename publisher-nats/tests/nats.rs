@@ -115,7 +115,13 @@ impl PrivateServer {
                 dir.display().to_string(),
             ]);
         }
-        let child = Command::new("nats-server")
+        // Debian installs it in /usr/sbin, which a non-login PATH may lack.
+        let binary = if std::path::Path::new("/usr/sbin/nats-server").exists() {
+            "/usr/sbin/nats-server"
+        } else {
+            "nats-server"
+        };
+        let child = Command::new(binary)
             .args(&args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
