@@ -379,6 +379,7 @@ pub(crate) fn is_sensitive(name: &str) -> bool {
     n.contains("password")
         || n.contains("secret")
         || n.contains("token")
+        || n.contains("private.key")
         || n == "sasl.oauthbearer.config"
         || n == "ssl.key.pem"
         || n == "ssl_key"

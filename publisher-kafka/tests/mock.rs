@@ -82,7 +82,7 @@ fn is_kind(o: &PublishOutcome, want: ErrorKind) -> bool {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn request_timeouts_and_leader_changes_are_retried_transparently_in_order() {
+async fn request_timeouts_disconnects_and_leader_changes_are_retried_transparently_in_order() {
     let cluster = cluster(1, 1);
     let publisher = publisher(&cluster, Duration::from_secs(20), &[]);
     cluster.request_errors(
@@ -91,6 +91,7 @@ async fn request_timeouts_and_leader_changes_are_retried_transparently_in_order(
             RDKafkaRespErr::RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
             RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION,
             RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__TRANSPORT,
             RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION,
         ],
     );
@@ -399,4 +400,12 @@ async fn unknown_topic_is_permanent() {
         other => panic!("{other:?}"),
     }
     assert_eq!(outcomes[2], PublishOutcome::NotAttempted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_batch_has_no_outcomes() {
+    let cluster = cluster(1, 1);
+    let publisher = publisher(&cluster, Duration::from_secs(5), &[]);
+    assert!(publisher.publish(&[]).await.is_empty());
+    assert_eq!(stored(&cluster, 1), 0);
 }
