@@ -39,7 +39,16 @@ mod tests {
         for ok in ["outbox", "_x", "Outbox_2", &"a".repeat(63)] {
             assert!(validate_sql_identifier("table name", ok).is_ok(), "{ok}");
         }
-        for bad in ["", "1abc", "a;b", "a b", "a\"b", "sch.tbl", "é", &"a".repeat(64)] {
+        for bad in [
+            "",
+            "1abc",
+            "a;b",
+            "a b",
+            "a\"b",
+            "sch.tbl",
+            "é",
+            &"a".repeat(64),
+        ] {
             assert!(validate_sql_identifier("table name", bad).is_err(), "{bad}");
         }
     }

@@ -254,8 +254,11 @@ pub struct Counts {
 #[async_trait]
 pub trait OutboxAdmin: Send + Sync {
     /// List up to `limit` dead messages, oldest first, after the given `seq` (for paging).
-    async fn list_dead(&self, after_seq: Option<i64>, limit: usize)
-        -> Result<Vec<DeadMessage>, Error>;
+    async fn list_dead(
+        &self,
+        after_seq: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<DeadMessage>, Error>;
 
     /// Make dead messages pending and due again, with their attempts reset to zero.
     ///
@@ -274,7 +277,9 @@ pub trait OutboxAdmin: Send + Sync {
     ///
     /// # Behavior
     /// - MUST NOT delete unpublished or dead messages.
-    /// - MUST NOT make ids or `seq` values reusable.
+    /// - MUST NOT make `seq` values reusable (a later message never gets the `seq` of a purged
+    ///   one). Ids stay unique among the messages the store holds; the store need not remember
+    ///   purged ids, since new ids are fresh UUID v7 values.
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error>;
 
     /// Count messages by state.

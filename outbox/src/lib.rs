@@ -30,4 +30,25 @@ pub mod sqlite {
     pub use outbox_backend_sqlite::*;
 }
 
+/// The NATS JetStream publisher (`outbox-publisher-nats`).
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub mod nats {
+    pub use outbox_publisher_nats::*;
+}
+
+/// The Kafka publisher (`outbox-publisher-kafka`).
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub mod kafka {
+    pub use outbox_publisher_kafka::*;
+}
+
+/// The Redis Streams publisher (`outbox-publisher-redis`).
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub mod redis {
+    pub use outbox_publisher_redis::*;
+}
+
 pub mod broker;
