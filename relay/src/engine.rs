@@ -334,7 +334,11 @@ async fn run_loop(
                             if claim_hinted {
                                 spurious_at = Some(Instant::now());
                             }
-                            if serve {
+                            if serve && hinted {
+                                // A wake-up arrived while this claim ran; it may have missed
+                                // what the wake-up announced.
+                                next_claim = woken(spurious_at, cfg.poll_min);
+                            } else if serve {
                                 next_claim = Some(Instant::now() + idle_wait);
                                 idle_wait = (idle_wait * 2).min(cfg.poll_max);
                             }
@@ -351,7 +355,7 @@ async fn run_loop(
                                 // Partial: the backlog is drained for now; claim again soon
                                 // rather than at once, so that small batches do not spin.
                                 quiet = true;
-                                if serve {
+                                if serve && !hinted {
                                     next_claim = Some(Instant::now() + cfg.poll_min);
                                 }
                             }

@@ -805,3 +805,34 @@ async fn a_flood_of_wake_ups_does_not_spin_the_claim_loop() {
     );
     assert!(elapsed >= Duration::from_millis(180), "{elapsed:?}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_wake_up_during_a_claim_that_finds_nothing_is_not_lost() {
+    let store = TestStore::new(Wakeups::Off);
+    let publisher = Arc::new(RecordingPublisher::new());
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            poll_min: Duration::from_secs(3600),
+            poll_max: Duration::from_secs(3600),
+            ..config()
+        },
+    )
+    .unwrap();
+    store.claim_return_open.send_replace(false);
+    let handle = relay.spawn();
+    // The first claim has read an empty store and is on its way back...
+    until(&store.claims_read, 1).await;
+    // ...when a message commits and the notifier fires.
+    store.inner.enqueue([msg("k", 0)]).unwrap();
+    handle.notifier().notify();
+    // Let the relay take the wake-up while its claim is still out (one thread: yielding runs it).
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    store.claim_return_open.send_replace(true);
+    published(&publisher, 1).await;
+    let stats = handle.shutdown(Duration::from_secs(1)).await.unwrap();
+    assert_eq!(stats.published, 1);
+}

@@ -98,6 +98,10 @@ pub struct TestStore {
     pub transient_complete_errors: AtomicU32,
     /// Every claim fails with a permanent error.
     pub permanent_claim_error: AtomicBool,
+    /// While false, a claim that has read the store waits before returning its result.
+    pub claim_return_open: watch::Sender<bool>,
+    /// Claims that read the store (before the return gate).
+    pub claims_read: watch::Sender<u64>,
     /// While false, `complete` waits (the batch is published but not yet marked).
     pub complete_open: watch::Sender<bool>,
     /// Completes that reached the gate.
@@ -121,6 +125,8 @@ impl TestStore {
             transient_claim_errors: AtomicU32::new(0),
             transient_complete_errors: AtomicU32::new(0),
             permanent_claim_error: AtomicBool::new(false),
+            claim_return_open: watch::Sender::new(true),
+            claims_read: watch::Sender::new(0),
             complete_open: watch::Sender::new(true),
             completes_entered: watch::Sender::new(0),
             wakeups,
@@ -154,6 +160,8 @@ impl OutboxStore for TestStore {
         } else {
             self.inner.claim(req).await
         };
+        bump(&self.claims_read);
+        let _ = self.claim_return_open.subscribe().wait_for(|o| *o).await;
         self.claim_times
             .lock()
             .unwrap()
