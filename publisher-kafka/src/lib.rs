@@ -6,7 +6,7 @@
 //! use outbox_traits::Publisher;
 //!
 //! let config = KafkaConfig::from_url(
-//!     "kafka://127.0.0.1:9092?topic=outbox.{aggregate_type}&message.timeout.ms=5000&linger.ms=5",
+//!     "kafka://127.0.0.1:9092?topic=outbox.{aggregate_type}&message.timeout.ms=5000&compression.type=lz4",
 //! )?;
 //! let publisher = KafkaPublisher::new(config)?;
 //! let outcomes = publisher.publish(&batch).await; // one outcome per message
