@@ -189,11 +189,16 @@ async fn next_hint(source: &mut Option<Box<dyn WakeSource>>) -> Result<(), Error
     }
 }
 
+/// Longest pause [`woken`] puts between a wake-up and its claim (shorter if `poll_min` is).
+pub(crate) const WAKE_PACING: Duration = Duration::from_millis(10);
+
 /// When to claim after a wake-up: at once, unless a claim made on an earlier wake-up came back
-/// empty less than `poll_min` ago.
+/// empty less than `min(poll_min, WAKE_PACING)` ago. Such an empty claim is usually innocent
+/// (the hint's message was taken by an earlier claim), so the pause stays short whatever
+/// `poll_min` is; it only caps a flood of hints at about one claim per pause.
 fn woken(spurious_at: Option<Instant>, poll_min: Duration) -> Option<Instant> {
     spurious_at
-        .map(|at| at + poll_min)
+        .map(|at| at + poll_min.min(WAKE_PACING))
         .filter(|at| *at > Instant::now())
 }
 
@@ -239,9 +244,9 @@ async fn run_loop(
     // A wake-up arrived since the last claim started / the running claim followed one.
     let mut hinted = false;
     let mut claim_hinted = false;
-    // When a claim made on a wake-up came back empty: the next wake-up waits out `poll_min`
-    // from then, so a burst of stale hints (or a source that is always ready) cannot spin the
-    // claim loop, while a real wake-up after an enqueue is served at once.
+    // When a claim made on a wake-up came back empty: the next wake-up waits a short pause
+    // from then (see `woken`), so a burst of stale hints (or a source that is always ready)
+    // cannot spin the claim loop.
     let mut spurious_at: Option<Instant> = None;
     let mut store_failures = 0u32;
     let mut fatal: Option<Error> = None;

@@ -69,8 +69,8 @@
 //!   [`RelayConfig::poll_max`]; after a full claim it claims again at once. A [`Notifier`] or the
 //!   store's [`WakeSource`](outbox_traits::WakeSource) cuts the wait short; both are hints, and a
 //!   failing wake-up source is resubscribed later while polling carries on. Once a claim made on
-//!   a wake-up finds nothing, further wake-ups wait out `poll_min`, so a flood of stale hints
-//!   cannot spin the loop.
+//!   a wake-up finds nothing, the next wake-up is served after a pause of at most 10 ms
+//!   (`poll_min` if shorter), so a flood of stale hints cannot spin the loop.
 //! - **Shutdown.** [`RelayHandle::shutdown`] stops claiming, lets in-flight batches publish and
 //!   settle until the deadline, then releases what is still leased.
 //!

@@ -836,3 +836,39 @@ async fn a_wake_up_during_a_claim_that_finds_nothing_is_not_lost() {
     let stats = handle.shutdown(Duration::from_secs(1)).await.unwrap();
     assert_eq!(stats.published, 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_innocent_empty_claim_after_a_wake_up_does_not_delay_the_next_one() {
+    let store = TestStore::new(Wakeups::Off);
+    let publisher = Arc::new(RecordingPublisher::new());
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            poll_min: Duration::from_secs(3600),
+            poll_max: Duration::from_secs(3600),
+            ..config()
+        },
+    )
+    .unwrap();
+    let handle = relay.spawn();
+    let notifier = handle.notifier();
+    until(&store.claims, 1).await;
+    // Round 1: a second wake-up lands while the claim that takes the message is out, so the
+    // relay claims once more on it and finds nothing (the message is already leased).
+    store.claim_return_open.send_replace(false);
+    store.inner.enqueue([msg("k", 0)]).unwrap();
+    notifier.notify();
+    until(&store.claims_read, 2).await;
+    notifier.notify();
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    store.claim_return_open.send_replace(true);
+    published(&publisher, 1).await;
+    // Round 2: served promptly, not after poll_min (an hour).
+    store.inner.enqueue([msg("k", 1)]).unwrap();
+    notifier.notify();
+    published(&publisher, 2).await;
+    handle.shutdown(Duration::from_secs(1)).await.unwrap();
+}
