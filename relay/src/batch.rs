@@ -87,6 +87,14 @@ impl Batch<'_> {
             self.rec
                 .add(Counter::OrderViolations, plan.order_violations.len() as u64);
         }
+        if !plan.unexplained_not_attempted.is_empty() {
+            error!(
+                publisher = %self.shared.publisher_name,
+                ids = ?plan.unexplained_not_attempted,
+                "publisher bug: reported messages as not attempted with no earlier failure of \
+                 their key; retrying them as ambiguous"
+            );
+        }
         let mut fatal = None;
         if !plan.complete.is_empty() {
             fatal = fatal.or(self.complete(token, &plan.complete, lease_end).await);

@@ -56,7 +56,9 @@
 //!   so a key's later messages wait for the failed one and per-key order holds. A publisher that
 //!   returns the wrong number of outcomes has the whole batch retried as ambiguous; one that
 //!   acknowledges a message after its key's earlier message failed is logged as a bug
-//!   (`outbox_order_violations_total`), and the message is still completed.
+//!   (`outbox_order_violations_total`), and the message is still completed. `NotAttempted`
+//!   without an earlier failure of the same key in the batch is a publisher bug too; it is
+//!   retried as ambiguous (counting an attempt) so that it cannot loop forever.
 //! - **Leases.** While a publish runs past half the lease, the lease is extended (again at each
 //!   half-time). A lost lease is not an error: the store fences the later transition, the relay
 //!   counts it ([`RelayStats::lease_lost`]) and carries on.

@@ -20,6 +20,10 @@ pub(crate) struct Settlement {
     pub(crate) release: Vec<Uuid>,
     /// Acknowledged after an earlier message of the same key was not: a publisher bug.
     pub(crate) order_violations: Vec<Uuid>,
+    /// Reported not attempted although no earlier message of its key failed in the batch: a
+    /// publisher bug, handled as ambiguous so that it counts an attempt (releasing it would let
+    /// the relay claim and release it again in a tight loop).
+    pub(crate) unexplained_not_attempted: Vec<Uuid>,
     /// The publisher returned this many outcomes instead of one per message (a publisher bug);
     /// every message was then treated as ambiguous.
     pub(crate) wrong_outcome_count: Option<usize>,
@@ -99,7 +103,18 @@ pub(crate) fn settle<R: Rng + ?Sized>(
                 out.complete.push(msg.id);
                 continue;
             }
-            PublishOutcome::NotAttempted => out.release.push(msg.id),
+            PublishOutcome::NotAttempted if key.is_some_and(|k| broken_keys.contains(k)) => {
+                out.release.push(msg.id)
+            }
+            PublishOutcome::NotAttempted => {
+                out.unexplained_not_attempted.push(msg.id);
+                out.fail.push(policy.failure(
+                    msg,
+                    "ambiguous: the publisher did not attempt it, with no earlier failure of its key"
+                        .to_owned(),
+                    rng,
+                ));
+            }
             PublishOutcome::Failed {
                 kind: ErrorKind::Permanent,
                 reason,
@@ -285,6 +300,30 @@ mod tests {
         );
         assert_eq!(s.order_violations, vec![b[2].id]);
         assert_eq!(s.complete, vec![b[1].id, b[2].id, b[4].id]);
+    }
+
+    #[test]
+    fn not_attempted_without_an_earlier_failure_of_its_key_counts_an_attempt() {
+        let b = vec![
+            msg(1, Some("a"), 0),
+            msg(2, None, 0),
+            msg(3, Some("b"), 0),
+            msg(4, Some("b"), 0),
+        ];
+        let s = run(
+            &b,
+            vec![
+                PublishOutcome::NotAttempted,
+                PublishOutcome::NotAttempted,
+                PublishOutcome::transient("x"),
+                PublishOutcome::NotAttempted,
+            ],
+        );
+        assert_eq!(s.unexplained_not_attempted, vec![b[0].id, b[1].id]);
+        assert_eq!(s.release, vec![b[3].id]);
+        let failed: Vec<Uuid> = s.fail.iter().map(|f| f.id).collect();
+        assert_eq!(failed, vec![b[0].id, b[1].id, b[2].id]);
+        assert!(s.fail[0].error.contains("no earlier failure of its key"));
     }
 
     #[test]

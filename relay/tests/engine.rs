@@ -872,3 +872,20 @@ async fn an_innocent_empty_claim_after_a_wake_up_does_not_delay_the_next_one() {
     published(&publisher, 2).await;
     handle.shutdown(Duration::from_secs(1)).await.unwrap();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_publisher_that_never_attempts_cannot_spin_the_relay() {
+    let store = TestStore::new(Wakeups::Inner);
+    store
+        .inner
+        .enqueue([msg("k", 0), msg("u", 0).unordered()])
+        .unwrap();
+    let lazy = Arc::new(ScriptedPublisher(|batch: &[outbox_traits::Message]| {
+        vec![PublishOutcome::NotAttempted; batch.len()]
+    }));
+    let relay = Relay::new(store.clone(), lazy, config()).unwrap();
+    // Returns (rather than claiming and releasing forever), with an attempt counted for each.
+    let stats = relay.run_until_idle().await.unwrap();
+    assert_eq!((stats.claimed, stats.retried, stats.released), (2, 2, 0));
+    assert!(store.inner.unpublished().iter().all(|m| m.attempts == 1));
+}
