@@ -256,7 +256,6 @@ async fn run_loop(
     let mut resubscribe_at = serve.then(Instant::now);
     let mut wake_failures = 0u32;
 
-    let mut stopping = false;
     let mut deadline: Option<Instant> = None;
     let mut abandoned = false;
 
@@ -456,8 +455,7 @@ async fn run_loop(
                     resubscribe_at = Some(Instant::now() + retry);
                 }
             },
-            grace = &mut stop, if !stopping => {
-                stopping = true;
+            grace = &mut stop, if deadline.is_none() => {
                 info!(deadline = ?grace, batches = in_flight.len(), "relay shutting down");
                 deadline = Some(Instant::now() + grace);
                 wake = None;
