@@ -1,0 +1,112 @@
+//! The same program relays the same kind of outbox to NATS, Kafka (Tansu) and Redis, changing
+//! only the broker URL; each run is read back with that broker's own client.
+
+use outbox_conformance_tests::env::service_url;
+use outbox_e2e::{check_delivery, kafka, nats, redis, unique_suffix, Expected, Received};
+use outbox_example_relay_anywhere::{run, Summary};
+
+const ORDERS: usize = 60;
+
+fn expected(summary: &Summary) -> Vec<Expected> {
+    summary
+        .committed
+        .iter()
+        .map(|e| Expected {
+            id: e.id.clone(),
+            key: Some(e.key.clone()),
+            payload: e.payload.clone().into_bytes(),
+        })
+        .collect()
+}
+
+/// Every committed order arrived exactly once (by message id), byte-equal and in per-customer
+/// order, and no rolled-back one did.
+fn assert_delivered(summary: &Summary, received: &[Received]) {
+    assert_eq!(summary.committed.len(), ORDERS - ORDERS / 5);
+    assert_eq!(summary.rolled_back.len(), ORDERS / 5);
+    assert_eq!(summary.stats.published as usize, summary.committed.len());
+    assert_eq!(summary.counts.published as usize, summary.committed.len());
+    assert_eq!(summary.counts.pending, 0);
+    assert_eq!(summary.counts.dead, 0);
+    for id in &summary.rolled_back {
+        assert!(
+            !received.iter().any(|r| &r.id == id),
+            "rolled-back message {id} reached {}",
+            summary.broker
+        );
+    }
+    let delivery = check_delivery(received, &expected(summary))
+        .unwrap_or_else(|e| panic!("{}: {e}", summary.broker));
+    assert_eq!(delivery.distinct, summary.committed.len());
+    assert_eq!(delivery.duplicates, 0, "{}", summary.broker);
+}
+
+#[tokio::test]
+async fn relays_to_nats() {
+    let Some(url) = service_url("OUTBOX_TEST_NATS_URL") else {
+        return;
+    };
+    let s = unique_suffix();
+    let stream = format!("RA_{s}");
+    let broker = format!(
+        "{url}?subject=ra{s}.{{aggregate_type}}.{{event_type}}&stream={stream}&create_stream=true"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(&dir.path().join("outbox.sqlite"), ORDERS, &broker)
+        .await
+        .unwrap();
+    let received = nats::read_stream(&url, &stream).await.unwrap();
+    nats::delete_stream(&url, &stream).await.unwrap();
+    assert_delivered(&summary, &received);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_to_kafka() {
+    let Some(brokers) = service_url("OUTBOX_TEST_KAFKA_BROKERS") else {
+        return;
+    };
+    let topic = format!("ra-{}", unique_suffix());
+    kafka::create_topic(&brokers, &topic, 3).await.unwrap();
+    let broker = format!("kafka://{brokers}?topic={topic}");
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(&dir.path().join("outbox.sqlite"), ORDERS, &broker)
+        .await
+        .unwrap();
+    let received = kafka::read_topic(&brokers, &topic, 3).await.unwrap();
+    kafka::delete_topic(&brokers, &topic).await.unwrap();
+    assert_delivered(&summary, &received);
+}
+
+#[tokio::test]
+async fn relays_to_redis() {
+    let Some(url) = service_url("OUTBOX_TEST_REDIS_URL") else {
+        return;
+    };
+    let stream = format!("ra-{}", unique_suffix());
+    let broker = format!("{url}?stream={stream}");
+    let dir = tempfile::tempdir().unwrap();
+    let summary = run(&dir.path().join("outbox.sqlite"), ORDERS, &broker)
+        .await
+        .unwrap();
+    let received = redis::read_stream(&url, &stream).await.unwrap();
+    redis::delete(&url, &stream).await.unwrap();
+    assert_delivered(&summary, &received);
+}
+
+#[tokio::test]
+async fn a_bad_broker_url_fails_before_anything_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("outbox.sqlite");
+    for url in [
+        "amqp://guest:secret@localhost",
+        "nats://127.0.0.1:4222?colour=red",
+    ] {
+        let err = run(&db, ORDERS, url).await.unwrap_err();
+        assert!(
+            matches!(err, outbox::Error::InvalidInput(_)),
+            "{url}: {err}"
+        );
+        assert!(!err.to_string().contains("secret"), "{err}");
+    }
+    assert!(!db.exists(), "nothing may be written for a bad broker URL");
+}
