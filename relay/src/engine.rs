@@ -236,6 +236,11 @@ async fn run_loop(
     // Drain mode: the last claim found no (or only a partial) batch, and no batch has settled
     // since, so claiming again now would find nothing new.
     let mut quiet = false;
+    // Batches settled so far, and how many had settled when the running claim started: a claim
+    // that overlapped a settle may have been held back by leases that are gone now, so its
+    // empty (or partial) answer says nothing about the backlog.
+    let mut settles = 0u64;
+    let mut settles_at_claim = 0u64;
     // Earliest next claim, from adaptive polling.
     let mut next_claim: Option<Instant> = None;
     // Earliest next claim, from back-off after store errors.
@@ -302,6 +307,7 @@ async fn run_loop(
         let claim_at = later(next_claim, paused_until);
         if may_claim && claim_at.is_none_or(|at| at <= now) {
             claiming = true;
+            settles_at_claim = settles;
             claim_hinted = std::mem::take(&mut hinted);
             next_claim = None;
             paused_until = None;
@@ -331,7 +337,13 @@ async fn run_loop(
                 Event::Claimed { result, started } => {
                     claiming = false;
                     rec.claim_took(started.elapsed());
+                    let overlapped_settle = settles != settles_at_claim;
                     match result {
+                        Ok(claim) if claim.messages.is_empty() && overlapped_settle => {
+                            // Claim again at once: see `settles_at_claim`.
+                            store_failures = 0;
+                            next_claim = None;
+                        }
                         Ok(claim) if claim.messages.is_empty() => {
                             store_failures = 0;
                             quiet = true;
@@ -355,7 +367,7 @@ async fn run_loop(
                             rec.add(Counter::Claimed, size as u64);
                             rec.add(Counter::Batches, 1);
                             rec.batch_size(size);
-                            if size < cfg.batch_size {
+                            if size < cfg.batch_size && !overlapped_settle {
                                 // Partial: the backlog is drained for now; claim again soon
                                 // rather than at once, so that small batches do not spin.
                                 quiet = true;
@@ -406,6 +418,7 @@ async fn run_loop(
                 }
                 Event::Settled { token, fatal: batch_fatal } => {
                     in_flight.remove(&token);
+                    settles += 1;
                     // Settling may have released messages or unblocked keys.
                     quiet = false;
                     next_claim = None;
