@@ -1,0 +1,251 @@
+//! Which table the store uses, and the SQL built for it once, at construction.
+
+use std::fmt;
+use std::sync::Arc;
+
+use outbox_traits::{validate_sql_identifier, Error, Limits};
+
+use crate::sql::Sql;
+
+/// The default schema: `public`.
+pub const DEFAULT_SCHEMA: &str = "public";
+/// The default table: `outbox`.
+pub const DEFAULT_TABLE: &str = "outbox";
+
+/// Where the outbox lives and how enqueue behaves.
+///
+/// Schema and table names are checked with [`validate_sql_identifier`] and every SQL statement
+/// is built once, here, with the names quoted; nothing user-given is spliced into SQL later.
+/// Cloning is cheap (the statements are shared).
+///
+/// ```
+/// use outbox_backend_postgres::PostgresConfig;
+/// let config = PostgresConfig::builder().schema("billing").table("outbox").build()?;
+/// assert_eq!(config.qualified_table(), r#""billing"."outbox""#);
+/// assert!(PostgresConfig::builder().table("outbox; drop table x").build().is_err());
+/// # Ok::<(), outbox_traits::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct PostgresConfig {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    schema: String,
+    table: String,
+    limits: Limits,
+    notify: bool,
+    sql: Sql,
+}
+
+impl PostgresConfig {
+    /// A builder starting from the defaults (`public.outbox`, 1 MiB payloads, NOTIFY on).
+    pub fn builder() -> PostgresConfigBuilder {
+        PostgresConfigBuilder::default()
+    }
+
+    /// The config for `schema.table` with the other settings at their defaults.
+    pub fn new(schema: &str, table: &str) -> Result<Self, Error> {
+        Self::builder().schema(schema).table(table).build()
+    }
+
+    /// The schema name.
+    pub fn schema(&self) -> &str {
+        &self.inner.schema
+    }
+
+    /// The table name.
+    pub fn table(&self) -> &str {
+        &self.inner.table
+    }
+
+    /// `"schema"."table"`, quoted as it appears in the SQL.
+    pub fn qualified_table(&self) -> &str {
+        &self.inner.sql.table
+    }
+
+    /// The payload limits enqueue enforces.
+    pub fn limits(&self) -> Limits {
+        self.inner.limits
+    }
+
+    /// Whether enqueue sends a `pg_notify` wake-up (one per enqueue call).
+    pub fn notify(&self) -> bool {
+        self.inner.notify
+    }
+
+    /// The `LISTEN/NOTIFY` channel for this table: `outbox.<schema>.<table>`, shortened with a
+    /// hash when that would exceed Postgres's 63-byte identifier limit.
+    pub fn notify_channel(&self) -> &str {
+        &self.inner.sql.channel
+    }
+
+    /// The migration SQL for this table, for teams that apply migrations with their own tool.
+    /// It is idempotent; [`crate::migrate`] runs exactly this under an advisory lock.
+    pub fn migration_sql(&self) -> &str {
+        &self.inner.sql.migrate
+    }
+
+    pub(crate) fn sql(&self) -> &Sql {
+        &self.inner.sql
+    }
+}
+
+impl Default for PostgresConfig {
+    /// `public.outbox`, 1 MiB payloads, NOTIFY on.
+    fn default() -> Self {
+        Self::from_valid(
+            DEFAULT_SCHEMA.to_owned(),
+            DEFAULT_TABLE.to_owned(),
+            Limits::default(),
+            true,
+        )
+    }
+}
+
+impl PostgresConfig {
+    /// Build from names that already passed [`validate_sql_identifier`].
+    fn from_valid(schema: String, table: String, limits: Limits, notify: bool) -> Self {
+        let sql = Sql::build(&schema, &table, notify);
+        Self {
+            inner: Arc::new(Inner {
+                schema,
+                table,
+                limits,
+                notify,
+                sql,
+            }),
+        }
+    }
+}
+
+impl fmt::Debug for PostgresConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresConfig")
+            .field("schema", &self.inner.schema)
+            .field("table", &self.inner.table)
+            .field("limits", &self.inner.limits)
+            .field("notify", &self.inner.notify)
+            .finish()
+    }
+}
+
+/// Builder of [`PostgresConfig`]; [`PostgresConfigBuilder::build`] validates everything.
+#[derive(Debug, Clone)]
+pub struct PostgresConfigBuilder {
+    schema: String,
+    table: String,
+    limits: Limits,
+    notify: bool,
+}
+
+impl Default for PostgresConfigBuilder {
+    fn default() -> Self {
+        Self {
+            schema: DEFAULT_SCHEMA.to_owned(),
+            table: DEFAULT_TABLE.to_owned(),
+            limits: Limits::default(),
+            notify: true,
+        }
+    }
+}
+
+impl PostgresConfigBuilder {
+    /// Schema holding the outbox table (default `public`). Created by the migration if missing.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// Outbox table name (default `outbox`).
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Payload limits enforced at enqueue (default 1 MiB).
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Largest accepted payload, in bytes of its JSON text.
+    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.limits.max_payload_bytes = bytes;
+        self
+    }
+
+    /// Send a `pg_notify` wake-up with every enqueue call (default on).
+    ///
+    /// A NOTIFY takes a database-wide lock at commit that serialises committing writers, so
+    /// services with many concurrent writers may prefer to turn it off and rely on the relay's
+    /// polling. A notification is only a hint; relays poll regardless.
+    pub fn notify(mut self, notify: bool) -> Self {
+        self.notify = notify;
+        self
+    }
+
+    /// Validate the names and limits and build every SQL statement.
+    pub fn build(self) -> Result<PostgresConfig, Error> {
+        validate_sql_identifier("schema name", &self.schema)?;
+        validate_sql_identifier("table name", &self.table)?;
+        if self.limits.max_payload_bytes == 0 {
+            return Err(Error::invalid_input(
+                "max_payload_bytes is 0, which refuses every message; set a positive limit",
+            ));
+        }
+        Ok(PostgresConfig::from_valid(
+            self.schema,
+            self.table,
+            self.limits,
+            self.notify,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_validation() {
+        let config = PostgresConfig::default();
+        assert_eq!(config.schema(), "public");
+        assert_eq!(config.table(), "outbox");
+        assert_eq!(config.qualified_table(), "\"public\".\"outbox\"");
+        assert_eq!(config.notify_channel(), "outbox.public.outbox");
+        assert!(config.notify());
+
+        for (schema, table) in [("a;b", "outbox"), ("public", "x\"y"), ("", "t"), ("s", "")] {
+            let err = PostgresConfig::new(schema, table).unwrap_err();
+            assert!(
+                matches!(err, Error::InvalidInput(_)),
+                "{schema}.{table}: {err}"
+            );
+        }
+        let err = PostgresConfig::builder()
+            .max_payload_bytes(0)
+            .build()
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)));
+    }
+
+    #[test]
+    fn long_names_keep_derived_names_distinct_and_short() {
+        let long = "t".repeat(63);
+        let config = PostgresConfig::new(&"s".repeat(63), &long).unwrap();
+        assert!(config.notify_channel().len() <= 63);
+        let sql = config.migration_sql();
+        for suffix in [
+            "claim_idx",
+            "key_idx",
+            "dead_idx",
+            "published_idx",
+            "dedup_key",
+        ] {
+            let name = crate::sql::derived_name(&long, suffix);
+            assert!(name.len() <= 63 && name.ends_with(suffix), "{name}");
+            assert!(sql.contains(&name));
+        }
+    }
+}

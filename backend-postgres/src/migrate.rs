@@ -1,0 +1,37 @@
+//! Creating the outbox table: idempotent DDL under a transaction-scoped advisory lock.
+
+use outbox_traits::Error;
+use sqlx::{Executor, PgPool};
+
+use crate::config::PostgresConfig;
+use crate::error::map_sqlx;
+
+/// Advisory lock key taken while migrating ("outbox" in ASCII). One key for every outbox table:
+/// two tables in one new schema would otherwise race on creating the schema.
+pub const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78;
+
+/// Create the schema, table and indexes of `config` if they do not exist.
+///
+/// Runs [`PostgresConfig::migration_sql`] in one transaction that first takes the advisory lock
+/// [`MIGRATION_LOCK_KEY`] (`pg_advisory_xact_lock`), so processes starting together migrate one
+/// after the other instead of colliding on `CREATE ... IF NOT EXISTS`. The lock is released at
+/// commit. Safe to call at every start-up.
+///
+/// # Errors
+/// Classified database errors, e.g. [`Error::Unavailable`] when the server cannot be reached or a
+/// permanent error when the role may not create the schema or table.
+pub async fn migrate(pool: &PgPool, config: &PostgresConfig) -> Result<(), Error> {
+    let table = config.qualified_table();
+    let err = |e| map_sqlx(e, "migrate", table);
+    let mut tx = pool.begin().await.map_err(err)?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(MIGRATION_LOCK_KEY)
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?;
+    // Several statements: a query without arguments goes through the simple query protocol,
+    // which runs them all, in this transaction.
+    tx.execute(config.migration_sql()).await.map_err(err)?;
+    tx.commit().await.map_err(err)?;
+    Ok(())
+}

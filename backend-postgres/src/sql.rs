@@ -1,0 +1,319 @@
+//! Every SQL statement of the store, built once per config from validated, quoted names.
+//!
+//! States are stored as text (`pending`, `leased`, `published`, `dead`) so operators can read
+//! the table directly. Durations travel as microseconds (`bigint`) and become intervals in SQL,
+//! so that every time decision uses the database's clock (`now()`), never the relay host's.
+
+/// Postgres truncates identifiers longer than this many bytes.
+const MAX_IDENT: usize = 63;
+
+/// The statements for one outbox table.
+pub(crate) struct Sql {
+    /// `"schema"."table"`.
+    pub table: String,
+    /// `LISTEN/NOTIFY` channel name.
+    pub channel: String,
+    /// Name of the unique constraint on `dedup_key`, to recognise its violations.
+    pub dedup_constraint: String,
+    /// Idempotent DDL (schema, table, indexes).
+    pub migrate: String,
+    /// Batch insert from arrays; sends one NOTIFY when configured.
+    pub insert: String,
+    /// Claim where dead messages block their key.
+    pub claim_block: String,
+    /// Claim where dead messages are ignored for ordering.
+    pub claim_skip: String,
+    pub complete: String,
+    pub fail: String,
+    pub release: String,
+    pub extend: String,
+    pub list_dead: String,
+    pub requeue: String,
+    pub discard: String,
+    pub purge: String,
+    pub counts: String,
+}
+
+/// `{base}_{suffix}`, or a shortened `base` plus a hash when that would exceed 63 bytes, so two
+/// derived names never collide through Postgres's silent truncation.
+pub(crate) fn derived_name(base: &str, suffix: &str) -> String {
+    let full = format!("{base}_{suffix}");
+    if full.len() <= MAX_IDENT {
+        return full;
+    }
+    let hash = format!("{:016x}", fnv1a(base.as_bytes()));
+    // base is ASCII (validated identifier), so any byte index is a char boundary.
+    let keep = MAX_IDENT - suffix.len() - hash.len() - 2;
+    format!("{}_{hash}_{suffix}", &base[..keep.min(base.len())])
+}
+
+/// FNV-1a: a stable hash (unlike `DefaultHasher`, which may change between Rust releases), so a
+/// shortened name is the same for every process and version.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
+        (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn channel_name(schema: &str, table: &str) -> String {
+    let full = format!("outbox.{schema}.{table}");
+    if full.len() <= MAX_IDENT {
+        return full;
+    }
+    let hash = format!("{:016x}", fnv1a(full.as_bytes()));
+    let prefix = format!("outbox.{schema}.");
+    let keep = MAX_IDENT - hash.len() - 1;
+    format!("{}.{hash}", &prefix[..keep.min(prefix.len())])
+}
+
+/// Columns read back for a [`outbox_traits::Message`], in the order `row::message` expects.
+const MESSAGE_COLUMNS: &str =
+    "id, seq, aggregatetype, aggregateid, type, payload::text AS payload, \
+     headers::text AS headers, partition_key, dedup_key, attempts, created_at";
+
+impl Sql {
+    pub(crate) fn build(schema: &str, table: &str, notify: bool) -> Self {
+        let t = format!("\"{schema}\".\"{table}\"");
+        let claim_idx = derived_name(table, "claim_idx");
+        let key_idx = derived_name(table, "key_idx");
+        let dead_idx = derived_name(table, "dead_idx");
+        let published_idx = derived_name(table, "published_idx");
+        let dedup_constraint = derived_name(table, "dedup_key");
+        let channel = channel_name(schema, table);
+
+        let migrate = format!(
+            r#"DO $outbox$
+BEGIN
+    -- CREATE SCHEMA IF NOT EXISTS checks the CREATE privilege even when the schema exists.
+    IF NOT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = '{schema}') THEN
+        CREATE SCHEMA "{schema}";
+    END IF;
+END
+$outbox$;
+
+CREATE TABLE IF NOT EXISTS {t} (
+    -- Debezium outbox event router columns: id, aggregatetype, aggregateid, type, payload.
+    id             uuid        NOT NULL PRIMARY KEY,
+    aggregatetype  text        NOT NULL,
+    aggregateid    text        NOT NULL,
+    type           text        NOT NULL,
+    payload        jsonb       NOT NULL,
+    -- Relay columns.
+    seq            bigint      GENERATED ALWAYS AS IDENTITY,
+    headers        jsonb       NOT NULL DEFAULT '{{}}'::jsonb,
+    partition_key  text,
+    dedup_key      text,
+    state          text        NOT NULL DEFAULT 'pending',
+    attempts       integer     NOT NULL DEFAULT 0,
+    available_at   timestamptz NOT NULL DEFAULT now(),
+    lease_token    uuid,
+    lease_until    timestamptz,
+    last_error     text,
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    published_at   timestamptz,
+    CONSTRAINT "{dedup_constraint}" UNIQUE (dedup_key),
+    CONSTRAINT "{state_check}" CHECK (state IN ('pending', 'leased', 'published', 'dead'))
+);
+
+-- Claim scan: unpublished rows in seq order; stays small however much history is kept.
+CREATE INDEX IF NOT EXISTS "{claim_idx}" ON {t} (seq)
+    WHERE state IN ('pending', 'leased');
+
+-- Per-key order: a key's first unpublished (or dead) rows, one probe per key.
+CREATE INDEX IF NOT EXISTS "{key_idx}" ON {t} (partition_key, seq)
+    WHERE state IN ('pending', 'leased', 'dead');
+
+-- Dead letters, listed by seq.
+CREATE INDEX IF NOT EXISTS "{dead_idx}" ON {t} (seq)
+    WHERE state = 'dead';
+
+-- Purge of published rows, oldest first.
+CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
+    WHERE state = 'published';
+"#,
+            state_check = derived_name(table, "state_check"),
+        );
+
+        let insert_rows = format!(
+            "INSERT INTO {t} (id, aggregatetype, aggregateid, type, payload, headers, \
+                              partition_key, dedup_key, available_at)
+             SELECT u.id, u.aggregatetype, u.aggregateid, u.type, u.payload::jsonb, \
+                    u.headers::jsonb, u.partition_key, u.dedup_key, COALESCE(u.not_before, now())
+             FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], \
+                         $7::text[], $8::text[], $9::timestamptz[])
+                  WITH ORDINALITY AS u(id, aggregatetype, aggregateid, type, payload, headers, \
+                                       partition_key, dedup_key, not_before, ord)
+             ORDER BY u.ord
+             RETURNING 1"
+        );
+        // One NOTIFY per call, not per row; Postgres also folds equal notifications of one
+        // transaction into one.
+        let insert = if notify {
+            format!(
+                "WITH ins AS ({insert_rows})
+                 SELECT pg_notify('{channel}', '') FROM (SELECT count(*) AS n FROM ins) c WHERE c.n > 0"
+            )
+        } else {
+            insert_rows
+        };
+
+        let claim = |dead_blocks: bool| -> String {
+            // Rows that order a key: under Block a dead row still holds its key back.
+            let ordered_states = if dead_blocks {
+                "('pending', 'leased', 'dead')"
+            } else {
+                "('pending', 'leased')"
+            };
+            format!(
+                r#"WITH cand AS MATERIALIZED (
+    -- Claimable rows in seq order, locked; rows locked by a concurrent claim are skipped.
+    -- The LIMIT sits in a MATERIALIZED CTE so the planner cannot re-run it per outer row
+    -- and lock more than $1 rows.
+    SELECT c.id, c.seq, c.partition_key
+    FROM {t} c
+    WHERE c.state IN ('pending', 'leased')
+      AND (CASE WHEN c.state = 'pending' THEN c.available_at ELSE c.lease_until END) <= now()
+      -- Skip keys whose first unpublished row is not claimable (leased to another relay,
+      -- waiting for a retry, not yet due, or dead under Block), so that a blocked key's
+      -- backlog cannot fill the LIMIT and starve every other key.
+      AND (c.partition_key IS NULL OR (
+            SELECT CASE h.state WHEN 'pending' THEN h.available_at <= now()
+                                WHEN 'leased' THEN h.lease_until <= now()
+                                ELSE false END
+            FROM {t} h
+            WHERE h.partition_key = c.partition_key AND h.state IN {ordered_states}
+            ORDER BY h.seq
+            LIMIT 1))
+    ORDER BY c.seq
+    LIMIT $1
+    FOR UPDATE OF c SKIP LOCKED
+),
+ranked AS (
+    SELECT id, seq, partition_key,
+           row_number() OVER (PARTITION BY partition_key ORDER BY seq) AS rn
+    FROM cand
+    WHERE partition_key IS NOT NULL
+),
+keys AS (
+    SELECT partition_key, count(*) AS n FROM ranked GROUP BY partition_key
+),
+-- Prefix check: for each key, its first n unpublished rows (n = its candidates). The i-th
+-- candidate of a key may go only if it is the key's i-th unpublished row; then every earlier
+-- row of the key is a candidate too. A row skipped because another claim locked it, or one
+-- not due, breaks the match, so nothing passes an earlier message of its key.
+heads AS (
+    SELECT k.partition_key, e.seq,
+           row_number() OVER (PARTITION BY k.partition_key ORDER BY e.seq) AS rn
+    FROM keys k
+    CROSS JOIN LATERAL (
+        SELECT h.seq FROM {t} h
+        WHERE h.partition_key = k.partition_key AND h.state IN {ordered_states}
+        ORDER BY h.seq
+        LIMIT k.n
+    ) e
+),
+chosen AS (
+    SELECT id FROM cand WHERE partition_key IS NULL
+    UNION ALL
+    SELECT r.id FROM ranked r
+    JOIN heads h ON h.partition_key = r.partition_key AND h.rn = r.rn AND h.seq = r.seq
+),
+upd AS (
+    UPDATE {t} m
+    SET state = 'leased', lease_token = $2,
+        lease_until = now() + $3::bigint * interval '1 microsecond'
+    FROM chosen
+    WHERE m.id = chosen.id
+    RETURNING m.id, m.seq, m.aggregatetype, m.aggregateid, m.type, m.payload::text AS payload,
+              m.headers::text AS headers, m.partition_key, m.dedup_key, m.attempts, m.created_at
+)
+-- One row even when nothing was claimed, to return the lease end in the same round trip.
+SELECT l.lease_until, upd.*
+FROM (SELECT now() + $3::bigint * interval '1 microsecond' AS lease_until) l
+LEFT JOIN upd ON true
+ORDER BY upd.seq"#
+            )
+        };
+
+        // Every transition is fenced on the token, an unexpired lease (database clock) and the
+        // leased state; RETURNING id tells which messages were not held.
+        let fence = "lease_token = $1 AND state = 'leased' AND lease_until > now()";
+
+        Self {
+            complete: format!(
+                "UPDATE {t} SET state = 'published', published_at = now(), \
+                 lease_token = NULL, lease_until = NULL
+                 WHERE id = ANY($2) AND {fence}
+                 RETURNING id"
+            ),
+            release: format!(
+                "UPDATE {t} SET state = 'pending', available_at = now(), \
+                 lease_token = NULL, lease_until = NULL
+                 WHERE id = ANY($2) AND {fence}
+                 RETURNING id"
+            ),
+            fail: format!(
+                "UPDATE {t} m
+                 SET attempts = m.attempts + 1,
+                     last_error = f.error,
+                     state = CASE WHEN f.dead THEN 'dead' ELSE 'pending' END,
+                     available_at = CASE WHEN f.dead THEN m.available_at
+                                         ELSE now() + f.delay_us * interval '1 microsecond' END,
+                     lease_token = NULL, lease_until = NULL
+                 FROM UNNEST($2::uuid[], $3::text[], $4::bool[], $5::bigint[])
+                      AS f(id, error, dead, delay_us)
+                 WHERE m.id = f.id AND m.lease_token = $1 AND m.state = 'leased' \
+                   AND m.lease_until > now()
+                 RETURNING m.id"
+            ),
+            extend: format!(
+                "WITH u AS (
+                     UPDATE {t} SET lease_until = now() + $2::bigint * interval '1 microsecond'
+                     WHERE {fence}
+                     RETURNING 1
+                 )
+                 SELECT count(*) AS held, now() + $2::bigint * interval '1 microsecond' AS lease_until
+                 FROM u"
+            ),
+            list_dead: format!(
+                "SELECT {MESSAGE_COLUMNS}, COALESCE(last_error, '') AS last_error
+                 FROM {t}
+                 WHERE state = 'dead' AND seq > $1
+                 ORDER BY seq
+                 LIMIT $2"
+            ),
+            requeue: format!(
+                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = now(), \
+                 lease_token = NULL, lease_until = NULL
+                 WHERE state = 'dead' AND id = ANY($1)"
+            ),
+            discard: format!("DELETE FROM {t} WHERE state = 'dead' AND id = ANY($1)"),
+            // The ctid list bounds the batch; a DELETE with a LIMIT needs that subquery, and
+            // ctids are stable here because published rows are never updated.
+            purge: format!(
+                "DELETE FROM {t}
+                 WHERE ctid = ANY(ARRAY(
+                     SELECT ctid FROM {t}
+                     WHERE state = 'published'
+                       AND published_at < now() - $1::bigint * interval '1 microsecond'
+                     ORDER BY published_at
+                     LIMIT $2))
+                   AND state = 'published'"
+            ),
+            counts: format!(
+                "SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
+                        count(*) FILTER (WHERE state = 'leased') AS leased,
+                        count(*) FILTER (WHERE state = 'published') AS published,
+                        count(*) FILTER (WHERE state = 'dead') AS dead
+                 FROM {t}"
+            ),
+            claim_block: claim(true),
+            claim_skip: claim(false),
+            insert,
+            migrate,
+            dedup_constraint,
+            channel,
+            table: t,
+        }
+    }
+}

@@ -1,0 +1,435 @@
+//! [`PostgresStore`]: the relay side (claim, complete, fail, extend, release) and operator side.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox_traits::{
+    async_trait, redact_url, Capabilities, Claim, ClaimRequest, Counts, DeadMessage, Error,
+    FailAction, Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, WakeSource,
+};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Connection, Row};
+use uuid::Uuid;
+
+use crate::config::PostgresConfig;
+use crate::error::{map_sqlx, WHAT};
+use crate::migrate::migrate;
+use crate::row::{message, micros};
+use crate::wake::PgWakeSource;
+
+/// Longest stored error text; longer errors are cut (at a character boundary) so a broker that
+/// returns a huge error body cannot bloat the table.
+const MAX_ERROR_BYTES: usize = 8 * 1024;
+
+/// How long [`PostgresStore::connect`] waits for a first connection, and the pool it makes
+/// waits for a connection before a call fails with [`Error::Unavailable`].
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// An [`OutboxStore`] and [`OutboxAdmin`] over a Postgres table.
+///
+/// Holds a connection pool and a [`PostgresConfig`]; cloning is cheap and shares the pool.
+/// Every method is one statement (one round trip) in its own short transaction, so no lock is
+/// held between calls.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    config: PostgresConfig,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The pool's options may hold the password; show only what is safe.
+        f.debug_struct("PostgresStore")
+            .field("config", &self.config)
+            .field("pool_size", &self.pool.size())
+            .finish()
+    }
+}
+
+impl PostgresStore {
+    /// A store over an existing pool (share your application's pool, or build one with the
+    /// connection settings you need).
+    pub fn new(pool: PgPool, config: PostgresConfig) -> Self {
+        Self { pool, config }
+    }
+
+    /// Connect a new pool (sqlx's default size; 10 s to get a connection).
+    ///
+    /// Does not create the table: call [`PostgresStore::migrate`] or apply
+    /// [`PostgresConfig::migration_sql`] with your own migration tool.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a malformed URL and [`Error::Unavailable`] when the server
+    /// cannot be reached; neither message contains the URL's password.
+    pub async fn connect(url: &str, config: PostgresConfig) -> Result<Self, Error> {
+        let options = PgConnectOptions::from_str(url).map_err(|e| {
+            Error::invalid_input(format!(
+                "postgres URL {:?} is not valid: {}",
+                redact_url(url),
+                redact_url(&e.to_string())
+            ))
+        })?;
+        // Connect once directly: the pool retries a refused connection until its timeout and
+        // then reports only "timed out", while this gives the real cause at once.
+        let probe = tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options));
+        let probe = match probe.await {
+            Ok(result) => result.map_err(|e| unavailable(url, e))?,
+            Err(_elapsed) => {
+                return Err(Error::Unavailable {
+                    what: WHAT.to_owned(),
+                    message: format!(
+                        "cannot connect to {}: no connection within {CONNECT_TIMEOUT:?}",
+                        redact_url(url)
+                    ),
+                    source: None,
+                })
+            }
+        };
+        // Closing the probe is best effort: the server is known to be reachable.
+        let _ = probe.close().await;
+        let pool = PgPoolOptions::new()
+            .acquire_timeout(CONNECT_TIMEOUT)
+            .connect_lazy_with(options);
+        Ok(Self::new(pool, config))
+    }
+
+    /// The connection pool, e.g. to begin the transactions you pass to [`crate::enqueue`].
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The table and settings this store uses.
+    pub fn config(&self) -> &PostgresConfig {
+        &self.config
+    }
+
+    /// Create the schema, table and indexes if missing (see [`crate::migrate`]).
+    pub async fn migrate(&self) -> Result<(), Error> {
+        migrate(&self.pool, &self.config).await
+    }
+
+    fn err(&self, op: &str) -> impl Fn(sqlx::Error) -> Error + '_ {
+        let op = op.to_owned();
+        move |e| map_sqlx(e, &op, self.config.qualified_table())
+    }
+
+    /// Run a fenced `... RETURNING id` transition and report the ids it did not change.
+    async fn fenced(
+        &self,
+        op: &str,
+        sql: &str,
+        token: LeaseToken,
+        ids: &[Uuid],
+    ) -> Result<(), Error> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let changed: Vec<Uuid> = sqlx::query_scalar(sql)
+            .bind(token.0)
+            .bind(ids)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err(op))?;
+        lease_lost(ids, &changed)
+    }
+}
+
+/// `Err(LeaseLost)` naming the requested ids that were not changed, in request order.
+/// [`Error::Unavailable`] for a failed connection to `url`, with the password removed.
+fn unavailable(url: &str, e: sqlx::Error) -> Error {
+    let text = redact_url(&e.to_string());
+    // Keep the source only for errors that cannot quote the URL.
+    let source: Option<outbox_traits::BoxError> = match e {
+        sqlx::Error::Configuration(_) => None,
+        other => Some(Box::new(other)),
+    };
+    Error::Unavailable {
+        what: WHAT.to_owned(),
+        message: format!("cannot connect to {}: {text}", redact_url(url)),
+        source,
+    }
+}
+
+fn lease_lost(requested: &[Uuid], changed: &[Uuid]) -> Result<(), Error> {
+    let changed: HashSet<&Uuid> = changed.iter().collect();
+    let mut seen = HashSet::new();
+    let lost: Vec<Uuid> = requested
+        .iter()
+        .filter(|id| !changed.contains(id) && seen.insert(**id))
+        .copied()
+        .collect();
+    if lost.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::LeaseLost { ids: lost })
+    }
+}
+
+fn truncate_error(text: &str) -> String {
+    // Postgres text cannot hold NUL.
+    let mut cut = text.len().min(MAX_ERROR_BYTES);
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    text[..cut].replace('\0', "\u{FFFD}")
+}
+
+#[async_trait]
+impl OutboxStore for PostgresStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
+        if req.limit == 0 {
+            return Err(Error::invalid_input(
+                "claim limit is 0; ask for at least 1 message",
+            ));
+        }
+        if req.lease.is_zero() {
+            return Err(Error::invalid_input(
+                "claim lease is 0; give the relay time to publish, e.g. 30s",
+            ));
+        }
+        let lease_us = micros("claim lease", req.lease)?;
+        let limit = i64::try_from(req.limit).unwrap_or(i64::MAX);
+        let token = LeaseToken::new();
+        let sql = match req.head_policy {
+            HeadPolicy::Block => &self.config.sql().claim_block,
+            HeadPolicy::Skip => &self.config.sql().claim_skip,
+        };
+        let rows: Vec<PgRow> = sqlx::query(sql)
+            .bind(limit)
+            .bind(token.0)
+            .bind(lease_us)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("claim"))?;
+        let table = self.config.qualified_table();
+        let mut lease_until = None;
+        let mut messages = Vec::with_capacity(rows.len());
+        for row in &rows {
+            lease_until = Some(
+                row.try_get::<DateTime<Utc>, _>("lease_until")
+                    .map_err(self.err("claim"))?,
+            );
+            // The single row of an empty claim carries only the lease end.
+            if row
+                .try_get::<Option<Uuid>, _>("id")
+                .map_err(self.err("claim"))?
+                .is_some()
+            {
+                messages.push(message(row, table)?);
+            }
+        }
+        if messages.len() > req.limit {
+            // The SQL makes this impossible (LIMIT inside a MATERIALIZED CTE); if it ever
+            // happens, refuse loudly rather than hand out more than asked. The extra leases
+            // expire on their own.
+            return Err(Error::permanent(
+                format!(
+                    "claim on {table} leased {} messages, more than the limit of {}; \
+                     this is a bug in outbox-backend-postgres, please report it",
+                    messages.len(),
+                    req.limit
+                ),
+                None,
+            ));
+        }
+        let lease_until = lease_until.ok_or_else(|| {
+            Error::permanent(format!("claim on {table} returned no lease end"), None)
+        })?;
+        Ok(Claim {
+            token,
+            lease_until,
+            messages,
+        })
+    }
+
+    async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
+        self.fenced("complete", &self.config.sql().complete, token, ids)
+            .await
+    }
+
+    async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error> {
+        if failures.is_empty() {
+            return Ok(());
+        }
+        let mut ids = Vec::with_capacity(failures.len());
+        let mut errors = Vec::with_capacity(failures.len());
+        let mut dead = Vec::with_capacity(failures.len());
+        let mut delays = Vec::with_capacity(failures.len());
+        for failure in failures {
+            ids.push(failure.id);
+            errors.push(truncate_error(&failure.error));
+            match &failure.action {
+                FailAction::Retry { delay } => {
+                    dead.push(false);
+                    delays.push(micros("retry delay", *delay)?);
+                }
+                FailAction::Dead => {
+                    dead.push(true);
+                    delays.push(0);
+                }
+            }
+        }
+        let changed: Vec<Uuid> = sqlx::query_scalar(&self.config.sql().fail)
+            .bind(token.0)
+            .bind(&ids)
+            .bind(errors)
+            .bind(dead)
+            .bind(delays)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("fail"))?;
+        lease_lost(&ids, &changed)
+    }
+
+    async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
+        if lease.is_zero() {
+            return Err(Error::invalid_input(
+                "lease extension is 0; give the relay time to publish, e.g. 30s",
+            ));
+        }
+        let lease_us = micros("lease extension", lease)?;
+        let row: PgRow = sqlx::query(&self.config.sql().extend)
+            .bind(token.0)
+            .bind(lease_us)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(self.err("extend"))?;
+        let held: i64 = row.try_get("held").map_err(self.err("extend"))?;
+        if held == 0 {
+            return Err(Error::LeaseLost { ids: Vec::new() });
+        }
+        row.try_get("lease_until").map_err(self.err("extend"))
+    }
+
+    async fn release(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
+        self.fenced("release", &self.config.sql().release, token, ids)
+            .await
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::none()
+            .with_concurrent_claimers(true)
+            .with_wakeups(self.config.notify())
+    }
+
+    async fn wakeups(&self) -> Result<Option<Box<dyn WakeSource>>, Error> {
+        if !self.config.notify() {
+            return Ok(None);
+        }
+        let source = PgWakeSource::listen(&self.pool, &self.config).await?;
+        Ok(Some(Box::new(source)))
+    }
+}
+
+#[async_trait]
+impl OutboxAdmin for PostgresStore {
+    async fn list_dead(
+        &self,
+        after_seq: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<DeadMessage>, Error> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<PgRow> = sqlx::query(&self.config.sql().list_dead)
+            .bind(after_seq.unwrap_or(i64::MIN))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("list_dead"))?;
+        let table = self.config.qualified_table();
+        rows.iter()
+            .map(|row| {
+                Ok(DeadMessage {
+                    message: message(row, table)?,
+                    last_error: row.try_get("last_error").map_err(self.err("list_dead"))?,
+                })
+            })
+            .collect()
+    }
+
+    async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let done = sqlx::query(&self.config.sql().requeue)
+            .bind(ids)
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("requeue"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let done = sqlx::query(&self.config.sql().discard)
+            .bind(ids)
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("discard"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
+        if batch == 0 {
+            return Ok(0);
+        }
+        // Nothing was published more than a century ago.
+        let Ok(age_us) = micros("purge age", older_than) else {
+            return Ok(0);
+        };
+        let done = sqlx::query(&self.config.sql().purge)
+            .bind(age_us)
+            .bind(i64::try_from(batch).unwrap_or(i64::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("purge_published"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn counts(&self) -> Result<Counts, Error> {
+        let row: PgRow = sqlx::query(&self.config.sql().counts)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(self.err("counts"))?;
+        let get = |name: &str| -> Result<u64, Error> {
+            let n: i64 = row.try_get(name).map_err(self.err("counts"))?;
+            // count(*) is never negative.
+            Ok(u64::try_from(n).unwrap_or(0))
+        };
+        Ok(Counts {
+            pending: get("pending")?,
+            leased: get("leased")?,
+            published: get("published")?,
+            dead: get("dead")?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_lost_names_missing_ids_once_in_order() {
+        let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        assert!(lease_lost(&[a, b], &[b, a]).is_ok());
+        match lease_lost(&[c, a, c, b], &[a]) {
+            Err(Error::LeaseLost { ids }) => assert_eq!(ids, vec![c, b]),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn errors_are_cut_at_a_char_boundary_without_nul() {
+        let long = "é".repeat(MAX_ERROR_BYTES);
+        let cut = truncate_error(&long);
+        assert!(cut.len() <= MAX_ERROR_BYTES && cut.chars().all(|c| c == 'é'));
+        assert_eq!(truncate_error("a\0b"), "a\u{FFFD}b");
+    }
+}

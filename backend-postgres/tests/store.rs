@@ -1,0 +1,688 @@
+//! The Postgres store against a real server: visibility, exclusivity, fencing, order, admin.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{db, db_with, ids, msg, names, random_schema, Db};
+use outbox_backend_postgres::{enqueue, enqueue_batch, migrate, PostgresConfig, PostgresStore};
+use outbox_traits::{
+    ClaimRequest, Error, ErrorKind, FailAction, Failure, HeadPolicy, LeaseToken, OutboxAdmin,
+    OutboxStore,
+};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use uuid::Uuid;
+
+use HeadPolicy::{Block, Skip};
+
+#[tokio::test]
+async fn committed_enqueue_is_claimable_and_rolled_back_never() {
+    let Some(db) = db().await else { return };
+    let mut tx = db.pool().begin().await.unwrap();
+    enqueue(&mut *tx, &db.config, &msg("a", "kept"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = db.pool().begin().await.unwrap();
+    enqueue(&mut *tx, &db.config, &msg("b", "rolled-back"))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["kept"]);
+    assert_eq!(claim.messages[0].attempts, 0);
+    assert_eq!(claim.messages[0].aggregate_type, "test");
+    assert!(db.claim(10, Block).await.messages.is_empty());
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.leased), (0, 1));
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn transactions_committing_out_of_insert_order_are_both_delivered() {
+    let Some(db) = db().await else { return };
+    // T1 takes the lower seq but commits last: a `seq > last_seen` cursor would lose it.
+    let mut t1 = db.pool().begin().await.unwrap();
+    enqueue(&mut *t1, &db.config, &msg("k1", "first-insert"))
+        .await
+        .unwrap();
+    let mut t2 = db.pool().begin().await.unwrap();
+    enqueue(&mut *t2, &db.config, &msg("k2", "second-insert"))
+        .await
+        .unwrap();
+    t2.commit().await.unwrap();
+
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["second-insert"]);
+    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+
+    t1.commit().await.unwrap();
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["first-insert"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn two_relays_on_separate_pools_never_overlap_and_keep_key_order() {
+    let Some(db) = db().await else { return };
+    let mut messages = Vec::new();
+    for i in 0..600 {
+        let m = msg(&format!("k{}", i % 23), &format!("{i}"));
+        messages.push(if i % 7 == 0 { m.unordered() } else { m });
+    }
+    let key_of: HashMap<Uuid, Option<String>> = messages
+        .iter()
+        .map(|m| (m.id, m.partition_key.clone()))
+        .collect();
+    db.enqueue(&messages).await;
+
+    // Every claim, recorded in the order the relays got them.
+    let log: Arc<Mutex<Vec<(Uuid, i64)>>> = Arc::default();
+    let mut relays = Vec::new();
+    for limit in [17usize, 29] {
+        let store = PostgresStore::connect(&db.url, db.config.clone())
+            .await
+            .unwrap();
+        let log = log.clone();
+        relays.push(tokio::spawn(async move {
+            let mut empty_in_a_row = 0;
+            while empty_in_a_row < 3 {
+                let claim = store
+                    .claim(&ClaimRequest {
+                        limit,
+                        lease: Duration::from_secs(60),
+                        head_policy: Block,
+                    })
+                    .await
+                    .unwrap();
+                assert!(claim.messages.len() <= limit);
+                if claim.messages.is_empty() {
+                    empty_in_a_row += 1;
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                empty_in_a_row = 0;
+                log.lock()
+                    .unwrap()
+                    .extend(claim.messages.iter().map(|m| (m.id, m.seq)));
+                let claimed: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
+                store.complete(claim.token, &claimed).await.unwrap();
+            }
+        }));
+    }
+    for relay in relays {
+        relay.await.unwrap();
+    }
+    let log = log.lock().unwrap().clone();
+    let unique: HashSet<Uuid> = log.iter().map(|(id, _)| *id).collect();
+    assert_eq!(unique.len(), log.len(), "a message was claimed twice");
+    assert_eq!(unique.len(), messages.len(), "a message was never claimed");
+    let mut last_seq: HashMap<String, i64> = HashMap::new();
+    for (id, seq) in &log {
+        if let Some(key) = &key_of[id] {
+            let last = last_seq.insert(key.clone(), *seq);
+            assert!(last.is_none_or(|l| l < *seq), "key {key} out of order");
+        }
+    }
+    assert_eq!(db.store.counts().await.unwrap().published, 600);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn stale_tokens_change_nothing_and_name_the_lost_ids() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("a", "1"), msg("b", "2")]).await;
+    let claim = db.claim(10, Block).await;
+    let held = ids(&claim);
+    let stale = LeaseToken::new();
+
+    let lost = |r: Result<(), Error>| match r {
+        Err(Error::LeaseLost { ids }) => ids,
+        other => panic!("expected LeaseLost, got {other:?}"),
+    };
+    assert_eq!(lost(db.store.complete(stale, &held).await), held);
+    assert_eq!(lost(db.store.release(stale, &held).await), held);
+    let failures: Vec<Failure> = held
+        .iter()
+        .map(|id| Failure {
+            id: *id,
+            error: "boom".into(),
+            action: FailAction::Dead,
+        })
+        .collect();
+    assert_eq!(lost(db.store.fail(stale, &failures).await), held);
+    assert!(matches!(
+        db.store.extend(stale, Duration::from_secs(60)).await,
+        Err(Error::LeaseLost { ids }) if ids.is_empty()
+    ));
+    for id in &held {
+        assert_eq!(db.state(*id).await, "leased");
+    }
+
+    // A mixed call changes what is held and names only the rest.
+    let unknown = Uuid::now_v7();
+    assert_eq!(
+        lost(db.store.complete(claim.token, &[held[0], unknown]).await),
+        [unknown]
+    );
+    assert_eq!(db.state(held[0]).await, "published");
+    assert_eq!(db.state(held[1]).await, "leased");
+    // Completing twice: the second time the message is no longer held.
+    assert_eq!(
+        lost(db.store.complete(claim.token, &held[..1]).await),
+        held[..1]
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn an_expired_lease_is_claimable_again_and_fences_the_old_token() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("a", "1"), msg("a", "2")]).await;
+    let first = db.claim(10, Block).await;
+    assert_eq!(names(&first), ["1", "2"]);
+    assert!(db.claim(10, Block).await.messages.is_empty());
+
+    db.advance(Duration::from_secs(31)).await;
+    let second = db.claim(10, Block).await;
+    assert_eq!(names(&second), ["1", "2"]);
+    assert_ne!(first.token, second.token);
+    assert_eq!(second.messages[0].attempts, 0, "a claim counts no attempt");
+
+    assert!(matches!(
+        db.store.extend(first.token, Duration::from_secs(60)).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert!(matches!(
+        db.store.complete(first.token, &ids(&first)).await,
+        Err(Error::LeaseLost { ids }) if ids.len() == 2
+    ));
+    let until = db
+        .store
+        .extend(second.token, Duration::from_secs(600))
+        .await
+        .unwrap();
+    assert!(until > second.lease_until);
+    let stored: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar(&format!("SELECT max(lease_until) FROM {}", db.table()))
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+    assert_eq!(stored, until);
+    db.store
+        .complete(second.token, &ids(&second))
+        .await
+        .unwrap();
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_retry_holds_back_its_key_only() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[
+        msg("k", "k1"),
+        msg("k", "k2"),
+        msg("other", "o1"),
+        msg("x", "u1").unordered(),
+    ])
+    .await;
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["k1", "k2", "o1", "u1"]);
+    let [k1, k2, o1, u1] = ids(&claim)[..] else {
+        panic!()
+    };
+    db.store
+        .fail(
+            claim.token,
+            &[Failure {
+                id: k1,
+                error: "broker said no".into(),
+                action: FailAction::Retry {
+                    delay: Duration::from_secs(60),
+                },
+            }],
+        )
+        .await
+        .unwrap();
+    db.store.release(claim.token, &[k2]).await.unwrap();
+    db.store.complete(claim.token, &[o1, u1]).await.unwrap();
+
+    db.enqueue(&[
+        msg("k", "k3"),
+        msg("other", "o2"),
+        msg("y", "u2").unordered(),
+    ])
+    .await;
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["o2", "u2"], "k waits for k1's retry");
+    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+
+    db.advance(Duration::from_secs(61)).await;
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["k1", "k2", "k3"]);
+    assert_eq!(claim.messages[0].attempts, 1);
+    assert_eq!(claim.messages[1].attempts, 0, "release counts no attempt");
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_delayed_message_is_not_due_and_holds_back_its_key() {
+    let Some(db) = db().await else { return };
+    let later = chrono::Utc::now() + chrono::Duration::hours(1);
+    db.enqueue(&[
+        msg("k", "delayed").not_before(later),
+        msg("k", "after"),
+        msg("j", "free"),
+    ])
+    .await;
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["free"]);
+    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+    db.advance(Duration::from_secs(2 * 3600)).await;
+    assert_eq!(names(&db.claim(10, Block).await), ["delayed", "after"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_row_locked_by_a_concurrent_claim_holds_back_its_key() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("k", "k1"), msg("k", "k2"), msg("j", "j1")])
+        .await;
+    // Hold k1's row lock as a concurrent claim would between its lock and its commit.
+    let mut other = db.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {} WHERE payload->>'name' = 'k1' FOR UPDATE",
+        db.table()
+    ))
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    // SKIP LOCKED skips k1, but k2 must not overtake it.
+    assert_eq!(names(&db.claim(10, Block).await), ["j1"]);
+    other.rollback().await.unwrap();
+    assert_eq!(names(&db.claim(10, Block).await), ["k1", "k2"]);
+    db.drop().await;
+}
+
+async fn kill(db: &Db, id: Uuid, token: LeaseToken) {
+    db.store
+        .fail(
+            token,
+            &[Failure {
+                id,
+                error: "poison".into(),
+                action: FailAction::Dead,
+            }],
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_dead_head_blocks_its_key_under_block_and_not_under_skip() {
+    let Some(db) = db().await else { return };
+    let mut batch = vec![msg("k", "dead")];
+    // A backlog behind the dead head, larger than the claim limit: it must not starve others.
+    batch.extend((0..8).map(|i| msg("k", &format!("k{i}"))));
+    batch.push(msg("j", "j1"));
+    db.enqueue(&batch).await;
+    let claim = db.claim(1, Block).await;
+    assert_eq!(names(&claim), ["dead"]);
+    kill(&db, claim.messages[0].id, claim.token).await;
+
+    let claim = db.claim(3, Block).await;
+    assert_eq!(names(&claim), ["j1"], "k is blocked, j flows");
+    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+    assert!(db.claim(3, Block).await.messages.is_empty());
+
+    let claim = db.claim(3, Skip).await;
+    assert_eq!(names(&claim), ["k0", "k1", "k2"]);
+    db.store.release(claim.token, &ids(&claim)).await.unwrap();
+
+    let dead = db.store.list_dead(None, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].last_error, "poison");
+    assert_eq!(dead[0].message.attempts, 1);
+    assert!(db
+        .store
+        .list_dead(Some(dead[0].message.seq), 10)
+        .await
+        .unwrap()
+        .is_empty());
+
+    // Requeue: the dead head flows again first, with attempts reset.
+    assert_eq!(db.store.requeue(&[dead[0].message.id]).await.unwrap(), 1);
+    let claim = db.claim(2, Block).await;
+    assert_eq!(names(&claim), ["dead", "k0"]);
+    assert_eq!(claim.messages[0].attempts, 0);
+    // Dead again, then discarded: the key is unblocked.
+    kill(&db, claim.messages[0].id, claim.token).await;
+    db.store
+        .release(claim.token, &ids(&claim)[1..])
+        .await
+        .unwrap();
+    assert!(db.claim(2, Block).await.messages.is_empty());
+    assert_eq!(db.store.discard(&[claim.messages[0].id]).await.unwrap(), 1);
+    assert_eq!(db.store.discard(&[claim.messages[0].id]).await.unwrap(), 0);
+    assert_eq!(names(&db.claim(2, Block).await), ["k0", "k1"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn the_limit_holds_even_when_the_planner_must_use_nested_loops() {
+    let Some(db) = db().await else { return };
+    let messages: Vec<_> = (0..300)
+        .map(|i| msg(&format!("k{}", i % 5), &format!("{i}")))
+        .collect();
+    db.enqueue(&messages).await;
+    let options = PgConnectOptions::from_str(&db.url)
+        .unwrap()
+        .options([("enable_hashjoin", "off"), ("enable_mergejoin", "off")]);
+    let pool = PgPoolOptions::new().connect_with(options).await.unwrap();
+    let hashjoin: String = sqlx::query_scalar("SHOW enable_hashjoin")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(hashjoin, "off");
+    let store = PostgresStore::new(pool, db.config.clone());
+    let mut seen = HashSet::new();
+    loop {
+        let claim = store
+            .claim(&ClaimRequest {
+                limit: 7,
+                lease: Duration::from_secs(60),
+                head_policy: Block,
+            })
+            .await
+            .unwrap();
+        assert!(
+            claim.messages.len() <= 7,
+            "over-claim: {}",
+            claim.messages.len()
+        );
+        if claim.messages.is_empty() {
+            break;
+        }
+        for id in ids(&claim) {
+            assert!(seen.insert(id));
+        }
+        store.complete(claim.token, &ids(&claim)).await.unwrap();
+    }
+    assert_eq!(seen.len(), 300);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_batch_is_one_insert_statement_in_slice_order() {
+    let Some(db) = db().await else { return };
+    // A statement-level trigger counts INSERT statements on the table.
+    let counter = format!("\"{}\".inserts", db.schema);
+    for sql in [
+        format!("CREATE TABLE {counter} (n int NOT NULL)"),
+        format!("INSERT INTO {counter} VALUES (0)"),
+        format!(
+            "CREATE FUNCTION \"{}\".count_insert() RETURNS trigger LANGUAGE plpgsql AS
+             $$ BEGIN UPDATE {counter} SET n = n + 1; RETURN NULL; END $$",
+            db.schema
+        ),
+        format!(
+            "CREATE TRIGGER count_insert AFTER INSERT ON {} FOR EACH STATEMENT
+             EXECUTE FUNCTION \"{}\".count_insert()",
+            db.table(),
+            db.schema
+        ),
+    ] {
+        sqlx::query(&sql).execute(db.pool()).await.unwrap();
+    }
+    let batch: Vec<_> = (0..25).map(|i| msg("k", &format!("{i:02}"))).collect();
+    db.enqueue(&batch).await;
+    let statements: i32 = sqlx::query_scalar(&format!("SELECT n FROM {counter}"))
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(statements, 1);
+    let claim = db.claim(100, Block).await;
+    let expected: Vec<String> = (0..25).map(|i| format!("{i:02}")).collect();
+    assert_eq!(names(&claim), expected);
+    assert!(claim.messages.windows(2).all(|w| w[0].seq < w[1].seq));
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn every_field_round_trips() {
+    let Some(db) = db().await else { return };
+    let m = msg("k", "full")
+        .with_header("traceparent", "00-abc-def-01")
+        .with_header("tenant", "acme")
+        .with_partition_key("pk")
+        .with_dedup_key("dk");
+    db.enqueue(std::slice::from_ref(&m)).await;
+    let claim = db.claim(1, Block).await;
+    let got = &claim.messages[0];
+    assert_eq!(got.id, m.id);
+    assert_eq!(got.aggregate_id, "k");
+    assert_eq!(got.event_type, "test.event");
+    assert_eq!(got.headers, m.headers);
+    assert_eq!(got.partition_key.as_deref(), Some("pk"));
+    assert_eq!(got.dedup_key.as_deref(), Some("dk"));
+    let payload: serde_json::Value = serde_json::from_str(&got.payload).unwrap();
+    assert_eq!(payload, m.payload);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_duplicate_dedup_key_is_refused() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("k", "1").with_dedup_key("once")]).await;
+    let mut tx = db.pool().begin().await.unwrap();
+    let err = enqueue_batch(
+        &mut *tx,
+        &db.config,
+        &[msg("k", "2"), msg("k", "3").with_dedup_key("once")],
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::DuplicateKey { key } if key == "once"),
+        "{err}"
+    );
+    tx.rollback().await.unwrap();
+    assert_eq!(db.store.counts().await.unwrap().pending, 1);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn invalid_messages_are_refused_before_anything_is_sent() {
+    let Some(db) = db_with(|b| b.max_payload_bytes(64)).await else {
+        return;
+    };
+    let mut tx = db.pool().begin().await.unwrap();
+    let bad = [
+        outbox_traits::NewMessage::new("test", "k", "", serde_json::json!({})),
+        msg("k", &"x".repeat(100)),
+        msg("k", "nul\0"),
+    ];
+    for m in &bad {
+        let err = enqueue_batch(&mut *tx, &db.config, &[msg("k", "fine"), m.clone()])
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    }
+    // Nothing reached the server: the transaction is not aborted and still commits work.
+    enqueue(&mut *tx, &db.config, &msg("k", "ok"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(names(&db.claim(10, Block).await), ["ok"]);
+
+    let err = db
+        .store
+        .claim(&ClaimRequest {
+            limit: 0,
+            lease: Duration::from_secs(1),
+            head_policy: Block,
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)));
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn invalid_identifiers_are_refused() {
+    for (schema, table) in [
+        ("pub lic", "outbox"),
+        ("public", "out\"box"),
+        ("public", "1x"),
+    ] {
+        let err = PostgresConfig::new(schema, table).unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+        assert!(err.to_string().contains("not a valid SQL identifier"));
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_server_is_unavailable_without_the_password() {
+    // Port 1 on loopback: nothing listens there.
+    let url = "postgres://outbox:hunter2@127.0.0.1:1/test";
+    let err = PostgresStore::connect(url, PostgresConfig::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    assert!(err.is_transient());
+    let text = format!("{err} {err:?}");
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(text.contains("127.0.0.1:1"), "{text}");
+
+    // An existing store whose server went away: calls fail as Unavailable too.
+    let options = PgConnectOptions::from_str(url).unwrap();
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy_with(options);
+    let store = PostgresStore::new(pool, PostgresConfig::default());
+    let err = store.counts().await.unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    assert!(!format!("{err} {err:?}").contains("hunter2"));
+}
+
+#[tokio::test]
+async fn a_missing_table_is_a_permanent_error_that_says_to_migrate() {
+    let Some(url) = outbox_conformance_tests::env::service_url(common::URL_VAR) else {
+        return;
+    };
+    let config = PostgresConfig::new(&random_schema(), "outbox").unwrap();
+    let store = PostgresStore::connect(&url, config).await.unwrap();
+    let err = store
+        .claim(&ClaimRequest {
+            limit: 1,
+            lease: Duration::from_secs(1),
+            head_policy: Block,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Permanent);
+    assert!(err.to_string().contains("migrate()"), "{err}");
+}
+
+#[tokio::test]
+async fn purge_deletes_bounded_batches_of_old_published_messages_only() {
+    let Some(db) = db().await else { return };
+    let batch: Vec<_> = (0..10)
+        .map(|i| msg(&format!("k{i}"), &format!("{i}")))
+        .collect();
+    db.enqueue(&batch).await;
+    let claim = db.claim(7, Block).await;
+    let claimed = ids(&claim);
+    db.store.complete(claim.token, &claimed[..6]).await.unwrap();
+    kill(&db, claimed[6], claim.token).await;
+    db.advance(Duration::from_secs(7200)).await;
+    // Published just now: too young to purge.
+    db.enqueue(&[msg("z", "young")]).await;
+    let young = db.claim(1, Block).await;
+    db.store.complete(young.token, &ids(&young)).await.unwrap();
+
+    let hour = Duration::from_secs(3600);
+    assert_eq!(db.store.purge_published(hour, 4).await.unwrap(), 4);
+    assert_eq!(db.store.purge_published(hour, 4).await.unwrap(), 2);
+    assert_eq!(db.store.purge_published(hour, 4).await.unwrap(), 0);
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!(
+        (counts.pending, counts.leased, counts.published, counts.dead),
+        (3, 0, 1, 1)
+    );
+    // seq values are never reused after a purge.
+    db.enqueue(&[msg("n", "new")]).await;
+    let max_seq: i64 = sqlx::query_scalar(&format!(
+        "SELECT max(seq) FROM {} WHERE payload->>'name' = 'new'",
+        db.table()
+    ))
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(max_seq, 12);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_safe_when_run_concurrently() {
+    let Some(url) = outbox_conformance_tests::env::service_url(common::URL_VAR) else {
+        return;
+    };
+    let schema = random_schema();
+    // Two tables in one new schema, each migrated by several processes at once.
+    let mut runs = Vec::new();
+    for i in 0..6 {
+        let table = if i % 2 == 0 { "outbox" } else { "outbox_b" };
+        let config = PostgresConfig::new(&schema, table).unwrap();
+        let pool = PgPoolOptions::new().connect(&url).await.unwrap();
+        runs.push(tokio::spawn(async move { migrate(&pool, &config).await }));
+    }
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    let config = PostgresConfig::new(&schema, "outbox").unwrap();
+    let store = PostgresStore::connect(&url, config.clone()).await.unwrap();
+    store.migrate().await.unwrap();
+    let indexes: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = 'outbox'",
+    )
+    .bind(&schema)
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    // Primary key, dedup unique, claim, key, dead, published.
+    assert_eq!(indexes, 6);
+    let db = Db {
+        url,
+        store,
+        config,
+        schema,
+    };
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_listener_is_woken_after_a_commit() {
+    let Some(db) = db().await else { return };
+    assert!(db.store.capabilities().wakeups);
+    assert!(db.store.capabilities().concurrent_claimers);
+    let mut wake = db.store.wakeups().await.unwrap().expect("a wake source");
+    let mut tx = db.pool().begin().await.unwrap();
+    enqueue(&mut *tx, &db.config, &msg("k", "1")).await.unwrap();
+    tx.commit().await.unwrap();
+    // Guard against a hang only; the wake-up arrives as soon as the commit is delivered.
+    tokio::time::timeout(Duration::from_secs(60), wake.wait())
+        .await
+        .expect("no wake-up after a committed enqueue")
+        .unwrap();
+
+    let quiet = db_with(|b| b.notify(false)).await.unwrap();
+    assert!(!quiet.store.capabilities().wakeups);
+    assert!(quiet.store.wakeups().await.unwrap().is_none());
+    quiet.drop().await;
+    db.drop().await;
+}
