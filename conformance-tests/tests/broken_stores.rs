@@ -1,20 +1,31 @@
 //! Proof that the suite can fail: the model property must catch every deliberately broken store
-//! within 200 cases.
+//! within 200 cases, and at least one example check must catch it too.
 #![cfg(feature = "broken-stores")]
 
 use outbox_conformance_tests::broken::{BrokenHarness, Defect};
+use outbox_conformance_tests::checks::Check;
 use outbox_conformance_tests::property::check_model;
 
 const CASES: u32 = 200;
 
 fn caught(defect: Defect) {
+    let harness = BrokenHarness(defect);
+    let failing: Vec<Check> = Check::ALL
+        .into_iter()
+        .filter(|check| check.run_blocking(&harness).is_err())
+        .collect();
+    assert!(
+        !failing.is_empty(),
+        "every example check passed against a store with defect {defect:?}"
+    );
+    eprintln!("{defect:?}: caught by checks {failing:?}");
     let config = outbox_conformance_tests::__proptest::test_runner::Config {
         cases: CASES,
         // Shrunk seeds of a broken store are not regressions of a real one: keep none.
         failure_persistence: None,
         ..Default::default()
     };
-    match check_model(&BrokenHarness(defect), config) {
+    match check_model(&harness, config) {
         Ok(()) => panic!("the model property passed {CASES} cases against a store with defect {defect:?}: the suite misses it"),
         Err(report) => {
             let invariant = report
