@@ -38,6 +38,60 @@ fn store_error(what: &str, e: &Error) -> Violation {
     violation("store error", format!("{what} failed: {e}"))
 }
 
+/// What a passing scenario exercised, summed over cases to show the generator reaches every
+/// situation the invariants are about.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Coverage {
+    /// Messages committed.
+    pub committed: u64,
+    /// Messages rolled back.
+    pub rolled_back: u64,
+    /// Messages committed after a message with a higher `seq` was already claimed.
+    pub late_commits: u64,
+    /// Deliveries to the simulated broker, duplicates included.
+    pub deliveries: u64,
+    /// Duplicates after an ambiguous publish.
+    pub dup_ambiguous: u64,
+    /// Duplicates after a crash between publish and complete.
+    pub dup_crash: u64,
+    /// Duplicates after a lease expired.
+    pub dup_expiry: u64,
+    /// Messages a transition named in `LeaseLost`, as the model expected.
+    pub lease_lost: u64,
+    /// Messages dead-lettered.
+    pub dead: u64,
+    /// Dead messages requeued by an operator step.
+    pub requeued: u64,
+    /// Dead messages discarded.
+    pub discarded: u64,
+    /// Published messages purged.
+    pub purged: u64,
+    /// Relays that crashed while holding a batch.
+    pub crashes_holding: u64,
+    /// Claims that held back a key's message behind an earlier one.
+    pub held_back: u64,
+}
+
+impl std::ops::AddAssign for Coverage {
+    fn add_assign(&mut self, o: Self) {
+        self.committed += o.committed;
+        self.rolled_back += o.rolled_back;
+        self.late_commits += o.late_commits;
+        self.deliveries += o.deliveries;
+        self.dup_ambiguous += o.dup_ambiguous;
+        self.dup_crash += o.dup_crash;
+        self.dup_expiry += o.dup_expiry;
+        self.lease_lost += o.lease_lost;
+        self.dead += o.dead;
+        self.requeued += o.requeued;
+        self.discarded += o.discarded;
+        self.purged += o.purged;
+        self.crashes_holding += o.crashes_holding;
+        self.held_back += o.held_back;
+    }
+}
+
 /// Causes a duplicate delivery may have; any other duplicate is a violation.
 const CAUSE_AMBIGUOUS: &str = "ambiguous publish";
 const CAUSE_CRASH: &str = "crash after publish before complete";
@@ -118,17 +172,39 @@ pub struct Runner<'a> {
     unordered: u32,
     log: Vec<String>,
     attributed: BTreeMap<&'static str, u32>,
+    coverage: Coverage,
 }
 
 /// Play `scenario` against `store` and then drain it; on a broken invariant, return a report in
 /// words: the invariant, what was seen, and every step as it ran.
 pub async fn run_scenario(store: &dyn HarnessStore, scenario: &Scenario) -> Result<(), String> {
+    run_scenario_with_coverage(store, scenario)
+        .await
+        .map(|_| ())
+}
+
+/// [`run_scenario`], returning what the scenario exercised when it passes.
+pub async fn run_scenario_with_coverage(
+    store: &dyn HarnessStore,
+    scenario: &Scenario,
+) -> Result<Coverage, String> {
     let mut runner = match Runner::new(store, scenario.head_policy).await {
         Ok(runner) => runner,
         Err(v) => return Err(format!("{}: {}", v.invariant, v.detail)),
     };
     let result = runner.play(&scenario.steps).await;
-    result.map_err(|v| runner.report(&v))
+    match result {
+        Ok(()) => {
+            let mut c = runner.coverage;
+            c.dup_ambiguous =
+                u64::from(runner.attributed.get(CAUSE_AMBIGUOUS).copied().unwrap_or(0));
+            c.dup_crash = u64::from(runner.attributed.get(CAUSE_CRASH).copied().unwrap_or(0));
+            c.dup_expiry = u64::from(runner.attributed.get(CAUSE_EXPIRY).copied().unwrap_or(0));
+            c.purged = runner.purged;
+            Ok(c)
+        }
+        Err(v) => Err(runner.report(&v)),
+    }
 }
 
 impl<'a> Runner<'a> {
@@ -153,6 +229,7 @@ impl<'a> Runner<'a> {
             unordered: 0,
             log: Vec::new(),
             attributed: BTreeMap::new(),
+            coverage: Coverage::default(),
         })
     }
 
@@ -427,8 +504,22 @@ impl<'a> Runner<'a> {
         }
         let now = self.now;
         let mut ids = Vec::new();
+        let highest_claimed = self
+            .msgs
+            .iter()
+            .filter(|m| m.seq.is_some())
+            .map(|m| m.order)
+            .max();
         for m in &mut self.msgs {
             if m.status == Status::Open(slot) {
+                if commit {
+                    self.coverage.committed += 1;
+                    if highest_claimed.is_some_and(|h| h > m.order) {
+                        self.coverage.late_commits += 1;
+                    }
+                } else {
+                    self.coverage.rolled_back += 1;
+                }
                 m.status = if commit {
                     Status::Pending
                 } else {
@@ -462,6 +553,7 @@ impl<'a> Runner<'a> {
         let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
         self.note(format!("got {}", self.labels(&ids)));
         self.check_claim(&claim, limit)?;
+        self.coverage.held_back += self.held_back_count(&ids) as u64;
         let serial = self.next_claim;
         self.next_claim += 1;
         let until = self.now + LEASE.as_secs();
@@ -493,6 +585,28 @@ impl<'a> Runner<'a> {
             delivered: Vec::new(),
         });
         Ok(n)
+    }
+
+    /// Due messages a claim did not return because an earlier message of their key holds them
+    /// back (for coverage only).
+    fn held_back_count(&self, claimed: &[Uuid]) -> usize {
+        let now = self.now;
+        let blocks = |q: &Msg| match q.status {
+            Status::Leased { until, .. } => until > now,
+            Status::Pending => q.due > now,
+            Status::Dead => self.policy == HeadPolicy::Block,
+            _ => false,
+        };
+        self.msgs
+            .iter()
+            .filter(|p| p.status == Status::Pending && p.due <= now && !claimed.contains(&p.id))
+            .filter(|p| {
+                p.key.is_some()
+                    && self.msgs[..p.order]
+                        .iter()
+                        .any(|q| q.key == p.key && !claimed.contains(&q.id) && blocks(q))
+            })
+            .count()
     }
 
     fn check_claim(&mut self, claim: &Claim, limit: usize) -> Result<(), Violation> {
@@ -749,6 +863,7 @@ impl<'a> Runner<'a> {
             self.msgs[i].causes.push(CAUSE_EXPIRY);
         }
         self.msgs[i].delivered += 1;
+        self.coverage.deliveries += 1;
         Ok(())
     }
 
@@ -833,6 +948,7 @@ impl<'a> Runner<'a> {
         let mut words = Vec::new();
         if !acked.is_empty() {
             let lost = lost_of(self, &acked);
+            self.coverage.lease_lost += lost.len() as u64;
             let result = handle.complete(batch.token, &acked).await;
             self.expect_fenced("complete", result, &lost)?;
             for id in &acked {
@@ -854,6 +970,7 @@ impl<'a> Runner<'a> {
         if !failures.is_empty() {
             let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
             let lost = lost_of(self, &ids);
+            self.coverage.lease_lost += lost.len() as u64;
             let result = handle.fail(batch.token, &failures).await;
             self.expect_fenced("fail", result, &lost)?;
             let mut parts = Vec::new();
@@ -878,6 +995,7 @@ impl<'a> Runner<'a> {
                     FailAction::Dead => {
                         m.status = Status::Dead;
                         m.ever_dead = true;
+                        self.coverage.dead += 1;
                     }
                 }
             }
@@ -889,6 +1007,7 @@ impl<'a> Runner<'a> {
         }
         if !released.is_empty() {
             let lost = lost_of(self, &released);
+            self.coverage.lease_lost += lost.len() as u64;
             let result = handle.release(batch.token, &released).await;
             self.expect_fenced("release", result, &lost)?;
             for id in &released {
@@ -951,6 +1070,9 @@ impl<'a> Runner<'a> {
 
     fn crash(&mut self, relay: usize) {
         let sim = std::mem::take(&mut self.relays[relay]);
+        if sim.batch.is_some() {
+            self.coverage.crashes_holding += 1;
+        }
         if let Some(
             batch @ Batch {
                 outcomes: Some(_), ..
@@ -1073,8 +1195,10 @@ impl<'a> Runner<'a> {
                 m.status = Status::Pending;
                 m.attempts = 0;
                 m.due = self.now;
+                self.coverage.requeued += 1;
             } else {
                 m.status = Status::Discarded;
+                self.coverage.discarded += 1;
             }
         }
         self.note(format!("{what} {} -> {n}", self.msgs[target].label));

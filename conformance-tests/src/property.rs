@@ -1,9 +1,10 @@
 //! The model property: generated scenarios played against fresh stores.
 
+use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError, TestError, TestRunner};
 
 use crate::harness::Harness;
-use crate::model::run_scenario;
+use crate::model::{run_scenario, run_scenario_with_coverage, Coverage};
 use crate::scenario::scenario;
 
 /// The proptest configuration the suite uses: cases from `PROPTEST_CASES` (256 when unset),
@@ -65,4 +66,33 @@ pub fn check_model(harness: &dyn Harness, config: Config) -> Result<(), String> 
             harness.name()
         )),
     }
+}
+
+/// Play `cases` scenarios from a fixed seed against `harness` and sum what they exercised, to
+/// show the generator reaches every situation the invariants are about (duplicates of each
+/// cause, fenced transitions, late commits, dead letters, purges). Blocking.
+pub fn measure_coverage(harness: &dyn Harness, cases: u32) -> Result<Coverage, String> {
+    let rt = runtime()?;
+    let mut runner = TestRunner::deterministic();
+    let strategy = scenario();
+    let mut total = Coverage::default();
+    for _ in 0..cases {
+        let tree = strategy
+            .new_tree(&mut runner)
+            .map_err(|e| format!("cannot generate a scenario: {e}"))?;
+        let scenario = tree.current();
+        total += rt.block_on(async {
+            let store = harness
+                .fresh()
+                .await
+                .map_err(|e| format!("harness could not make a store: {e}"))?;
+            let coverage = run_scenario_with_coverage(&*store, &scenario).await?;
+            store
+                .teardown()
+                .await
+                .map_err(|e| format!("harness teardown failed: {e}"))?;
+            Ok::<_, String>(coverage)
+        })?;
+    }
+    Ok(total)
 }
