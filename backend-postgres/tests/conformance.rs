@@ -1,0 +1,151 @@
+//! The shared conformance suite (checks and model properties) against the real Postgres store.
+
+mod common;
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{random_schema, URL_VAR};
+use outbox_backend_postgres::{enqueue_batch, PostgresConfig, PostgresStore};
+use outbox_conformance_tests::env::service_url;
+use outbox_conformance_tests::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
+use outbox_traits::chrono::{DateTime, Utc};
+use outbox_traits::{async_trait, Error, NewMessage, OutboxAdmin, OutboxStore};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{Postgres, Transaction};
+
+/// Each fresh store is a new schema on the server named by `OUTBOX_TEST_POSTGRES_URL`.
+struct PgHarness {
+    options: PgConnectOptions,
+}
+
+impl PgHarness {
+    fn from_env() -> Option<Self> {
+        let url = service_url(URL_VAR)?;
+        Some(Self {
+            options: PgConnectOptions::from_str(&url).expect("OUTBOX_TEST_POSTGRES_URL"),
+        })
+    }
+}
+
+fn pool(options: &PgConnectOptions, max: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_lazy_with(options.clone())
+}
+
+fn err(e: sqlx::Error) -> Error {
+    Error::transient(format!("harness: {e}"), None)
+}
+
+#[async_trait]
+impl Harness for PgHarness {
+    fn name(&self) -> String {
+        "postgres".into()
+    }
+
+    async fn fresh(&self) -> Result<Box<dyn HarnessStore>, Error> {
+        let config = PostgresConfig::new(&random_schema(), "outbox")?;
+        // Business transactions, admin calls and time control share one pool; each relay gets
+        // its own (see `relay`).
+        let store = PostgresStore::new(pool(&self.options, 8), config);
+        store.migrate().await?;
+        Ok(Box::new(PgHarnessStore {
+            options: self.options.clone(),
+            store,
+        }))
+    }
+}
+
+struct PgHarnessStore {
+    options: PgConnectOptions,
+    store: PostgresStore,
+}
+
+#[async_trait]
+impl HarnessStore for PgHarnessStore {
+    fn capabilities(&self) -> HarnessCapabilities {
+        HarnessCapabilities::new(OutboxStore::capabilities(&self.store))
+    }
+
+    /// A store on its own connection: dropping it closes the connection and, as in a real
+    /// crash, leaves its leases to expire.
+    async fn relay(&self) -> Result<Arc<dyn OutboxStore>, Error> {
+        Ok(Arc::new(PostgresStore::new(
+            pool(&self.options, 1),
+            self.store.config().clone(),
+        )))
+    }
+
+    async fn admin(&self) -> Result<Arc<dyn OutboxAdmin>, Error> {
+        Ok(Arc::new(self.store.clone()))
+    }
+
+    async fn begin(&self) -> Result<Box<dyn HarnessTx>, Error> {
+        let tx = self.store.pool().begin().await.map_err(err)?;
+        Ok(Box::new(PgHarnessTx {
+            tx,
+            config: self.store.config().clone(),
+        }))
+    }
+
+    /// Shift every stored time back by `by`: to the store, `by` has passed.
+    async fn advance_time(&self, by: Duration) -> Result<(), Error> {
+        let sql = format!(
+            "UPDATE {} SET available_at = available_at - $1::bigint * interval '1 microsecond',
+                           lease_until = lease_until - $1::bigint * interval '1 microsecond',
+                           created_at = created_at - $1::bigint * interval '1 microsecond',
+                           published_at = published_at - $1::bigint * interval '1 microsecond'",
+            self.store.config().qualified_table()
+        );
+        let micros = i64::try_from(by.as_micros())
+            .map_err(|_| Error::invalid_input("advance_time: duration too long"))?;
+        sqlx::query(&sql)
+            .bind(micros)
+            .execute(self.store.pool())
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
+    async fn now(&self) -> Result<DateTime<Utc>, Error> {
+        sqlx::query_scalar("SELECT now()")
+            .fetch_one(self.store.pool())
+            .await
+            .map_err(err)
+    }
+
+    async fn teardown(self: Box<Self>) -> Result<(), Error> {
+        let sql = format!("DROP SCHEMA \"{}\" CASCADE", self.store.config().schema());
+        sqlx::query(&sql)
+            .execute(self.store.pool())
+            .await
+            .map_err(err)?;
+        self.store.pool().close().await;
+        Ok(())
+    }
+}
+
+struct PgHarnessTx {
+    tx: Transaction<'static, Postgres>,
+    config: PostgresConfig,
+}
+
+#[async_trait]
+impl HarnessTx for PgHarnessTx {
+    async fn enqueue(&mut self, messages: &[NewMessage]) -> Result<(), Error> {
+        enqueue_batch(&mut *self.tx, &self.config, messages).await
+    }
+
+    async fn commit(self: Box<Self>) -> Result<(), Error> {
+        self.tx.commit().await.map_err(err)
+    }
+
+    async fn rollback(self: Box<Self>) -> Result<(), Error> {
+        self.tx.rollback().await.map_err(err)
+    }
+}
+
+outbox_conformance_tests::conformance_suite!(optional: PgHarness::from_env());
