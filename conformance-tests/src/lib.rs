@@ -29,7 +29,7 @@ mod scenario;
 pub use harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
 pub use memory::{MemoryHarness, MemoryHarnessStore};
 pub use model::{run_scenario, run_scenario_with_coverage, Coverage, Violation};
-pub use scenario::{scenario, Advance, OutcomeSpec, Phase, Scenario, Step, TxEnd};
+pub use scenario::{scenario, Advance, MsgSpec, OutcomeSpec, Phase, Scenario, Step, TxEnd};
 
 #[doc(hidden)]
 pub use proptest as __proptest;

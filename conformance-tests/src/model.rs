@@ -14,8 +14,8 @@ use uuid::Uuid;
 
 use crate::harness::{HarnessCapabilities, HarnessStore, HarnessTx};
 use crate::scenario::{
-    relay_name, Advance, OutcomeSpec, Phase, Scenario, Step, TxEnd, KEYS, LEASE, MAX_ATTEMPTS,
-    PURGE_AGE, RELAYS, TX_SLOTS,
+    relay_name, Advance, MsgSpec, OutcomeSpec, Phase, Scenario, Step, TxEnd, KEYS, LEASE,
+    MAX_ATTEMPTS, NOT_BEFORE, PURGE_AGE, RELAYS, TX_SLOTS,
 };
 
 /// A broken invariant: which one, and what was seen.
@@ -130,6 +130,8 @@ struct Msg {
     causes: Vec<&'static str>,
     ever_dead: bool,
     published_at: Option<u64>,
+    /// Model time before which it is not due (0 when not delayed).
+    not_before: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -239,7 +241,7 @@ impl<'a> Runner<'a> {
             self.step(step).await?;
             self.check_counts().await?;
         }
-        self.log.push("final drain: faults off, every relay crashed, open transactions commit, clock +1 day, dead letters requeued, relay D drains".into());
+        self.log.push(format!("final drain: faults off, every relay crashed, open transactions commit, clock +1 day, dead letters requeued, relay {} drains", relay_name(RELAYS)));
         self.drain().await
     }
 
@@ -300,8 +302,8 @@ impl<'a> Runner<'a> {
 
     async fn step(&mut self, step: &Step) -> Result<(), Violation> {
         match step {
-            Step::Enqueue { tx, keys, end } => {
-                self.enqueue(*tx, keys, *end != TxEnd::Rollback).await?;
+            Step::Enqueue { tx, messages, end } => {
+                self.enqueue(*tx, messages, *end != TxEnd::Rollback).await?;
                 match end {
                     TxEnd::Open => Ok(()),
                     // A single-writer store has already committed inside `enqueue`.
@@ -384,7 +386,8 @@ impl<'a> Runner<'a> {
         }
     }
 
-    fn new_message(&mut self, key: Option<u8>, slot: u8) -> NewMessage {
+    async fn new_message(&mut self, spec: MsgSpec, slot: u8) -> Result<NewMessage, Violation> {
+        let key = spec.key;
         let label = match key {
             Some(k) => {
                 self.per_key[usize::from(k)] += 1;
@@ -405,6 +408,14 @@ impl<'a> Runner<'a> {
         if key.is_none() {
             message = message.unordered();
         }
+        let mut not_before = 0;
+        if spec.delayed {
+            let store_now = self.store.now().await.map_err(|e| store_error("now", &e))?;
+            let delay = outbox_traits::chrono::Duration::from_std(NOT_BEFORE)
+                .map_err(|e| violation("test setup", e.to_string()))?;
+            message = message.not_before(store_now + delay);
+            not_before = self.now + NOT_BEFORE.as_secs();
+        }
         let order = self.msgs.len();
         self.by_id.insert(message.id, order);
         self.msgs.push(Msg {
@@ -421,8 +432,9 @@ impl<'a> Runner<'a> {
             causes: Vec::new(),
             ever_dead: false,
             published_at: None,
+            not_before,
         });
-        message
+        Ok(message)
     }
 
     /// Enqueue into slot `slot`; a single-writer store ends the transaction at once, committing
@@ -430,7 +442,7 @@ impl<'a> Runner<'a> {
     async fn enqueue(
         &mut self,
         slot: u8,
-        keys: &[Option<u8>],
+        specs: &[MsgSpec],
         commit_if_single: bool,
     ) -> Result<(), Violation> {
         let concurrent = self.caps.concurrent_transactions;
@@ -446,12 +458,12 @@ impl<'a> Runner<'a> {
             .collect();
         let mut batch = Vec::new();
         let mut skipped = Vec::new();
-        for key in keys {
-            if key.is_some_and(|k| locked.contains(&k)) {
-                skipped.push(format!("k{}", key.unwrap_or_default()));
+        for spec in specs {
+            if let Some(k) = spec.key.filter(|k| locked.contains(k)) {
+                skipped.push(format!("k{k}"));
                 continue;
             }
-            batch.push(self.new_message(*key, slot));
+            batch.push(self.new_message(*spec, slot).await?);
         }
         let ids: Vec<Uuid> = batch.iter().map(|m| m.id).collect();
         let mut text = format!("wrote {}", self.labels(&ids));
@@ -525,7 +537,7 @@ impl<'a> Runner<'a> {
                 } else {
                     Status::RolledBack
                 };
-                m.due = now;
+                m.due = now.max(m.not_before);
                 ids.push(m.id);
             }
         }
@@ -577,6 +589,10 @@ impl<'a> Runner<'a> {
             };
         }
         let n = ids.len();
+        if n == 0 {
+            // Nothing claimed: the relay holds nothing (a token with no messages is moot).
+            return Ok(0);
+        }
         self.relays[relay].batch = Some(Batch {
             claim: serial,
             token: claim.token,

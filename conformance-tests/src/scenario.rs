@@ -10,6 +10,8 @@ use proptest::prelude::*;
 pub const LEASE: Duration = Duration::from_secs(600);
 /// Published messages older than this are purgeable in a purge step.
 pub const PURGE_AGE: Duration = Duration::from_secs(100);
+/// How far in the future a delayed message's not-before time is.
+pub const NOT_BEFORE: Duration = Duration::from_secs(100);
 /// The model's relays dead-letter a message on its third failed attempt.
 pub const MAX_ATTEMPTS: u32 = 3;
 /// How many business transactions can be open at once.
@@ -46,6 +48,29 @@ impl Advance {
             Advance::PastLease => PAST_LEASE,
             Advance::PastRetries => PAST_RETRIES,
         })
+    }
+}
+
+/// One message of a [`Step::Enqueue`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct MsgSpec {
+    /// `Some(k)`: partition key `k`; `None`: unordered.
+    pub key: Option<u8>,
+    /// Delayed: not before [`NOT_BEFORE`] from now by the store's clock (it also holds back its
+    /// key's later messages).
+    pub delayed: bool,
+}
+
+impl fmt::Debug for MsgSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.key {
+            Some(k) => write!(f, "k{k}")?,
+            None => write!(f, "unordered")?,
+        }
+        if self.delayed {
+            write!(f, " not before +{}s", NOT_BEFORE.as_secs())?;
+        }
+        Ok(())
     }
 }
 
@@ -111,13 +136,12 @@ impl fmt::Debug for OutcomeSpec {
 /// claimed) are skipped, which keeps every shrunk sequence runnable.
 #[derive(Clone, PartialEq, Eq)]
 pub enum Step {
-    /// Business transaction `tx` (opened if needed) enqueues messages, one per entry: `Some(k)`
-    /// is partition key `k`, `None` an unordered message.
+    /// Business transaction `tx` (opened if needed) enqueues messages, one per entry.
     Enqueue {
         /// Transaction slot.
         tx: u8,
-        /// Keys of the messages.
-        keys: Vec<Option<u8>>,
+        /// The messages.
+        messages: Vec<MsgSpec>,
         /// Whether the transaction then stays open, commits or rolls back.
         end: TxEnd,
     },
@@ -209,12 +233,8 @@ pub fn relay_name(relay: u8) -> char {
 impl fmt::Debug for Step {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Step::Enqueue { tx, keys, end } => {
-                let keys: Vec<String> = keys
-                    .iter()
-                    .map(|k| k.map_or("unordered".to_string(), |k| format!("k{k}")))
-                    .collect();
-                write!(f, "tx{} enqueue [{}]", tx + 1, keys.join(", "))?;
+            Step::Enqueue { tx, messages, end } => {
+                write!(f, "tx{} enqueue {messages:?}", tx + 1)?;
                 match end {
                     TxEnd::Open => Ok(()),
                     TxEnd::Commit => write!(f, " and commit"),
@@ -305,17 +325,19 @@ fn outcome() -> impl Strategy<Value = OutcomeSpec> {
 
 fn step() -> impl Strategy<Value = Step> {
     let key = prop_oneof![4 => (0..KEYS).prop_map(Some), 1 => Just(None)];
+    let message =
+        (key, prop::bool::weighted(0.1)).prop_map(|(key, delayed)| MsgSpec { key, delayed });
     prop_oneof![
         5 => (
             0..TX_SLOTS,
-            prop::collection::vec(key, 1..=3),
+            prop::collection::vec(message, 1..=3),
             prop_oneof![
                 2 => Just(TxEnd::Open),
                 3 => Just(TxEnd::Commit),
                 1 => Just(TxEnd::Rollback)
             ]
         )
-            .prop_map(|(tx, keys, end)| Step::Enqueue { tx, keys, end }),
+            .prop_map(|(tx, messages, end)| Step::Enqueue { tx, messages, end }),
         3 => (0..TX_SLOTS).prop_map(|tx| Step::Commit { tx }),
         1 => (0..TX_SLOTS).prop_map(|tx| Step::Rollback { tx }),
         2 => (0..RELAYS, 1u8..=4).prop_map(|(relay, limit)| Step::Claim { relay, limit }),
