@@ -1,17 +1,31 @@
 //! Conformance suite for outbox stores and publishers.
 //!
-//! A backend implements [`Harness`] and runs every check and property with one line:
-//! `outbox_conformance_tests::conformance_suite!(MyHarness::new());` (see [`conformance_suite!`]).
+//! A backend implements [`Harness`] (a fresh store per case, enqueue through its real
+//! transaction, time control, a relay crash by dropping a handle) and runs every check and
+//! property with one line: `outbox_conformance_tests::conformance_suite!(MyHarness::new());`
+//! (see [`conformance_suite!`]).
 //!
 //! - [`checks`]: example-based checks, one `pub async fn` per rule, for those who pick.
 //! - [`property::check_model`]: the state-machine property. Generated scenarios of business
-//!   transactions (interleaved, committed out of order, rolled back), several relays claiming,
-//!   publishing with acknowledged, transient, permanent and ambiguous outcomes, completing,
-//!   failing, crashing at every point, leases expiring, stale relays completing, retries coming
-//!   due, dead letters requeued and discarded, purges; after every step and at the end a
-//!   reference model checks no loss, no phantom, per-key order, duplicates only from listed
-//!   causes, fencing, claim limits and eligibility, exact attempts, dead-letter reasons and
-//!   accounting. A failure prints the shrunk scenario in words and the broken invariant.
+//!   transactions (interleaved, committed out of order, rolled back, delayed), several relays
+//!   claiming, publishing with acknowledged, transient, permanent and ambiguous outcomes,
+//!   completing, failing, crashing between claim and publish and between publish and complete,
+//!   leases expiring, stale relays settling late, retries coming due, dead letters requeued and
+//!   discarded, purges. After every step and at the end a reference model checks no loss, no
+//!   phantom, per-key order, duplicates only from listed causes, fencing, claim limits and
+//!   eligibility, exact attempts, dead-letter reasons and accounting. A failure prints the
+//!   broken invariant and the shrunk scenario in words, step by step.
+//! - [`engine::check_engine`]: the same invariants end to end through the real
+//!   [`outbox_relay::Relay`], with a fault-injecting publisher and the engine aborted at random
+//!   await points (before or after a store or broker call took effect), then restarted until
+//!   drained.
+//! - [`property::measure_coverage`]: what generated scenarios exercise, to show they reach every
+//!   situation.
+//! - `broken` (feature `broken-stores`): deliberately broken stores; the crate's meta-test
+//!   requires the suite to catch each one within 200 cases.
+//!
+//! The number of cases comes from `PROPTEST_CASES` (256 by default); failing seeds are saved
+//! beside the calling test file (`<test>.proptest-regressions`) and replayed first.
 
 #[cfg(feature = "broken-stores")]
 pub mod broken;

@@ -56,7 +56,7 @@ impl Advance {
 pub struct MsgSpec {
     /// `Some(k)`: partition key `k`; `None`: unordered.
     pub key: Option<u8>,
-    /// Delayed: not before [`NOT_BEFORE`] from now by the store's clock (it also holds back its
+    /// Delayed: not before 100 s from now by the store's clock (it also holds back its
     /// key's later messages).
     pub delayed: bool,
 }
