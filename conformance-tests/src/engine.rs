@@ -30,6 +30,9 @@ const MAX_ROUNDS: usize = 40;
 /// Store and publisher calls one engine run may make before the test calls it a livelock: a
 /// correct store lets every run go idle within a few dozen.
 const MAX_OPS_PER_RUN: u32 = 2000;
+/// A watchdog, not a timing assertion: a run that is still going after this long is hung, and
+/// the case fails with a report instead of blocking the test binary forever.
+const HANG_GUARD: Duration = Duration::from_secs(120);
 
 /// Where the engine is stopped in one crashing run.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -595,6 +598,13 @@ pub async fn run_engine_scenario(
                 task.abort();
                 let _ = task.await;
                 true
+            }
+            () = tokio::time::sleep(HANG_GUARD) => {
+                task.abort();
+                return Err(format!(
+                    "engine run {run} did not go idle within {HANG_GUARD:?} of real time (hung on a store or publisher call?)\nengine runs:\n  {}",
+                    log.join("\n  ")
+                ));
             }
         };
         if crashed && crash.ops.load(Ordering::SeqCst) > MAX_OPS_PER_RUN {
