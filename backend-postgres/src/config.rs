@@ -231,6 +231,16 @@ mod tests {
     }
 
     #[test]
+    fn readme_shows_the_default_migration_verbatim() {
+        let readme = include_str!("../README.md");
+        let sql = PostgresConfig::default().migration_sql().to_owned();
+        assert!(
+            readme.contains(&sql),
+            "README's migration SQL is stale; paste this:\n{sql}"
+        );
+    }
+
+    #[test]
     fn long_names_keep_derived_names_distinct_and_short() {
         let long = "t".repeat(63);
         let config = PostgresConfig::new(&"s".repeat(63), &long).unwrap();

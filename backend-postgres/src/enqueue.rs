@@ -41,9 +41,10 @@ where
 /// - [`Error::DuplicateKey`]: two messages of the batch share a dedup key.
 ///
 /// From the database:
-/// - [`Error::DuplicateKey`]: a message with the same dedup key already exists. The statement
-///   failed, so Postgres aborts the caller's transaction: roll it back (or enqueue inside a
-///   savepoint, `tx.begin()`, to carry on without the message).
+/// - [`Error::DuplicateKey`]: a message with the same dedup key is still in the table (purged
+///   messages free their keys), or [`Error::InvalidInput`]: a message with the same id is. The
+///   statement failed, so Postgres aborts the caller's transaction: roll it back (or enqueue
+///   inside a savepoint, `tx.begin()`, to carry on without the message).
 /// - Other errors are classified (`Unavailable`, transient or permanent `Backend`); a missing
 ///   table says to run the migration.
 ///
@@ -186,9 +187,19 @@ fn json_has_nul(value: &serde_json::Value) -> bool {
 /// classified as usual.
 fn map_insert_error(err: sqlx::Error, config: &PostgresConfig, messages: &[NewMessage]) -> Error {
     if let Some(db) = err.as_database_error() {
-        if db.code().as_deref() == Some("23505")
-            && db.constraint() == Some(config.sql().dedup_constraint.as_str())
-        {
+        let unique_violation = db.code().as_deref() == Some("23505");
+        if unique_violation && db.constraint() == Some(config.sql().pkey_constraint.as_str()) {
+            let id = db
+                .try_downcast_ref::<PgDatabaseError>()
+                .and_then(|pg| pg.detail())
+                .and_then(key_from_detail)
+                .unwrap_or_default();
+            return Error::invalid_input(format!(
+                "message id {id} was already enqueued; give every message its own id \
+                 (NewMessage::new makes a fresh one)"
+            ));
+        }
+        if unique_violation && db.constraint() == Some(config.sql().dedup_constraint.as_str()) {
             let detail = db
                 .try_downcast_ref::<PgDatabaseError>()
                 .and_then(|pg| pg.detail())

@@ -15,6 +15,8 @@ pub(crate) struct Sql {
     pub channel: String,
     /// Name of the unique constraint on `dedup_key`, to recognise its violations.
     pub dedup_constraint: String,
+    /// Name of the primary key on `id`, to recognise a reused message id.
+    pub pkey_constraint: String,
     /// Idempotent DDL (schema, table, indexes).
     pub migrate: String,
     /// Batch insert from arrays; sends one NOTIFY when configured.
@@ -79,6 +81,7 @@ impl Sql {
         let dead_idx = derived_name(table, "dead_idx");
         let published_idx = derived_name(table, "published_idx");
         let dedup_constraint = derived_name(table, "dedup_key");
+        let pkey_constraint = derived_name(table, "pkey");
         let channel = channel_name(schema, table);
 
         let migrate = format!(
@@ -93,7 +96,7 @@ $outbox$;
 
 CREATE TABLE IF NOT EXISTS {t} (
     -- Debezium outbox event router columns: id, aggregatetype, aggregateid, type, payload.
-    id             uuid        NOT NULL PRIMARY KEY,
+    id             uuid        NOT NULL,
     aggregatetype  text        NOT NULL,
     aggregateid    text        NOT NULL,
     type           text        NOT NULL,
@@ -111,6 +114,7 @@ CREATE TABLE IF NOT EXISTS {t} (
     last_error     text,
     created_at     timestamptz NOT NULL DEFAULT now(),
     published_at   timestamptz,
+    CONSTRAINT "{pkey_constraint}" PRIMARY KEY (id),
     CONSTRAINT "{dedup_constraint}" UNIQUE (dedup_key),
     CONSTRAINT "{state_check}" CHECK (state IN ('pending', 'leased', 'published', 'dead'))
 );
@@ -312,6 +316,7 @@ ORDER BY upd.seq"#
             insert,
             migrate,
             dedup_constraint,
+            pkey_constraint,
             channel,
             table: t,
         }

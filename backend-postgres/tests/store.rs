@@ -496,6 +496,38 @@ async fn a_duplicate_dedup_key_is_refused() {
 }
 
 #[tokio::test]
+async fn a_reused_message_id_is_invalid_input() {
+    let Some(db) = db().await else { return };
+    let first = msg("k", "1");
+    db.enqueue(std::slice::from_ref(&first)).await;
+    let again = msg("k", "2").with_id(first.id);
+    let err = enqueue(db.pool(), &db.config, &again).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidInput(text) if text.contains(&first.id.to_string())),
+        "{err}"
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn enqueue_runs_in_a_transaction_inside_a_spawned_task() {
+    let Some(db) = db().await else { return };
+    let (pool, config) = (db.pool().clone(), db.config.clone());
+    // Web handlers run on spawned tasks: the enqueue future must be Send.
+    tokio::spawn(async move {
+        let mut tx = pool.begin().await.unwrap();
+        enqueue_batch(&mut *tx, &config, &[msg("k", "spawned")])
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    })
+    .await
+    .unwrap();
+    assert_eq!(names(&db.claim(10, Block).await), ["spawned"]);
+    db.drop().await;
+}
+
+#[tokio::test]
 async fn invalid_messages_are_refused_before_anything_is_sent() {
     let Some(db) = db_with(|b| b.max_payload_bytes(64)).await else {
         return;
