@@ -10,6 +10,11 @@ use crate::error::map_sqlx;
 /// A [`WakeSource`] listening on [`PostgresConfig::notify_channel`] over its own connection.
 pub(crate) struct PgWakeSource {
     listener: PgListener,
+    /// A private pool: a listener on the caller's pool would hold one of its connections for
+    /// good, and `pool.close()` would wait for the listener forever. Two connections, so a
+    /// replacement can subscribe while the broken listener still holds the first.
+    pool: PgPool,
+    channel: String,
     table: String,
 }
 
@@ -18,33 +23,48 @@ impl PgWakeSource {
     /// channel is subscribed when this returns, so any later commit that notifies is seen.
     pub(crate) async fn listen(pool: &PgPool, config: &PostgresConfig) -> Result<Self, Error> {
         let table = config.qualified_table().to_owned();
-        // A private one-connection pool: a listener on the caller's pool would hold one of its
-        // connections for good, and `pool.close()` would wait for the listener forever.
+        let channel = config.notify_channel().to_owned();
         let own = PgPoolOptions::new()
-            .max_connections(1)
+            .max_connections(2)
             .acquire_timeout(pool.options().get_acquire_timeout())
             .connect_lazy_with(pool.connect_options().as_ref().clone());
-        let mut listener = PgListener::connect_with(&own)
+        let listener = subscribe(&own, &channel)
             .await
             .map_err(|e| map_sqlx(e, "listen", &table))?;
-        listener
-            .listen(config.notify_channel())
-            .await
-            .map_err(|e| map_sqlx(e, "listen", &table))?;
-        Ok(Self { listener, table })
+        Ok(Self {
+            listener,
+            pool: own,
+            channel,
+            table,
+        })
     }
+}
+
+async fn subscribe(pool: &PgPool, channel: &str) -> Result<PgListener, sqlx::Error> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    listener.listen(channel).await?;
+    Ok(listener)
 }
 
 #[async_trait]
 impl WakeSource for PgWakeSource {
-    /// Cancel safe: `PgListener::try_recv` is, and this adds no state of its own.
+    /// Cancel safe: `PgListener::try_recv` is (sqlx ≥ 0.8.1), and a reconnect replaces the
+    /// listener only once it is subscribed.
     async fn wait(&mut self) -> Result<(), Error> {
         match self.listener.try_recv().await {
             Ok(Some(_)) => Ok(()),
-            // The connection dropped and notifications may have been missed: wake the relay so
-            // it polls. The next call reconnects and listens again.
+            // The connection dropped and sqlx reconnected: notifications may have been missed,
+            // so wake the relay to poll.
             Ok(None) => Ok(()),
-            Err(e) => Err(map_sqlx(e, "listen", &self.table)),
+            // E.g. the server terminated the session: subscribe again on a new connection and
+            // wake the relay to poll for what was missed; fail only if that is impossible.
+            Err(first) => match subscribe(&self.pool, &self.channel).await {
+                Ok(listener) => {
+                    self.listener = listener;
+                    Ok(())
+                }
+                Err(_) => Err(map_sqlx(first, "listen", &self.table)),
+            },
         }
     }
 }

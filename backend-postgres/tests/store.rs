@@ -712,6 +712,29 @@ async fn a_listener_is_woken_after_a_commit() {
         .expect("no wake-up after a committed enqueue")
         .unwrap();
 
+    // The server ends the listening session: the source wakes the relay (notifications may
+    // have been missed), listens again on a new connection, and sees the next commit.
+    let terminated: bool = sqlx::query_scalar(
+        "SELECT bool_and(pg_terminate_backend(pid)) FROM pg_stat_activity
+         WHERE query = 'LISTEN \"' || $1 || '\"'",
+    )
+    .bind(db.config.notify_channel())
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert!(terminated);
+    tokio::time::timeout(Duration::from_secs(60), wake.wait())
+        .await
+        .expect("no wake-up after the listening session ended")
+        .unwrap();
+    enqueue(db.pool(), &db.config, &msg("k", "2"))
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(60), wake.wait())
+        .await
+        .expect("no wake-up after a commit on the new connection")
+        .unwrap();
+
     let quiet = db_with(|b| b.notify(false)).await.unwrap();
     assert!(!quiet.store.capabilities().wakeups);
     assert!(quiet.store.wakeups().await.unwrap().is_none());
