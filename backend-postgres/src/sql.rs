@@ -175,19 +175,24 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     -- and lock more than $1 rows.
     SELECT c.id, c.seq, c.partition_key
     FROM {t} c
+    -- The key's first unpublished row, and whether it is claimable. A LATERAL join rather than
+    -- a subquery in WHERE so the planner can memoize it per key: a blocked key's long backlog
+    -- then costs one probe, not one per row.
+    LEFT JOIN LATERAL (
+        SELECT CASE h.state WHEN 'pending' THEN h.available_at <= now()
+                            WHEN 'leased' THEN h.lease_until <= now()
+                            ELSE false END AS claimable
+        FROM {t} h
+        WHERE h.partition_key = c.partition_key AND h.state IN {ordered_states}
+        ORDER BY h.seq
+        LIMIT 1
+    ) head ON true
     WHERE c.state IN ('pending', 'leased')
       AND (CASE WHEN c.state = 'pending' THEN c.available_at ELSE c.lease_until END) <= now()
       -- Skip keys whose first unpublished row is not claimable (leased to another relay,
       -- waiting for a retry, not yet due, or dead under Block), so that a blocked key's
       -- backlog cannot fill the LIMIT and starve every other key.
-      AND (c.partition_key IS NULL OR (
-            SELECT CASE h.state WHEN 'pending' THEN h.available_at <= now()
-                                WHEN 'leased' THEN h.lease_until <= now()
-                                ELSE false END
-            FROM {t} h
-            WHERE h.partition_key = c.partition_key AND h.state IN {ordered_states}
-            ORDER BY h.seq
-            LIMIT 1))
+      AND (c.partition_key IS NULL OR head.claimable)
     ORDER BY c.seq
     LIMIT $1
     FOR UPDATE OF c SKIP LOCKED
