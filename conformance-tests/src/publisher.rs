@@ -139,7 +139,8 @@ pub async fn check_round_trip(publisher: &dyn Publisher, reader: &dyn BrokerRead
             "traceparent".into(),
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
         );
-        msg.headers.insert("x-tenant".into(), format!("tenant-ü-{i}"));
+        msg.headers
+            .insert("x-tenant".into(), format!("tenant-ü-{i}"));
         batch.push(msg);
     }
     let mut unordered = message(None, r#"{"unordered":true}"#);
@@ -149,13 +150,23 @@ pub async fn check_round_trip(publisher: &dyn Publisher, reader: &dyn BrokerRead
     let outcomes = publisher.publish(&batch).await;
     assert_outcome_count(&batch, &outcomes);
     for (msg, outcome) in batch.iter().zip(&outcomes) {
-        assert_eq!(outcome, &PublishOutcome::Acked, "message {} not acked", msg.id);
+        assert_eq!(
+            outcome,
+            &PublishOutcome::Acked,
+            "message {} not acked",
+            msg.id
+        );
     }
     let stored = read(reader).await;
     for msg in &batch {
         let id = msg.id.hyphenated().to_string();
         let copies: Vec<&ReceivedMessage> = stored.iter().filter(|r| r.id == id).collect();
-        assert_eq!(copies.len(), 1, "message {id} stored {} times", copies.len());
+        assert_eq!(
+            copies.len(),
+            1,
+            "message {id} stored {} times",
+            copies.len()
+        );
         let got = copies[0];
         assert_eq!(
             got.payload,
@@ -247,7 +258,11 @@ pub async fn check_partial_failure(
         "a key's message after a failed one must not be sent"
     );
     for i in [3, 4, 5, 6] {
-        assert_eq!(outcomes[i], PublishOutcome::Acked, "message {i} of other keys");
+        assert_eq!(
+            outcomes[i],
+            PublishOutcome::Acked,
+            "message {i} of other keys"
+        );
     }
     let stored = read(reader).await;
     let stored_ids: Vec<&str> = stored.iter().map(|r| r.id.as_str()).collect();
@@ -276,7 +291,10 @@ pub async fn check_dedup(publisher: &dyn Publisher, reader: &dyn BrokerReader) {
     let stored = read(reader).await;
     let id = first.id.hyphenated().to_string();
     let copies = stored.iter().filter(|r| r.id == id).count();
-    assert_eq!(copies, 1, "declared dedup, yet the message is stored {copies} times");
+    assert_eq!(
+        copies, 1,
+        "declared dedup, yet the message is stored {copies} times"
+    );
     let other_id = other.id.hyphenated().to_string();
     assert_eq!(stored.iter().filter(|r| r.id == other_id).count(), 1);
 }
