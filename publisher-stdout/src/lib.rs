@@ -72,22 +72,23 @@ impl StdoutPublisher {
                     continue;
                 }
             }
-            let rendered = serde_json::from_str::<&RawValue>(&message.payload).and_then(|payload| {
-                serde_json::to_writer(
-                    &mut bytes,
-                    &Line {
-                        id: message.id,
-                        seq: message.seq,
-                        aggregate_type: &message.aggregate_type,
-                        aggregate_id: &message.aggregate_id,
-                        event_type: &message.event_type,
-                        partition_key: message.partition_key.as_deref(),
-                        headers: &message.headers,
-                        attempts: message.attempts,
-                        payload,
-                    },
-                )
-            });
+            let rendered =
+                serde_json::from_str::<&RawValue>(&message.payload).and_then(|payload| {
+                    serde_json::to_writer(
+                        &mut bytes,
+                        &Line {
+                            id: message.id,
+                            seq: message.seq,
+                            aggregate_type: &message.aggregate_type,
+                            aggregate_id: &message.aggregate_id,
+                            event_type: &message.event_type,
+                            partition_key: message.partition_key.as_deref(),
+                            headers: &message.headers,
+                            attempts: message.attempts,
+                            payload,
+                        },
+                    )
+                });
             match rendered {
                 Ok(()) => {
                     bytes.push(b'\n');
@@ -222,7 +223,10 @@ mod tests {
         let outcomes = publisher.publish(&batch).await;
         assert!(matches!(
             outcomes[0],
-            PublishOutcome::Failed { kind: ErrorKind::Permanent, .. }
+            PublishOutcome::Failed {
+                kind: ErrorKind::Permanent,
+                ..
+            }
         ));
         assert_eq!(outcomes[1], PublishOutcome::Acked);
         assert_eq!(outcomes[2], PublishOutcome::NotAttempted);
@@ -234,7 +238,10 @@ mod tests {
     struct Broken;
     impl Write for Broken {
         fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
-            Err(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "closed"))
+            Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "closed",
+            ))
         }
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
@@ -247,7 +254,10 @@ mod tests {
         let outcomes = publisher.publish(&[message(1, "a", "{}")]).await;
         assert!(matches!(
             outcomes[0],
-            PublishOutcome::Failed { kind: ErrorKind::Transient, .. }
+            PublishOutcome::Failed {
+                kind: ErrorKind::Transient,
+                ..
+            }
         ));
     }
 }
