@@ -110,3 +110,57 @@ async fn a_bad_broker_url_fails_before_anything_is_written() {
     }
     assert!(!db.exists(), "nothing may be written for a bad broker URL");
 }
+
+/// The binary, run three times with the same arguments, reaches each broker when only
+/// `OUTBOX_BROKER_URL` changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_switches_broker_by_the_environment_variable_alone() {
+    let (Some(nats_url), Some(brokers), Some(redis_url)) = (
+        service_url("OUTBOX_TEST_NATS_URL"),
+        service_url("OUTBOX_TEST_KAFKA_BROKERS"),
+        service_url("OUTBOX_TEST_REDIS_URL"),
+    ) else {
+        return;
+    };
+    let s = unique_suffix();
+    let (stream, topic, key) = (format!("RB_{s}"), format!("rb-{s}"), format!("rb-{s}"));
+    kafka::create_topic(&brokers, &topic, 3).await.unwrap();
+    let urls = [
+        format!("{nats_url}?subject=rb{s}.{{event_type}}&stream={stream}&create_stream=true"),
+        format!("kafka://{brokers}?topic={topic}"),
+        format!("{redis_url}?stream={key}"),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("outbox.sqlite");
+    for url in &urls {
+        let mut command =
+            std::process::Command::new(env!("CARGO_BIN_EXE_outbox-example-relay-anywhere"));
+        command
+            .arg(&db)
+            .arg("20")
+            .env(outbox_example_relay_anywhere::BROKER_URL_VAR, url);
+        let output = tokio::task::spawn_blocking(move || command.output())
+            .await
+            .unwrap()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{url}: {stderr}");
+        assert!(stderr.contains("16 messages published"), "{url}: {stderr}");
+    }
+    let read = [
+        nats::read_stream(&nats_url, &stream).await.unwrap(),
+        kafka::read_topic(&brokers, &topic, 3).await.unwrap(),
+        redis::read_stream(&redis_url, &key).await.unwrap(),
+    ];
+    nats::delete_stream(&nats_url, &stream).await.unwrap();
+    kafka::delete_topic(&brokers, &topic).await.unwrap();
+    redis::delete(&redis_url, &key).await.unwrap();
+    for (url, received) in urls.iter().zip(read) {
+        let ids: std::collections::HashSet<_> = received.iter().map(|r| r.id.clone()).collect();
+        assert_eq!((received.len(), ids.len()), (16, 16), "{url}");
+        for r in &received {
+            let payload: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+            assert_eq!(payload["customer"].as_str(), r.key.as_deref(), "{url}");
+        }
+    }
+}
