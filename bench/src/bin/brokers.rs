@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! eval "$(scripts/services)"
-//! cargo run --release -p outbox-bench --bin brokers -- [nats|kafka|redis|all] [messages=100000]
+//! cargo run --release -p outbox-bench --bin brokers -- [nats|kafka|redis|all|none] [messages=100000]
 //!     [keys=1000] [batch=N] [concurrency=N] [partitions=N] [max_in_flight=N] [kafka_props=a=b;c=d]
 //!     [verify=full|count] [relays=N]
 //! ```
