@@ -1,7 +1,7 @@
 //! Benchmarks of the outbox relay and enqueue paths against the real Postgres and SQLite.
 //!
 //! ```text
-//! cargo run --release -p outbox-bench -- [sqlite|postgres|all] [MESSAGES] [KEYS]
+//! cargo run --release -p outbox-bench -- [sqlite|postgres|all] [MESSAGES] [KEYS] [BATCH] [IN_FLIGHT]
 //! ```
 //!
 //! For each store: enqueue throughput with single-message transactions from 8 concurrent
@@ -39,6 +39,17 @@ fn message(n: usize, keys: usize) -> NewMessage {
     .with_partition_key(key)
 }
 
+/// The relay settings, from `BATCH` and `IN_FLIGHT` on the command line (defaults 500 and 2).
+fn relay_config() -> RelayConfig {
+    let arg = |n: usize| std::env::args().nth(n).and_then(|s| s.parse().ok());
+    let defaults = RelayConfig::default();
+    RelayConfig {
+        batch_size: arg(4).unwrap_or(defaults.batch_size),
+        concurrency: arg(5).unwrap_or(defaults.concurrency),
+        ..defaults
+    }
+}
+
 fn row(store: &str, what: &str, count: usize, elapsed: Duration, settings: &str) {
     let rate = count as f64 / elapsed.as_secs_f64();
     println!(
@@ -56,7 +67,7 @@ async fn drain(
     expected: usize,
 ) -> BoxResult<()> {
     let publisher = Arc::new(RecordingPublisher::new());
-    let config = RelayConfig::default();
+    let config = relay_config();
     let settings = format!(
         "batch {}, {} batches in flight, per-key order + fencing on",
         config.batch_size, config.concurrency
