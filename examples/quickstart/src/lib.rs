@@ -39,7 +39,7 @@ pub async fn run(
     out: impl Write + Send + 'static,
 ) -> Result<Summary, Error> {
     let config = SqliteConfig::default();
-    let (committed, rolled_back) = write_orders(path, &config, orders)?;
+    let written = write_orders(path, &config, orders)?;
 
     let store = Arc::new(SqliteStore::open(path, config).await?);
     let relay = Relay::new(
@@ -52,22 +52,38 @@ pub async fn run(
     let relay_millis = started.elapsed().as_millis();
     let counts = store.counts().await?;
     Ok(Summary {
-        committed,
-        rolled_back,
+        committed: written.committed.len(),
+        rolled_back: written.rolled_back.len(),
         stats,
         counts,
         relay_millis,
     })
 }
 
+/// One `order.placed` event whose transaction committed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommittedEvent {
+    /// The outbox message id (consumers deduplicate on it).
+    pub id: String,
+    /// The partition key (the customer).
+    pub key: String,
+    /// The payload JSON text exactly as stored and published.
+    pub payload: String,
+}
+
+/// What [`write_orders`] wrote.
+#[derive(Debug, Clone, Default)]
+pub struct Orders {
+    /// Events whose order committed, in commit order.
+    pub committed: Vec<CommittedEvent>,
+    /// Ids of events whose transaction was rolled back: they must never be published.
+    pub rolled_back: Vec<String>,
+}
+
 /// The service side: each order row and its `order.placed` event commit (or roll back)
-/// together. Returns (committed, rolled back).
-fn write_orders(
-    path: &Path,
-    config: &SqliteConfig,
-    orders: usize,
-) -> Result<(usize, usize), Error> {
-    let sql = |e: rusqlite::Error| outbox::sqlite::sqlite_error(e);
+/// together, in the SQLite file at `path`; every fifth order is rolled back.
+pub fn write_orders(path: &Path, config: &SqliteConfig, orders: usize) -> Result<Orders, Error> {
+    let sql = outbox::sqlite::sqlite_error;
     let mut conn = open_connection(path, config)?;
     migrate(&conn, config)?;
     conn.execute_batch(
@@ -75,7 +91,7 @@ fn write_orders(
              id TEXT PRIMARY KEY, customer TEXT NOT NULL, total_cents INTEGER NOT NULL)",
     )
     .map_err(sql)?;
-    let (mut committed, mut rolled_back) = (0, 0);
+    let mut written = Orders::default();
     for n in 0..orders {
         let customer = CUSTOMERS[n % CUSTOMERS.len()];
         let order_id = format!("order-{}", n + 1);
@@ -101,11 +117,16 @@ fn write_orders(
         if n % 5 == 4 {
             // A business rule rejects the order: the row and its event vanish together.
             tx.rollback().map_err(sql)?;
-            rolled_back += 1;
+            written.rolled_back.push(event.id.to_string());
         } else {
             tx.commit().map_err(sql)?;
-            committed += 1;
+            written.committed.push(CommittedEvent {
+                id: event.id.to_string(),
+                key: customer.to_owned(),
+                // The store keeps the payload as this JSON text and the relay publishes it as is.
+                payload: event.payload.to_string(),
+            });
         }
     }
-    Ok((committed, rolled_back))
+    Ok(written)
 }
