@@ -29,11 +29,22 @@
 //!    between calls, and a lock held across a broker call stalls everyone.
 //! 6. Implement [`OutboxAdmin`] (dead letters, purge, counts) so operators and the conformance
 //!    suite can use it.
-//! 7. **Run the conformance suite** (`outbox-conformance-tests`) against your store: implement its
-//!    harness trait (a fresh store per case, enqueue through your transaction, time control, a
-//!    simulated relay crash) and add one macro line to your tests. It generates interleaved
-//!    transactions, relays, crashes and lease expiries, and checks no loss, no phantom, per-key
-//!    order, fencing, exact attempts and accounting.
+//! 7. **Run the conformance suite** (`outbox-conformance-tests`, a dev-dependency) against your
+//!    store: implement its `Harness` and `HarnessStore` traits (a fresh store per case, enqueue
+//!    through your transaction in a `HarnessTx`, time control, a simulated relay crash by
+//!    dropping a relay handle) and add one macro line to a test file:
+//!
+//!    ```text
+//!    // tests/conformance.rs, below (or importing) your `MyHarness`
+//!    outbox_conformance_tests::conformance_suite!(MyHarness::new());
+//!    ```
+//!
+//!    It expands to one test per check plus the model and engine properties: interleaved
+//!    transactions, relays, crashes and lease expiries, checked for no loss, no phantom, per-key
+//!    order, fencing, exact attempts and accounting. Run it with `PROPTEST_CASES=1000` as CI
+//!    does. For a backend that needs a server, `conformance_suite!(optional: ...)` takes an
+//!    `Option` and skips when it is `None`. The repository's `examples/custom-backend` follows
+//!    these seven steps: a store written from scratch whose whole test file is that one line.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod error;
