@@ -115,9 +115,14 @@ CREATE TABLE IF NOT EXISTS {t} (
     created_at     timestamptz NOT NULL DEFAULT now(),
     published_at   timestamptz,
     CONSTRAINT "{pkey_constraint}" PRIMARY KEY (id),
-    CONSTRAINT "{dedup_constraint}" UNIQUE (dedup_key),
     CONSTRAINT "{state_check}" CHECK (state IN ('pending', 'leased', 'published', 'dead'))
 );
+
+-- Dedup keys are unique. A partial index, not a UNIQUE constraint: most messages have no dedup
+-- key, and a constraint would index their NULLs too, costing every claim and complete (each
+-- writes a new row version) one more index insert.
+CREATE UNIQUE INDEX IF NOT EXISTS "{dedup_constraint}" ON {t} (dedup_key)
+    WHERE dedup_key IS NOT NULL;
 
 -- Claim scan: unpublished rows in seq order; stays small however much history is kept.
 CREATE INDEX IF NOT EXISTS "{claim_idx}" ON {t} (seq)
