@@ -229,16 +229,7 @@ fn join_error(ctx: Ctx, err: tokio::task::JoinError) -> Error {
 #[async_trait]
 impl OutboxStore for SqliteStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
-        if req.limit == 0 {
-            return Err(Error::invalid_input(
-                "claim limit is 0; ask for at least 1 message",
-            ));
-        }
-        if req.lease.is_zero() {
-            return Err(Error::invalid_input(
-                "claim lease is 0; give the relay time to publish, e.g. 30s",
-            ));
-        }
+        req.validate()?;
         let lease_ms = duration_ms(req.lease, "lease")?;
         let (limit, policy) = (req.limit, req.head_policy);
         self.run(Ctx::Claim, move |conn, sql, table, caller| {

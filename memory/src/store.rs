@@ -364,16 +364,7 @@ fn add(now: DateTime<Utc>, d: Duration, what: &str) -> Result<DateTime<Utc>, Err
 #[async_trait]
 impl OutboxStore for MemoryStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
-        if req.limit == 0 {
-            return Err(Error::invalid_input(
-                "claim limit is 0; ask for at least 1 message",
-            ));
-        }
-        if req.lease.is_zero() {
-            return Err(Error::invalid_input(
-                "claim lease is 0; give the relay time to publish, e.g. 30s",
-            ));
-        }
+        req.validate()?;
         let now = self.now();
         let lease_clock = if self.has(Defect::RelayClockLeases) {
             Utc::now()

@@ -57,6 +57,25 @@ pub struct ClaimRequest {
     pub head_policy: HeadPolicy,
 }
 
+impl ClaimRequest {
+    /// Refuse a request no store can serve: a zero limit or a zero lease.
+    ///
+    /// Stores call this first in [`OutboxStore::claim`], so every backend words the error alike.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.limit == 0 {
+            return Err(Error::invalid_input(
+                "claim limit is 0; ask for at least 1 message",
+            ));
+        }
+        if self.lease.is_zero() {
+            return Err(Error::invalid_input(
+                "claim lease is 0; give the relay time to publish, e.g. 30s",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The result of [`OutboxStore::claim`]: messages leased under one token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Claim {

@@ -277,9 +277,8 @@ fn fenced(
 #[async_trait]
 impl OutboxStore for VecStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
-        if req.limit == 0 {
-            return Err(Error::invalid_input("claim limit is 0; ask for at least 1"));
-        }
+        // A zero limit or lease is refused the same way by every store.
+        req.validate()?;
         let mut state = lock(&self.state);
         let now = state.now;
         // Lease ends come from the store's clock, never the relay's: relays on hosts whose
