@@ -1,11 +1,21 @@
 //! Every SQL statement of the store, built once per config from validated, quoted names.
 //!
-//! States are stored as text (`pending`, `leased`, `published`, `dead`) so operators can read
-//! the table directly. Durations travel as microseconds (`bigint`) and become intervals in SQL,
-//! so that every time decision uses the database's clock (`now()`), never the relay host's.
+//! States are stored as text (`pending`, `published`, `dead`) so operators can read the table
+//! directly. A lease is not a state: a leased row stays `pending` with `lease_token` and
+//! `lease_until` set. Neither lease column is indexed nor in an index predicate, so claiming,
+//! extending, releasing and retrying a row change no indexed value and, with the table's spare
+//! page space (`fillfactor`), are HOT updates that write no index entries. Claims were bound by
+//! those index writes (a `state` change touched the primary key and both claim indexes).
+//!
+//! Durations travel as microseconds (`bigint`) and become intervals in SQL, so that every time
+//! decision uses the database's clock (`now()`), never the relay host's.
 
 /// Postgres truncates identifiers longer than this many bytes.
 const MAX_IDENT: usize = 63;
+
+/// Percent of each table page filled by inserts. The rest takes the new row versions of
+/// claims, extends, releases and retries on the row's own page, which HOT updates need.
+const FILLFACTOR: u32 = 50;
 
 /// The statements for one outbox table.
 pub(crate) struct Sql {
@@ -86,10 +96,25 @@ impl Sql {
 
         let migrate = format!(
             r#"DO $outbox$
+DECLARE
+    claim_pred text;
 BEGIN
     -- CREATE SCHEMA IF NOT EXISTS checks the CREATE privilege even when the schema exists.
     IF NOT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = '{schema}') THEN
         CREATE SCHEMA "{schema}";
+    END IF;
+    -- Upgrade a table made by a version that stored leases as state 'leased': turn its leases
+    -- into pending rows with a lease, give it spare page space, and drop the claim indexes so
+    -- they are rebuilt below without 'leased' in their predicates. Runs once.
+    -- The predicate is read for this one index only: deparsing other indexes (as the pg_indexes
+    -- view may) fails when a concurrent transaction drops them.
+    SELECT pg_get_expr(indpred, indrelid) INTO claim_pred
+    FROM pg_index WHERE indexrelid = to_regclass('"{schema}"."{claim_idx}"');
+    IF claim_pred LIKE '%leased%' THEN
+        UPDATE {t} SET state = 'pending' WHERE state = 'leased';
+        ALTER TABLE {t} SET (fillfactor = {FILLFACTOR});
+        DROP INDEX "{schema}"."{claim_idx}";
+        DROP INDEX "{schema}"."{key_idx}";
     END IF;
 END
 $outbox$;
@@ -115,8 +140,13 @@ CREATE TABLE IF NOT EXISTS {t} (
     created_at     timestamptz NOT NULL DEFAULT now(),
     published_at   timestamptz,
     CONSTRAINT "{pkey_constraint}" PRIMARY KEY (id),
+    -- 'leased' is no longer written; it stays allowed so tables made by earlier versions and
+    -- new ones have the same constraint.
     CONSTRAINT "{state_check}" CHECK (state IN ('pending', 'leased', 'published', 'dead'))
-);
+)
+-- Spare space on every page, so that the new row version written by a claim, extend, release
+-- or retry fits on the row's own page: a HOT update, with no index writes.
+WITH (fillfactor = {FILLFACTOR});
 
 -- Dedup keys are unique. A partial index, not a UNIQUE constraint: most messages have no dedup
 -- key, and a constraint would index their NULLs too, costing every claim and complete (each
@@ -124,13 +154,14 @@ CREATE TABLE IF NOT EXISTS {t} (
 CREATE UNIQUE INDEX IF NOT EXISTS "{dedup_constraint}" ON {t} (dedup_key)
     WHERE dedup_key IS NOT NULL;
 
--- Claim scan: unpublished rows in seq order; stays small however much history is kept.
+-- Claim scan: unpublished rows (leased or not) in seq order; stays small however much history
+-- is kept.
 CREATE INDEX IF NOT EXISTS "{claim_idx}" ON {t} (seq)
-    WHERE state IN ('pending', 'leased');
+    WHERE state = 'pending';
 
 -- Per-key order: a key's first unpublished (or dead) rows, one probe per key.
 CREATE INDEX IF NOT EXISTS "{key_idx}" ON {t} (partition_key, seq)
-    WHERE state IN ('pending', 'leased', 'dead');
+    WHERE state IN ('pending', 'dead');
 
 -- Dead letters, listed by seq.
 CREATE INDEX IF NOT EXISTS "{dead_idx}" ON {t} (seq)
@@ -169,9 +200,9 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
         let claim = |dead_blocks: bool| -> String {
             // Rows that order a key: under Block a dead row still holds its key back.
             let ordered_states = if dead_blocks {
-                "('pending', 'leased', 'dead')"
+                "('pending', 'dead')"
             } else {
-                "('pending', 'leased')"
+                "('pending')"
             };
             format!(
                 r#"WITH cand AS MATERIALIZED (
@@ -184,16 +215,16 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     -- a subquery in WHERE so the planner can memoize it per key: a blocked key's long backlog
     -- then costs one probe, not one per row.
     LEFT JOIN LATERAL (
-        SELECT CASE h.state WHEN 'pending' THEN h.available_at <= now()
-                            WHEN 'leased' THEN h.lease_until <= now()
-                            ELSE false END AS claimable
+        SELECT h.state = 'pending' AND h.available_at <= now()
+               AND (h.lease_until IS NULL OR h.lease_until <= now()) AS claimable
         FROM {t} h
         WHERE h.partition_key = c.partition_key AND h.state IN {ordered_states}
         ORDER BY h.seq
         LIMIT 1
     ) head ON true
-    WHERE c.state IN ('pending', 'leased')
-      AND (CASE WHEN c.state = 'pending' THEN c.available_at ELSE c.lease_until END) <= now()
+    -- Due, and not leased or with an expired lease (reclaimed: the old token loses its fence).
+    WHERE c.state = 'pending' AND c.available_at <= now()
+      AND (c.lease_until IS NULL OR c.lease_until <= now())
       -- Skip keys whose first unpublished row is not claimable (leased to another relay,
       -- waiting for a retry, not yet due, or dead under Block), so that a blocked key's
       -- backlog cannot fill the LIMIT and starve every other key.
@@ -233,8 +264,9 @@ chosen AS (
     JOIN heads h ON h.partition_key = r.partition_key AND h.rn = r.rn AND h.seq = r.seq
 ),
 upd AS (
+    -- Only the lease columns change: a HOT update when the page has room.
     UPDATE {t} m
-    SET state = 'leased', lease_token = $2,
+    SET lease_token = $2,
         lease_until = now() + $3::bigint * interval '1 microsecond'
     FROM chosen
     WHERE m.id = chosen.id
@@ -250,8 +282,9 @@ ORDER BY upd.seq"#
         };
 
         // Every transition is fenced on the token, an unexpired lease (database clock) and the
-        // leased state; RETURNING id tells which messages were not held.
-        let fence = "lease_token = $1 AND state = 'leased' AND lease_until > now()";
+        // pending state (a lease is held by a pending row); RETURNING id tells which messages
+        // were not held.
+        let fence = "lease_token = $1 AND state = 'pending' AND lease_until > now()";
 
         Self {
             complete: format!(
@@ -261,8 +294,7 @@ ORDER BY upd.seq"#
                  RETURNING id"
             ),
             release: format!(
-                "UPDATE {t} SET state = 'pending', available_at = now(), \
-                 lease_token = NULL, lease_until = NULL
+                "UPDATE {t} SET available_at = now(), lease_token = NULL, lease_until = NULL
                  WHERE id = ANY($2) AND {fence}
                  RETURNING id"
             ),
@@ -276,7 +308,7 @@ ORDER BY upd.seq"#
                      lease_token = NULL, lease_until = NULL
                  FROM UNNEST($2::uuid[], $3::text[], $4::bool[], $5::bigint[])
                       AS f(id, error, dead, delay_us)
-                 WHERE m.id = f.id AND m.lease_token = $1 AND m.state = 'leased' \
+                 WHERE m.id = f.id AND m.lease_token = $1 AND m.state = 'pending' \
                    AND m.lease_until > now()
                  RETURNING m.id"
             ),
@@ -315,8 +347,9 @@ ORDER BY upd.seq"#
                    AND state = 'published'"
             ),
             counts: format!(
-                "SELECT count(*) FILTER (WHERE state = 'pending') AS pending,
-                        count(*) FILTER (WHERE state = 'leased') AS leased,
+                "SELECT count(*) FILTER (WHERE state = 'pending' AND lease_token IS NULL) AS pending,
+                        count(*) FILTER (WHERE state = 'pending' AND lease_token IS NOT NULL)
+                            AS leased,
                         count(*) FILTER (WHERE state = 'published') AS published,
                         count(*) FILTER (WHERE state = 'dead') AS dead
                  FROM {t}"

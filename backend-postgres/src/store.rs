@@ -180,16 +180,7 @@ fn truncate_error(text: &str) -> String {
 #[async_trait]
 impl OutboxStore for PostgresStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
-        if req.limit == 0 {
-            return Err(Error::invalid_input(
-                "claim limit is 0; ask for at least 1 message",
-            ));
-        }
-        if req.lease.is_zero() {
-            return Err(Error::invalid_input(
-                "claim lease is 0; give the relay time to publish, e.g. 30s",
-            ));
-        }
+        req.validate()?;
         let lease_us = micros("claim lease", req.lease)?;
         let limit = i64::try_from(req.limit).unwrap_or(i64::MAX);
         let token = LeaseToken::new();

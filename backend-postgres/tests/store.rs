@@ -741,3 +741,57 @@ async fn a_listener_is_woken_after_a_commit() {
     quiet.drop().await;
     db.drop().await;
 }
+
+#[tokio::test]
+async fn migrate_upgrades_a_table_whose_leases_are_a_state() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("k", "held"), msg("k", "next")]).await;
+    let t = db.table();
+    // The claim indexes and a live lease as the version that wrote `state = 'leased'` made them.
+    for sql in [
+        format!("DROP INDEX \"{}\".outbox_claim_idx", db.schema),
+        format!("DROP INDEX \"{}\".outbox_key_idx", db.schema),
+        format!("CREATE INDEX outbox_claim_idx ON {t} (seq) WHERE state IN ('pending', 'leased')"),
+        format!(
+            "CREATE INDEX outbox_key_idx ON {t} (partition_key, seq) \
+             WHERE state IN ('pending', 'leased', 'dead')"
+        ),
+        format!("ALTER TABLE {t} RESET (fillfactor)"),
+        format!(
+            "UPDATE {t} SET state = 'leased', lease_token = gen_random_uuid(), \
+             lease_until = now() + interval '1 hour' WHERE seq = (SELECT min(seq) FROM {t})"
+        ),
+    ] {
+        sqlx::query(&sql).execute(db.pool()).await.unwrap();
+    }
+
+    db.store.migrate().await.unwrap();
+
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.leased), (1, 1));
+    // The converted lease still holds its key until it expires, then both go in order.
+    assert!(db.claim(10, Block).await.messages.is_empty());
+    db.advance(Duration::from_secs(2 * 3600)).await;
+    assert_eq!(names(&db.claim(10, Block).await), ["held", "next"]);
+    let predicates: Vec<String> = sqlx::query_scalar(
+        "SELECT pg_get_expr(indpred, indrelid) FROM pg_index \
+         WHERE indrelid = $1::regclass AND indpred IS NOT NULL",
+    )
+    .bind(t)
+    .fetch_all(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(predicates.len(), 5, "{predicates:?}");
+    assert!(
+        predicates.iter().all(|p| !p.contains("leased")),
+        "{predicates:?}"
+    );
+    let options: Vec<String> =
+        sqlx::query_scalar("SELECT unnest(reloptions) FROM pg_class WHERE oid = $1::regclass")
+            .bind(t)
+            .fetch_all(db.pool())
+            .await
+            .unwrap();
+    assert_eq!(options, ["fillfactor=50"]);
+    db.drop().await;
+}

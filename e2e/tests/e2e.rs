@@ -196,7 +196,7 @@ impl Source {
         match &self.db {
             Db::Postgres { pool, table, .. } => sqlx::query(&format!(
                 "UPDATE {table} SET lease_until = lease_until - interval '1 hour' \
-                 WHERE state = 'leased'"
+                 WHERE lease_token IS NOT NULL"
             ))
             .execute(pool)
             .await

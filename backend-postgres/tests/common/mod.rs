@@ -96,13 +96,19 @@ impl Db {
             .unwrap();
     }
 
-    /// The state column of message `id`.
+    /// The state of message `id`: its state column, or `leased` for a pending row with a lease
+    /// token (the store keeps a leased row `pending` so that claims are HOT updates).
     pub async fn state(&self, id: uuid::Uuid) -> String {
-        sqlx::query_scalar(&format!("SELECT state FROM {} WHERE id = $1", self.table()))
-            .bind(id)
-            .fetch_one(self.pool())
-            .await
-            .unwrap()
+        sqlx::query_scalar(&format!(
+            "SELECT CASE WHEN state = 'pending' AND lease_token IS NOT NULL THEN 'leased' \
+                         ELSE state END
+             FROM {} WHERE id = $1",
+            self.table()
+        ))
+        .bind(id)
+        .fetch_one(self.pool())
+        .await
+        .unwrap()
     }
 
     /// Drop the schema (best effort: a failed test leaves it for inspection).
