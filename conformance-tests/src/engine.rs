@@ -15,7 +15,7 @@ use outbox_traits::{
     Message, NewMessage, OutboxStore, PublishOutcome, Publisher, WakeSource,
 };
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
+use proptest::test_runner::Config;
 use tokio::sync::Notify;
 use uuid::Uuid;
 
@@ -736,32 +736,11 @@ pub async fn run_engine_scenario(
 /// Run the end-to-end property against `harness`: every generated scenario runs the real
 /// engine, with faults and crashes, over a fresh store until drained. Blocking.
 pub fn check_engine(harness: &dyn Harness, config: Config) -> Result<(), String> {
-    let rt = crate::property::runtime()?;
-    let mut runner = TestRunner::new(config);
-    let result = runner.run(&engine_scenario(), |scenario| {
-        rt.block_on(async {
-            let store = harness
-                .fresh()
-                .await
-                .map_err(|e| TestCaseError::fail(format!("harness could not make a store: {e}")))?;
-            run_engine_scenario(&*store, &scenario)
-                .await
-                .map_err(TestCaseError::fail)?;
-            store
-                .teardown()
-                .await
-                .map_err(|e| TestCaseError::fail(format!("harness teardown failed: {e}")))
-        })
-    });
-    match result {
-        Ok(()) => Ok(()),
-        Err(TestError::Fail(reason, scenario)) => Err(format!(
-            "{} broke the end-to-end property.\n{reason}\nshrunk scenario:\n{scenario:?}",
-            harness.name()
-        )),
-        Err(TestError::Abort(reason)) => Err(format!(
-            "{}: end-to-end property aborted: {reason}",
-            harness.name()
-        )),
-    }
+    crate::property::run_property(
+        harness,
+        config,
+        engine_scenario(),
+        "end-to-end property",
+        |store, scenario| Box::pin(run_engine_scenario(store, scenario)),
+    )
 }

@@ -3,7 +3,9 @@
 use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError, TestError, TestRunner};
 
-use crate::harness::Harness;
+use futures::future::LocalBoxFuture;
+
+use crate::harness::{Harness, HarnessStore};
 use crate::model::{run_scenario, run_scenario_with_coverage, Coverage};
 use crate::scenario::scenario;
 
@@ -38,15 +40,37 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
 /// Blocking (it owns its runtime): call it from a plain `#[test]`, not from async code.
 /// Returns the report of the shrunk failing scenario, in words.
 pub fn check_model(harness: &dyn Harness, config: Config) -> Result<(), String> {
+    run_property(
+        harness,
+        config,
+        scenario(),
+        "model property",
+        |store, scenario| Box::pin(run_scenario(store, scenario)),
+    )
+}
+
+/// Play every scenario `strategy` generates on a fresh store of `harness`, with `case`, and turn
+/// a failure into a report naming `what` broke and the shrunk scenario. Shared by the model and
+/// the end-to-end properties so that both create, tear down and report alike.
+pub(crate) fn run_property<S>(
+    harness: &dyn Harness,
+    config: Config,
+    strategy: S,
+    what: &str,
+    case: impl for<'a> Fn(&'a dyn HarnessStore, &'a S::Value) -> LocalBoxFuture<'a, Result<(), String>>,
+) -> Result<(), String>
+where
+    S: Strategy,
+{
     let rt = runtime()?;
     let mut runner = TestRunner::new(config);
-    let result = runner.run(&scenario(), |scenario| {
+    let result = runner.run(&strategy, |scenario| {
         rt.block_on(async {
             let store = harness
                 .fresh()
                 .await
                 .map_err(|e| TestCaseError::fail(format!("harness could not make a store: {e}")))?;
-            run_scenario(&*store, &scenario)
+            case(&*store, &scenario)
                 .await
                 .map_err(TestCaseError::fail)?;
             store
@@ -58,13 +82,12 @@ pub fn check_model(harness: &dyn Harness, config: Config) -> Result<(), String> 
     match result {
         Ok(()) => Ok(()),
         Err(TestError::Fail(reason, scenario)) => Err(format!(
-            "{} broke the model property.\n{reason}\nshrunk scenario as generated:\n{scenario:?}",
+            "{} broke the {what}.\n{reason}\nshrunk scenario:\n{scenario:?}",
             harness.name()
         )),
-        Err(TestError::Abort(reason)) => Err(format!(
-            "{}: model property aborted: {reason}",
-            harness.name()
-        )),
+        Err(TestError::Abort(reason)) => {
+            Err(format!("{}: {what} aborted: {reason}", harness.name()))
+        }
     }
 }
 
