@@ -4,7 +4,7 @@
 //! `main.rs` runs it on standard output; the tests run it into a buffer and check every line.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -58,6 +58,29 @@ pub async fn run(
         counts,
         relay_millis,
     })
+}
+
+/// Read `[FILE [ORDERS]]` from the command line (defaults: `default_file`, 20 orders) and
+/// remove FILE and its WAL files, so that a run's summary describes that run only.
+///
+/// # Errors
+/// A message for the user when ORDERS is not a whole number.
+pub fn fresh_file_from_args(default_file: &str) -> Result<(PathBuf, usize), String> {
+    let mut args = std::env::args().skip(1);
+    let path = PathBuf::from(args.next().unwrap_or_else(|| default_file.into()));
+    let orders = match args.next() {
+        None => 20,
+        Some(n) => n
+            .parse::<usize>()
+            .map_err(|e| format!("ORDERS must be a whole number: {e}"))?,
+    };
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.clone().into_os_string();
+        file.push(suffix);
+        // Absent is fine: there is nothing to start over from.
+        let _ = std::fs::remove_file(file);
+    }
+    Ok((path, orders))
 }
 
 /// One `order.placed` event whose transaction committed.

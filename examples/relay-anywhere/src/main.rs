@@ -5,33 +5,21 @@
 //! broker `OUTBOX_BROKER_URL` names (default `stdout://`); only that variable changes between
 //! brokers, e.g. `kafka://127.0.0.1:9092?topic=orders` or `redis://127.0.0.1:6379?stream=orders`.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use outbox_example_relay_anywhere::{run, BROKER_URL_VAR, DEFAULT_BROKER_URL};
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let mut args = std::env::args().skip(1);
-    let path = PathBuf::from(
-        args.next()
-            .unwrap_or_else(|| "outbox-relay-anywhere.sqlite".into()),
-    );
-    let orders = match args.next().map(|n| n.parse::<usize>()) {
-        None => 20,
-        Some(Ok(n)) => n,
-        Some(Err(e)) => {
-            eprintln!("ORDERS must be a whole number: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let (path, orders) =
+        match outbox_quickstart::fresh_file_from_args("outbox-relay-anywhere.sqlite") {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::FAILURE;
+            }
+        };
     let broker_url = std::env::var(BROKER_URL_VAR).unwrap_or_else(|_| DEFAULT_BROKER_URL.into());
-    // Start from an empty file so the summary describes this run only.
-    for suffix in ["", "-wal", "-shm"] {
-        let mut file = path.clone().into_os_string();
-        file.push(suffix);
-        let _ = std::fs::remove_file(file);
-    }
 
     match run(&path, orders, &broker_url).await {
         Ok(s) => {
