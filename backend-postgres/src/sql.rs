@@ -209,13 +209,13 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     -- Claimable rows in seq order, locked; rows locked by a concurrent claim are skipped.
     -- The LIMIT sits in a MATERIALIZED CTE so the planner cannot re-run it per outer row
     -- and lock more than $1 rows.
-    SELECT c.id, c.seq, c.partition_key
+    SELECT c.id, c.seq, c.partition_key, head.seq AS head_seq
     FROM {t} c
     -- The key's first unpublished row, and whether it is claimable. A LATERAL join rather than
     -- a subquery in WHERE so the planner can memoize it per key: a blocked key's long backlog
     -- then costs one probe, not one per row.
     LEFT JOIN LATERAL (
-        SELECT h.state = 'pending' AND h.available_at <= now()
+        SELECT h.seq, h.state = 'pending' AND h.available_at <= now()
                AND (h.lease_until IS NULL OR h.lease_until <= now()) AS claimable
         FROM {t} h
         WHERE h.partition_key = c.partition_key AND h.state IN {ordered_states}
@@ -234,22 +234,22 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     FOR UPDATE OF c SKIP LOCKED
 ),
 ranked AS (
-    SELECT id, seq, partition_key,
-           row_number() OVER (PARTITION BY partition_key ORDER BY seq) AS rn
+    SELECT id, seq, partition_key, head_seq,
+           row_number() OVER (PARTITION BY partition_key ORDER BY seq) AS rn,
+           count(*) OVER (PARTITION BY partition_key) AS n
     FROM cand
     WHERE partition_key IS NOT NULL
 ),
-keys AS (
-    SELECT partition_key, count(*) AS n FROM ranked GROUP BY partition_key
-),
--- Prefix check: for each key, its first n unpublished rows (n = its candidates). The i-th
--- candidate of a key may go only if it is the key's i-th unpublished row; then every earlier
--- row of the key is a candidate too. A row skipped because another claim locked it, or one
--- not due, breaks the match, so nothing passes an earlier message of its key.
+-- Prefix check: the i-th candidate of a key may go only if it is the key's i-th unpublished
+-- row; then every earlier row of the key is a candidate too. A row skipped because another
+-- claim locked it, or one not due, breaks the match, so nothing passes an earlier message of
+-- its key. A key's only candidate passes when it is the key's first row, which the probe in
+-- `cand` already read; keys with several candidates read their first n rows here, one probe
+-- per key (most claims over many keys have none of those).
 heads AS (
     SELECT k.partition_key, e.seq,
            row_number() OVER (PARTITION BY k.partition_key ORDER BY e.seq) AS rn
-    FROM keys k
+    FROM (SELECT partition_key, max(n) AS n FROM ranked WHERE n > 1 GROUP BY partition_key) k
     CROSS JOIN LATERAL (
         SELECT h.seq FROM {t} h
         WHERE h.partition_key = k.partition_key AND h.state IN {ordered_states}
@@ -260,8 +260,11 @@ heads AS (
 chosen AS (
     SELECT id FROM cand WHERE partition_key IS NULL
     UNION ALL
+    SELECT id FROM ranked WHERE n = 1 AND seq = head_seq
+    UNION ALL
     SELECT r.id FROM ranked r
     JOIN heads h ON h.partition_key = r.partition_key AND h.rn = r.rn AND h.seq = r.seq
+    WHERE r.n > 1
 ),
 upd AS (
     -- Only the lease columns change: a HOT update when the page has room.
