@@ -1231,8 +1231,13 @@ impl<'a> Runner<'a> {
                         .is_some_and(|at| at + PURGE_AGE.as_secs() < self.now)
             })
             .count() as u64;
-        // Which old ones a store deletes is its choice; the model only tracks how many.
-        let purgeable = old.saturating_sub(self.purged);
+        // Which old ones a store deletes is its choice; the model only tracks how many. A
+        // store that deletes on publish holds none.
+        let purgeable = if self.caps.store.deletes_published {
+            0
+        } else {
+            old.saturating_sub(self.purged)
+        };
         let want = purgeable.min(batch as u64);
         let n = self
             .admin
@@ -1271,6 +1276,9 @@ impl<'a> Runner<'a> {
             committed += 1;
         }
         want.published -= self.purged.min(want.published);
+        if self.caps.store.deletes_published {
+            want.published = 0;
+        }
         if counts != want {
             return Err(violation(
                 "accounting",

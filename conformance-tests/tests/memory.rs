@@ -1,3 +1,33 @@
-//! The whole suite against the in-memory reference store.
+//! The whole suite against the in-memory reference store, keeping published messages (the
+//! default) and deleting them as they are published.
 
 outbox_conformance_tests::conformance_suite!(outbox_conformance_tests::MemoryHarness);
+
+/// The suite against a store that deletes on publish ([`Capabilities::deletes_published`]):
+/// counts and purges follow that choice, everything else is unchanged.
+///
+/// [`Capabilities::deletes_published`]: outbox_traits::Capabilities::deletes_published
+mod deleting {
+    use std::sync::Arc;
+
+    use outbox_conformance_tests::memory::MemoryHarnessStore;
+    use outbox_conformance_tests::{Harness, HarnessStore};
+    use outbox_memory::{Clock, MemoryStore};
+    use outbox_traits::{async_trait, Error};
+
+    struct DeletingHarness;
+
+    #[async_trait]
+    impl Harness for DeletingHarness {
+        fn name(&self) -> String {
+            "memory, deleting published".into()
+        }
+
+        async fn fresh(&self) -> Result<Box<dyn HarnessStore>, Error> {
+            let store = MemoryStore::deleting_published(Arc::new(Clock::new()));
+            Ok(Box::new(MemoryHarnessStore::new(store)))
+        }
+    }
+
+    outbox_conformance_tests::conformance_suite!(DeletingHarness);
+}

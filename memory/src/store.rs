@@ -72,6 +72,8 @@ struct Inner {
     commits: watch::Sender<u64>,
     /// Always `None` unless built with the `defects` feature and asked for one.
     defect: Option<Defect>,
+    /// Completing a message deletes it (see [`MemoryStore::deleting_published`]).
+    deletes_published: bool,
 }
 
 /// An in-memory [`OutboxStore`] + [`OutboxAdmin`] that follows the contract to the letter.
@@ -136,6 +138,17 @@ impl MemoryStore {
         Self::build(clock, limits, None)
     }
 
+    /// An empty store reading time from `clock` that deletes messages as they are published
+    /// instead of keeping them ([`Capabilities::deletes_published`]), like a database store
+    /// configured to delete on publish.
+    pub fn deleting_published(clock: Arc<Clock>) -> Self {
+        let mut store = Self::build(clock, Limits::default(), None);
+        if let Some(inner) = Arc::get_mut(&mut store.inner) {
+            inner.deletes_published = true;
+        }
+        store
+    }
+
     /// A store that breaks the contract on purpose, as `defect` says. Only for proving that a
     /// test suite catches such a store.
     #[cfg(feature = "defects")]
@@ -155,6 +168,7 @@ impl MemoryStore {
                 limits,
                 commits: watch::Sender::new(0),
                 defect,
+                deletes_published: false,
             }),
         }
     }
@@ -449,8 +463,11 @@ impl OutboxStore for MemoryStore {
     }
 
     async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
+        let delete = self.inner.deletes_published;
         self.fenced(token, ids, |state, seq, now| {
-            if let Some(row) = state.rows.get_mut(&seq) {
+            if delete {
+                remove_row(state, seq);
+            } else if let Some(row) = state.rows.get_mut(&seq) {
                 row.state = RowState::Published { at: now };
             }
         })
@@ -520,6 +537,7 @@ impl OutboxStore for MemoryStore {
 
     fn capabilities(&self) -> Capabilities {
         Capabilities::none()
+            .with_deletes_published(self.inner.deletes_published)
             .with_concurrent_claimers(true)
             .with_wakeups(true)
     }

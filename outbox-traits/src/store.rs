@@ -119,14 +119,21 @@ pub struct Capabilities {
     pub concurrent_claimers: bool,
     /// [`OutboxStore::wakeups`] returns a source of wake-up hints.
     pub wakeups: bool,
+    /// [`OutboxStore::complete`] deletes published messages instead of keeping them marked
+    /// published (a store option, e.g. to keep the table small and completions cheap). Then
+    /// [`OutboxAdmin::counts`] reports no published messages, [`OutboxAdmin::purge_published`]
+    /// finds none to delete, and a dedup key is free again once its message is published.
+    /// Nothing else changes: a deleted message was published, and fencing still holds.
+    pub deletes_published: bool,
 }
 
 impl Capabilities {
-    /// Neither concurrent claimers nor wake-ups.
+    /// Neither concurrent claimers nor wake-ups; published messages are kept.
     pub const fn none() -> Self {
         Self {
             concurrent_claimers: false,
             wakeups: false,
+            deletes_published: false,
         }
     }
 
@@ -139,6 +146,12 @@ impl Capabilities {
     /// Set [`Capabilities::wakeups`].
     pub const fn with_wakeups(mut self, yes: bool) -> Self {
         self.wakeups = yes;
+        self
+    }
+
+    /// Set [`Capabilities::deletes_published`].
+    pub const fn with_deletes_published(mut self, yes: bool) -> Self {
+        self.deletes_published = yes;
         self
     }
 }
@@ -299,9 +312,13 @@ pub trait OutboxAdmin: Send + Sync {
     /// - MUST NOT make `seq` values reusable (a later message never gets the `seq` of a purged
     ///   one). Ids stay unique among the messages the store holds; the store need not remember
     ///   purged ids, since new ids are fresh UUID v7 values.
+    /// - A store that deletes messages as they are published
+    ///   ([`Capabilities::deletes_published`]) has none to purge and returns 0.
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error>;
 
-    /// Count messages by state.
+    /// Count messages by state. `published` counts the published messages still held: none
+    /// for a store that deletes them ([`Capabilities::deletes_published`]), and none that
+    /// [`OutboxAdmin::purge_published`] deleted.
     async fn counts(&self) -> Result<Counts, Error>;
 }
 
