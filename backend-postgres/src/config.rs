@@ -35,6 +35,7 @@ struct Inner {
     table: String,
     limits: Limits,
     notify: bool,
+    delete_published: bool,
     sql: Sql,
 }
 
@@ -74,6 +75,12 @@ impl PostgresConfig {
         self.inner.notify
     }
 
+    /// Whether completing a message deletes its row instead of marking it published
+    /// (see [`PostgresConfigBuilder::delete_published`]).
+    pub fn delete_published(&self) -> bool {
+        self.inner.delete_published
+    }
+
     /// The `LISTEN/NOTIFY` channel for this table: `outbox.<schema>.<table>`, shortened with a
     /// hash when that would exceed Postgres's 63-byte identifier limit.
     pub fn notify_channel(&self) -> &str {
@@ -92,27 +99,23 @@ impl PostgresConfig {
 }
 
 impl Default for PostgresConfig {
-    /// `public.outbox`, 1 MiB payloads, NOTIFY on.
+    /// `public.outbox`, 1 MiB payloads, NOTIFY on, published rows kept.
     fn default() -> Self {
-        Self::from_valid(
-            DEFAULT_SCHEMA.to_owned(),
-            DEFAULT_TABLE.to_owned(),
-            Limits::default(),
-            true,
-        )
+        PostgresConfigBuilder::default().into_config()
     }
 }
 
 impl PostgresConfig {
-    /// Build from names that already passed [`validate_sql_identifier`].
-    fn from_valid(schema: String, table: String, limits: Limits, notify: bool) -> Self {
-        let sql = Sql::build(&schema, &table, notify);
+    /// Build from a builder whose names already passed [`validate_sql_identifier`].
+    fn from_valid(b: PostgresConfigBuilder) -> Self {
+        let sql = Sql::build(&b.schema, &b.table, b.notify, b.delete_published);
         Self {
             inner: Arc::new(Inner {
-                schema,
-                table,
-                limits,
-                notify,
+                schema: b.schema,
+                table: b.table,
+                limits: b.limits,
+                notify: b.notify,
+                delete_published: b.delete_published,
                 sql,
             }),
         }
@@ -126,6 +129,7 @@ impl fmt::Debug for PostgresConfig {
             .field("table", &self.inner.table)
             .field("limits", &self.inner.limits)
             .field("notify", &self.inner.notify)
+            .field("delete_published", &self.inner.delete_published)
             .finish()
     }
 }
@@ -137,6 +141,7 @@ pub struct PostgresConfigBuilder {
     table: String,
     limits: Limits,
     notify: bool,
+    delete_published: bool,
 }
 
 impl Default for PostgresConfigBuilder {
@@ -146,6 +151,7 @@ impl Default for PostgresConfigBuilder {
             table: DEFAULT_TABLE.to_owned(),
             limits: Limits::default(),
             notify: true,
+            delete_published: false,
         }
     }
 }
@@ -185,6 +191,24 @@ impl PostgresConfigBuilder {
         self
     }
 
+    /// Delete a message's row when it is published, instead of keeping it with state
+    /// `published` until [`OutboxAdmin::purge_published`] removes it (default off: kept).
+    ///
+    /// Deleting makes completion about three times cheaper (no new row version, no index
+    /// entries) and keeps the table small with no purge job, as Debezium-style outboxes do. The
+    /// cost: no history of published messages in the table ([`OutboxAdmin::counts`] reports
+    /// none), and a dedup key is free again as soon as its message is published rather than
+    /// after the purge. The store declares it through
+    /// [`Capabilities::deletes_published`](outbox_traits::Capabilities::deletes_published).
+    /// The table is the same either way, so the setting can change between runs.
+    ///
+    /// [`OutboxAdmin::purge_published`]: outbox_traits::OutboxAdmin::purge_published
+    /// [`OutboxAdmin::counts`]: outbox_traits::OutboxAdmin::counts
+    pub fn delete_published(mut self, delete: bool) -> Self {
+        self.delete_published = delete;
+        self
+    }
+
     /// Validate the names and limits and build every SQL statement.
     pub fn build(self) -> Result<PostgresConfig, Error> {
         validate_sql_identifier("schema name", &self.schema)?;
@@ -194,12 +218,11 @@ impl PostgresConfigBuilder {
                 "max_payload_bytes is 0, which refuses every message; set a positive limit",
             ));
         }
-        Ok(PostgresConfig::from_valid(
-            self.schema,
-            self.table,
-            self.limits,
-            self.notify,
-        ))
+        Ok(self.into_config())
+    }
+
+    fn into_config(self) -> PostgresConfig {
+        PostgresConfig::from_valid(self)
     }
 }
 

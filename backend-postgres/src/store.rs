@@ -304,6 +304,7 @@ impl OutboxStore for PostgresStore {
         Capabilities::none()
             .with_concurrent_claimers(true)
             .with_wakeups(self.config.notify())
+            .with_deletes_published(self.config.delete_published())
     }
 
     async fn wakeups(&self) -> Result<Option<Box<dyn WakeSource>>, Error> {

@@ -1,4 +1,5 @@
-//! The shared conformance suite (checks and model properties) against the real Postgres store.
+//! The shared conformance suite (checks and model properties) against the real Postgres store,
+//! keeping published rows (the default) and deleting them (`delete_published`).
 
 mod common;
 
@@ -18,6 +19,8 @@ use sqlx::{Postgres, Transaction};
 /// Each fresh store is a new schema on the server named by `OUTBOX_TEST_POSTGRES_URL`.
 struct PgHarness {
     options: PgConnectOptions,
+    /// Stores delete messages as they are published (`delete_published`).
+    delete_published: bool,
 }
 
 impl PgHarness {
@@ -25,7 +28,15 @@ impl PgHarness {
         let url = service_url(URL_VAR)?;
         Some(Self {
             options: PgConnectOptions::from_str(&url).expect("OUTBOX_TEST_POSTGRES_URL"),
+            delete_published: false,
         })
+    }
+
+    fn deleting_published(self) -> Self {
+        Self {
+            delete_published: true,
+            ..self
+        }
     }
 }
 
@@ -43,11 +54,19 @@ fn err(e: sqlx::Error) -> Error {
 #[async_trait]
 impl Harness for PgHarness {
     fn name(&self) -> String {
-        "postgres".into()
+        if self.delete_published {
+            "postgres, deleting published".into()
+        } else {
+            "postgres".into()
+        }
     }
 
     async fn fresh(&self) -> Result<Box<dyn HarnessStore>, Error> {
-        let config = PostgresConfig::new(&random_schema(), "outbox")?;
+        let config = PostgresConfig::builder()
+            .schema(random_schema())
+            .table("outbox")
+            .delete_published(self.delete_published)
+            .build()?;
         // Business transactions, admin calls and time control share one pool; each relay gets
         // its own (see `relay`).
         let store = PostgresStore::new(pool(&self.options, 8), config);
@@ -149,3 +168,11 @@ impl HarnessTx for PgHarnessTx {
 }
 
 outbox_conformance_tests::conformance_suite!(optional: PgHarness::from_env());
+
+/// The same suite with `delete_published(true)`: completing deletes the row.
+mod deleting_published {
+    use super::PgHarness;
+
+    outbox_conformance_tests::conformance_suite!(optional: PgHarness::from_env()
+        .map(PgHarness::deleting_published));
+}

@@ -4,7 +4,7 @@
 //! eval "$(scripts/services)"
 //! cargo run --release -p outbox-bench --bin brokers -- [nats|kafka|redis|all|none] [messages=100000]
 //!     [keys=1000] [batch=N] [concurrency=N] [partitions=N] [max_in_flight=N] [kafka_props=a=b;c=d]
-//!     [verify=full|count] [relays=N]
+//!     [verify=full|count] [relays=N] [delete_published=true|false]
 //! ```
 //!
 //! For each broker: enqueue MESSAGES messages over KEYS partition keys into a fresh Postgres
@@ -56,6 +56,8 @@ struct Settings {
     verify_full: bool,
     /// Relays draining the same store at once.
     relays: usize,
+    /// The store deletes messages as they are published instead of marking them.
+    delete_published: bool,
 }
 
 impl Settings {
@@ -71,6 +73,7 @@ impl Settings {
             kafka_props: Vec::new(),
             verify_full: true,
             relays: 1,
+            delete_published: false,
         };
         for arg in std::env::args().skip(1) {
             let Some((key, value)) = arg.split_once('=') else {
@@ -94,10 +97,12 @@ impl Settings {
                 }
                 "verify" => s.verify_full = value == "full",
                 "relays" => s.relays = value.parse::<usize>()?.max(1),
+                "delete_published" => s.delete_published = value.parse()?,
                 _ => {
                     return Err(format!(
                         "unknown option {key:?}; use messages, keys, batch, concurrency, \
-                         partitions, max_in_flight, kafka_props, verify, relays"
+                         partitions, max_in_flight, kafka_props, verify, relays, \
+                         delete_published"
                     )
                     .into())
                 }
@@ -381,6 +386,7 @@ async fn bench(broker: &str, s: &Settings, pool: &sqlx::PgPool) -> BoxResult<()>
     let config = PostgresConfig::builder()
         .schema(&schema)
         .notify(false)
+        .delete_published(s.delete_published)
         .build()?;
     let store = Arc::new(PostgresStore::new(pool.clone(), config.clone()));
     store.migrate().await?;
@@ -454,8 +460,13 @@ async fn drain(
     } else {
         format!("{} relays, ", s.relays)
     };
+    let retention = if s.delete_published {
+        "published rows deleted, "
+    } else {
+        ""
+    };
     let settings = format!(
-        "{relays}batch {}, {} batches in flight, {broker_settings}",
+        "{relays}batch {}, {} batches in flight, {retention}{broker_settings}",
         relay_config.batch_size, relay_config.concurrency
     );
     let publisher: Arc<dyn Publisher> = Arc::new(publisher);
