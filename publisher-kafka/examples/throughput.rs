@@ -11,12 +11,9 @@
 //! Messages carry a ~200-byte JSON payload and the standard headers; each batch is one
 //! `publish` call (as the relay makes), with `concurrency` calls in flight.
 
-use std::sync::Arc;
-use std::time::Instant;
-
-use chrono::Utc;
+use outbox_conformance_tests::publisher::{drive_throughput, throughput_messages};
 use outbox_publisher_kafka::{KafkaConfig, KafkaPublisher};
-use outbox_traits::{Message, Publisher};
+use outbox_traits::Publisher;
 use uuid::Uuid;
 
 fn arg(n: usize, default: usize) -> usize {
@@ -43,57 +40,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             config = config.with_property(k.trim(), v.trim());
         }
     }
-    let publisher = Arc::new(KafkaPublisher::new(config)?);
-    let payload = format!(
-        r#"{{"order":"o-1","total":12.5,"pad":"{}"}}"#,
-        "x".repeat(160)
-    );
-    let messages: Vec<Message> = (0..total)
-        .map(|i| Message {
-            id: Uuid::now_v7(),
-            seq: i as i64,
-            aggregate_type: "order".into(),
-            aggregate_id: format!("order-{}", i % keys),
-            event_type: "order.placed".into(),
-            payload: payload.clone(),
-            headers: Default::default(),
-            partition_key: Some(format!("order-{}", i % keys)),
-            dedup_key: None,
-            attempts: 0,
-            created_at: Utc::now(),
-        })
-        .collect();
-    let batches: Vec<Vec<Message>> = messages.chunks(batch).map(<[Message]>::to_vec).collect();
+    let publisher = KafkaPublisher::new(config)?;
+    let messages = throughput_messages(total, keys);
     // Warm up: connect and learn the topic's metadata (auto-created on first use).
-    let warm = publisher.publish(&batches[0][..1]).await;
+    let warm = publisher.publish(&messages[..1]).await;
     if !warm[0].is_acked() {
         return Err(format!("warm-up publish failed: {:?}", warm[0]).into());
     }
 
-    let queue = Arc::new(std::sync::Mutex::new(batches.into_iter()));
-    let start = Instant::now();
-    let mut tasks = Vec::new();
-    for _ in 0..concurrency {
-        let (queue, publisher) = (Arc::clone(&queue), Arc::clone(&publisher));
-        tasks.push(tokio::spawn(async move {
-            let mut acked = 0usize;
-            loop {
-                let next = queue.lock().map(|mut q| q.next()).unwrap_or(None);
-                let Some(b) = next else { break acked };
-                acked += publisher
-                    .publish(&b)
-                    .await
-                    .iter()
-                    .filter(|o| o.is_acked())
-                    .count();
-            }
-        }));
-    }
-    let mut acked = 0;
-    for t in tasks {
-        acked += t.await?;
-    }
-    let secs = start.elapsed().as_secs_f64();
+    let (acked, elapsed) = drive_throughput(&publisher, &messages, batch, concurrency).await;
+    let secs = elapsed.as_secs_f64();
     println!(
         "kafka publish: {acked}/{total} acked in {secs:.2} s = {:.0} msg/s \
          ({keys} keys, batches of {batch}, {concurrency} in flight, topic {topic})",
