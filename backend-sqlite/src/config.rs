@@ -77,6 +77,13 @@ pub struct SqliteConfig {
     pub busy_timeout: Duration,
     /// Durability of commits; see [`Synchronous`]. Default [`Synchronous::Normal`].
     pub synchronous: Synchronous,
+    /// Delete a message's row when it is published instead of keeping it as `published` until
+    /// [`purge_published`](outbox_traits::OutboxAdmin::purge_published) removes it. Default
+    /// `false` (kept). Deleting keeps the file small with no purge job; the table then holds no
+    /// history of published messages (`counts()` reports none) and a dedup key is free again
+    /// as soon as its message is published. Declared as
+    /// [`Capabilities::deletes_published`](outbox_traits::Capabilities::deletes_published).
+    pub delete_published: bool,
 }
 
 impl Default for SqliteConfig {
@@ -86,6 +93,7 @@ impl Default for SqliteConfig {
             limits: Limits::default(),
             busy_timeout: DEFAULT_BUSY_TIMEOUT,
             synchronous: Synchronous::default(),
+            delete_published: false,
         }
     }
 }
@@ -112,6 +120,12 @@ impl SqliteConfig {
     /// Use this durability setting.
     pub fn with_synchronous(mut self, synchronous: Synchronous) -> Self {
         self.synchronous = synchronous;
+        self
+    }
+
+    /// Delete messages as they are published (see [`SqliteConfig::delete_published`]).
+    pub fn with_delete_published(mut self, delete: bool) -> Self {
+        self.delete_published = delete;
         self
     }
 

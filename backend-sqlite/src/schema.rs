@@ -197,7 +197,7 @@ pub(crate) struct Sql {
 
 impl Sql {
     /// `table` must be validated.
-    pub(crate) fn new(table: &str) -> Self {
+    pub(crate) fn new(table: &str, delete_published: bool) -> Self {
         let t = table;
         Sql {
             now: format!("SELECT {NOW_MS}"),
@@ -219,10 +219,14 @@ impl Sql {
                 "UPDATE {t} SET state = 'leased', lease_token = ?1, lease_until = ?2 \
                  WHERE seq = ?3 RETURNING {MESSAGE_COLUMNS}"
             ),
-            complete: format!(
-                "UPDATE {t} SET state = 'published', published_at = ?3, lease_token = NULL, \
-                 lease_until = NULL WHERE {FENCE}"
-            ),
+            complete: if delete_published {
+                format!("DELETE FROM {t} WHERE {FENCE}")
+            } else {
+                format!(
+                    "UPDATE {t} SET state = 'published', published_at = ?3, lease_token = NULL, \
+                     lease_until = NULL WHERE {FENCE}"
+                )
+            },
             fail_retry: format!(
                 "UPDATE {t} SET state = 'pending', attempts = attempts + 1, last_error = ?4, \
                  available_at = ?5, lease_token = NULL, lease_until = NULL WHERE {FENCE}"
@@ -289,8 +293,10 @@ mod tests {
     fn every_statement_prepares_and_migrate_is_idempotent() {
         let conn = migrated();
         migrate(&conn, &SqliteConfig::default()).unwrap();
-        let sql = Sql::new("outbox");
+        let sql = Sql::new("outbox", false);
+        let deleting = Sql::new("outbox", true);
         for text in [
+            &deleting.complete,
             &sql.now,
             &sql.walk,
             &sql.any_dead,

@@ -78,7 +78,7 @@ impl SqliteStore {
         Ok(SqliteStore {
             inner: Arc::new(Inner {
                 conn: Mutex::new(conn),
-                sql: Sql::new(&config.table),
+                sql: Sql::new(&config.table, config.delete_published),
                 config,
                 path,
             }),
@@ -271,7 +271,9 @@ impl OutboxStore for SqliteStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::none().with_concurrent_claimers(true)
+        Capabilities::none()
+            .with_concurrent_claimers(true)
+            .with_deletes_published(self.inner.config.delete_published)
     }
 }
 

@@ -1,4 +1,5 @@
-//! The conformance suite (`outbox-conformance-tests`) against the SQLite store.
+//! The conformance suite (`outbox-conformance-tests`) against the SQLite store, keeping published
+//! rows (the default) and deleting them (`delete_published`).
 //!
 //! Every case gets its own database file in a temp directory. Relays are separate
 //! [`SqliteStore`] handles, each with its own connection, so the suite's concurrent relays really
@@ -18,19 +19,26 @@ use rusqlite::TransactionBehavior;
 use tempfile::TempDir;
 use tokio::sync::oneshot;
 
-struct SqliteHarness;
+/// Fresh stores keep published rows, or delete them with `delete_published`.
+struct SqliteHarness {
+    delete_published: bool,
+}
 
 #[async_trait]
 impl Harness for SqliteHarness {
     fn name(&self) -> String {
-        "sqlite".into()
+        if self.delete_published {
+            "sqlite, deleting published".into()
+        } else {
+            "sqlite".into()
+        }
     }
 
     async fn fresh(&self) -> Result<Box<dyn HarnessStore>, Error> {
         let dir =
             tempfile::tempdir().map_err(|e| Error::unavailable("temp dir", e.to_string(), e))?;
         let path = dir.path().join("outbox.db");
-        let config = SqliteConfig::default();
+        let config = SqliteConfig::default().with_delete_published(self.delete_published);
         let admin = SqliteStore::open(&path, config.clone()).await?;
         Ok(Box::new(SqliteHarnessStore {
             _dir: dir,
@@ -178,4 +186,15 @@ impl HarnessTx for SqliteHarnessTx {
     }
 }
 
-outbox_conformance_tests::conformance_suite!(SqliteHarness);
+outbox_conformance_tests::conformance_suite!(SqliteHarness {
+    delete_published: false
+});
+
+/// The same suite with `delete_published`: completing deletes the row.
+mod deleting_published {
+    use super::SqliteHarness;
+
+    outbox_conformance_tests::conformance_suite!(SqliteHarness {
+        delete_published: true
+    });
+}

@@ -892,3 +892,46 @@ async fn an_in_memory_store_works_through_its_own_transactions() {
     store.complete(claim.token, &[m.id]).await.unwrap();
     assert_eq!(store.counts().await.unwrap().published, 1);
 }
+
+#[tokio::test]
+async fn delete_published_removes_rows_frees_dedup_keys_and_still_fences() {
+    let mut db = Db::new();
+    db.config = db.config.clone().with_delete_published(true);
+    let store = db.store().await;
+    assert!(store.capabilities().deletes_published);
+    db.enqueue(&[msg("a", 1).with_dedup_key("once"), msg("b", 2)]);
+    let claim = store.claim(&req(10)).await.unwrap();
+    let claimed = ids(&claim);
+    store.complete(claim.token, &claimed[..1]).await.unwrap();
+
+    // The published row is gone; the other one is still leased.
+    let rows: i64 = db
+        .conn()
+        .query_row("SELECT COUNT(*) FROM outbox", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(rows, 1);
+    assert_eq!(db.state_of(claimed[1]).0, "leased");
+    let counts = store.counts().await.unwrap();
+    assert_eq!((counts.leased, counts.published), (1, 0));
+    // Completing the deleted message again, or with a foreign token, changes nothing.
+    let err = store
+        .complete(claim.token, &claimed[..1])
+        .await
+        .unwrap_err();
+    assert_eq!(lost_ids(err), claimed[..1]);
+    let err = store
+        .complete(LeaseToken::new(), &claimed[1..])
+        .await
+        .unwrap_err();
+    assert_eq!(lost_ids(err), claimed[1..]);
+    assert_eq!(db.state_of(claimed[1]).0, "leased");
+    // The dedup key is free again once its message was published, and purge finds nothing.
+    db.enqueue(&[msg("a", 3).with_dedup_key("once")]);
+    assert_eq!(
+        store
+            .purge_published(Duration::from_secs(0), 100)
+            .await
+            .unwrap(),
+        0
+    );
+}
