@@ -6,6 +6,9 @@
 //! Every reader returns [`Received`] records in the broker's storage order (per partition for
 //! Kafka), which is the order a consumer sees; [`check_delivery`] then compares them with the
 //! committed messages.
+//!
+//! The [`crash`] module and the `crash-relay` binary add crash tests with real processes: see
+//! the crate's `README.md` for the crash matrix and what each failpoint proves.
 
 use std::collections::{HashMap, HashSet};
 
@@ -127,6 +130,8 @@ pub fn check_delivery(received: &[Received], expected: &[Expected]) -> Result<De
 pub fn unique_suffix() -> String {
     uuid::Uuid::new_v4().simple().to_string()[..12].to_owned()
 }
+
+pub mod crash;
 
 /// NATS JetStream: read a stream back message by message.
 pub mod nats {
