@@ -1,0 +1,187 @@
+//! The claim: one short transaction of at most five round trips, whatever the batch size.
+//!
+//! 1. `BEGIN` (READ COMMITTED).
+//! 2. Lock up to `limit` claimable rows in `seq` order with `FOR UPDATE SKIP LOCKED`, reading
+//!    every column the relay needs, skipping keys whose first pending row is not claimable
+//!    (and, under `Block`, rows behind a dead one). One more row carries the lease end,
+//!    computed once by the database clock.
+//! 3. Per-key order: for the keys of the candidates, one query finds each key's first pending
+//!    row that is not a candidate (and its first dead row under `Block`). A candidate is kept
+//!    only if it comes before both, so every earlier unpublished row of its key is in the
+//!    claim. This catches what step 2 cannot see: rows skipped because a concurrent claim or
+//!    transition had them locked, and rows behind the key's first one that are leased, not
+//!    due or dead.
+//! 4. Lease the kept rows, by `seq`, in one `UPDATE`.
+//! 5. `COMMIT`, which releases the locks of the rows that were not kept.
+//!
+//! The candidates stay locked from step 2 to the commit, so the checks of step 3 and the lease
+//! of step 4 see them unchanged. Step 2 never waits for a lock (`SKIP LOCKED`), step 3 reads
+//! without locking and step 4 updates rows this transaction already holds, so a claim cannot
+//! be part of a deadlock cycle; if InnoDB reports one anyway, the claim runs again (a few
+//! times) before the transient error is returned.
+
+use std::collections::HashMap;
+
+use chrono::NaiveDateTime;
+use outbox_traits::{Claim, ClaimRequest, Error, HeadPolicy, LeaseToken, Message};
+use sqlx::mysql::MySqlRow;
+use sqlx::{MySql, Row, Transaction};
+
+use crate::error::is_deadlock;
+use crate::row::{decode_error, message, micros};
+use crate::sql::BEGIN;
+use crate::store::{MysqlStore, DEADLOCK_RETRIES};
+
+pub(crate) async fn claim(store: &MysqlStore, req: &ClaimRequest) -> Result<Claim, Error> {
+    req.validate()?;
+    let lease_us = micros("claim lease", req.lease)?;
+    let limit = u64::try_from(req.limit).unwrap_or(u64::MAX);
+    let mut attempt = 0;
+    loop {
+        match try_claim(store, req.head_policy, limit, lease_us).await {
+            Err(e) if is_deadlock(&e) && attempt < DEADLOCK_RETRIES => attempt += 1,
+            other => return other,
+        }
+    }
+}
+
+async fn try_claim(
+    store: &MysqlStore,
+    head_policy: HeadPolicy,
+    limit: u64,
+    lease_us: i64,
+) -> Result<Claim, Error> {
+    let sql = store.config().sql();
+    let table = store.config().qualified_table();
+    let err = store.err("claim");
+    let (candidates_sql, order_sql) = match head_policy {
+        HeadPolicy::Block => (&sql.candidates_block, &sql.order_block),
+        HeadPolicy::Skip => (&sql.candidates_skip, &sql.order_skip),
+    };
+
+    let mut tx = store.pool().begin_with(BEGIN).await.map_err(&err)?;
+    let rows: Vec<MySqlRow> = sqlx::query(candidates_sql)
+        .bind(limit)
+        .bind(lease_us)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(&err)?;
+    let mut lease_until = None;
+    let mut candidates = Vec::with_capacity(rows.len());
+    for row in &rows {
+        // The extra row holds only the lease end; message rows have none.
+        match row
+            .try_get::<Option<NaiveDateTime>, _>("lease_until")
+            .map_err(|e| decode_error(e, table))?
+        {
+            Some(until) => lease_until = Some(until),
+            None => candidates.push(message(row, table)?),
+        }
+    }
+    let lease_until = lease_until
+        .ok_or_else(|| Error::permanent(format!("claim on {table} returned no lease end"), None))?;
+    candidates.sort_by_key(|m| m.seq);
+    if u64::try_from(candidates.len()).unwrap_or(u64::MAX) > limit {
+        // The SQL makes this impossible (one LIMIT over one table); if it ever happens, refuse
+        // loudly rather than hand out more than asked. Nothing was leased.
+        return Err(Error::permanent(
+            format!(
+                "claim on {table} locked {} messages, more than the limit of {limit}; \
+                 this is a bug in outbox-backend-mysql, please report it",
+                candidates.len()
+            ),
+            None,
+        ));
+    }
+
+    let chosen = keep_key_order(&mut tx, order_sql, candidates, table).await?;
+    let token = LeaseToken::new();
+    if !chosen.is_empty() {
+        let seqs: Vec<i64> = chosen.iter().map(|m| m.seq).collect();
+        let leased = sqlx::query(&sql.lease)
+            .bind(serde_json::to_string(&seqs).unwrap_or_default())
+            .bind(token.0.hyphenated().to_string())
+            .bind(lease_until)
+            .execute(&mut *tx)
+            .await
+            .map_err(&err)?;
+        if leased.rows_affected() != seqs.len() as u64 {
+            // The rows are locked by this transaction, so this cannot happen; roll back
+            // (by dropping the transaction) rather than return messages that are not leased.
+            return Err(Error::permanent(
+                format!(
+                    "claim on {table} leased {} of {} locked messages; \
+                     this is a bug in outbox-backend-mysql, please report it",
+                    leased.rows_affected(),
+                    seqs.len()
+                ),
+                None,
+            ));
+        }
+    }
+    tx.commit().await.map_err(&err)?;
+    Ok(Claim {
+        token,
+        lease_until: lease_until.and_utc(),
+        messages: chosen,
+    })
+}
+
+/// The candidates that keep per-key order: unordered ones, and keyed ones that come before
+/// their key's first pending row that is not a candidate (and its first dead row, for `Block`).
+async fn keep_key_order(
+    tx: &mut Transaction<'static, MySql>,
+    order_sql: &str,
+    candidates: Vec<Message>,
+    table: &str,
+) -> Result<Vec<Message>, Error> {
+    // Each key's candidates, in seq order, keyed by the first one's seq.
+    let mut keys: HashMap<String, (i64, String)> = HashMap::new();
+    for m in &candidates {
+        if let Some(key) = &m.partition_key {
+            let (_, seqs) = keys
+                .entry(key.clone())
+                .or_insert_with(|| (m.seq, String::new()));
+            if !seqs.is_empty() {
+                seqs.push(',');
+            }
+            seqs.push_str(&m.seq.to_string());
+        }
+    }
+    if keys.is_empty() {
+        return Ok(candidates);
+    }
+    let list: Vec<&(i64, String)> = keys.values().collect();
+    let rows: Vec<MySqlRow> = sqlx::query(order_sql)
+        .bind(serde_json::to_string(&list).unwrap_or_default())
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(|e| crate::error::map_sqlx(e, "claim", table))?;
+    // First candidate's seq -> the seq no candidate of that key may pass (None: no limit).
+    let mut blockers: HashMap<i64, Option<i64>> = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let get = |name: &str| -> Result<Option<i64>, Error> {
+            row.try_get(name).map_err(|e| decode_error(e, table))
+        };
+        let first = get("first_seq")?.unwrap_or_default();
+        let blocker = match (get("pending_blocker")?, get("dead_blocker")?) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        blockers.insert(first, blocker);
+    }
+    let mut kept = candidates;
+    kept.retain(|m| {
+        let Some(key) = m.partition_key.as_deref() else {
+            return true;
+        };
+        // A key missing from the answer is held back: safe, and cannot happen (its first
+        // candidate is locked by this transaction, so it exists).
+        match keys.get(key).and_then(|(first, _)| blockers.get(first)) {
+            Some(Some(blocker)) => m.seq < *blocker,
+            Some(None) => true,
+            None => false,
+        }
+    });
+    Ok(kept)
+}

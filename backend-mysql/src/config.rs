@@ -1,0 +1,219 @@
+//! Which table the store uses, and the SQL built for it once, at construction.
+
+use std::fmt;
+use std::sync::Arc;
+
+use outbox_traits::{validate_sql_identifier, Error, Limits};
+
+use crate::sql::Sql;
+
+/// The default table: `outbox`, in the connection's database.
+pub const DEFAULT_TABLE: &str = "outbox";
+
+/// Where the outbox lives and how enqueue behaves.
+///
+/// The table name (and the optional database that qualifies it) are checked with
+/// [`validate_sql_identifier`], and every SQL statement is built once, here, with the names
+/// quoted; nothing user-given is spliced into SQL later. Cloning is cheap (the statements are
+/// shared).
+///
+/// ```
+/// use outbox_backend_mysql::MysqlConfig;
+/// let config = MysqlConfig::builder().database("billing").table("outbox").build()?;
+/// assert_eq!(config.qualified_table(), "`billing`.`outbox`");
+/// // Without a database, the table is the one in the connection's database (from the URL).
+/// assert_eq!(MysqlConfig::default().qualified_table(), "`outbox`");
+/// assert!(MysqlConfig::builder().table("outbox; drop table x").build().is_err());
+/// # Ok::<(), outbox_traits::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct MysqlConfig {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    database: Option<String>,
+    table: String,
+    limits: Limits,
+    sql: Sql,
+}
+
+impl MysqlConfig {
+    /// A builder starting from the defaults (table `outbox` in the connection's database,
+    /// 1 MiB payloads).
+    pub fn builder() -> MysqlConfigBuilder {
+        MysqlConfigBuilder::default()
+    }
+
+    /// The config for `table` in the connection's database, other settings at their defaults.
+    pub fn new(table: &str) -> Result<Self, Error> {
+        Self::builder().table(table).build()
+    }
+
+    /// The database that qualifies the table, if one was set; `None` means the connection's
+    /// database (the one named in the URL).
+    pub fn database(&self) -> Option<&str> {
+        self.inner.database.as_deref()
+    }
+
+    /// The table name.
+    pub fn table(&self) -> &str {
+        &self.inner.table
+    }
+
+    /// `` `database`.`table` `` (or `` `table` ``), quoted as it appears in the SQL.
+    pub fn qualified_table(&self) -> &str {
+        &self.inner.sql.table
+    }
+
+    /// The payload limits enqueue enforces.
+    pub fn limits(&self) -> Limits {
+        self.inner.limits
+    }
+
+    /// The migration SQL for this table, for teams that apply migrations with their own tool.
+    ///
+    /// It is idempotent (`IF NOT EXISTS`); [`crate::migrate`] runs exactly this under a
+    /// `GET_LOCK`. Statements are separated by `;`.
+    pub fn migration_sql(&self) -> &str {
+        &self.inner.sql.migrate
+    }
+
+    pub(crate) fn sql(&self) -> &Sql {
+        &self.inner.sql
+    }
+
+    /// Build from names that already passed [`validate_sql_identifier`].
+    fn from_valid(database: Option<String>, table: String, limits: Limits) -> Self {
+        let sql = Sql::build(database.as_deref(), &table);
+        Self {
+            inner: Arc::new(Inner {
+                database,
+                table,
+                limits,
+                sql,
+            }),
+        }
+    }
+}
+
+impl Default for MysqlConfig {
+    /// Table `outbox` in the connection's database, 1 MiB payloads.
+    fn default() -> Self {
+        Self::from_valid(None, DEFAULT_TABLE.to_owned(), Limits::default())
+    }
+}
+
+impl fmt::Debug for MysqlConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MysqlConfig")
+            .field("database", &self.inner.database)
+            .field("table", &self.inner.table)
+            .field("limits", &self.inner.limits)
+            .finish()
+    }
+}
+
+/// Builder of [`MysqlConfig`]; [`MysqlConfigBuilder::build`] validates everything.
+#[derive(Debug, Clone)]
+pub struct MysqlConfigBuilder {
+    database: Option<String>,
+    table: String,
+    limits: Limits,
+}
+
+impl Default for MysqlConfigBuilder {
+    fn default() -> Self {
+        Self {
+            database: None,
+            table: DEFAULT_TABLE.to_owned(),
+            limits: Limits::default(),
+        }
+    }
+}
+
+impl MysqlConfigBuilder {
+    /// Database (MySQL's word for a schema) holding the outbox table. Default: none, so the
+    /// table is looked up in the connection's database, the one named in the URL. When set,
+    /// the migration creates the database if it is missing.
+    pub fn database(mut self, database: impl Into<String>) -> Self {
+        self.database = Some(database.into());
+        self
+    }
+
+    /// Outbox table name (default `outbox`).
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Payload limits enforced at enqueue (default 1 MiB).
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Largest accepted payload, in bytes of its JSON text.
+    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.limits.max_payload_bytes = bytes;
+        self
+    }
+
+    /// Validate the names and limits and build every SQL statement.
+    pub fn build(self) -> Result<MysqlConfig, Error> {
+        if let Some(database) = &self.database {
+            validate_sql_identifier("database name", database)?;
+        }
+        validate_sql_identifier("table name", &self.table)?;
+        if self.limits.max_payload_bytes == 0 {
+            return Err(Error::invalid_input(
+                "max_payload_bytes is 0, which refuses every message; set a positive limit",
+            ));
+        }
+        Ok(MysqlConfig::from_valid(
+            self.database,
+            self.table,
+            self.limits,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_validation() {
+        let config = MysqlConfig::default();
+        assert_eq!(config.database(), None);
+        assert_eq!(config.table(), "outbox");
+        assert_eq!(config.qualified_table(), "`outbox`");
+        let config = MysqlConfig::builder().database("app").build().unwrap();
+        assert_eq!(config.qualified_table(), "`app`.`outbox`");
+        assert!(config
+            .migration_sql()
+            .starts_with("CREATE DATABASE IF NOT EXISTS `app`;"));
+
+        for table in ["a;b", "x`y", "", "1x", "sch.tbl"] {
+            let err = MysqlConfig::new(table).unwrap_err();
+            assert!(matches!(err, Error::InvalidInput(_)), "{table}: {err}");
+        }
+        let err = MysqlConfig::builder().database("a b").build().unwrap_err();
+        assert!(err.to_string().contains("database name"), "{err}");
+        let err = MysqlConfig::builder()
+            .max_payload_bytes(0)
+            .build()
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)));
+    }
+
+    #[test]
+    fn readme_shows_the_default_migration_verbatim() {
+        let readme = include_str!("../README.md");
+        let sql = MysqlConfig::default().migration_sql().to_owned();
+        assert!(
+            readme.contains(&sql),
+            "README's migration SQL is stale; paste this:\n{sql}"
+        );
+    }
+}

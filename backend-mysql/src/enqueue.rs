@@ -1,0 +1,267 @@
+//! Enqueue inside the caller's transaction: one multi-row INSERT for a whole batch.
+
+use std::collections::HashSet;
+
+use chrono::NaiveDateTime;
+use outbox_traits::{Error, NewMessage};
+use sqlx::{Executor, MySql};
+
+use crate::config::MysqlConfig;
+use crate::error::{error_number, map_sqlx, DUPLICATE_ENTRY};
+use crate::sql::{DEDUP_INDEX, ID_INDEX, MAX_INSERT_ROWS, MAX_KEY_CHARS};
+
+/// Write one message to the outbox through `executor`: pass `&mut *tx` to write it in the same
+/// transaction as your business rows, so both commit or neither does.
+///
+/// Same rules and errors as [`enqueue_batch`].
+pub async fn enqueue<'c, E>(
+    executor: E,
+    config: &MysqlConfig,
+    message: &NewMessage,
+) -> Result<(), Error>
+where
+    E: Executor<'c, Database = MySql>,
+{
+    enqueue_batch(executor, config, std::slice::from_ref(message)).await
+}
+
+/// Write several messages to the outbox in one multi-row `INSERT` (one round trip), through
+/// `executor` (usually `&mut *tx`, the caller's transaction).
+///
+/// The messages get increasing `seq` values in slice order, so messages of one partition key
+/// are published in that order. An empty slice writes nothing and makes no round trip.
+///
+/// # Errors
+/// Checked before anything is written:
+/// - [`Error::InvalidInput`]: a message fails [`NewMessage::validate`] (empty event or aggregate
+///   type, empty partition or dedup key, empty header name, payload over the configured limit);
+///   its aggregate type, aggregate id, event type, partition key or dedup key is longer than
+///   255 characters (the `VARCHAR(255)` columns); two messages of the batch share an id; or the
+///   batch has more than 7,281 messages (MariaDB's 65,535 placeholders per statement): split it.
+/// - [`Error::DuplicateKey`]: two messages of the batch share a dedup key.
+///
+/// From the database:
+/// - [`Error::DuplicateKey`]: a message with the same dedup key is still in the table (purged
+///   messages free their keys), or [`Error::InvalidInput`]: a message with the same id is.
+///   MariaDB rolls back only the failed statement, so none of the batch is written and the
+///   caller's transaction stays usable: commit it without the messages or roll it back.
+/// - Other errors are classified (`Unavailable`, transient or permanent `Backend`); a missing
+///   table says to run the migration. A batch larger than the server's `max_allowed_packet`
+///   is refused by the server.
+pub async fn enqueue_batch<'c, E>(
+    executor: E,
+    config: &MysqlConfig,
+    messages: &[NewMessage],
+) -> Result<(), Error>
+where
+    E: Executor<'c, Database = MySql>,
+{
+    if messages.is_empty() {
+        return Ok(());
+    }
+    let rows = Rows::validate(config, messages)?;
+    let sql = config.sql().insert(messages.len());
+    let mut query = sqlx::query(&sql);
+    for row in rows.0 {
+        query = query
+            .bind(row.id)
+            .bind(row.aggregate_type)
+            .bind(row.aggregate_id)
+            .bind(row.event_type)
+            .bind(row.payload)
+            .bind(row.headers)
+            .bind(row.partition_key)
+            .bind(row.dedup_key)
+            .bind(row.not_before);
+    }
+    query
+        .execute(executor)
+        .await
+        .map_err(|err| map_insert_error(err, config, messages))?;
+    Ok(())
+}
+
+/// One message as the values of its row.
+struct Row<'m> {
+    id: String,
+    aggregate_type: &'m str,
+    aggregate_id: &'m str,
+    event_type: &'m str,
+    payload: String,
+    headers: String,
+    partition_key: Option<&'m str>,
+    dedup_key: Option<&'m str>,
+    not_before: Option<NaiveDateTime>,
+}
+
+/// The batch, validated.
+struct Rows<'m>(Vec<Row<'m>>);
+
+impl<'m> Rows<'m> {
+    fn validate(config: &MysqlConfig, messages: &'m [NewMessage]) -> Result<Self, Error> {
+        if messages.len() > MAX_INSERT_ROWS {
+            return Err(Error::invalid_input(format!(
+                "a batch of {} messages is more than one INSERT can carry ({MAX_INSERT_ROWS}); \
+                 split it into several enqueue_batch calls in the same transaction",
+                messages.len()
+            )));
+        }
+        let limits = config.limits();
+        let mut rows = Vec::with_capacity(messages.len());
+        let mut ids = HashSet::with_capacity(messages.len());
+        let mut dedup_keys = HashSet::new();
+        for msg in messages {
+            let payload = msg.validate(&limits)?;
+            check_lengths(msg)?;
+            if !ids.insert(msg.id) {
+                return Err(Error::invalid_input(format!(
+                    "message id {} appears twice in the batch; every message needs its own id",
+                    msg.id
+                )));
+            }
+            if let Some(key) = &msg.dedup_key {
+                if !dedup_keys.insert(key.as_str()) {
+                    return Err(Error::DuplicateKey { key: key.clone() });
+                }
+            }
+            let headers = serde_json::to_string(&msg.headers).map_err(|e| {
+                Error::invalid_input(format!(
+                    "headers of message {} cannot be encoded: {e}",
+                    msg.id
+                ))
+            })?;
+            rows.push(Row {
+                id: msg.id.hyphenated().to_string(),
+                aggregate_type: &msg.aggregate_type,
+                aggregate_id: &msg.aggregate_id,
+                event_type: &msg.event_type,
+                payload,
+                headers,
+                partition_key: msg.partition_key.as_deref(),
+                dedup_key: msg.dedup_key.as_deref(),
+                not_before: msg.not_before.map(|at| at.naive_utc()),
+            });
+        }
+        Ok(Rows(rows))
+    }
+}
+
+/// Refuse values longer than their `VARCHAR(255)` column here, before the server refuses the
+/// statement.
+fn check_lengths(msg: &NewMessage) -> Result<(), Error> {
+    let fields = [
+        ("aggregate type", Some(&msg.aggregate_type)),
+        ("aggregate id", Some(&msg.aggregate_id)),
+        ("event type", Some(&msg.event_type)),
+        ("partition key", msg.partition_key.as_ref()),
+        ("dedup key", msg.dedup_key.as_ref()),
+    ];
+    for (name, value) in fields {
+        let chars = value.map_or(0, |v| v.chars().count());
+        if chars > MAX_KEY_CHARS {
+            return Err(Error::invalid_input(format!(
+                "{name} of message {} is {chars} characters, over the limit of {MAX_KEY_CHARS}; \
+                 use a shorter one (e.g. a hash of it)",
+                msg.id
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A duplicate on the dedup index becomes [`Error::DuplicateKey`], one on the id index
+/// [`Error::InvalidInput`]; the rest is classified as usual.
+fn map_insert_error(err: sqlx::Error, config: &MysqlConfig, messages: &[NewMessage]) -> Error {
+    if error_number(&err) == Some(DUPLICATE_ENTRY) {
+        let text = err
+            .as_database_error()
+            .map(|db| db.message().to_owned())
+            .unwrap_or_default();
+        if let Some((value, index)) = parse_duplicate(&text) {
+            // MySQL 8 names the index `table.index`, MariaDB just `index`.
+            let index = index.rsplit('.').next().unwrap_or(index);
+            if index == ID_INDEX {
+                return Error::invalid_input(format!(
+                    "message id {value} was already enqueued; give every message its own id \
+                     (NewMessage::new makes a fresh one)"
+                ));
+            }
+            if index == DEDUP_INDEX {
+                return Error::DuplicateKey {
+                    key: batch_dedup_key(value, messages),
+                };
+            }
+        }
+    }
+    map_sqlx(err, "enqueue", config.qualified_table())
+}
+
+/// `Duplicate entry 'abc' for key 'uq_dedup_key'` -> (`abc`, `uq_dedup_key`).
+fn parse_duplicate(text: &str) -> Option<(&str, &str)> {
+    let rest = text.strip_prefix("Duplicate entry '")?;
+    let split = rest.rfind("' for key '")?;
+    let value = &rest[..split];
+    let index = rest[split + "' for key '".len()..].strip_suffix('\'')?;
+    Some((value, index))
+}
+
+/// The batch's dedup key that the server reported. The server shortens a long value (ending it
+/// with `...`), so match it against the batch's keys.
+fn batch_dedup_key(reported: &str, messages: &[NewMessage]) -> String {
+    let keys = || messages.iter().filter_map(|m| m.dedup_key.as_deref());
+    let prefix = reported.strip_suffix("...").unwrap_or(reported);
+    keys()
+        .find(|k| *k == reported)
+        .or_else(|| keys().find(|k| k.starts_with(prefix)))
+        .unwrap_or(reported)
+        .to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn duplicate_messages_are_parsed() {
+        assert_eq!(
+            parse_duplicate("Duplicate entry 'a ' for key 'b' for key 'uq_dedup_key'"),
+            Some(("a ' for key 'b", "uq_dedup_key"))
+        );
+        assert_eq!(
+            parse_duplicate("Duplicate entry 'x' for key 'outbox.uq_id'"),
+            Some(("x", "outbox.uq_id"))
+        );
+        assert_eq!(parse_duplicate("something else"), None);
+        let long = "k".repeat(200);
+        let messages = [NewMessage::new("a", "b", "c", json!({})).with_dedup_key(&long)];
+        assert_eq!(batch_dedup_key(&long[..64], &messages), long);
+        assert_eq!(
+            batch_dedup_key(&format!("{}...", &long[..60]), &messages),
+            long
+        );
+        assert_eq!(batch_dedup_key("other", &messages), "other");
+    }
+
+    #[test]
+    fn batch_duplicates_and_long_keys_are_refused_before_writing() {
+        let config = MysqlConfig::default();
+        let a = NewMessage::new("order", "o-1", "order.placed", json!({}));
+        let err = Rows::validate(&config, &[a.clone(), a.clone()])
+            .err()
+            .unwrap();
+        assert!(matches!(err, Error::InvalidInput(_)));
+        let b = NewMessage::new("order", "o-1", "x", json!({})).with_dedup_key("d");
+        let c = NewMessage::new("order", "o-1", "x", json!({})).with_dedup_key("d");
+        let err = Rows::validate(&config, &[b, c]).err().unwrap();
+        assert!(matches!(err, Error::DuplicateKey { key } if key == "d"));
+
+        // 255 characters fit (however many bytes), 256 do not.
+        let fits = NewMessage::new("order", "é".repeat(255), "x", json!({}));
+        assert!(Rows::validate(&config, &[fits]).is_ok());
+        let long =
+            NewMessage::new("order", "o-1", "x", json!({})).with_partition_key("k".repeat(256));
+        let err = Rows::validate(&config, &[long]).err().unwrap();
+        assert!(err.to_string().contains("partition key"), "{err}");
+    }
+}

@@ -1,0 +1,20 @@
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod admin;
+mod claim;
+mod config;
+mod enqueue;
+mod error;
+mod migrate;
+mod row;
+mod sql;
+mod store;
+
+pub use config::{MysqlConfig, MysqlConfigBuilder, DEFAULT_TABLE};
+pub use enqueue::{enqueue, enqueue_batch};
+pub use migrate::{migrate, MIGRATION_LOCK_PREFIX};
+pub use store::MysqlStore;
+
+/// Re-exported so users name the same sqlx version as this crate.
+pub use sqlx;

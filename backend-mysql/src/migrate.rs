@@ -1,0 +1,71 @@
+//! Creating the outbox table: idempotent DDL under a named lock (`GET_LOCK`).
+
+use std::time::Duration;
+
+use outbox_traits::Error;
+use sqlx::{Executor, MySqlPool};
+
+use crate::config::MysqlConfig;
+use crate::error::map_sqlx;
+
+/// Prefix of the `GET_LOCK` name taken while migrating. The full name is this prefix and the
+/// MD5 of `database.table` (the connection's database when the config names none), so
+/// migrations of one table run one after the other while different tables migrate in
+/// parallel, and the name stays within MariaDB's 64 characters.
+pub const MIGRATION_LOCK_PREFIX: &str = "outbox_migrate_";
+
+/// How long [`migrate`] waits for another process's migration of the same table.
+const LOCK_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Create the database (when the config names one), the table and its indexes if they do not
+/// exist.
+///
+/// Runs [`MysqlConfig::migration_sql`] on one connection holding a `GET_LOCK` named after the
+/// table (see [`MIGRATION_LOCK_PREFIX`]), so processes starting together migrate one after the
+/// other. MariaDB commits each DDL statement on its own; every statement is `IF NOT EXISTS`,
+/// so a migration interrupted half-way is completed by the next one. Safe to call at every
+/// start-up.
+///
+/// The connection that held the lock is closed afterwards rather than returned to the pool, so
+/// a cancelled call can never leave the lock held by a pooled connection.
+///
+/// # Errors
+/// Classified database errors, e.g. [`Error::Unavailable`] when the server cannot be reached,
+/// a transient error when another migration of the table held the lock for 60 s, or a permanent
+/// error when the user may not create the database or table.
+pub async fn migrate(pool: &MySqlPool, config: &MysqlConfig) -> Result<(), Error> {
+    let table = config.qualified_table();
+    let err = |e| map_sqlx(e, "migrate", table);
+    let mut conn = pool.acquire().await.map_err(err)?;
+    conn.close_on_drop();
+    let lock_name = "CONCAT(?, MD5(CONCAT_WS('.', COALESCE(?, DATABASE(), ''), ?)))";
+    let locked: Option<i64> = sqlx::query_scalar(&format!("SELECT GET_LOCK({lock_name}, ?)"))
+        .bind(MIGRATION_LOCK_PREFIX)
+        .bind(config.database())
+        .bind(config.table())
+        .bind(LOCK_TIMEOUT.as_secs())
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(err)?;
+    if locked != Some(1) {
+        return Err(Error::transient(
+            format!(
+                "migrate on {table}: another process held the migration lock for {LOCK_TIMEOUT:?}; \
+                 retry later"
+            ),
+            None,
+        ));
+    }
+    // A query without arguments goes through the text protocol, which runs every statement.
+    let migrated = conn.execute(config.migration_sql()).await.map_err(err);
+    let released = sqlx::query(&format!("DO RELEASE_LOCK({lock_name})"))
+        .bind(MIGRATION_LOCK_PREFIX)
+        .bind(config.database())
+        .bind(config.table())
+        .execute(&mut *conn)
+        .await
+        .map_err(err);
+    migrated?;
+    released?;
+    Ok(())
+}

@@ -1,0 +1,372 @@
+//! Every SQL statement of the store, built once per config from validated, quoted names.
+//!
+//! MariaDB has no `UPDATE ... RETURNING`, so a claim is one short transaction of constant
+//! shape (see `claim.rs`): lock candidates with `FOR UPDATE SKIP LOCKED`, check per-key order
+//! in one query, lease the chosen rows in one `UPDATE`, commit. Fenced transitions lock the
+//! rows still held (`SELECT ... FOR UPDATE`) and update them, in one transaction.
+//!
+//! Lists of ids, sequence numbers or failures travel as one JSON parameter read with
+//! `JSON_TABLE`, so every statement has a fixed text: sqlx prepares it once per connection
+//! instead of once per list length. Each such join is a `STRAIGHT_JOIN` that reads the list
+//! first and probes the table by primary or unique key (forced: on a small table the optimizer
+//! would rather scan it, and a locking scan waits for every row another transaction is
+//! inserting), in list order (the callers sort ids, so concurrent calls lock shared rows in the
+//! same order). Index hints name the index of every scan for the same reason.
+//!
+//! Every time decision uses the database clock, `UTC_TIMESTAMP(6)` (the session time zone
+//! plays no part; columns are `DATETIME(6)`, stored and compared as UTC). Durations travel as
+//! microseconds.
+//!
+//! A lease is not a state: a leased row stays `pending` with `lease_token` and `lease_until`
+//! set, neither of which is indexed, so claiming, extending and releasing write no index
+//! entries.
+
+/// Most rows one `INSERT` can carry: MariaDB allows 65,535 placeholders per statement and a row
+/// takes [`INSERT_PARAMS_PER_ROW`].
+pub(crate) const MAX_INSERT_ROWS: usize = 65_535 / INSERT_PARAMS_PER_ROW;
+
+/// Placeholders per row of the batch insert.
+pub(crate) const INSERT_PARAMS_PER_ROW: usize = 9;
+
+/// Longest accepted aggregate type, aggregate id, event type, partition key and dedup key, in
+/// characters: the `VARCHAR(255)` columns (the length Debezium's outbox examples use, and short
+/// enough that `(partition_key, state, seq)` and `dedup_key` fit in an InnoDB index).
+pub(crate) const MAX_KEY_CHARS: usize = 255;
+
+/// Name of the unique index on `dedup_key`, to recognise its violations.
+pub(crate) const DEDUP_INDEX: &str = "uq_dedup_key";
+/// Name of the unique index on `id`, to recognise a reused message id.
+pub(crate) const ID_INDEX: &str = "uq_id";
+
+/// Starts every transaction of the store. READ COMMITTED: locking reads then lock only the
+/// rows they return (no gap locks that would block the producers' inserts), and the order
+/// check reads the latest committed rows.
+pub(crate) const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+
+/// A JSON array of ids, as a table of one `id` column.
+const ID_LIST: &str =
+    "JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(36) CHARACTER SET ascii COLLATE ascii_bin PATH '$'))";
+
+/// A row is claimable (pending, due, and not leased or with an expired lease) as seen through
+/// alias `a`.
+fn claimable(a: &str) -> String {
+    format!(
+        "{a}.state = 'pending' AND {a}.available_at <= UTC_TIMESTAMP(6) \
+         AND ({a}.lease_until IS NULL OR {a}.lease_until <= UTC_TIMESTAMP(6))"
+    )
+}
+
+/// Columns read for a [`outbox_traits::Message`], through alias `a`, in the order `row.rs`
+/// reads them by name.
+fn message_columns(a: &str) -> String {
+    format!(
+        "{a}.id, {a}.seq, {a}.aggregatetype, {a}.aggregateid, {a}.type, {a}.payload, \
+         {a}.headers, {a}.partition_key, {a}.dedup_key, {a}.attempts, {a}.created_at"
+    )
+}
+
+/// The statements for one outbox table.
+pub(crate) struct Sql {
+    /// `` `database`.`table` `` or `` `table` ``.
+    pub table: String,
+    /// Idempotent DDL (database, table with its indexes).
+    pub migrate: String,
+    /// `INSERT ... VALUES` up to (not including) the rows; see [`Sql::insert`].
+    insert_head: String,
+    /// Claim candidates where dead messages block their key.
+    pub candidates_block: String,
+    /// Claim candidates where dead messages are ignored for ordering.
+    pub candidates_skip: String,
+    /// Per-key order check where dead messages block their key.
+    pub order_block: String,
+    /// Per-key order check where dead messages are ignored.
+    pub order_skip: String,
+    /// Lease the chosen rows.
+    pub lease: String,
+    /// Lock the listed rows still held under a token.
+    pub held: String,
+    pub complete: String,
+    pub release: String,
+    pub fail: String,
+    /// The rows held under a token, and the extended lease end by the database clock.
+    pub extend_find: String,
+    pub extend: String,
+    pub list_dead: String,
+    pub requeue: String,
+    pub discard: String,
+    /// The seqs of the next purge batch.
+    pub purge_pick: String,
+    pub purge: String,
+    pub counts: String,
+}
+
+impl Sql {
+    pub(crate) fn build(database: Option<&str>, table: &str) -> Self {
+        let t = match database {
+            Some(db) => format!("`{db}`.`{table}`"),
+            None => format!("`{table}`"),
+        };
+        let create_database = database
+            .map(|db| format!("CREATE DATABASE IF NOT EXISTS `{db}`;\n\n"))
+            .unwrap_or_default();
+        let migrate = format!(
+            r#"{create_database}CREATE TABLE IF NOT EXISTS {t} (
+    -- Debezium outbox event router columns: id, aggregatetype, aggregateid, type, payload.
+    id             CHAR(36) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+    aggregatetype  VARCHAR({MAX_KEY_CHARS}) NOT NULL,
+    aggregateid    VARCHAR({MAX_KEY_CHARS}) NOT NULL,
+    type           VARCHAR({MAX_KEY_CHARS}) NOT NULL,
+    payload        LONGTEXT NOT NULL CHECK (JSON_VALID(payload)),
+    -- Relay columns.
+    seq            BIGINT NOT NULL AUTO_INCREMENT,
+    headers        LONGTEXT NOT NULL DEFAULT ('{{}}') CHECK (JSON_VALID(headers)),
+    partition_key  VARCHAR({MAX_KEY_CHARS}),
+    dedup_key      VARCHAR({MAX_KEY_CHARS}),
+    state          ENUM('pending', 'published', 'dead') NOT NULL DEFAULT 'pending',
+    attempts       INT NOT NULL DEFAULT 0,
+    available_at   DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+    lease_token    CHAR(36) CHARACTER SET ascii COLLATE ascii_bin,
+    lease_until    DATETIME(6),
+    last_error     TEXT,
+    created_at     DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+    published_at   DATETIME(6),
+    -- InnoDB clusters rows by the primary key: seq keeps them in insert order, so inserts
+    -- append and claims read neighbouring rows.
+    PRIMARY KEY (seq),
+    UNIQUE KEY {ID_INDEX} (id),
+    -- NULLs do not collide: most messages have no dedup key.
+    UNIQUE KEY {DEDUP_INDEX} (dedup_key),
+    -- Claim scan and dead letters, in seq order.
+    KEY ix_claim (state, seq),
+    -- Per-key order: a key's first pending (or dead) rows, one probe per key.
+    KEY ix_key (partition_key, state, seq),
+    -- Purge of published rows, oldest first.
+    KEY ix_published (state, published_at)
+)
+-- Binary, no-pad comparison: keys are equal only when their bytes are ('a' <> 'A' <> 'a ').
+ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
+"#
+        );
+
+        let insert_head = format!(
+            "INSERT INTO {t} (id, aggregatetype, aggregateid, type, payload, headers, \
+             partition_key, dedup_key, available_at, created_at) VALUES "
+        );
+
+        let candidates = |dead_blocks: bool| -> String {
+            // Under Block, a dead row holds back every later row of its key.
+            let no_dead_before = if dead_blocks {
+                format!(
+                    "
+            AND NOT EXISTS (
+                SELECT 1 FROM {t} d FORCE INDEX (ix_key)
+                WHERE d.partition_key = c.partition_key AND d.state = 'dead' AND d.seq < c.seq)"
+                )
+            } else {
+                String::new()
+            };
+            format!(
+                r#"(SELECT {columns}, NULL AS lease_until
+ FROM {t} c FORCE INDEX (ix_claim)
+ WHERE {claimable_c}
+   -- Skip keys whose first pending row is not claimable (leased to another relay, waiting
+   -- for a retry, not yet due) or, under Block, that have a dead row before this one, so
+   -- that a blocked key's backlog cannot fill the LIMIT and starve every other key. These
+   -- subqueries are plain reads: they neither lock nor skip locked rows.
+   AND (c.partition_key IS NULL OR (
+            (SELECT {claimable_h}
+             FROM {t} h FORCE INDEX (ix_key)
+             WHERE h.partition_key = c.partition_key AND h.state = 'pending'
+             ORDER BY h.seq LIMIT 1){no_dead_before}))
+ ORDER BY c.seq
+ LIMIT ?
+ -- Rows locked by a concurrent claim or transition are skipped; the order check then holds
+ -- back the later rows of their keys.
+ FOR UPDATE SKIP LOCKED)
+UNION ALL
+-- One more row, so that even an empty claim returns its lease end by the database clock.
+(SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+        UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"#,
+                columns = message_columns("c"),
+                claimable_c = claimable("c"),
+                claimable_h = claimable("h"),
+            )
+        };
+
+        let order = |dead_blocks: bool| -> String {
+            let dead = if dead_blocks {
+                format!(
+                    "(SELECT d.seq FROM {t} d FORCE INDEX (ix_key)
+          WHERE d.partition_key = c.partition_key AND d.state = 'dead'
+          ORDER BY d.seq LIMIT 1)"
+                )
+            } else {
+                "NULL".to_owned()
+            };
+            format!(
+                r#"-- For each key of the claim (given as its first candidate's seq and the list of its
+-- candidates' seqs): the key's first pending row that is not a candidate, and under Block
+-- its first dead row. A candidate may go only if it comes before both; then every earlier
+-- unpublished row of its key is in the claim. Each probe reads the key's index entries in
+-- seq order and stops at the first row that is not a candidate.
+SELECT j.first_seq,
+       (SELECT p.seq FROM {t} p FORCE INDEX (ix_key)
+        WHERE p.partition_key = c.partition_key AND p.state = 'pending'
+          AND FIND_IN_SET(p.seq, j.seqs) = 0
+        ORDER BY p.seq LIMIT 1) AS pending_blocker,
+       {dead} AS dead_blocker
+FROM JSON_TABLE(?, '$[*]' COLUMNS (first_seq BIGINT PATH '$[0]',
+                                   seqs LONGTEXT CHARACTER SET ascii PATH '$[1]')) j
+STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
+            )
+        };
+
+        // Fenced transitions run in one transaction: lock the listed rows still held (token,
+        // pending, lease unexpired by the database clock), then update exactly those.
+        let held = format!(
+            "SELECT m.id
+             FROM {ID_LIST} j
+             STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+             WHERE m.lease_token = ? AND m.state = 'pending' AND m.lease_until > UTC_TIMESTAMP(6)
+             FOR UPDATE"
+        );
+
+        Self {
+            candidates_block: candidates(true),
+            candidates_skip: candidates(false),
+            order_block: order(true),
+            order_skip: order(false),
+            lease: format!(
+                "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
+                 SET m.lease_token = ?, m.lease_until = ?"
+            ),
+            held,
+            complete: format!(
+                "UPDATE {ID_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+                 SET m.state = 'published', m.published_at = UTC_TIMESTAMP(6),
+                     m.lease_token = NULL, m.lease_until = NULL"
+            ),
+            release: format!(
+                "UPDATE {ID_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+                 SET m.available_at = UTC_TIMESTAMP(6), m.lease_token = NULL, m.lease_until = NULL"
+            ),
+            fail: format!(
+                "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (
+                     id CHAR(36) CHARACTER SET ascii COLLATE ascii_bin PATH '$.id',
+                     error LONGTEXT PATH '$.error',
+                     dead TINYINT PATH '$.dead',
+                     delay_us BIGINT PATH '$.delay_us')) f
+                 STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = f.id
+                 SET m.attempts = m.attempts + 1,
+                     m.last_error = f.error,
+                     m.state = IF(f.dead = 1, 'dead', 'pending'),
+                     m.available_at = IF(f.dead = 1, m.available_at,
+                                         UTC_TIMESTAMP(6) + INTERVAL f.delay_us MICROSECOND),
+                     m.lease_token = NULL, m.lease_until = NULL"
+            ),
+            // No index on lease_token (a claim would write it): the token's rows are found by
+            // scanning the pending rows; extend is called rarely, once per long publish.
+            extend_find: format!(
+                "SELECT seq, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND AS lease_until
+                 FROM {t} FORCE INDEX (ix_claim)
+                 WHERE state = 'pending' AND lease_token = ? AND lease_until > UTC_TIMESTAMP(6)"
+            ),
+            extend: format!(
+                "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
+                 SET m.lease_until = ?
+                 WHERE m.state = 'pending' AND m.lease_token = ? AND m.lease_until > UTC_TIMESTAMP(6)"
+            ),
+            list_dead: format!(
+                "SELECT {columns}, COALESCE(m.last_error, '') AS last_error
+                 FROM {t} m FORCE INDEX (ix_claim)
+                 WHERE m.state = 'dead' AND m.seq > ?
+                 ORDER BY m.seq
+                 LIMIT ?",
+                columns = message_columns("m")
+            ),
+            requeue: format!(
+                "UPDATE {ID_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+                 SET m.state = 'pending', m.attempts = 0, m.available_at = UTC_TIMESTAMP(6),
+                     m.lease_token = NULL, m.lease_until = NULL
+                 WHERE m.state = 'dead'"
+            ),
+            discard: format!(
+                "DELETE m FROM {ID_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+                 WHERE m.state = 'dead'"
+            ),
+            // MariaDB's single-table DELETE takes no index hint and would sort every published
+            // row; so pick the batch through the purge index, then delete it by primary key
+            // (published rows never change, so no transaction is needed in between).
+            purge_pick: format!(
+                "SELECT seq FROM {t} FORCE INDEX (ix_published)
+                 WHERE state = 'published'
+                   AND published_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+                 ORDER BY published_at
+                 LIMIT ?"
+            ),
+            purge: format!(
+                "DELETE m FROM JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
+                 WHERE m.state = 'published'"
+            ),
+            counts: format!(
+                "SELECT COUNT(CASE WHEN state = 'pending' AND lease_token IS NULL THEN 1 END)
+                            AS pending,
+                        COUNT(CASE WHEN state = 'pending' AND lease_token IS NOT NULL THEN 1 END)
+                            AS leased,
+                        COUNT(CASE WHEN state = 'published' THEN 1 END) AS published,
+                        COUNT(CASE WHEN state = 'dead' THEN 1 END) AS dead
+                 FROM {t}"
+            ),
+            insert_head,
+            migrate,
+            table: t,
+        }
+    }
+
+    /// A multi-row `INSERT` of `rows` rows (at most [`MAX_INSERT_ROWS`]), with
+    /// [`INSERT_PARAMS_PER_ROW`] placeholders per row: id, aggregate type, aggregate id, event
+    /// type, payload, headers, partition key, dedup key, not-before (NULL: now).
+    pub(crate) fn insert(&self, rows: usize) -> String {
+        const ROW: &str =
+            "(?, ?, ?, ?, ?, ?, ?, ?, COALESCE(?, UTC_TIMESTAMP(6)), UTC_TIMESTAMP(6))";
+        let mut sql = String::with_capacity(self.insert_head.len() + rows * (ROW.len() + 2));
+        sql.push_str(&self.insert_head);
+        for i in 0..rows {
+            if i > 0 {
+                sql.push_str(", ");
+            }
+            sql.push_str(ROW);
+        }
+        sql
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn insert_has_one_row_of_placeholders_per_message() {
+        let sql = Sql::build(None, "outbox");
+        let three = sql.insert(3);
+        assert_eq!(three.matches('?').count(), 3 * INSERT_PARAMS_PER_ROW);
+        assert!(three.starts_with("INSERT INTO `outbox` ("));
+        const { assert!(MAX_INSERT_ROWS * INSERT_PARAMS_PER_ROW <= 65_535) };
+    }
+
+    #[test]
+    fn names_are_quoted_everywhere() {
+        let sql = Sql::build(Some("db"), "t");
+        assert_eq!(sql.table, "`db`.`t`");
+        for statement in [&sql.candidates_block, &sql.held, &sql.purge, &sql.counts] {
+            assert!(statement.contains("`db`.`t`"), "{statement}");
+        }
+    }
+}

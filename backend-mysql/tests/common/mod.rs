@@ -1,0 +1,145 @@
+//! Test support: a fresh table per test on the server named by `OUTBOX_TEST_MYSQL_URL`.
+
+#![allow(dead_code)] // each test binary uses a different part of this module
+
+use std::time::Duration;
+
+use outbox_backend_mysql::{enqueue_batch, MysqlConfig, MysqlConfigBuilder, MysqlStore};
+use outbox_conformance_tests::env::service_url;
+use outbox_traits::{Claim, ClaimRequest, HeadPolicy, NewMessage, OutboxStore};
+use serde_json::json;
+use sqlx::MySqlPool;
+
+pub const URL_VAR: &str = "OUTBOX_TEST_MYSQL_URL";
+
+/// One test's table and store.
+pub struct Db {
+    pub url: String,
+    pub store: MysqlStore,
+    pub config: MysqlConfig,
+}
+
+/// A random table name, so tests run in parallel in one database without seeing each other.
+pub fn random_table() -> String {
+    format!("outbox_test_{:016x}", rand::random::<u64>())
+}
+
+/// A migrated store on a fresh table, or `None` (test skipped) when no server is configured.
+pub async fn db() -> Option<Db> {
+    db_with(|b| b).await
+}
+
+/// Like [`db`], with the config builder adjusted by `adjust`.
+pub async fn db_with(adjust: impl FnOnce(MysqlConfigBuilder) -> MysqlConfigBuilder) -> Option<Db> {
+    let url = service_url(URL_VAR)?;
+    let config = adjust(MysqlConfig::builder().table(random_table()))
+        .build()
+        .unwrap();
+    let store = MysqlStore::connect(&url, config.clone()).await.unwrap();
+    store.migrate().await.unwrap();
+    Some(Db { url, store, config })
+}
+
+impl Db {
+    pub fn pool(&self) -> &MySqlPool {
+        self.store.pool()
+    }
+
+    pub fn table(&self) -> &str {
+        self.config.qualified_table()
+    }
+
+    /// Enqueue `messages` in one committed transaction.
+    pub async fn enqueue(&self, messages: &[NewMessage]) {
+        let mut tx = self.pool().begin().await.unwrap();
+        enqueue_batch(&mut *tx, &self.config, messages)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+
+    pub async fn claim(&self, limit: usize, head_policy: HeadPolicy) -> Claim {
+        self.store
+            .claim(&ClaimRequest {
+                limit,
+                lease: Duration::from_secs(30),
+                head_policy,
+            })
+            .await
+            .unwrap()
+    }
+
+    /// Move the database's view of time forward by `by`: shift every stored time back.
+    pub async fn advance(&self, by: Duration) {
+        advance(self.pool(), self.table(), by).await.unwrap();
+    }
+
+    /// The state of message `id`: its state column, or `leased` for a pending row with a lease
+    /// token (a leased row stays `pending`).
+    pub async fn state(&self, id: uuid::Uuid) -> String {
+        sqlx::query_scalar(&format!(
+            "SELECT CAST(IF(state = 'pending' AND lease_token IS NOT NULL, 'leased', state)
+                         AS CHAR CHARACTER SET utf8mb4)
+             FROM {} WHERE id = ?",
+            self.table()
+        ))
+        .bind(id.to_string())
+        .fetch_one(self.pool())
+        .await
+        .unwrap()
+    }
+
+    /// Drop the table (best effort: a failed test leaves it for inspection).
+    pub async fn drop(self) {
+        let _ = sqlx::query(&format!("DROP TABLE {}", self.table()))
+            .execute(self.store.pool())
+            .await;
+        self.store.pool().close().await;
+    }
+}
+
+/// Shift every stored time of `table` back by `by`: to the store, `by` has passed.
+///
+/// READ COMMITTED, as the store's own transactions: the update then skips rows that open
+/// transactions are inserting (they are not there yet, as under Postgres's MVCC) instead of
+/// waiting for those transactions to end.
+pub async fn advance(pool: &MySqlPool, table: &str, by: Duration) -> Result<(), sqlx::Error> {
+    let micros = i64::try_from(by.as_micros()).expect("advance: duration too long");
+    let mut tx = pool
+        .begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")
+        .await?;
+    sqlx::query(&format!(
+        "UPDATE {table} SET available_at = available_at - INTERVAL ? MICROSECOND,
+                            lease_until = lease_until - INTERVAL ? MICROSECOND,
+                            created_at = created_at - INTERVAL ? MICROSECOND,
+                            published_at = published_at - INTERVAL ? MICROSECOND"
+    ))
+    .bind(micros)
+    .bind(micros)
+    .bind(micros)
+    .bind(micros)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await
+}
+
+/// A message of partition key `key` whose payload names it `name`.
+pub fn msg(key: &str, name: &str) -> NewMessage {
+    NewMessage::new("test", key, "test.event", json!({ "name": name }))
+}
+
+/// The payload names of a claim, in order.
+pub fn names(claim: &Claim) -> Vec<String> {
+    claim
+        .messages
+        .iter()
+        .map(|m| {
+            let v: serde_json::Value = serde_json::from_str(&m.payload).unwrap();
+            v["name"].as_str().unwrap().to_owned()
+        })
+        .collect()
+}
+
+pub fn ids(claim: &Claim) -> Vec<uuid::Uuid> {
+    claim.messages.iter().map(|m| m.id).collect()
+}

@@ -1,0 +1,150 @@
+//! The shared conformance suite (checks and model properties) against the real MariaDB store.
+//!
+//! Each fresh store is a new table with a random name in the database of
+//! `OUTBOX_TEST_MYSQL_URL`, dropped at teardown. Business transactions, admin calls and time
+//! control share one pool per test; each relay handle gets a pool of one connection of its own,
+//! so dropping it (a simulated crash) closes that connection.
+
+mod common;
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{advance, random_table, URL_VAR};
+use outbox_backend_mysql::{enqueue_batch, MysqlConfig, MysqlStore};
+use outbox_conformance_tests::env::service_url;
+use outbox_conformance_tests::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
+use outbox_traits::chrono::{DateTime, NaiveDateTime, Utc};
+use outbox_traits::{async_trait, Error, NewMessage, OutboxAdmin, OutboxStore};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::{MySql, Transaction};
+use tokio::sync::OnceCell;
+
+struct MysqlHarness {
+    options: MySqlConnectOptions,
+    /// Shared by every store of this test: a fresh store is a new table, not new connections.
+    pool: OnceCell<MySqlPool>,
+}
+
+impl MysqlHarness {
+    fn from_env() -> Option<Self> {
+        let url = service_url(URL_VAR)?;
+        Some(Self {
+            options: MySqlConnectOptions::from_str(&url).expect("OUTBOX_TEST_MYSQL_URL"),
+            pool: OnceCell::new(),
+        })
+    }
+}
+
+fn pool(options: &MySqlConnectOptions, max: u32) -> MySqlPool {
+    MySqlPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_lazy_with(options.clone())
+}
+
+fn err(e: sqlx::Error) -> Error {
+    Error::transient(format!("harness: {e}"), None)
+}
+
+#[async_trait]
+impl Harness for MysqlHarness {
+    fn name(&self) -> String {
+        "mysql".into()
+    }
+
+    async fn fresh(&self) -> Result<Box<dyn HarnessStore>, Error> {
+        let shared = self
+            .pool
+            .get_or_init(|| async { pool(&self.options, 8) })
+            .await
+            .clone();
+        let config = MysqlConfig::new(&random_table())?;
+        let store = MysqlStore::new(shared, config);
+        store.migrate().await?;
+        Ok(Box::new(MysqlHarnessStore {
+            options: self.options.clone(),
+            store,
+        }))
+    }
+}
+
+struct MysqlHarnessStore {
+    options: MySqlConnectOptions,
+    store: MysqlStore,
+}
+
+#[async_trait]
+impl HarnessStore for MysqlHarnessStore {
+    fn capabilities(&self) -> HarnessCapabilities {
+        HarnessCapabilities::new(OutboxStore::capabilities(&self.store))
+    }
+
+    /// A store on its own connection: dropping it closes the connection and, as in a real
+    /// crash, leaves its leases to expire.
+    async fn relay(&self) -> Result<Arc<dyn OutboxStore>, Error> {
+        Ok(Arc::new(MysqlStore::new(
+            pool(&self.options, 1),
+            self.store.config().clone(),
+        )))
+    }
+
+    async fn admin(&self) -> Result<Arc<dyn OutboxAdmin>, Error> {
+        Ok(Arc::new(self.store.clone()))
+    }
+
+    async fn begin(&self) -> Result<Box<dyn HarnessTx>, Error> {
+        let tx = self.store.pool().begin().await.map_err(err)?;
+        Ok(Box::new(MysqlHarnessTx {
+            tx,
+            config: self.store.config().clone(),
+        }))
+    }
+
+    /// Shift every stored time back by `by`: to the store, `by` has passed.
+    async fn advance_time(&self, by: Duration) -> Result<(), Error> {
+        advance(self.store.pool(), self.store.config().qualified_table(), by)
+            .await
+            .map_err(err)
+    }
+
+    async fn now(&self) -> Result<DateTime<Utc>, Error> {
+        let now: NaiveDateTime = sqlx::query_scalar("SELECT UTC_TIMESTAMP(6)")
+            .fetch_one(self.store.pool())
+            .await
+            .map_err(err)?;
+        Ok(now.and_utc())
+    }
+
+    async fn teardown(self: Box<Self>) -> Result<(), Error> {
+        let sql = format!("DROP TABLE {}", self.store.config().qualified_table());
+        sqlx::query(&sql)
+            .execute(self.store.pool())
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+}
+
+struct MysqlHarnessTx {
+    tx: Transaction<'static, MySql>,
+    config: MysqlConfig,
+}
+
+#[async_trait]
+impl HarnessTx for MysqlHarnessTx {
+    async fn enqueue(&mut self, messages: &[NewMessage]) -> Result<(), Error> {
+        enqueue_batch(&mut *self.tx, &self.config, messages).await
+    }
+
+    async fn commit(self: Box<Self>) -> Result<(), Error> {
+        self.tx.commit().await.map_err(err)
+    }
+
+    async fn rollback(self: Box<Self>) -> Result<(), Error> {
+        self.tx.rollback().await.map_err(err)
+    }
+}
+
+outbox_conformance_tests::conformance_suite!(optional: MysqlHarness::from_env());

@@ -1,0 +1,1009 @@
+//! The MariaDB store against a real server: visibility, exclusivity, fencing, order, admin,
+//! enqueue refusals, migration and connection errors.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{db, db_with, ids, msg, names, random_table, Db, URL_VAR};
+use outbox_backend_mysql::{enqueue, enqueue_batch, migrate, MysqlConfig, MysqlStore};
+use outbox_conformance_tests::env::service_url;
+use outbox_traits::{
+    ClaimRequest, Error, ErrorKind, FailAction, Failure, HeadPolicy, LeaseToken, NewMessage,
+    OutboxAdmin, OutboxStore,
+};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use sqlx::{Connection, MySqlConnection};
+use uuid::Uuid;
+
+use HeadPolicy::{Block, Skip};
+
+#[tokio::test]
+async fn committed_enqueue_is_claimable_and_rolled_back_never() {
+    let Some(db) = db().await else { return };
+    let mut tx = db.pool().begin().await.unwrap();
+    enqueue(&mut *tx, &db.config, &msg("a", "kept"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = db.pool().begin().await.unwrap();
+    enqueue(&mut *tx, &db.config, &msg("b", "rolled-back"))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["kept"]);
+    assert_eq!(claim.messages[0].attempts, 0);
+    assert_eq!(claim.messages[0].aggregate_type, "test");
+    assert!(db.claim(10, Block).await.messages.is_empty());
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.leased), (0, 1));
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn transactions_committing_out_of_insert_order_are_both_delivered() {
+    let Some(db) = db().await else { return };
+    // T1 takes the lower seq but commits last: a `seq > last_seen` cursor would lose it.
+    let mut t1 = db.pool().begin().await.unwrap();
+    enqueue(&mut *t1, &db.config, &msg("k1", "first-insert"))
+        .await
+        .unwrap();
+    let mut t2 = db.pool().begin().await.unwrap();
+    enqueue(&mut *t2, &db.config, &msg("k2", "second-insert"))
+        .await
+        .unwrap();
+    t2.commit().await.unwrap();
+
+    // The claim neither waits for T1's uncommitted row nor sees it.
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["second-insert"]);
+    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+
+    t1.commit().await.unwrap();
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["first-insert"]);
+    db.drop().await;
+}
+
+/// Three relays on their own pools claim, fail, release and complete the same backlog at
+/// once: every message is published exactly once, each key in seq order, and no call fails
+/// (no deadlock or lock timeout reaches the caller).
+#[tokio::test]
+async fn concurrent_relays_never_overlap_and_keep_key_order() {
+    let Some(db) = db().await else { return };
+    let mut messages = Vec::new();
+    for i in 0..600 {
+        let m = msg(&format!("k{}", i % 23), &format!("{i}"));
+        messages.push(if i % 7 == 0 { m.unordered() } else { m });
+    }
+    let key_of: HashMap<Uuid, Option<String>> = messages
+        .iter()
+        .map(|m| (m.id, m.partition_key.clone()))
+        .collect();
+    db.enqueue(&messages).await;
+
+    // Publications in the order the relays made them: a relay records a message before it
+    // completes it, and a key's next message can be claimed only after that completion.
+    let published: Arc<Mutex<Vec<(Uuid, i64)>>> = Arc::default();
+    let mut relays = Vec::new();
+    for (r, limit) in [17usize, 29, 41].into_iter().enumerate() {
+        let store = MysqlStore::connect(&db.url, db.config.clone())
+            .await
+            .unwrap();
+        let published = published.clone();
+        relays.push(tokio::spawn(async move {
+            let mut empty_in_a_row = 0;
+            let mut round = 0usize;
+            while empty_in_a_row < 3 {
+                round += 1;
+                let claim = store
+                    .claim(&ClaimRequest {
+                        limit,
+                        lease: Duration::from_secs(60),
+                        head_policy: Block,
+                    })
+                    .await
+                    .unwrap();
+                assert!(claim.messages.len() <= limit);
+                if claim.messages.is_empty() {
+                    empty_in_a_row += 1;
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                empty_in_a_row = 0;
+                // Every few rounds, the first message fails (due again at once) and the rest of
+                // its key goes back, as the engine does after a failed publish.
+                let failing = (round + r) % 4 == 0;
+                let first = &claim.messages[0];
+                let mut done = Vec::new();
+                let mut back = Vec::new();
+                for m in &claim.messages[usize::from(failing)..] {
+                    if failing
+                        && first.partition_key.is_some()
+                        && m.partition_key == first.partition_key
+                    {
+                        back.push(m.id);
+                    } else {
+                        done.push(m);
+                    }
+                }
+                if failing {
+                    store
+                        .fail(
+                            claim.token,
+                            &[Failure {
+                                id: first.id,
+                                error: "try again".into(),
+                                action: FailAction::Retry {
+                                    delay: Duration::ZERO,
+                                },
+                            }],
+                        )
+                        .await
+                        .unwrap();
+                    store.release(claim.token, &back).await.unwrap();
+                }
+                published
+                    .lock()
+                    .unwrap()
+                    .extend(done.iter().map(|m| (m.id, m.seq)));
+                let done: Vec<Uuid> = done.iter().map(|m| m.id).collect();
+                store.complete(claim.token, &done).await.unwrap();
+            }
+        }));
+    }
+    for relay in relays {
+        relay.await.unwrap();
+    }
+    let log = published.lock().unwrap().clone();
+    let unique: HashSet<Uuid> = log.iter().map(|(id, _)| *id).collect();
+    assert_eq!(unique.len(), log.len(), "a message was published twice");
+    assert_eq!(
+        unique.len(),
+        messages.len(),
+        "a message was never published"
+    );
+    let mut last_seq: HashMap<String, i64> = HashMap::new();
+    for (id, seq) in &log {
+        if let Some(key) = &key_of[id] {
+            let last = last_seq.insert(key.clone(), *seq);
+            assert!(last.is_none_or(|l| l < *seq), "key {key} out of order");
+        }
+    }
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!(
+        (counts.published, counts.pending, counts.leased),
+        (600, 0, 0)
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn stale_tokens_change_nothing_and_name_the_lost_ids() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("a", "1"), msg("b", "2")]).await;
+    let claim = db.claim(10, Block).await;
+    let held = ids(&claim);
+    let stale = LeaseToken::new();
+
+    let lost = |r: Result<(), Error>| match r {
+        Err(Error::LeaseLost { ids }) => ids,
+        other => panic!("expected LeaseLost, got {other:?}"),
+    };
+    assert_eq!(lost(db.store.complete(stale, &held).await), held);
+    assert_eq!(lost(db.store.release(stale, &held).await), held);
+    let failures: Vec<Failure> = held
+        .iter()
+        .map(|id| Failure {
+            id: *id,
+            error: "boom".into(),
+            action: FailAction::Dead,
+        })
+        .collect();
+    assert_eq!(lost(db.store.fail(stale, &failures).await), held);
+    assert!(matches!(
+        db.store.extend(stale, Duration::from_secs(60)).await,
+        Err(Error::LeaseLost { ids }) if ids.is_empty()
+    ));
+    for id in &held {
+        assert_eq!(db.state(*id).await, "leased");
+    }
+
+    // A mixed call changes what is held and names only the rest, once each.
+    let unknown = Uuid::now_v7();
+    assert_eq!(
+        lost(
+            db.store
+                .complete(claim.token, &[held[0], unknown, unknown])
+                .await
+        ),
+        [unknown]
+    );
+    assert_eq!(db.state(held[0]).await, "published");
+    assert_eq!(db.state(held[1]).await, "leased");
+    // Completing twice: the second time the message is no longer held.
+    assert_eq!(
+        lost(db.store.complete(claim.token, &held[..1]).await),
+        held[..1]
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn an_expired_lease_is_claimable_again_and_fences_the_old_token() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("a", "1"), msg("a", "2")]).await;
+    let first = db.claim(10, Block).await;
+    assert_eq!(names(&first), ["1", "2"]);
+    assert!(db.claim(10, Block).await.messages.is_empty());
+
+    db.advance(Duration::from_secs(31)).await;
+    let second = db.claim(10, Block).await;
+    assert_eq!(names(&second), ["1", "2"]);
+    assert_ne!(first.token, second.token);
+    assert_eq!(second.messages[0].attempts, 0, "a claim counts no attempt");
+
+    assert!(matches!(
+        db.store.extend(first.token, Duration::from_secs(60)).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    assert!(matches!(
+        db.store.complete(first.token, &ids(&first)).await,
+        Err(Error::LeaseLost { ids }) if ids.len() == 2
+    ));
+    let until = db
+        .store
+        .extend(second.token, Duration::from_secs(600))
+        .await
+        .unwrap();
+    assert!(until > second.lease_until);
+    let stored: chrono::NaiveDateTime =
+        sqlx::query_scalar(&format!("SELECT MAX(lease_until) FROM {}", db.table()))
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+    assert_eq!(stored.and_utc(), until);
+    db.store
+        .complete(second.token, &ids(&second))
+        .await
+        .unwrap();
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn the_lease_end_comes_from_the_database_clock() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("a", "1")]).await;
+    let claim = db.claim(1, Block).await;
+    let (stored, now): (chrono::NaiveDateTime, chrono::NaiveDateTime) = sqlx::query_as(&format!(
+        "SELECT lease_until, UTC_TIMESTAMP(6) FROM {}",
+        db.table()
+    ))
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(stored.and_utc(), claim.lease_until);
+    let left = stored - now;
+    assert!(left <= chrono::Duration::seconds(30) && left > chrono::Duration::zero());
+    // An empty claim still reports a lease end by the same clock.
+    let empty = db.claim(1, Block).await;
+    assert!(empty.messages.is_empty() && empty.lease_until >= claim.lease_until);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_retry_holds_back_its_key_only() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[
+        msg("k", "k1"),
+        msg("k", "k2"),
+        msg("other", "o1"),
+        msg("x", "u1").unordered(),
+    ])
+    .await;
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["k1", "k2", "o1", "u1"]);
+    let [k1, k2, o1, u1] = ids(&claim)[..] else {
+        panic!()
+    };
+    db.store
+        .fail(
+            claim.token,
+            &[Failure {
+                id: k1,
+                error: "broker said no".into(),
+                action: FailAction::Retry {
+                    delay: Duration::from_secs(60),
+                },
+            }],
+        )
+        .await
+        .unwrap();
+    db.store.release(claim.token, &[k2]).await.unwrap();
+    db.store.complete(claim.token, &[o1, u1]).await.unwrap();
+
+    db.enqueue(&[
+        msg("k", "k3"),
+        msg("other", "o2"),
+        msg("y", "u2").unordered(),
+    ])
+    .await;
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["o2", "u2"], "k waits for k1's retry");
+    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+
+    db.advance(Duration::from_secs(61)).await;
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["k1", "k2", "k3"]);
+    assert_eq!(claim.messages[0].attempts, 1);
+    assert_eq!(claim.messages[1].attempts, 0, "release counts no attempt");
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_delayed_message_is_not_due_and_holds_back_its_key() {
+    let Some(db) = db().await else { return };
+    let later = chrono::Utc::now() + chrono::Duration::hours(1);
+    db.enqueue(&[
+        msg("k", "delayed").not_before(later),
+        msg("k", "after"),
+        msg("j", "free"),
+    ])
+    .await;
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["free"]);
+    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+    db.advance(Duration::from_secs(2 * 3600)).await;
+    assert_eq!(names(&db.claim(10, Block).await), ["delayed", "after"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_row_locked_by_a_concurrent_claim_holds_back_its_key() {
+    let Some(db) = db().await else { return };
+    let k1 = msg("k", "k1");
+    db.enqueue(&[k1.clone(), msg("k", "k2"), msg("j", "j1")])
+        .await;
+    // Hold k1's row lock as a concurrent claim would between its lock and its commit.
+    let mut other = db.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {} WHERE id = ? FOR UPDATE",
+        db.table()
+    ))
+    .bind(k1.id.to_string())
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    // SKIP LOCKED skips k1, but k2 must not overtake it.
+    assert_eq!(names(&db.claim(10, Block).await), ["j1"]);
+    other.rollback().await.unwrap();
+    assert_eq!(names(&db.claim(10, Block).await), ["k1", "k2"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_leased_message_behind_a_claimable_head_holds_back_the_rest_of_its_key() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("k", "k1"), msg("k", "k2"), msg("k", "k3")])
+        .await;
+    let claim = db.claim(10, Block).await;
+    // k1 is due again at once while k2 and k3 stay leased (a relay that crashed between its
+    // fail and its release): k1 may go, k2 and k3 not, and nothing after them.
+    db.store
+        .fail(
+            claim.token,
+            &[Failure {
+                id: claim.messages[0].id,
+                error: "retry now".into(),
+                action: FailAction::Retry {
+                    delay: Duration::ZERO,
+                },
+            }],
+        )
+        .await
+        .unwrap();
+    db.enqueue(&[msg("k", "k4")]).await;
+    assert_eq!(names(&db.claim(10, Block).await), ["k1"]);
+    db.drop().await;
+}
+
+async fn kill(db: &Db, id: Uuid, token: LeaseToken) {
+    db.store
+        .fail(
+            token,
+            &[Failure {
+                id,
+                error: "poison".into(),
+                action: FailAction::Dead,
+            }],
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_dead_head_blocks_its_key_under_block_and_not_under_skip() {
+    let Some(db) = db().await else { return };
+    let mut batch = vec![msg("k", "dead")];
+    // A backlog behind the dead head, larger than the claim limit: it must not starve others.
+    batch.extend((0..8).map(|i| msg("k", &format!("k{i}"))));
+    batch.push(msg("j", "j1"));
+    db.enqueue(&batch).await;
+    let claim = db.claim(1, Block).await;
+    assert_eq!(names(&claim), ["dead"]);
+    kill(&db, claim.messages[0].id, claim.token).await;
+
+    let claim = db.claim(3, Block).await;
+    assert_eq!(names(&claim), ["j1"], "k is blocked, j flows");
+    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+    assert!(db.claim(3, Block).await.messages.is_empty());
+
+    let claim = db.claim(3, Skip).await;
+    assert_eq!(names(&claim), ["k0", "k1", "k2"]);
+    db.store.release(claim.token, &ids(&claim)).await.unwrap();
+
+    let dead = db.store.list_dead(None, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].last_error, "poison");
+    assert_eq!(dead[0].message.attempts, 1);
+    assert!(db
+        .store
+        .list_dead(Some(dead[0].message.seq), 10)
+        .await
+        .unwrap()
+        .is_empty());
+
+    // Requeue: the dead head flows again first, with attempts reset.
+    assert_eq!(db.store.requeue(&[dead[0].message.id]).await.unwrap(), 1);
+    let claim = db.claim(2, Block).await;
+    assert_eq!(names(&claim), ["dead", "k0"]);
+    assert_eq!(claim.messages[0].attempts, 0);
+    // Dead again, then discarded: the key is unblocked.
+    kill(&db, claim.messages[0].id, claim.token).await;
+    db.store
+        .release(claim.token, &ids(&claim)[1..])
+        .await
+        .unwrap();
+    assert!(db.claim(2, Block).await.messages.is_empty());
+    let dead_id = claim.messages[0].id;
+    assert_eq!(db.store.discard(&[dead_id, dead_id]).await.unwrap(), 1);
+    assert_eq!(db.store.discard(&[dead_id]).await.unwrap(), 0);
+    assert_eq!(names(&db.claim(2, Block).await), ["k0", "k1"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_dead_message_behind_the_head_blocks_the_rest_of_its_key_under_block() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("k", "k1"), msg("k", "k2"), msg("k", "k3")])
+        .await;
+    let claim = db.claim(10, Block).await;
+    let [k1, k2, k3] = ids(&claim)[..] else {
+        panic!()
+    };
+    // k2 dead while k1 is given back: k1 may go, k3 waits behind the dead k2.
+    kill(&db, k2, claim.token).await;
+    db.store.release(claim.token, &[k1, k3]).await.unwrap();
+    assert_eq!(names(&db.claim(10, Block).await), ["k1"]);
+    db.advance(Duration::from_secs(31)).await;
+    assert_eq!(names(&db.claim(10, Skip).await), ["k1", "k3"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn the_limit_holds_for_every_claim() {
+    let Some(db) = db().await else { return };
+    let batch: Vec<_> = (0..300)
+        .map(|i| {
+            let m = msg(&format!("k{}", i % 5), &format!("{i}"));
+            if i % 3 == 0 {
+                m.unordered()
+            } else {
+                m
+            }
+        })
+        .collect();
+    db.enqueue(&batch).await;
+    let mut seen = HashSet::new();
+    loop {
+        let claim = db.claim(7, Block).await;
+        assert!(
+            claim.messages.len() <= 7,
+            "over-claim: {}",
+            claim.messages.len()
+        );
+        if claim.messages.is_empty() {
+            break;
+        }
+        for id in ids(&claim) {
+            assert!(seen.insert(id));
+        }
+        db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+    }
+    assert_eq!(seen.len(), 300);
+    db.drop().await;
+}
+
+/// Reads the session status counters `names` of `conn`.
+async fn session_status(conn: &mut MySqlConnection, names: &[&str]) -> HashMap<String, u64> {
+    let rows: Vec<(String, String)> = sqlx::query_as("SHOW SESSION STATUS")
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+    rows.into_iter()
+        .filter(|(name, _)| names.contains(&name.as_str()))
+        .map(|(name, value)| (name, value.parse().unwrap()))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_batch_is_one_insert_statement_in_slice_order() {
+    let Some(db) = db().await else { return };
+    // The session's own counters: Com_insert counts INSERT statements (prepared ones too),
+    // Handler_write rows written, on this connection only.
+    let mut conn = MySqlConnection::connect(&db.url).await.unwrap();
+    let counters = ["Com_insert", "Handler_write"];
+    let before = session_status(&mut conn, &counters).await;
+    let batch: Vec<_> = (0..25).map(|i| msg("k", &format!("{i:02}"))).collect();
+    let mut tx = conn.begin().await.unwrap();
+    enqueue_batch(&mut *tx, &db.config, &batch).await.unwrap();
+    tx.commit().await.unwrap();
+    let after = session_status(&mut conn, &counters).await;
+    assert_eq!(
+        after["Com_insert"] - before["Com_insert"],
+        1,
+        "INSERT statements"
+    );
+    assert_eq!(
+        after["Handler_write"] - before["Handler_write"],
+        25,
+        "rows written"
+    );
+
+    let claim = db.claim(100, Block).await;
+    let expected: Vec<String> = (0..25).map(|i| format!("{i:02}")).collect();
+    assert_eq!(names(&claim), expected);
+    assert!(claim.messages.windows(2).all(|w| w[0].seq < w[1].seq));
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn every_field_round_trips_byte_for_byte() {
+    let Some(db) = db().await else { return };
+    let payload = serde_json::json!({
+        "text": "naïve \"quoted\" \\ back\\slash, tab\t, nul \u{0}, emoji 🦀",
+        "nested": {"b": [1, 2.5, null, true], "a": "z"},
+    });
+    let m = NewMessage::new("order ✓", "k", "test.event", payload.clone())
+        .with_header("traceparent", "00-abc-def-01")
+        .with_header("tenant", "ácmé 🦀")
+        .with_partition_key("pk 🔑 'quote'")
+        .with_dedup_key("dk \u{0} nul");
+    db.enqueue(std::slice::from_ref(&m)).await;
+    let claim = db.claim(1, Block).await;
+    let got = &claim.messages[0];
+    assert_eq!(got.id, m.id);
+    assert_eq!(got.aggregate_type, "order ✓");
+    assert_eq!(got.aggregate_id, "k");
+    assert_eq!(got.event_type, "test.event");
+    assert_eq!(got.headers, m.headers);
+    assert_eq!(got.partition_key.as_deref(), Some("pk 🔑 'quote'"));
+    assert_eq!(got.dedup_key.as_deref(), Some("dk \u{0} nul"));
+    assert_eq!(got.payload, serde_json::to_string(&payload).unwrap());
+    // The claim's per-key check found the key's rows through the same collation.
+    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+    assert_eq!(db.store.counts().await.unwrap().published, 1);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn keys_differing_in_case_or_trailing_space_are_distinct() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[
+        msg("k", "lower").with_dedup_key("d"),
+        msg("K", "upper").with_dedup_key("D"),
+        msg("k ", "spaced").with_dedup_key("d "),
+    ])
+    .await;
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["lower", "upper", "spaced"]);
+    // A retry of "k" holds back nothing of "K" or "k ".
+    db.store
+        .fail(
+            claim.token,
+            &[Failure {
+                id: claim.messages[0].id,
+                error: "later".into(),
+                action: FailAction::Retry {
+                    delay: Duration::from_secs(60),
+                },
+            }],
+        )
+        .await
+        .unwrap();
+    db.store
+        .release(claim.token, &ids(&claim)[1..])
+        .await
+        .unwrap();
+    assert_eq!(names(&db.claim(10, Block).await), ["upper", "spaced"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_duplicate_dedup_key_is_refused_and_the_transaction_goes_on() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("k", "1").with_dedup_key("once")]).await;
+    let mut tx = db.pool().begin().await.unwrap();
+    let err = enqueue_batch(
+        &mut *tx,
+        &db.config,
+        &[msg("k", "2"), msg("k", "3").with_dedup_key("once")],
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::DuplicateKey { key } if key == "once"),
+        "{err}"
+    );
+    // Only the statement was rolled back: the transaction commits other work.
+    enqueue(&mut *tx, &db.config, &msg("k", "4")).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(names(&db.claim(10, Block).await), ["1", "4"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_reused_message_id_is_invalid_input() {
+    let Some(db) = db().await else { return };
+    let first = msg("k", "1");
+    db.enqueue(std::slice::from_ref(&first)).await;
+    let again = msg("k", "2").with_id(first.id);
+    let err = enqueue(db.pool(), &db.config, &again).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidInput(text) if text.contains(&first.id.to_string())),
+        "{err}"
+    );
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn enqueue_runs_in_a_transaction_inside_a_spawned_task() {
+    let Some(db) = db().await else { return };
+    let (pool, config) = (db.pool().clone(), db.config.clone());
+    // Web handlers run on spawned tasks: the enqueue future must be Send.
+    tokio::spawn(async move {
+        let mut tx = pool.begin().await.unwrap();
+        enqueue_batch(&mut *tx, &config, &[msg("k", "spawned")])
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    })
+    .await
+    .unwrap();
+    assert_eq!(names(&db.claim(10, Block).await), ["spawned"]);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn invalid_messages_are_refused_before_anything_is_sent() {
+    let Some(db) = db_with(|b| b.max_payload_bytes(64)).await else {
+        return;
+    };
+    let mut conn = MySqlConnection::connect(&db.url).await.unwrap();
+    let before = session_status(&mut conn, &["Com_insert", "Com_stmt_prepare"]).await;
+    let mut tx = conn.begin().await.unwrap();
+    let bad = [
+        NewMessage::new("test", "k", "", serde_json::json!({})),
+        msg("k", &"x".repeat(100)),
+        msg("k", "long key").with_partition_key("k".repeat(256)),
+        msg("k", "long dedup").with_dedup_key("d".repeat(256)),
+        NewMessage::new("t".repeat(256), "k", "e", serde_json::json!({})),
+    ];
+    for m in &bad {
+        let err = enqueue_batch(&mut *tx, &db.config, &[msg("k", "fine"), m.clone()])
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    }
+    let twins = msg("k", "twin");
+    let err = enqueue_batch(&mut *tx, &db.config, &[twins.clone(), twins])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    let err = enqueue_batch(
+        &mut *tx,
+        &db.config,
+        &[
+            msg("k", "a").with_dedup_key("same"),
+            msg("k", "b").with_dedup_key("same"),
+        ],
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, Error::DuplicateKey { .. }), "{err}");
+    let too_many: Vec<_> = (0..7_282).map(|i| msg("k", &i.to_string())).collect();
+    let err = enqueue_batch(&mut *tx, &db.config, &too_many)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("split"), "{err}");
+    tx.commit().await.unwrap();
+    let after = session_status(&mut conn, &["Com_insert", "Com_stmt_prepare"]).await;
+    assert_eq!(after, before, "a statement reached the server");
+    assert_eq!(db.store.counts().await.unwrap().pending, 0);
+
+    let err = db
+        .store
+        .claim(&ClaimRequest {
+            limit: 0,
+            lease: Duration::from_secs(1),
+            head_policy: Block,
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)));
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn invalid_identifiers_are_refused() {
+    for table in ["out box", "out`box", "1x", "a;b", ""] {
+        let err = MysqlConfig::new(table).unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+        assert!(err.to_string().contains("not a valid SQL identifier"));
+    }
+    let err = MysqlConfig::builder()
+        .database("db`; DROP DATABASE x")
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+}
+
+#[tokio::test]
+async fn an_unreachable_server_is_unavailable_without_the_password() {
+    // Port 1 on loopback: nothing listens there.
+    let url = "mysql://outbox:hunter2@127.0.0.1:1/test";
+    let err = MysqlStore::connect(url, MysqlConfig::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    assert!(err.is_transient());
+    let text = format!("{err} {err:?}");
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(text.contains("127.0.0.1:1"), "{text}");
+
+    let err = MysqlStore::connect(
+        "mysql://outbox:hunter2@127.0.0.1:notaport/x",
+        MysqlConfig::default(),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err:?}");
+    assert!(!format!("{err} {err:?}").contains("hunter2"));
+
+    // An existing store whose server went away: calls fail as Unavailable too, and neither
+    // the errors nor the store's Debug show the password.
+    let options = MySqlConnectOptions::from_str(url).unwrap();
+    let pool = MySqlPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy_with(options);
+    let store = MysqlStore::new(pool, MysqlConfig::default());
+    assert!(!format!("{store:?}").contains("hunter2"));
+    let err = store.counts().await.unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    assert!(!format!("{err} {err:?}").contains("hunter2"));
+}
+
+#[tokio::test]
+async fn a_missing_table_is_a_permanent_error_that_says_to_migrate() {
+    let Some(url) = service_url(URL_VAR) else {
+        return;
+    };
+    let config = MysqlConfig::new(&random_table()).unwrap();
+    let store = MysqlStore::connect(&url, config).await.unwrap();
+    let err = store
+        .claim(&ClaimRequest {
+            limit: 1,
+            lease: Duration::from_secs(1),
+            head_policy: Block,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Permanent);
+    assert!(err.to_string().contains("migrate()"), "{err}");
+}
+
+#[tokio::test]
+async fn purge_deletes_bounded_batches_of_old_published_messages_only() {
+    let Some(db) = db().await else { return };
+    let batch: Vec<_> = (0..10)
+        .map(|i| msg(&format!("k{i}"), &format!("{i}")))
+        .collect();
+    db.enqueue(&batch).await;
+    let claim = db.claim(7, Block).await;
+    let claimed = ids(&claim);
+    db.store.complete(claim.token, &claimed[..6]).await.unwrap();
+    kill(&db, claimed[6], claim.token).await;
+    db.advance(Duration::from_secs(7200)).await;
+    // Published just now: too young to purge.
+    db.enqueue(&[msg("z", "young")]).await;
+    let young = db.claim(1, Block).await;
+    db.store.complete(young.token, &ids(&young)).await.unwrap();
+
+    let hour = Duration::from_secs(3600);
+    assert_eq!(db.store.purge_published(hour, 4).await.unwrap(), 4);
+    assert_eq!(db.store.purge_published(hour, 4).await.unwrap(), 2);
+    assert_eq!(db.store.purge_published(hour, 4).await.unwrap(), 0);
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!(
+        (counts.pending, counts.leased, counts.published, counts.dead),
+        (3, 0, 1, 1)
+    );
+    // seq values are never reused after a purge.
+    db.store
+        .purge_published(Duration::ZERO, usize::MAX)
+        .await
+        .unwrap();
+    db.enqueue(&[msg("n", "new")]).await;
+    let seq: i64 = sqlx::query_scalar(&format!(
+        "SELECT seq FROM {} WHERE JSON_VALUE(payload, '$.name') = 'new'",
+        db.table()
+    ))
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(seq, 12);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_safe_when_run_concurrently() {
+    let Some(url) = service_url(URL_VAR) else {
+        return;
+    };
+    let database = format!("outbox_test_{:016x}", rand::random::<u64>());
+    // Two tables in one new database, each migrated by several processes at once.
+    let mut runs = Vec::new();
+    for i in 0..6 {
+        let table = if i % 2 == 0 { "outbox" } else { "outbox_b" };
+        let config = MysqlConfig::builder()
+            .database(&database)
+            .table(table)
+            .build()
+            .unwrap();
+        let pool = MySqlPoolOptions::new().connect(&url).await.unwrap();
+        runs.push(tokio::spawn(async move { migrate(&pool, &config).await }));
+    }
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    let config = MysqlConfig::builder().database(&database).build().unwrap();
+    let store = MysqlStore::connect(&url, config.clone()).await.unwrap();
+    store.migrate().await.unwrap();
+    let mut indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT CAST(INDEX_NAME AS CHAR CHARACTER SET utf8mb4)
+         FROM information_schema.STATISTICS
+         WHERE TABLE_SCHEMA = ? AND TABLE_NAME = 'outbox'",
+    )
+    .bind(&database)
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    indexes.sort();
+    assert_eq!(
+        indexes,
+        [
+            "PRIMARY",
+            "ix_claim",
+            "ix_key",
+            "ix_published",
+            "uq_dedup_key",
+            "uq_id"
+        ]
+        .map(String::from)
+    );
+    // The migrated table works.
+    let mut tx = store.pool().begin().await.unwrap();
+    enqueue(&mut *tx, &config, &msg("k", "1")).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(store.counts().await.unwrap().pending, 1);
+    sqlx::query(&format!("DROP DATABASE `{database}`"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn no_wake_source_and_concurrent_claimers() {
+    let Some(db) = db().await else { return };
+    let capabilities = db.store.capabilities();
+    assert!(capabilities.concurrent_claimers);
+    assert!(!capabilities.wakeups);
+    assert!(db.store.wakeups().await.unwrap().is_none());
+    db.drop().await;
+}
+
+/// A transition that InnoDB picks as a deadlock victim is run again instead of failing.
+#[tokio::test]
+async fn a_deadlock_victim_transition_is_run_again() {
+    let Some(db) = db().await else { return };
+    db.enqueue(&[msg("a", "a"), msg("b", "b")]).await;
+    let claim = db.claim(10, Block).await;
+    let mut held = ids(&claim);
+    held.sort();
+    let (first, second) = (held[0], held[1]);
+    // Another transaction: heavier (it changed rows), so InnoDB rolls back the complete
+    // rather than it. It locks the second message; the complete locks the first (ids are
+    // locked in sorted order) and waits for the second.
+    db.enqueue(
+        &(0..20)
+            .map(|i| msg("w", &i.to_string()))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    let mut other = db.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE {} SET attempts = attempts + 1 WHERE partition_key = 'w'",
+        db.table()
+    ))
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {} WHERE id = ? FOR UPDATE",
+        db.table()
+    ))
+    .bind(second.to_string())
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    let deadlocks = || async {
+        let (_, n): (String, String) = sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Innodb_deadlocks'")
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+        n.parse::<u64>().unwrap()
+    };
+    let deadlocks_before = deadlocks().await;
+    let store = db.store.clone();
+    let token = claim.token;
+    let complete = tokio::spawn(async move { store.complete(token, &[first, second]).await });
+    // Wait (bounded) until the complete waits for the lock. MariaDB refreshes INNODB_TRX only
+    // when it was last read more than 100 ms ago, hence the pause between reads.
+    let mut waiting = false;
+    for _ in 0..100 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.INNODB_TRX
+             WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE ?",
+        )
+        .bind(format!("%{}%", db.config.table()))
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+        if n > 0 {
+            waiting = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    assert!(waiting, "the complete never waited for the lock");
+    // Close the cycle: this transaction now waits for the first message's lock.
+    sqlx::query(&format!(
+        "SELECT 1 FROM {} WHERE id = ? FOR UPDATE",
+        db.table()
+    ))
+    .bind(first.to_string())
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    other.commit().await.unwrap();
+    complete.await.unwrap().unwrap();
+    assert!(deadlocks().await > deadlocks_before, "no deadlock happened");
+    assert_eq!(db.state(first).await, "published");
+    assert_eq!(db.state(second).await, "published");
+    db.drop().await;
+}
