@@ -36,6 +36,13 @@ pub mod sqlite {
     pub use outbox_backend_sqlite::*;
 }
 
+/// The MariaDB (MySQL) backend (`outbox-backend-mysql`).
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub mod mysql {
+    pub use outbox_backend_mysql::*;
+}
+
 /// The NATS JetStream publisher (`outbox-publisher-nats`).
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
