@@ -1,7 +1,8 @@
-//! Benchmarks of the outbox relay and enqueue paths against the real Postgres and SQLite.
+//! Benchmarks of the outbox relay and enqueue paths against the real Postgres, SQLite and
+//! MariaDB.
 //!
 //! ```text
-//! cargo run --release -p outbox-bench -- [sqlite|postgres|all] [MESSAGES] [KEYS] [BATCH] [IN_FLIGHT]
+//! cargo run --release -p outbox-bench -- [sqlite|postgres|mysql|all] [MESSAGES] [KEYS] [BATCH] [IN_FLIGHT]
 //! ```
 //!
 //! For each store: enqueue throughput with single-message transactions from 8 concurrent
@@ -9,13 +10,16 @@
 //! (default 1,000) partition keys through the real engine into the recording publisher, with
 //! per-key order checked afterwards. Prints one Markdown table row per figure. Postgres comes
 //! from `OUTBOX_TEST_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and
-//! uses a fresh schema that is dropped afterwards.
+//! uses a fresh schema that is dropped afterwards. MariaDB comes from `OUTBOX_TEST_MYSQL_URL`
+//! (default `mysql://root@127.0.0.1:3306/test`) and uses a fresh table that is dropped
+//! afterwards.
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use outbox_backend_mysql::{MysqlConfig, MysqlStore};
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
 use outbox_backend_sqlite::{SqliteConfig, SqliteStore};
 use outbox_memory::RecordingPublisher;
@@ -186,6 +190,84 @@ async fn bench_postgres(messages: usize, keys: usize) -> BoxResult<()> {
     Ok(())
 }
 
+async fn bench_mysql(messages: usize, keys: usize) -> BoxResult<()> {
+    let url = std::env::var("OUTBOX_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(WRITERS as u32 + 4)
+        .connect(&url)
+        .await
+        .map_err(|e| outbox_traits::redact_url(&e.to_string()))?;
+    let table = format!("bench_{}", uuid::Uuid::new_v4().simple());
+    let config = MysqlConfig::new(&table)?;
+    let store = Arc::new(MysqlStore::new(pool.clone(), config.clone()));
+    store.migrate().await?;
+
+    // Single-message transactions, 8 concurrent writers.
+    let started = Instant::now();
+    let mut writers = Vec::new();
+    for w in 0..WRITERS {
+        let (pool, config) = (pool.clone(), config.clone());
+        writers.push(tokio::spawn(async move {
+            for i in 0..SINGLE_TXNS_PER_WRITER {
+                let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
+                outbox_backend_mysql::enqueue(
+                    &mut *tx,
+                    &config,
+                    &message(w * SINGLE_TXNS_PER_WRITER + i, keys),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+                tx.commit().await.map_err(|e| e.to_string())?;
+            }
+            Ok::<_, String>(())
+        }));
+    }
+    for w in writers {
+        w.await??;
+    }
+    row(
+        "mysql",
+        "enqueue, 1 message per transaction",
+        WRITERS * SINGLE_TXNS_PER_WRITER,
+        started.elapsed(),
+        "8 concurrent writers",
+    );
+    drain(
+        "mysql",
+        store.clone(),
+        &*store,
+        WRITERS * SINGLE_TXNS_PER_WRITER,
+    )
+    .await?;
+    store.purge_published(Duration::ZERO, usize::MAX).await?;
+
+    // Batches, one writer.
+    let started = Instant::now();
+    for chunk in (0..messages).collect::<Vec<_>>().chunks(ENQUEUE_BATCH) {
+        let batch: Vec<_> = chunk.iter().map(|&n| message(n, keys)).collect();
+        let mut tx = pool.begin().await?;
+        outbox_backend_mysql::enqueue_batch(&mut *tx, &config, &batch).await?;
+        tx.commit().await?;
+    }
+    row(
+        "mysql",
+        "enqueue, batches of 500 per transaction",
+        messages,
+        started.elapsed(),
+        "1 writer",
+    );
+    sqlx::raw_sql(&format!("ANALYZE TABLE {}", config.qualified_table()))
+        .execute(&pool)
+        .await?;
+
+    drain("mysql", store.clone(), &*store, messages).await?;
+    sqlx::raw_sql(&format!("DROP TABLE {}", config.qualified_table()))
+        .execute(&pool)
+        .await?;
+    Ok(())
+}
+
 fn sqlite_single_writers(path: &Path, config: &SqliteConfig, keys: usize) -> BoxResult<()> {
     let threads: Vec<_> = (0..WRITERS)
         .map(|w| {
@@ -288,6 +370,9 @@ async fn main() -> BoxResult<()> {
     }
     if which == "postgres" || which == "all" {
         bench_postgres(messages, keys).await?;
+    }
+    if which == "mysql" || which == "all" {
+        bench_mysql(messages, keys).await?;
     }
     Ok(())
 }
