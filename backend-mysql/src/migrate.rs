@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use outbox_traits::Error;
-use sqlx::{Executor, MySqlPool};
+use sqlx::pool::PoolConnection;
+use sqlx::{Executor, MySql, MySqlPool};
 
 use crate::config::MysqlConfig;
 use crate::error::map_sqlx;
@@ -26,8 +27,9 @@ const LOCK_TIMEOUT: Duration = Duration::from_secs(60);
 /// so a migration interrupted half-way is completed by the next one. Safe to call at every
 /// start-up.
 ///
-/// The connection that held the lock is closed afterwards rather than returned to the pool, so
-/// a cancelled call can never leave the lock held by a pooled connection.
+/// If the call is cancelled (or the lock cannot be released) while the lock is held, its
+/// connection is closed rather than returned to the pool, so no pooled connection keeps the
+/// lock.
 ///
 /// # Errors
 /// Classified database errors, e.g. [`Error::Unavailable`] when the server cannot be reached,
@@ -36,18 +38,22 @@ const LOCK_TIMEOUT: Duration = Duration::from_secs(60);
 pub async fn migrate(pool: &MySqlPool, config: &MysqlConfig) -> Result<(), Error> {
     let table = config.qualified_table();
     let err = |e| map_sqlx(e, "migrate", table);
-    let mut conn = pool.acquire().await.map_err(err)?;
-    conn.close_on_drop();
+    // From here until the lock is released, a cancelled call closes the connection.
+    let mut guard = LockGuard {
+        conn: pool.acquire().await.map_err(err)?,
+        may_hold_lock: true,
+    };
     let lock_name = "CONCAT(?, MD5(CONCAT_WS('.', COALESCE(?, DATABASE(), ''), ?)))";
     let locked: Option<i64> = sqlx::query_scalar(&format!("SELECT GET_LOCK({lock_name}, ?)"))
         .bind(MIGRATION_LOCK_PREFIX)
         .bind(config.database())
         .bind(config.table())
         .bind(LOCK_TIMEOUT.as_secs())
-        .fetch_one(&mut *conn)
+        .fetch_one(&mut *guard.conn)
         .await
         .map_err(err)?;
     if locked != Some(1) {
+        guard.may_hold_lock = false;
         return Err(Error::transient(
             format!(
                 "migrate on {table}: another process held the migration lock for {LOCK_TIMEOUT:?}; \
@@ -57,15 +63,34 @@ pub async fn migrate(pool: &MySqlPool, config: &MysqlConfig) -> Result<(), Error
         ));
     }
     // A query without arguments goes through the text protocol, which runs every statement.
-    let migrated = conn.execute(config.migration_sql()).await.map_err(err);
-    let released = sqlx::query(&format!("DO RELEASE_LOCK({lock_name})"))
+    let migrated = guard
+        .conn
+        .execute(config.migration_sql())
+        .await
+        .map_err(err);
+    sqlx::query(&format!("DO RELEASE_LOCK({lock_name})"))
         .bind(MIGRATION_LOCK_PREFIX)
         .bind(config.database())
         .bind(config.table())
-        .execute(&mut *conn)
+        .execute(&mut *guard.conn)
         .await
-        .map_err(err);
+        .map_err(err)?;
+    guard.may_hold_lock = false;
     migrated?;
-    released?;
     Ok(())
+}
+
+/// A pooled connection that may hold the migration lock. Dropped while it may, it is closed
+/// instead of returned to the pool: closing the session releases the lock.
+struct LockGuard {
+    conn: PoolConnection<MySql>,
+    may_hold_lock: bool,
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if self.may_hold_lock {
+            self.conn.close_on_drop();
+        }
+    }
 }
