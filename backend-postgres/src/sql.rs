@@ -262,9 +262,17 @@ chosen AS (
     UNION ALL
     SELECT id FROM ranked WHERE n = 1 AND seq = head_seq
     UNION ALL
-    SELECT r.id FROM ranked r
-    JOIN heads h ON h.partition_key = r.partition_key AND h.rn = r.rn AND h.seq = r.seq
-    WHERE r.n > 1
+    -- A candidate of a key with several passes when `heads` has the same (key, rank, seq).
+    -- Matched by grouping rather than a join: with poor statistics the planner ran a join
+    -- here as a nested loop that recomputed `heads` for every candidate.
+    SELECT (array_agg(id) FILTER (WHERE id IS NOT NULL))[1]
+    FROM (
+        SELECT partition_key, rn, seq, id FROM ranked WHERE n > 1
+        UNION ALL
+        SELECT partition_key, rn, seq, NULL FROM heads
+    ) both_sides
+    GROUP BY partition_key, rn, seq
+    HAVING count(*) = 2
 ),
 upd AS (
     -- Only the lease columns change: a HOT update when the page has room.

@@ -24,6 +24,17 @@ use crate::wake::PgWakeSource;
 /// returns a huge error body cannot bloat the table.
 const MAX_ERROR_BYTES: usize = 8 * 1024;
 
+/// Run first in every claim's transaction. The claim's best plan walks the claim index in `seq`
+/// order and stops at the limit; with missing or stale statistics (a new table, or one analyzed
+/// while it was empty or all published, then hit by a burst) the planner may instead fetch
+/// every pending row with a bitmap or sequential scan and sort them, once per claim, which made
+/// an 8,000-row backlog take 150 ms per claim instead of 8 ms. Turning those two scan types off
+/// for this transaction only leaves the ordered index scan; nothing else in the claim wants
+/// them.
+/// (`set_config(..., true)` is `SET LOCAL`, as one statement.)
+const CLAIM_PLAN: &str = "SELECT set_config('enable_bitmapscan', 'off', true), \
+                          set_config('enable_seqscan', 'off', true)";
+
 /// How long [`PostgresStore::connect`] waits for a first connection, and the pool it makes
 /// waits for a connection before a call fails with [`Error::Unavailable`].
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -31,8 +42,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// An [`OutboxStore`] and [`OutboxAdmin`] over a Postgres table.
 ///
 /// Holds a connection pool and a [`PostgresConfig`]; cloning is cheap and shares the pool.
-/// Every method is one statement (one round trip) in its own short transaction, so no lock is
-/// held between calls.
+/// Every method is one statement in its own short transaction (a claim runs one `set_config`
+/// before its statement, see `CLAIM_PLAN`), so no lock is held between calls.
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: PgPool,
@@ -188,11 +199,19 @@ impl OutboxStore for PostgresStore {
             HeadPolicy::Block => &self.config.sql().claim_block,
             HeadPolicy::Skip => &self.config.sql().claim_skip,
         };
+        // The claim statement runs in a short transaction of its own whose first statement pins
+        // its plan (see `CLAIM_PLAN`). Nothing else happens inside it, and the transaction ends
+        // before this call returns, so no lock outlives the call.
+        let mut tx = self.pool.begin().await.map_err(self.err("claim"))?;
+        sqlx::query(CLAIM_PLAN)
+            .execute(&mut *tx)
+            .await
+            .map_err(self.err("claim"))?;
         let rows: Vec<PgRow> = sqlx::query(sql)
             .bind(limit)
             .bind(token.0)
             .bind(lease_us)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *tx)
             .await
             .map_err(self.err("claim"))?;
         let table = self.config.qualified_table();
@@ -214,8 +233,8 @@ impl OutboxStore for PostgresStore {
         }
         if messages.len() > req.limit {
             // The SQL makes this impossible (LIMIT inside a MATERIALIZED CTE); if it ever
-            // happens, refuse loudly rather than hand out more than asked. The extra leases
-            // expire on their own.
+            // happens, refuse loudly rather than hand out more than asked, and lease nothing.
+            tx.rollback().await.map_err(self.err("claim"))?;
             return Err(Error::permanent(
                 format!(
                     "claim on {table} leased {} messages, more than the limit of {}; \
@@ -229,6 +248,7 @@ impl OutboxStore for PostgresStore {
         let lease_until = lease_until.ok_or_else(|| {
             Error::permanent(format!("claim on {table} returned no lease end"), None)
         })?;
+        tx.commit().await.map_err(self.err("claim"))?;
         Ok(Claim {
             token,
             lease_until,
