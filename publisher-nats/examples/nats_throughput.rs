@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! OUTBOX_TEST_NATS_URL=nats://127.0.0.1:4222 cargo run --release -p outbox-publisher-nats \
-//!     --example throughput -- [messages=100000] [keys=1000] [batch=500] [concurrency=2]
+//!     --example nats_throughput -- [messages=100000] [keys=1000] [batch=500] [concurrency=2]
 //! ```
 //!
 //! Messages carry a ~200-byte JSON payload and the standard headers; each batch is one
