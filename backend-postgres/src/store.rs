@@ -200,20 +200,50 @@ impl OutboxStore for PostgresStore {
             HeadPolicy::Skip => &self.config.sql().claim_skip,
         };
         // The claim statement runs in a short transaction of its own whose first statement pins
-        // its plan (see `CLAIM_PLAN`). Nothing else happens inside it, and the transaction ends
-        // before this call returns, so no lock outlives the call.
-        let mut tx = self.pool.begin().await.map_err(self.err("claim"))?;
-        sqlx::query(CLAIM_PLAN)
-            .execute(&mut *tx)
-            .await
-            .map_err(self.err("claim"))?;
-        let rows: Vec<PgRow> = sqlx::query(sql)
-            .bind(limit)
-            .bind(token.0)
-            .bind(lease_us)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(self.err("claim"))?;
+        // its plan (see `CLAIM_PLAN`). The transaction runs in its own task, so that a caller
+        // that drops this future (a relay aborted mid-claim) cannot leave it open with its rows
+        // locked on a pooled connection: it always ends, as a single statement would, and what
+        // it leased then expires like a crashed relay's leases.
+        let (pool, sql, table) = (
+            self.pool.clone(),
+            sql.clone(),
+            self.config.qualified_table().to_owned(),
+        );
+        let max = req.limit;
+        let rows = tokio::spawn(async move {
+            let err = |e| map_sqlx(e, "claim", &table);
+            let mut tx = pool.begin().await.map_err(err)?;
+            sqlx::query(CLAIM_PLAN)
+                .execute(&mut *tx)
+                .await
+                .map_err(err)?;
+            let rows: Vec<PgRow> = sqlx::query(&sql)
+                .bind(limit)
+                .bind(token.0)
+                .bind(lease_us)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(err)?;
+            // One row carries only the lease end; the others are messages. More messages than
+            // the limit is impossible by the SQL (LIMIT inside a MATERIALIZED CTE); if it ever
+            // happens, lease nothing and let the caller refuse the claim loudly.
+            if rows.len() > max + 1 {
+                tx.rollback().await.map_err(err)?;
+            } else {
+                tx.commit().await.map_err(err)?;
+            }
+            Ok::<_, Error>(rows)
+        })
+        .await
+        .map_err(|e| {
+            Error::transient(
+                format!(
+                    "claim on {} did not finish: {e}",
+                    self.config.qualified_table()
+                ),
+                None,
+            )
+        })??;
         let table = self.config.qualified_table();
         let mut lease_until = None;
         let mut messages = Vec::with_capacity(rows.len());
@@ -233,8 +263,8 @@ impl OutboxStore for PostgresStore {
         }
         if messages.len() > req.limit {
             // The SQL makes this impossible (LIMIT inside a MATERIALIZED CTE); if it ever
-            // happens, refuse loudly rather than hand out more than asked, and lease nothing.
-            tx.rollback().await.map_err(self.err("claim"))?;
+            // happens, refuse loudly rather than hand out more than asked (the transaction
+            // above was rolled back: nothing is leased).
             return Err(Error::permanent(
                 format!(
                     "claim on {table} leased {} messages, more than the limit of {}; \
@@ -248,7 +278,6 @@ impl OutboxStore for PostgresStore {
         let lease_until = lease_until.ok_or_else(|| {
             Error::permanent(format!("claim on {table} returned no lease end"), None)
         })?;
-        tx.commit().await.map_err(self.err("claim"))?;
         Ok(Claim {
             token,
             lease_until,
