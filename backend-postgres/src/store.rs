@@ -473,4 +473,72 @@ mod tests {
         assert!(cut.len() <= MAX_ERROR_BYTES && cut.chars().all(|c| c == 'é'));
         assert_eq!(truncate_error("a\0b"), "a\u{FFFD}b");
     }
+
+    /// The plan a claim runs with on a table without statistics: with `CLAIM_PLAN` it walks the
+    /// claim index in `seq` order; without it the planner sorts the whole backlog (the control,
+    /// which shows this test would notice the setting's removal).
+    #[tokio::test]
+    async fn the_claim_plan_walks_the_index_even_without_statistics() {
+        use sqlx::Executor;
+        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")
+        else {
+            return;
+        };
+        let schema = format!("outbox_test_{:016x}", rand::random::<u64>());
+        let config = PostgresConfig::new(&schema, "outbox").unwrap();
+        let store = PostgresStore::connect(&url, config.clone()).await.unwrap();
+        store.migrate().await.unwrap();
+        // 8,000 pending rows, 8 per key in a row, never analyzed.
+        let table = config.qualified_table();
+        store
+            .pool()
+            .execute(
+                format!(
+                    "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload, partition_key)
+                     SELECT gen_random_uuid(), 'order', 'o', 'placed', '{{}}'::jsonb,
+                            'customer-' || (g / 8)
+                     FROM generate_series(0, 7999) g ORDER BY g"
+                )
+                .as_str(),
+            )
+            .await
+            .unwrap();
+        let plan = |pin: bool| {
+            let (pool, sql) = (store.pool().clone(), config.sql().claim_block.clone());
+            async move {
+                let mut tx = pool.begin().await.unwrap();
+                if pin {
+                    sqlx::query(CLAIM_PLAN).execute(&mut *tx).await.unwrap();
+                }
+                tx.execute(format!("PREPARE claim_plan(bigint, uuid, bigint) AS {sql}").as_str())
+                    .await
+                    .unwrap();
+                let lines: Vec<String> = sqlx::query_scalar(
+                    "EXPLAIN EXECUTE claim_plan(500, gen_random_uuid(), 30000000)",
+                )
+                .fetch_all(&mut *tx)
+                .await
+                .unwrap();
+                tx.rollback().await.unwrap();
+                lines.join("\n")
+            }
+        };
+        let unpinned = plan(false).await;
+        let pinned = plan(true).await;
+        store
+            .pool()
+            .execute(format!("DROP SCHEMA \"{schema}\" CASCADE").as_str())
+            .await
+            .unwrap();
+        assert!(
+            unpinned.contains("Bitmap") || unpinned.contains("Seq Scan"),
+            "control: without statistics the unpinned claim was expected to scan and sort the \
+             backlog; if the planner no longer does, this test proves nothing:\n{unpinned}"
+        );
+        assert!(
+            !pinned.contains("Bitmap") && !pinned.contains("Seq Scan"),
+            "the pinned claim scans the backlog:\n{pinned}"
+        );
+        assert!(pinned.contains("_claim_idx"), "{pinned}");
+    }
 }

@@ -130,33 +130,39 @@ impl MemoryStore {
     /// An empty store reading time from `clock` (share one clock between stores to move them
     /// together).
     pub fn with_clock(clock: Arc<Clock>) -> Self {
-        Self::build(clock, Limits::default(), None)
+        Self::build(clock, Limits::default(), None, false)
     }
 
     /// The same store with other enqueue limits.
     pub fn with_limits(clock: Arc<Clock>, limits: Limits) -> Self {
-        Self::build(clock, limits, None)
+        Self::build(clock, limits, None, false)
     }
 
     /// An empty store reading time from `clock` that deletes messages as they are published
     /// instead of keeping them ([`Capabilities::deletes_published`]), like a database store
     /// configured to delete on publish.
     pub fn deleting_published(clock: Arc<Clock>) -> Self {
-        let mut store = Self::build(clock, Limits::default(), None);
-        if let Some(inner) = Arc::get_mut(&mut store.inner) {
-            inner.deletes_published = true;
-        }
-        store
+        Self::build(clock, Limits::default(), None, true)
     }
 
     /// A store that breaks the contract on purpose, as `defect` says. Only for proving that a
     /// test suite catches such a store.
     #[cfg(feature = "defects")]
     pub fn with_defect(defect: Defect) -> Self {
-        Self::build(Arc::new(Clock::new()), Limits::default(), Some(defect))
+        Self::build(
+            Arc::new(Clock::new()),
+            Limits::default(),
+            Some(defect),
+            false,
+        )
     }
 
-    fn build(clock: Arc<Clock>, limits: Limits, defect: Option<Defect>) -> Self {
+    fn build(
+        clock: Arc<Clock>,
+        limits: Limits,
+        defect: Option<Defect>,
+        deletes_published: bool,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 state: Mutex::new(State {
@@ -168,7 +174,7 @@ impl MemoryStore {
                 limits,
                 commits: watch::Sender::new(0),
                 defect,
-                deletes_published: false,
+                deletes_published,
             }),
         }
     }
