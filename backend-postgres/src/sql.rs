@@ -129,7 +129,14 @@ CREATE TABLE IF NOT EXISTS {t} (
     -- Relay columns.
     seq            bigint      GENERATED ALWAYS AS IDENTITY,
     headers        jsonb       NOT NULL DEFAULT '{{}}'::jsonb,
-    partition_key  text,
+    -- Compared bytewise (collation "C"): a key is an identifier, never sorted for people, and
+    -- the claim compares keys in the per-key index and in its grouping. Under the database's
+    -- default collation (e.g. C.UTF-8 or en_US) every comparison goes through the C library's
+    -- strcoll; "C" is a memcmp, and the claim costs about a fifth less CPU. Equality is the
+    -- same under any deterministic collation. Tables made before this column had a collation
+    -- keep their default one (changing it rebuilds the per-key index under a lock), see the
+    -- README.
+    partition_key  text COLLATE "C",
     dedup_key      text,
     state          text        NOT NULL DEFAULT 'pending',
     attempts       integer     NOT NULL DEFAULT 0,

@@ -474,6 +474,43 @@ mod tests {
         assert_eq!(truncate_error("a\0b"), "a\u{FFFD}b");
     }
 
+    /// New tables compare partition keys bytewise: the claim's per-key probes and grouping
+    /// then avoid the C library's locale-aware comparison.
+    #[tokio::test]
+    async fn partition_keys_are_compared_bytewise() {
+        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")
+        else {
+            return;
+        };
+        let schema = format!("outbox_test_{:016x}", rand::random::<u64>());
+        let config = PostgresConfig::new(&schema, "outbox").unwrap();
+        let store = PostgresStore::connect(&url, config.clone()).await.unwrap();
+        store.migrate().await.unwrap();
+        // Migrating again leaves the table as it is.
+        store.migrate().await.unwrap();
+        let collations: Vec<(String, String)> = sqlx::query_as(
+            "SELECT a.attname::text, c.collname::text
+             FROM pg_attribute a JOIN pg_collation c ON c.oid = a.attcollation
+             WHERE a.attrelid = $1::regclass AND a.attname IN ('partition_key', 'aggregatetype')
+             ORDER BY a.attname",
+        )
+        .bind(config.qualified_table())
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+        sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+            .execute(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(
+            collations,
+            vec![
+                ("aggregatetype".to_owned(), "default".to_owned()),
+                ("partition_key".to_owned(), "C".to_owned()),
+            ]
+        );
+    }
+
     /// The plan a claim runs with on a table without statistics: with `CLAIM_PLAN` it walks the
     /// claim index in `seq` order; without it the planner sorts the whole backlog (the control,
     /// which shows this test would notice the setting's removal).
