@@ -35,6 +35,7 @@ struct Inner {
     database: Option<String>,
     table: String,
     limits: Limits,
+    delete_published: bool,
     sql: Sql,
 }
 
@@ -71,6 +72,12 @@ impl MysqlConfig {
         self.inner.limits
     }
 
+    /// Whether completing a message deletes its row instead of marking it published
+    /// (see [`MysqlConfigBuilder::delete_published`]).
+    pub fn delete_published(&self) -> bool {
+        self.inner.delete_published
+    }
+
     /// The migration SQL for this table, for teams that apply migrations with their own tool.
     ///
     /// It is idempotent (`IF NOT EXISTS`); [`crate::migrate`] runs exactly this under a
@@ -84,13 +91,19 @@ impl MysqlConfig {
     }
 
     /// Build from names that already passed [`validate_sql_identifier`].
-    fn from_valid(database: Option<String>, table: String, limits: Limits) -> Self {
-        let sql = Sql::build(database.as_deref(), &table);
+    fn from_valid(
+        database: Option<String>,
+        table: String,
+        limits: Limits,
+        delete_published: bool,
+    ) -> Self {
+        let sql = Sql::build(database.as_deref(), &table, delete_published);
         Self {
             inner: Arc::new(Inner {
                 database,
                 table,
                 limits,
+                delete_published,
                 sql,
             }),
         }
@@ -100,7 +113,7 @@ impl MysqlConfig {
 impl Default for MysqlConfig {
     /// Table `outbox` in the connection's database, 1 MiB payloads.
     fn default() -> Self {
-        Self::from_valid(None, DEFAULT_TABLE.to_owned(), Limits::default())
+        Self::from_valid(None, DEFAULT_TABLE.to_owned(), Limits::default(), false)
     }
 }
 
@@ -110,6 +123,7 @@ impl fmt::Debug for MysqlConfig {
             .field("database", &self.inner.database)
             .field("table", &self.inner.table)
             .field("limits", &self.inner.limits)
+            .field("delete_published", &self.inner.delete_published)
             .finish()
     }
 }
@@ -120,6 +134,7 @@ pub struct MysqlConfigBuilder {
     database: Option<String>,
     table: String,
     limits: Limits,
+    delete_published: bool,
 }
 
 impl Default for MysqlConfigBuilder {
@@ -128,6 +143,7 @@ impl Default for MysqlConfigBuilder {
             database: None,
             table: DEFAULT_TABLE.to_owned(),
             limits: Limits::default(),
+            delete_published: false,
         }
     }
 }
@@ -159,6 +175,17 @@ impl MysqlConfigBuilder {
         self
     }
 
+    /// Delete a message's row when it is published, instead of marking it `published` (the
+    /// default, `false`). Completion is then a `DELETE` by primary key and no purge job is
+    /// needed; the table keeps no history of published messages (`counts()` reports none), and
+    /// a dedup key is free again as soon as its message is published. The table is the same
+    /// in both modes, so the setting can change between runs. Reported to the relay as
+    /// [`Capabilities::deletes_published`](outbox_traits::Capabilities::deletes_published).
+    pub fn delete_published(mut self, delete: bool) -> Self {
+        self.delete_published = delete;
+        self
+    }
+
     /// Validate the names and limits and build every SQL statement.
     pub fn build(self) -> Result<MysqlConfig, Error> {
         if let Some(database) = &self.database {
@@ -174,6 +201,7 @@ impl MysqlConfigBuilder {
             self.database,
             self.table,
             self.limits,
+            self.delete_published,
         ))
     }
 }

@@ -101,7 +101,7 @@ pub(crate) struct Sql {
 }
 
 impl Sql {
-    pub(crate) fn build(database: Option<&str>, table: &str) -> Self {
+    pub(crate) fn build(database: Option<&str>, table: &str, delete_published: bool) -> Self {
         let t = match database {
             Some(db) => format!("`{db}`.`{table}`"),
             None => format!("`{table}`"),
@@ -242,12 +242,20 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  SET m.lease_token = ?, m.lease_until = ?"
             ),
             held,
-            complete: format!(
-                "UPDATE {ID_LIST} j
-                 STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
-                 SET m.state = 'published', m.published_at = UTC_TIMESTAMP(6),
-                     m.lease_token = NULL, m.lease_until = NULL"
-            ),
+            // The held rows are locked by the transition, so the delete needs no fence.
+            complete: if delete_published {
+                format!(
+                    "DELETE m FROM {ID_LIST} j
+                     STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id"
+                )
+            } else {
+                format!(
+                    "UPDATE {ID_LIST} j
+                     STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+                     SET m.state = 'published', m.published_at = UTC_TIMESTAMP(6),
+                         m.lease_token = NULL, m.lease_until = NULL"
+                )
+            },
             release: format!(
                 "UPDATE {ID_LIST} j
                  STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
@@ -354,7 +362,7 @@ mod tests {
 
     #[test]
     fn insert_has_one_row_of_placeholders_per_message() {
-        let sql = Sql::build(None, "outbox");
+        let sql = Sql::build(None, "outbox", false);
         let three = sql.insert(3);
         assert_eq!(three.matches('?').count(), 3 * INSERT_PARAMS_PER_ROW);
         assert!(three.starts_with("INSERT INTO `outbox` ("));
@@ -363,10 +371,19 @@ mod tests {
 
     #[test]
     fn names_are_quoted_everywhere() {
-        let sql = Sql::build(Some("db"), "t");
-        assert_eq!(sql.table, "`db`.`t`");
-        for statement in [&sql.candidates_block, &sql.held, &sql.purge, &sql.counts] {
-            assert!(statement.contains("`db`.`t`"), "{statement}");
+        for delete_published in [false, true] {
+            let sql = Sql::build(Some("db"), "t", delete_published);
+            assert_eq!(sql.table, "`db`.`t`");
+            for statement in [
+                &sql.candidates_block,
+                &sql.held,
+                &sql.complete,
+                &sql.purge,
+                &sql.counts,
+            ] {
+                assert!(statement.contains("`db`.`t`"), "{statement}");
+            }
+            assert_eq!(sql.complete.starts_with("DELETE"), delete_published);
         }
     }
 }

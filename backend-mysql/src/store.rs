@@ -355,7 +355,9 @@ impl OutboxStore for MysqlStore {
 
     fn capabilities(&self) -> Capabilities {
         // MariaDB has no LISTEN/NOTIFY: no wake-up source, the relay polls (adaptively).
-        Capabilities::none().with_concurrent_claimers(true)
+        Capabilities::none()
+            .with_concurrent_claimers(true)
+            .with_deletes_published(self.config.delete_published())
     }
 }
 

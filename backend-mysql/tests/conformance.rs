@@ -1,4 +1,5 @@
-//! The shared conformance suite (checks and model properties) against the real MariaDB store.
+//! The shared conformance suite (checks and model properties) against the real MariaDB store,
+//! keeping published rows (the default) and deleting them (`delete_published`).
 //!
 //! Each fresh store is a new table with a random name in the database of
 //! `OUTBOX_TEST_MYSQL_URL`, dropped at teardown. Business transactions, admin calls and time
@@ -25,6 +26,8 @@ struct MysqlHarness {
     options: MySqlConnectOptions,
     /// Shared by every store of this test: a fresh store is a new table, not new connections.
     pool: OnceCell<MySqlPool>,
+    /// Stores delete messages as they are published (`delete_published`).
+    delete_published: bool,
 }
 
 impl MysqlHarness {
@@ -33,7 +36,15 @@ impl MysqlHarness {
         Some(Self {
             options: MySqlConnectOptions::from_str(&url).expect("OUTBOX_TEST_MYSQL_URL"),
             pool: OnceCell::new(),
+            delete_published: false,
         })
+    }
+
+    fn deleting_published(self) -> Self {
+        Self {
+            delete_published: true,
+            ..self
+        }
     }
 }
 
@@ -51,7 +62,11 @@ fn err(e: sqlx::Error) -> Error {
 #[async_trait]
 impl Harness for MysqlHarness {
     fn name(&self) -> String {
-        "mysql".into()
+        if self.delete_published {
+            "mysql, deleting published".into()
+        } else {
+            "mysql".into()
+        }
     }
 
     async fn fresh(&self) -> Result<Box<dyn HarnessStore>, Error> {
@@ -60,7 +75,10 @@ impl Harness for MysqlHarness {
             .get_or_init(|| async { pool(&self.options, 8) })
             .await
             .clone();
-        let config = MysqlConfig::new(&random_table())?;
+        let config = MysqlConfig::builder()
+            .table(random_table())
+            .delete_published(self.delete_published)
+            .build()?;
         let store = MysqlStore::new(shared, config);
         store.migrate().await?;
         Ok(Box::new(MysqlHarnessStore {
@@ -148,3 +166,11 @@ impl HarnessTx for MysqlHarnessTx {
 }
 
 outbox_conformance_tests::conformance_suite!(optional: MysqlHarness::from_env());
+
+/// The same suite with `delete_published(true)`: completing deletes the row.
+mod deleting_published {
+    use super::MysqlHarness;
+
+    outbox_conformance_tests::conformance_suite!(optional: MysqlHarness::from_env()
+        .map(MysqlHarness::deleting_published));
+}

@@ -1007,3 +1007,46 @@ async fn a_deadlock_victim_transition_is_run_again() {
     assert_eq!(db.state(second).await, "published");
     db.drop().await;
 }
+
+#[tokio::test]
+async fn delete_published_removes_rows_frees_dedup_keys_and_still_fences() {
+    let Some(db) = db_with(|b| b.delete_published(true)).await else {
+        return;
+    };
+    assert!(db.store.capabilities().deletes_published);
+    db.enqueue(&[msg("a", "first").with_dedup_key("once"), msg("b", "second")])
+        .await;
+    let claim = db.claim(10, Block).await;
+    let claimed = ids(&claim);
+    db.store.complete(claim.token, &claimed[..1]).await.unwrap();
+
+    // The published row is gone; the other one is still held.
+    let rows: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {}", db.table()))
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!((counts.leased, counts.published), (1, 0));
+    // Completing a deleted message again, or with a foreign token, changes nothing.
+    let err = db.store.complete(claim.token, &claimed[..1]).await;
+    assert!(
+        matches!(&err, Err(Error::LeaseLost { ids }) if ids == &claimed[..1]),
+        "{err:?}"
+    );
+    let err = db.store.complete(LeaseToken::new(), &claimed[1..]).await;
+    assert!(matches!(err, Err(Error::LeaseLost { .. })), "{err:?}");
+    assert_eq!(db.state(claimed[1]).await, "leased");
+    // The dedup key is free again once its message was published.
+    db.enqueue(&[msg("a", "again").with_dedup_key("once")])
+        .await;
+    db.advance(Duration::from_secs(7200)).await;
+    assert_eq!(
+        db.store
+            .purge_published(Duration::from_secs(60), 100)
+            .await
+            .unwrap(),
+        0
+    );
+    db.drop().await;
+}
