@@ -914,6 +914,81 @@ pub async fn concurrent_claims_are_exclusive(harness: &dyn Harness) -> Result<()
     f.finish().await
 }
 
+/// A dedup key stays taken while its message is kept, published or not, and is free again once
+/// the message is gone: purged, or deleted as it was published by a store that declares
+/// `deletes_published`. Completing a deleted message again is a lost lease.
+pub async fn dedup_key_outlives_its_message_only_while_kept(
+    harness: &dyn Harness,
+) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    let deletes = f.store.capabilities().store.deletes_published;
+    f.enqueue(&[msg("k", "first").with_dedup_key("once")])
+        .await?;
+    let claim = f.claim(1).await?;
+    let id = ids(&claim)[0];
+    f.relay
+        .complete(claim.token, &[id])
+        .await
+        .map_err(err("complete"))?;
+    let r = f.relay.complete(claim.token, &[id]).await;
+    ensure!(
+        is_lease_lost(&r, &[id]),
+        "completing a published message again returned {r:?}, expected LeaseLost naming it"
+    );
+    let counts = f.counts().await?;
+    ensure!(
+        counts.published == f.kept(1) && counts.pending + counts.leased + counts.dead == 0,
+        "after publishing the only message: counts {counts:?}"
+    );
+
+    let mut tx = f.store.begin().await.map_err(err("begin"))?;
+    let again = tx
+        .enqueue(&[msg("k", "second").with_dedup_key("once")])
+        .await;
+    match (&again, deletes) {
+        (Ok(()), true) => tx.commit().await.map_err(err("commit"))?,
+        (Err(Error::DuplicateKey { .. }), false) => {
+            let _ = tx.rollback().await;
+        }
+        _ => {
+            let _ = tx.rollback().await;
+            return Err(if deletes {
+                format!(
+                    "the dedup key of a message deleted as it was published is still taken: \
+                     {again:?}"
+                )
+            } else {
+                format!(
+                    "the dedup key of a published message that is still kept was taken again: \
+                     {again:?}, expected DuplicateKey"
+                )
+            });
+        }
+    }
+    f.advance(7200).await?;
+    let purged = f
+        .admin
+        .purge_published(Duration::from_secs(60), 100)
+        .await
+        .map_err(err("purge"))?;
+    ensure!(
+        purged == f.kept(1),
+        "purge deleted {purged}, expected {}",
+        f.kept(1)
+    );
+    if !deletes {
+        f.enqueue(&[msg("k", "second").with_dedup_key("once")])
+            .await
+            .map_err(|e| format!("the dedup key of a purged message is still taken: {e}"))?;
+    }
+    let counts = f.counts().await?;
+    ensure!(
+        counts.pending == 1 && counts.published == 0,
+        "after reusing the dedup key: counts {counts:?}"
+    );
+    f.finish().await
+}
+
 /// Every check, by name, so the macro and pickers can run them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -952,11 +1027,13 @@ pub enum Check {
     EnqueueRefusals,
     /// [`concurrent_claims_are_exclusive`]
     ConcurrentClaimsAreExclusive,
+    /// [`dedup_key_outlives_its_message_only_while_kept`]
+    DedupKeyOutlivesItsMessageOnlyWhileKept,
 }
 
 impl Check {
     /// Every check.
-    pub const ALL: [Check; 17] = [
+    pub const ALL: [Check; 18] = [
         Check::ClaimRespectsLimit,
         Check::NoPhantoms,
         Check::LateCommitIsClaimed,
@@ -974,6 +1051,7 @@ impl Check {
         Check::MessageRoundTrip,
         Check::EnqueueRefusals,
         Check::ConcurrentClaimsAreExclusive,
+        Check::DedupKeyOutlivesItsMessageOnlyWhileKept,
     ];
 
     /// Run this check against a fresh store of `harness`.
@@ -996,6 +1074,9 @@ impl Check {
             Check::MessageRoundTrip => message_round_trip(harness).await,
             Check::EnqueueRefusals => enqueue_refusals(harness).await,
             Check::ConcurrentClaimsAreExclusive => concurrent_claims_are_exclusive(harness).await,
+            Check::DedupKeyOutlivesItsMessageOnlyWhileKept => {
+                dedup_key_outlives_its_message_only_while_kept(harness).await
+            }
         }
     }
 

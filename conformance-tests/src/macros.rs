@@ -39,6 +39,7 @@ macro_rules! conformance_suite {
             message_round_trip MessageRoundTrip,
             enqueue_refusals EnqueueRefusals,
             concurrent_claims_are_exclusive ConcurrentClaimsAreExclusive,
+            dedup_key_outlives_its_message_only_while_kept DedupKeyOutlivesItsMessageOnlyWhileKept,
         );
     };
     ($harness:expr) => {
