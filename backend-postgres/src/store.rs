@@ -474,18 +474,30 @@ mod tests {
         assert_eq!(truncate_error("a\0b"), "a\u{FFFD}b");
     }
 
-    /// New tables compare partition keys bytewise: the claim's per-key probes and grouping
-    /// then avoid the C library's locale-aware comparison.
-    #[tokio::test]
-    async fn partition_keys_are_compared_bytewise() {
-        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")
-        else {
-            return;
-        };
+    /// A migrated store on a fresh schema, or `None` (test skipped) without a server.
+    async fn fresh_store() -> Option<(PostgresStore, PostgresConfig)> {
+        let url = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")?;
         let schema = format!("outbox_test_{:016x}", rand::random::<u64>());
         let config = PostgresConfig::new(&schema, "outbox").unwrap();
         let store = PostgresStore::connect(&url, config.clone()).await.unwrap();
         store.migrate().await.unwrap();
+        Some((store, config))
+    }
+
+    async fn drop_schema(store: &PostgresStore, config: &PostgresConfig) {
+        sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", config.schema()))
+            .execute(store.pool())
+            .await
+            .unwrap();
+    }
+
+    /// New tables compare partition keys bytewise: the claim's per-key probes and grouping
+    /// then avoid the C library's locale-aware comparison.
+    #[tokio::test]
+    async fn partition_keys_are_compared_bytewise() {
+        let Some((store, config)) = fresh_store().await else {
+            return;
+        };
         // Migrating again leaves the table as it is.
         store.migrate().await.unwrap();
         let collations: Vec<(String, String)> = sqlx::query_as(
@@ -498,10 +510,7 @@ mod tests {
         .fetch_all(store.pool())
         .await
         .unwrap();
-        sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
-            .execute(store.pool())
-            .await
-            .unwrap();
+        drop_schema(&store, &config).await;
         assert_eq!(
             collations,
             vec![
@@ -517,14 +526,9 @@ mod tests {
     #[tokio::test]
     async fn the_claim_plan_walks_the_index_even_without_statistics() {
         use sqlx::Executor;
-        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")
-        else {
+        let Some((store, config)) = fresh_store().await else {
             return;
         };
-        let schema = format!("outbox_test_{:016x}", rand::random::<u64>());
-        let config = PostgresConfig::new(&schema, "outbox").unwrap();
-        let store = PostgresStore::connect(&url, config.clone()).await.unwrap();
-        store.migrate().await.unwrap();
         // 8,000 pending rows, 8 per key in a row, never analyzed.
         let table = config.qualified_table();
         store
@@ -562,11 +566,7 @@ mod tests {
         };
         let unpinned = plan(false).await;
         let pinned = plan(true).await;
-        store
-            .pool()
-            .execute(format!("DROP SCHEMA \"{schema}\" CASCADE").as_str())
-            .await
-            .unwrap();
+        drop_schema(&store, &config).await;
         assert!(
             unpinned.contains("Bitmap") || unpinned.contains("Seq Scan"),
             "control: without statistics the unpinned claim was expected to scan and sort the \
