@@ -8,7 +8,9 @@
 //!   in batches of [`BATCH`] messages, one batch in flight. With [`FAILPOINT`] set (`F3`, or
 //!   `F3:2` for its second hit) it prints the failpoint's details, then `reached F3`, and parks;
 //!   with [`FAILPOINT_ACTION`]` = wait` it instead waits for one byte on standard input and goes
-//!   on. Without a failpoint, or once released, it drains until idle, prints
+//!   on. Most points print `batch <id,...>` (the interrupted batch) before `reached`; F7 prints
+//!   `dead <id,...>` (the messages its `fail` dead-lettered). [`LEASE_MS`] shortens the lease,
+//!   [`POISON`] makes one message permanently rejected. Without a failpoint, or once released, it drains until idle, prints
 //!   `lease lost <n>` if the store fenced any of its transitions, then `drained <n>` (messages it
 //!   marked published), and exits 0.
 //! - `crash-relay produce`: one producer transaction writing a business row and [`PRODUCE_COUNT`]
@@ -27,10 +29,19 @@ pub const POSTGRES_URL: &str = "CRASH_POSTGRES_URL";
 pub const POSTGRES_SCHEMA: &str = "CRASH_POSTGRES_SCHEMA";
 /// SQLite file (with `CRASH_SOURCE=sqlite`), holding the `outbox` and [`BUSINESS_TABLE`] tables.
 pub const SQLITE_PATH: &str = "CRASH_SQLITE_PATH";
-/// Broker URL, given to `outbox::broker::connect` (`nats://...`, `redis://...`).
+/// Broker URL, given to `outbox::broker::connect` (`nats://...`, `redis://...`,
+/// `kafka://...`).
 pub const BROKER_URL: &str = "CRASH_BROKER_URL";
 /// Relay batch size; default [`DEFAULT_BATCH`].
 pub const BATCH: &str = "CRASH_BATCH";
+/// Relay lease in milliseconds; default the engine's (30 s). F6 uses a short one, so that the
+/// engine extends it (at half-time) while a publish is held.
+pub const LEASE_MS: &str = "CRASH_LEASE_MS";
+/// The number `n` of the poison message ([`message`]): the relay's publisher rejects it
+/// permanently (and does not attempt the later messages of its key in the same batch), so the
+/// relay dead-letters it; the relay then lets the key's later messages flow past it
+/// (`HeadPolicy::Skip`).
+pub const POISON: &str = "CRASH_POISON";
 /// The failpoint, `Fx` or `Fx:n` (the `n`th time it is passed; default the first).
 pub const FAILPOINT: &str = "FAILPOINT";
 /// `park` (default: stop there for good, until killed) or `wait` (go on after one byte on
@@ -70,7 +81,7 @@ pub fn message(n: usize, tag: &str) -> NewMessage {
     let key = key(n);
     NewMessage::new(
         "order",
-        format!("order-{n}"),
+        aggregate_id(n),
         "order.placed",
         serde_json::json!({
             "n": n,
@@ -81,6 +92,11 @@ pub fn message(n: usize, tag: &str) -> NewMessage {
     )
     .with_partition_key(key)
     .with_header("tenant", "acme")
+}
+
+/// The aggregate id of message `n` (`order-<n>`): how the relay recognises the poison message.
+pub fn aggregate_id(n: usize) -> String {
+    format!("order-{n}")
 }
 
 /// The id of the business row a producer transaction starting at message `first` writes.

@@ -10,9 +10,15 @@
 //! | F1 | a claim returned a batch, nothing of it published yet |
 //! | F2 | the broker stored the first half of the batch, the rest not sent |
 //! | F3 | the broker acknowledged the whole batch, the store not told |
+//! | F4a | the store's `complete` of the batch was started, not awaited: the kill lands before or after the database commits it |
 //! | F4 | the store marked the batch published |
+//! | F6 | the publish of the batch is held after the broker stored it, and the engine extended the lease at half-time (fires once that `extend` returned) |
+//! | F7 | the store's `fail` that dead-letters the poison message ([`crash::POISON`]) returned |
 //! | F9a | producer: business row and outbox rows written, COMMIT not sent |
 //! | F9b | producer: COMMIT returned |
+//!
+//! F10 (recovery killed at its first claim) needs no point of its own: it is `F1:1` in the
+//! relay that recovers after an earlier crash.
 //!
 //! The relay keeps one batch in flight, so at a failpoint exactly one batch is in an unfinished
 //! state and the tests can say which messages may be delivered twice. Once a failpoint parks,
@@ -20,6 +26,7 @@
 //! returns: nothing after the failpoint happens, not even a lease extension, until the harness
 //! kills the process.
 
+use std::collections::HashSet;
 use std::future::pending;
 use std::io::{Read, Write};
 use std::process::ExitCode;
@@ -33,8 +40,8 @@ use outbox::relay::{Relay, RelayConfig};
 use outbox::sqlite::{SqliteConfig, SqliteStore};
 use outbox::uuid::Uuid;
 use outbox::{
-    async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, LeaseToken, Message,
-    NewMessage, OutboxStore, PublishOutcome, Publisher, WakeSource,
+    async_trait, Capabilities, Claim, ClaimRequest, Error, FailAction, Failure, HeadPolicy,
+    LeaseToken, Message, NewMessage, OutboxStore, PublishOutcome, Publisher, WakeSource,
 };
 use outbox_e2e::crash;
 use rusqlite::TransactionBehavior;
@@ -47,17 +54,23 @@ enum Point {
     F1,
     F2,
     F3,
+    F4a,
     F4,
+    F6,
+    F7,
     F9a,
     F9b,
 }
 
 impl Point {
-    const ALL: [Point; 6] = [
+    const ALL: [Point; 9] = [
         Point::F1,
         Point::F2,
         Point::F3,
+        Point::F4a,
         Point::F4,
+        Point::F6,
+        Point::F7,
         Point::F9a,
         Point::F9b,
     ];
@@ -67,7 +80,10 @@ impl Point {
             Point::F1 => "F1",
             Point::F2 => "F2",
             Point::F3 => "F3",
+            Point::F4a => "F4a",
             Point::F4 => "F4",
+            Point::F6 => "F6",
+            Point::F7 => "F7",
             Point::F9a => "F9a",
             Point::F9b => "F9b",
         }
@@ -102,6 +118,9 @@ struct Failpoints {
     armed: Option<Armed>,
     passed: AtomicU32,
     parked: AtomicBool,
+    /// F6: publishes started so far, and whether the chosen one is being held.
+    publishes: AtomicU32,
+    holding: AtomicBool,
 }
 
 impl Failpoints {
@@ -141,6 +160,13 @@ impl Failpoints {
                 ))
             }
         };
+        if action == Action::Wait && matches!(point, Point::F4a | Point::F6) {
+            return Err(format!(
+                "{}=wait: {} can only park",
+                crash::FAILPOINT_ACTION,
+                point.name()
+            ));
+        }
         Ok(Self {
             armed: Some(Armed { point, hit, action }),
             ..Self::default()
@@ -164,6 +190,16 @@ impl Failpoints {
     fn triggers(&self, point: Point) -> bool {
         match self.armed {
             Some(a) if a.point == point => self.passed.fetch_add(1, Ordering::SeqCst) + 1 == a.hit,
+            _ => false,
+        }
+    }
+
+    /// F6: whether the publish starting now is the one to hold (the armed hit counts publishes).
+    fn holds_publish(&self) -> bool {
+        match self.armed {
+            Some(a) if a.point == Point::F6 => {
+                self.publishes.fetch_add(1, Ordering::SeqCst) + 1 == a.hit
+            }
             _ => false,
         }
     }
@@ -211,7 +247,9 @@ fn ids_line<'a>(label: &str, ids: impl IntoIterator<Item = &'a Uuid>) -> String 
     format!("{label} {}", ids.join(","))
 }
 
-/// The real store, with F1 (after a claim returned a batch) and F4 (after complete returned).
+/// The real store, with F1 (after a claim returned a batch), F4a (complete started, not
+/// awaited), F4 (after complete returned), F6 (after an extend during a held publish returned)
+/// and F7 (after a dead-lettering fail returned).
 struct FailpointStore {
     inner: Arc<dyn OutboxStore>,
     points: Arc<Failpoints>,
@@ -234,6 +272,18 @@ impl OutboxStore for FailpointStore {
 
     async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
         self.points.gate().await;
+        if self.points.triggers(Point::F4a) {
+            // The complete runs on its own task, so it goes on (or not) while this one parks:
+            // whether the database commits it before the kill is up to the race.
+            let inner = self.inner.clone();
+            let owned = ids.to_vec();
+            let started = tokio::spawn(async move { inner.complete(token, &owned).await });
+            tokio::task::yield_now().await;
+            self.points
+                .reached(Point::F4a, &[ids_line("batch", ids)])
+                .await;
+            return started.await.expect("the spawned complete does not panic");
+        }
         let result = self.inner.complete(token, ids).await;
         self.points.gate().await;
         if self.points.triggers(Point::F4) {
@@ -248,6 +298,16 @@ impl OutboxStore for FailpointStore {
         self.points.gate().await;
         let result = self.inner.fail(token, failures).await;
         self.points.gate().await;
+        let dead: Vec<&Uuid> = failures
+            .iter()
+            .filter(|f| f.action == FailAction::Dead)
+            .map(|f| &f.id)
+            .collect();
+        if result.is_ok() && !dead.is_empty() && self.points.triggers(Point::F7) {
+            self.points
+                .reached(Point::F7, &[ids_line("dead", dead)])
+                .await;
+        }
         result
     }
 
@@ -255,6 +315,12 @@ impl OutboxStore for FailpointStore {
         self.points.gate().await;
         let result = self.inner.extend(token, lease).await;
         self.points.gate().await;
+        if result.is_ok()
+            && self.points.holding.load(Ordering::SeqCst)
+            && self.points.triggers(Point::F6)
+        {
+            self.points.reached(Point::F6, &[]).await;
+        }
         result
     }
 
@@ -274,31 +340,85 @@ impl OutboxStore for FailpointStore {
     }
 }
 
-/// The real publisher, with F2 (the broker stored a prefix of the batch) and F3 (the broker
-/// acknowledged the batch, before the relay tells the store).
+/// The real publisher, with F2 (the broker stored a prefix of the batch), F3 (the broker
+/// acknowledged the batch, before the relay tells the store) and F6's held publish; it rejects
+/// the poison message, if any, permanently.
 struct FailpointPublisher {
     inner: Box<dyn Publisher>,
     points: Arc<Failpoints>,
+    /// Aggregate id of the poison message ([`crash::POISON`]).
+    poison: Option<String>,
+}
+
+impl FailpointPublisher {
+    /// Publish `batch` through the real publisher, except the poison message, which fails
+    /// permanently, and the later messages of its key in the batch, which are not attempted
+    /// (what a real publisher does after a failure, so that the key keeps its order).
+    async fn send(&self, batch: &[Message]) -> Vec<PublishOutcome> {
+        let Some(poison) = &self.poison else {
+            return self.inner.publish(batch).await;
+        };
+        let mut outcomes: Vec<Option<PublishOutcome>> = Vec::with_capacity(batch.len());
+        let mut stopped_keys: HashSet<&str> = HashSet::new();
+        let mut sent = Vec::new();
+        for m in batch {
+            let key = m.partition_key.as_deref();
+            if key.is_some_and(|k| stopped_keys.contains(k)) {
+                outcomes.push(Some(PublishOutcome::NotAttempted));
+            } else if &m.aggregate_id == poison {
+                outcomes.push(Some(PublishOutcome::permanent(
+                    "the crash test's poison message",
+                )));
+                stopped_keys.extend(key);
+            } else {
+                outcomes.push(None);
+                sent.push(m.clone());
+            }
+        }
+        let mut results = if sent.is_empty() {
+            Vec::new()
+        } else {
+            self.inner.publish(&sent).await
+        }
+        .into_iter();
+        outcomes
+            .into_iter()
+            .map(|o| {
+                o.or_else(|| results.next())
+                    .unwrap_or_else(|| PublishOutcome::Ambiguous {
+                        reason: "the publisher returned too few outcomes".into(),
+                    })
+            })
+            .collect()
+    }
 }
 
 #[async_trait]
 impl Publisher for FailpointPublisher {
     async fn publish(&self, batch: &[Message]) -> Vec<PublishOutcome> {
         self.points.gate().await;
+        if self.points.holds_publish() {
+            // F6: the broker stores the batch, but the publish does not return; the engine
+            // extends the lease at half-time and F6 fires in that extend.
+            let _ = self.send(batch).await;
+            println!("{}", ids_line("batch", batch.iter().map(|m| &m.id)));
+            self.points.holding.store(true, Ordering::SeqCst);
+            pending::<()>().await;
+        }
         if self.points.triggers(Point::F2) {
             let (sent, rest) = batch.split_at(batch.len() / 2);
-            let mut outcomes = self.inner.publish(sent).await;
+            let mut outcomes = self.send(sent).await;
             let details = [
                 ids_line("batch", batch.iter().map(|m| &m.id)),
                 format!("prefix {}", sent.len()),
             ];
             self.points.reached(Point::F2, &details).await;
             // Released (FAILPOINT_ACTION=wait): the rest goes out as if it had been delayed.
-            outcomes.extend(self.inner.publish(rest).await);
+            outcomes.extend(self.send(rest).await);
             self.points.gate().await;
             return outcomes;
         }
-        let outcomes = self.inner.publish(batch).await;
+        let outcomes = self.send(batch).await;
         self.points.gate().await;
         if self.points.triggers(Point::F3) {
             let batch = ids_line("batch", batch.iter().map(|m| &m.id));
@@ -360,12 +480,29 @@ async fn relay(points: Arc<Failpoints>) -> Result<(), BoxError> {
             .map_err(|_| format!("{}={n:?} is not a number", crash::BATCH))?,
         None => crash::DEFAULT_BATCH,
     };
-    let config = RelayConfig {
+    let poison = match optional_env(crash::POISON) {
+        Some(n) => Some(
+            n.parse::<usize>()
+                .map_err(|_| format!("{}={n:?} is not a number", crash::POISON))?,
+        ),
+        None => None,
+    };
+    let mut config = RelayConfig {
         batch_size,
         // One batch in flight: at a failpoint exactly one batch is unfinished.
         concurrency: 1,
         ..RelayConfig::default()
     };
+    if let Some(ms) = optional_env(crash::LEASE_MS) {
+        let ms: u64 = ms
+            .parse()
+            .map_err(|_| format!("{}={ms:?} is not a number", crash::LEASE_MS))?;
+        config.lease = Duration::from_millis(ms);
+    }
+    if poison.is_some() {
+        // The poison message's key goes on past it once it is dead.
+        config.head_policy = HeadPolicy::Skip;
+    }
     let store = FailpointStore {
         inner: store,
         points: points.clone(),
@@ -373,6 +510,7 @@ async fn relay(points: Arc<Failpoints>) -> Result<(), BoxError> {
     let publisher = FailpointPublisher {
         inner: publisher,
         points,
+        poison: poison.map(crash::aggregate_id),
     };
     let relay = Relay::new(Arc::new(store), Arc::new(publisher), config)?;
     let stats = relay.run_until_idle().await?;
