@@ -523,6 +523,81 @@ pub async fn retry_waits_and_counts(harness: &dyn Harness) -> Result<(), String>
     f.finish().await
 }
 
+/// A message waiting for its retry holds back its own key only: later messages of the key wait
+/// (a released one too), other keys and unordered messages go on, and once the retry is due the
+/// key resumes in order, with the failure counted and the release not.
+pub async fn retry_holds_back_its_key_only(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[
+        msg("k", "k1"),
+        msg("k", "k2"),
+        msg("other", "o1"),
+        msg("x", "u1").unordered(),
+    ])
+    .await?;
+    let claim = f.claim(10).await?;
+    ensure!(
+        labels(&claim) == ["k1", "k2", "o1", "u1"],
+        "claim returned {:?}",
+        labels(&claim)
+    );
+    let [k1, k2, o1, u1] = ids(&claim)[..] else {
+        return Err("the claim did not return 4 messages".into());
+    };
+    f.relay
+        .fail(
+            claim.token,
+            &[Failure {
+                id: k1,
+                error: "broker said no".into(),
+                action: FailAction::Retry {
+                    delay: Duration::from_secs(60),
+                },
+            }],
+        )
+        .await
+        .map_err(err("fail"))?;
+    f.relay
+        .release(claim.token, &[k2])
+        .await
+        .map_err(err("release"))?;
+    f.relay
+        .complete(claim.token, &[o1, u1])
+        .await
+        .map_err(err("complete"))?;
+
+    f.enqueue(&[
+        msg("k", "k3"),
+        msg("other", "o2"),
+        msg("y", "u2").unordered(),
+    ])
+    .await?;
+    let claim = f.claim(10).await?;
+    ensure!(
+        labels(&claim) == ["o2", "u2"],
+        "while k1 waits for its retry, claim returned {:?}: only key k may wait",
+        labels(&claim)
+    );
+    f.relay
+        .complete(claim.token, &ids(&claim))
+        .await
+        .map_err(err("complete"))?;
+
+    f.advance(61).await?;
+    let claim = f.claim(10).await?;
+    ensure!(
+        labels(&claim) == ["k1", "k2", "k3"],
+        "once the retry was due, claim returned {:?}",
+        labels(&claim)
+    );
+    let attempts: Vec<u32> = claim.messages.iter().map(|m| m.attempts).collect();
+    ensure!(
+        attempts == [1, 0, 0],
+        "attempts after one failure (k1) and one release (k2): {attempts:?}"
+    );
+    f.finish().await
+}
+
 /// Dead letters keep their reason, requeue resets attempts, discard deletes; counts follow.
 pub async fn dead_letters_requeue_discard(harness: &dyn Harness) -> Result<(), String> {
     let f = Fixture::new(harness).await?;
@@ -1011,6 +1086,8 @@ pub enum Check {
     LeaseUsesStoreClock,
     /// [`retry_waits_and_counts`]
     RetryWaitsAndCounts,
+    /// [`retry_holds_back_its_key_only`]
+    RetryHoldsBackItsKeyOnly,
     /// [`dead_letters_requeue_discard`]
     DeadLettersRequeueDiscard,
     /// [`purge_is_bounded`]
@@ -1033,7 +1110,7 @@ pub enum Check {
 
 impl Check {
     /// Every check.
-    pub const ALL: [Check; 18] = [
+    pub const ALL: [Check; 19] = [
         Check::ClaimRespectsLimit,
         Check::NoPhantoms,
         Check::LateCommitIsClaimed,
@@ -1043,6 +1120,7 @@ impl Check {
         Check::ExpiredLeaseIsFenced,
         Check::LeaseUsesStoreClock,
         Check::RetryWaitsAndCounts,
+        Check::RetryHoldsBackItsKeyOnly,
         Check::DeadLettersRequeueDiscard,
         Check::PurgeIsBounded,
         Check::NotBeforeDelays,
@@ -1066,6 +1144,7 @@ impl Check {
             Check::ExpiredLeaseIsFenced => expired_lease_is_fenced(harness).await,
             Check::LeaseUsesStoreClock => lease_uses_store_clock(harness).await,
             Check::RetryWaitsAndCounts => retry_waits_and_counts(harness).await,
+            Check::RetryHoldsBackItsKeyOnly => retry_holds_back_its_key_only(harness).await,
             Check::DeadLettersRequeueDiscard => dead_letters_requeue_discard(harness).await,
             Check::PurgeIsBounded => purge_is_bounded(harness).await,
             Check::NotBeforeDelays => not_before_delays(harness).await,

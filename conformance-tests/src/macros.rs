@@ -31,6 +31,7 @@ macro_rules! conformance_suite {
             expired_lease_is_fenced ExpiredLeaseIsFenced,
             lease_uses_store_clock LeaseUsesStoreClock,
             retry_waits_and_counts RetryWaitsAndCounts,
+            retry_holds_back_its_key_only RetryHoldsBackItsKeyOnly,
             dead_letters_requeue_discard DeadLettersRequeueDiscard,
             purge_is_bounded PurgeIsBounded,
             not_before_delays NotBeforeDelays,
