@@ -1,9 +1,7 @@
 //! Enqueue inside the caller's transaction: one multi-row INSERT for a whole batch.
 
-use std::collections::HashSet;
-
 use chrono::NaiveDateTime;
-use outbox_traits::{Error, NewMessage};
+use outbox_traits::{validate_batch, Error, NewMessage};
 use sqlx::{Executor, MySql};
 
 use crate::config::MysqlConfig;
@@ -108,28 +106,10 @@ impl<'m> Rows<'m> {
         }
         let limits = config.limits();
         let mut rows = Vec::with_capacity(messages.len());
-        let mut ids = HashSet::with_capacity(messages.len());
-        let mut dedup_keys = HashSet::new();
-        for msg in messages {
-            let payload = msg.validate(&limits)?;
+        for valid in validate_batch(messages, &limits)? {
+            let msg = valid.message;
             check_lengths(msg)?;
-            if !ids.insert(msg.id) {
-                return Err(Error::invalid_input(format!(
-                    "message id {} appears twice in the batch; every message needs its own id",
-                    msg.id
-                )));
-            }
-            if let Some(key) = &msg.dedup_key {
-                if !dedup_keys.insert(key.as_str()) {
-                    return Err(Error::DuplicateKey { key: key.clone() });
-                }
-            }
-            let headers = serde_json::to_string(&msg.headers).map_err(|e| {
-                Error::invalid_input(format!(
-                    "headers of message {} cannot be encoded: {e}",
-                    msg.id
-                ))
-            })?;
+            let (payload, headers) = (valid.payload, valid.headers);
             rows.push(Row {
                 id: msg.id.hyphenated().to_string(),
                 aggregate_type: &msg.aggregate_type,

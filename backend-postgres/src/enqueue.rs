@@ -1,9 +1,7 @@
 //! Enqueue inside the caller's transaction: one INSERT for a whole batch.
 
-use std::collections::HashSet;
-
 use chrono::{DateTime, Utc};
-use outbox_traits::{Error, NewMessage};
+use outbox_traits::{validate_batch, Error, NewMessage};
 use sqlx::postgres::PgDatabaseError;
 use sqlx::{Executor, Postgres};
 use uuid::Uuid;
@@ -106,28 +104,10 @@ impl Columns {
             dedup_keys: Vec::with_capacity(n),
             not_before: Vec::with_capacity(n),
         };
-        let mut ids = HashSet::with_capacity(n);
-        let mut dedup_keys = HashSet::new();
-        for msg in messages {
-            let payload = msg.validate(&limits)?;
+        for valid in validate_batch(messages, &limits)? {
+            let msg = valid.message;
             check_no_nul(msg)?;
-            if !ids.insert(msg.id) {
-                return Err(Error::invalid_input(format!(
-                    "message id {} appears twice in the batch; every message needs its own id",
-                    msg.id
-                )));
-            }
-            if let Some(key) = &msg.dedup_key {
-                if !dedup_keys.insert(key.as_str()) {
-                    return Err(Error::DuplicateKey { key: key.clone() });
-                }
-            }
-            let headers = serde_json::to_string(&msg.headers).map_err(|e| {
-                Error::invalid_input(format!(
-                    "headers of message {} cannot be encoded: {e}",
-                    msg.id
-                ))
-            })?;
+            let (payload, headers) = (valid.payload, valid.headers);
             columns.ids.push(msg.id);
             columns.aggregate_types.push(msg.aggregate_type.clone());
             columns.aggregate_ids.push(msg.aggregate_id.clone());

@@ -1,10 +1,8 @@
 //! Writing messages inside the caller's transaction.
 
-use std::collections::HashSet;
-
 use rusqlite::{params, Connection, Transaction};
 
-use outbox_traits::{Error, NewMessage};
+use outbox_traits::{validate_batch, Error, NewMessage};
 
 use crate::config::SqliteConfig;
 use crate::error::{map_err, Ctx};
@@ -109,35 +107,15 @@ fn validate_all<'a>(
     config: &SqliteConfig,
     messages: &'a [NewMessage],
 ) -> Result<Vec<Prepared<'a>>, Error> {
-    let mut ids = HashSet::with_capacity(messages.len());
-    let mut keys = HashSet::new();
-    let mut rows = Vec::with_capacity(messages.len());
-    for message in messages {
-        let payload = message.validate(&config.limits)?;
-        if !ids.insert(message.id) {
-            return Err(Error::invalid_input(format!(
-                "message id {} appears twice in the batch; ids must be unique (leave the generated one)",
-                message.id
-            )));
-        }
-        if let Some(key) = &message.dedup_key {
-            if !keys.insert(key.as_str()) {
-                return Err(Error::DuplicateKey { key: key.clone() });
-            }
-        }
-        let headers = serde_json::to_string(&message.headers).map_err(|e| {
-            Error::invalid_input(format!(
-                "headers of message {} cannot be encoded as JSON: {e}",
-                message.id
-            ))
-        })?;
-        rows.push(Prepared {
-            message,
-            id: id_text(message.id),
-            payload,
-            headers,
-        });
-    }
+    let rows = validate_batch(messages, &config.limits)?
+        .into_iter()
+        .map(|valid| Prepared {
+            message: valid.message,
+            id: id_text(valid.message.id),
+            payload: valid.payload,
+            headers: valid.headers,
+        })
+        .collect();
     Ok(rows)
 }
 

@@ -55,7 +55,10 @@ mod store;
 
 pub use error::{redact_url, BoxError, Error, ErrorKind};
 pub use ident::validate_sql_identifier;
-pub use message::{Limits, Message, NewMessage, DEFAULT_MAX_PAYLOAD_BYTES, TRACEPARENT_HEADER};
+pub use message::{
+    validate_batch, Limits, Message, NewMessage, ValidMessage, DEFAULT_MAX_PAYLOAD_BYTES,
+    TRACEPARENT_HEADER,
+};
 pub use publisher::{PublishOutcome, Publisher};
 pub use store::{
     Capabilities, Claim, ClaimRequest, Counts, DeadMessage, FailAction, Failure, HeadPolicy,

@@ -211,3 +211,64 @@ pub struct Message {
     /// When the message was enqueued (database clock).
     pub created_at: DateTime<Utc>,
 }
+
+/// A message of a batch that passed [`validate_batch`], with its payload and headers as the
+/// JSON text a store writes.
+#[derive(Debug)]
+pub struct ValidMessage<'a> {
+    /// The message as given.
+    pub message: &'a NewMessage,
+    /// The payload as JSON text (from [`NewMessage::validate`]).
+    pub payload: String,
+    /// The headers as a JSON object.
+    pub headers: String,
+}
+
+/// Check a batch against the rules every backend enforces before it writes anything: each
+/// message passes [`NewMessage::validate`], no two messages share an id
+/// ([`Error::InvalidInput`]) or a dedup key ([`Error::DuplicateKey`]), and the headers encode as
+/// JSON. Returns the messages in order with their payload and headers as JSON text.
+///
+/// ```
+/// use outbox_traits::{validate_batch, Error, Limits, NewMessage};
+/// let a = NewMessage::new("order", "o-1", "order.placed", serde_json::json!({"n": 1}));
+/// let ok = validate_batch(std::slice::from_ref(&a), &Limits::default()).unwrap();
+/// assert_eq!(ok[0].payload, r#"{"n":1}"#);
+/// let twice = [a.clone(), a];
+/// assert!(matches!(validate_batch(&twice, &Limits::default()), Err(Error::InvalidInput(_))));
+/// ```
+pub fn validate_batch<'a>(
+    messages: &'a [NewMessage],
+    limits: &Limits,
+) -> Result<Vec<ValidMessage<'a>>, Error> {
+    let mut ids = std::collections::HashSet::with_capacity(messages.len());
+    let mut dedup_keys = std::collections::HashSet::new();
+    let mut valid = Vec::with_capacity(messages.len());
+    for message in messages {
+        let payload = message.validate(limits)?;
+        if !ids.insert(message.id) {
+            return Err(Error::invalid_input(format!(
+                "message id {} appears twice in the batch; every message needs its own id \
+                 (leave the generated one)",
+                message.id
+            )));
+        }
+        if let Some(key) = &message.dedup_key {
+            if !dedup_keys.insert(key.as_str()) {
+                return Err(Error::DuplicateKey { key: key.clone() });
+            }
+        }
+        let headers = serde_json::to_string(&message.headers).map_err(|e| {
+            Error::invalid_input(format!(
+                "headers of message {} cannot be encoded as JSON: {e}",
+                message.id
+            ))
+        })?;
+        valid.push(ValidMessage {
+            message,
+            payload,
+            headers,
+        });
+    }
+    Ok(valid)
+}
