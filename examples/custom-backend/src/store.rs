@@ -10,8 +10,9 @@ use std::time::Duration;
 use outbox_traits::chrono::{self, DateTime, Utc};
 use outbox_traits::uuid::Uuid;
 use outbox_traits::{
-    async_trait, Capabilities, Claim, ClaimRequest, Counts, DeadMessage, Error, FailAction,
-    Failure, HeadPolicy, LeaseToken, Limits, Message, NewMessage, OutboxAdmin, OutboxStore,
+    async_trait, validate_batch, Capabilities, Claim, ClaimRequest, Counts, DeadMessage, Error,
+    FailAction, Failure, HeadPolicy, LeaseToken, Limits, Message, NewMessage, OutboxAdmin,
+    OutboxStore, ValidMessage,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -172,25 +173,33 @@ impl VecTx {
     /// [`Error::DuplicateKey`]; a refused batch writes nothing.
     pub fn enqueue(&mut self, messages: &[NewMessage]) -> Result<(), Error> {
         let mut state = lock(&self.state);
-        let mut payloads = Vec::with_capacity(messages.len());
-        let (mut ids, mut keys) = (HashSet::new(), HashSet::new());
+        // The rules every backend shares (each message valid, ids and dedup keys unique within
+        // the batch), then this store's own: ids and dedup keys unique across its rows.
+        let valid = validate_batch(messages, &state.limits)?;
         for m in messages {
-            payloads.push(m.validate(&state.limits)?);
-            if !ids.insert(m.id) || state.rows.iter().any(|r| r.message.id == m.id) {
+            if state.rows.iter().any(|r| r.message.id == m.id) {
                 return Err(Error::invalid_input(format!(
                     "message id {} is already in the outbox; let NewMessage::new make a fresh one",
                     m.id
                 )));
             }
             if let Some(key) = &m.dedup_key {
-                let taken = |r: &Row| r.message.dedup_key.as_ref() == Some(key);
-                if !keys.insert(key) || state.rows.iter().any(taken) {
+                if state
+                    .rows
+                    .iter()
+                    .any(|r| r.message.dedup_key.as_ref() == Some(key))
+                {
                     return Err(Error::DuplicateKey { key: key.clone() });
                 }
             }
         }
         let now = state.now;
-        for (m, payload) in messages.iter().zip(payloads) {
+        for ValidMessage {
+            message: m,
+            payload,
+            headers: _,
+        } in valid
+        {
             // `seq` comes from the insert, not the commit: a transaction that commits after a
             // later one keeps its lower `seq`, which is why claims never use `seq` as a cursor.
             let seq = state.next_seq;
