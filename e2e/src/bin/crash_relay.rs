@@ -118,7 +118,8 @@ struct Failpoints {
     armed: Option<Armed>,
     passed: AtomicU32,
     parked: AtomicBool,
-    /// F6: publishes started so far, and whether the chosen one is being held.
+    /// F6: publishes started so far, and whether the chosen one is being held (until the
+    /// extension that fires F6).
     publishes: AtomicU32,
     holding: AtomicBool,
 }
@@ -315,10 +316,9 @@ impl OutboxStore for FailpointStore {
         self.points.gate().await;
         let result = self.inner.extend(token, lease).await;
         self.points.gate().await;
-        if result.is_ok()
-            && self.points.holding.load(Ordering::SeqCst)
-            && self.points.triggers(Point::F6)
-        {
+        // The armed hit chose the held publish (see `holds_publish`): F6 fires at the first
+        // extension that succeeds while it is held.
+        if result.is_ok() && self.points.holding.swap(false, Ordering::SeqCst) {
             self.points.reached(Point::F6, &[]).await;
         }
         result
