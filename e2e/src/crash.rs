@@ -9,7 +9,9 @@
 //!   `F3:2` for its second hit) it prints the failpoint's details, then `reached F3`, and parks;
 //!   with [`FAILPOINT_ACTION`]` = wait` it instead waits for one byte on standard input and goes
 //!   on. Most points print `batch <id,...>` (the interrupted batch) before `reached`; F7 prints
-//!   `dead <id,...>` (the messages its `fail` dead-lettered). [`LEASE_MS`] shortens the lease,
+//!   `dead <id,...>` (the messages its `fail` dead-lettered), F6 also `lease until <ms>` (the
+//!   lease end its `extend` returned, in Unix milliseconds); for F6 the hit counts publishes
+//!   (`F6:3`: the third publish is held). [`LEASE_MS`] shortens the lease,
 //!   [`POISON`] makes one message permanently rejected. Without a failpoint, or once released, it drains until idle, prints
 //!   `lease lost <n>` if the store fenced any of its transitions, then `drained <n>` (messages it
 //!   marked published), and exits 0.

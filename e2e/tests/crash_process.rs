@@ -575,6 +575,19 @@ impl Source {
         .collect()
     }
 
+    /// The distinct ends of the current leases, in Unix milliseconds.
+    async fn lease_ends(&self) -> BTreeSet<String> {
+        self.query_rows(
+            "SELECT floor(extract(epoch FROM lease_until) * 1000)::bigint::text FROM {t} \
+             WHERE lease_token IS NOT NULL",
+            "SELECT lease_until FROM {t} WHERE state = 'leased'",
+        )
+        .await
+        .into_iter()
+        .map(|mut row| row.remove(0))
+        .collect()
+    }
+
     /// Ids of the dead messages.
     async fn dead(&self) -> BTreeSet<String> {
         self.query_rows(
@@ -851,6 +864,16 @@ async fn crash_case(mut source: Source, broker: Broker, point: Point) {
             );
         } else {
             batch = id_list(field(&details, "batch").expect("the relay names the batch"));
+        }
+        if point == Point::F6 {
+            // The extension is stored: the batch's lease ends where `extend` said (a claim's
+            // lease would end a half-lease earlier).
+            let until = number(&details, "lease until").to_string();
+            assert_eq!(
+                source.lease_ends().await,
+                BTreeSet::from([until]),
+                "the held batch's lease ends where the extension put it"
+            );
         }
         if point == Point::F2 {
             prefix = number(&details, "prefix") as usize;

@@ -318,8 +318,11 @@ impl OutboxStore for FailpointStore {
         self.points.gate().await;
         // The armed hit chose the held publish (see `holds_publish`): F6 fires at the first
         // extension that succeeds while it is held.
-        if result.is_ok() && self.points.holding.swap(false, Ordering::SeqCst) {
-            self.points.reached(Point::F6, &[]).await;
+        if let Ok(until) = &result {
+            if self.points.holding.swap(false, Ordering::SeqCst) {
+                let details = [format!("lease until {}", until.timestamp_millis())];
+                self.points.reached(Point::F6, &details).await;
+            }
         }
         result
     }
