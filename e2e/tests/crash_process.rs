@@ -26,7 +26,8 @@
 //! arrived byte-equal; nothing of a rolled-back or killed-before-commit transaction did; the
 //! first copies of each key came in commit order; duplicates are same-id copies of the
 //! interrupted batch only, and only where the failpoint makes them unavoidable (none at all on
-//! NATS, whose `Nats-Msg-Id` dedup drops them); at the end nothing is pending, leased or dead.
+//! NATS, whose `Nats-Msg-Id` dedup drops them); at the end nothing is pending or leased, and
+//! nothing is dead but F7's poison message.
 //!
 //! Nothing sleeps: the harness waits for the line a process prints at its failpoint, for a
 //! process to exit, or for a condition it polls; leases are expired by shifting them back in SQL.

@@ -24,7 +24,8 @@
 //! state and the tests can say which messages may be delivered twice. Once a failpoint parks,
 //! every later store or broker call of the process parks too, before it starts or before it
 //! returns: nothing after the failpoint happens, not even a lease extension, until the harness
-//! kills the process.
+//! kills the process. The one exception is F4a's `complete`, which was started before the park
+//! and runs on until it ends or the kill stops it.
 
 use std::collections::HashSet;
 use std::future::pending;
