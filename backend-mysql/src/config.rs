@@ -211,12 +211,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn defaults_and_validation() {
+    fn defaults_and_validation() -> Result<(), Error> {
         let config = MysqlConfig::default();
         assert_eq!(config.database(), None);
         assert_eq!(config.table(), "outbox");
         assert_eq!(config.qualified_table(), "`outbox`");
-        let config = MysqlConfig::builder().database("app").build().unwrap();
+        let config = MysqlConfig::builder().database("app").build()?;
         assert_eq!(config.qualified_table(), "`app`.`outbox`");
         assert!(config
             .migration_sql()
@@ -233,6 +233,7 @@ mod tests {
             .build()
             .unwrap_err();
         assert!(matches!(err, Error::InvalidInput(_)));
+        Ok(())
     }
 
     #[test]

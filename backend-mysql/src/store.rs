@@ -384,14 +384,16 @@ mod tests {
     }
 
     #[test]
-    fn id_lists_are_sorted_and_unique() {
+    fn id_lists_are_sorted_and_unique() -> Result<(), serde_json::Error> {
         let (a, b) = (Uuid::from_u128(2), Uuid::from_u128(1));
-        let list: Vec<String> = serde_json::from_str(&id_list(&[a, b, a])).unwrap();
+        let list: Vec<String> = serde_json::from_str(&id_list(&[a, b, a]))?;
         assert_eq!(list, [b.to_string(), a.to_string()]);
+        Ok(())
     }
 
     #[test]
-    fn failure_rows_keep_the_first_failure_of_each_held_id() {
+    fn failure_rows_keep_the_first_failure_of_each_held_id(
+    ) -> Result<(), Box<dyn std::error::Error>> {
         let id = Uuid::now_v7();
         let failures = [
             Failure {
@@ -408,10 +410,11 @@ mod tests {
             },
         ];
         let rows: serde_json::Value =
-            serde_json::from_str(&failure_rows(&failures, &[id.to_string()]).unwrap()).unwrap();
+            serde_json::from_str(&failure_rows(&failures, &[id.to_string()])?)?;
         assert_eq!(
             rows,
             serde_json::json!([{"id": id.to_string(), "error": "first", "dead": 0, "delay_us": 1_500_000}])
         );
+        Ok(())
     }
 }

@@ -232,10 +232,11 @@ pub struct ValidMessage<'a> {
 /// ```
 /// use outbox_traits::{validate_batch, Error, Limits, NewMessage};
 /// let a = NewMessage::new("order", "o-1", "order.placed", serde_json::json!({"n": 1}));
-/// let ok = validate_batch(std::slice::from_ref(&a), &Limits::default()).unwrap();
+/// let ok = validate_batch(std::slice::from_ref(&a), &Limits::default())?;
 /// assert_eq!(ok[0].payload, r#"{"n":1}"#);
 /// let twice = [a.clone(), a];
 /// assert!(matches!(validate_batch(&twice, &Limits::default()), Err(Error::InvalidInput(_))));
+/// # Ok::<(), Error>(())
 /// ```
 pub fn validate_batch<'a>(
     messages: &'a [NewMessage],
