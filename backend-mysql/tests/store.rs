@@ -21,55 +21,6 @@ use uuid::Uuid;
 
 use HeadPolicy::{Block, Skip};
 
-#[tokio::test]
-async fn committed_enqueue_is_claimable_and_rolled_back_never() {
-    let Some(db) = db().await else { return };
-    let mut tx = db.pool().begin().await.unwrap();
-    enqueue(&mut *tx, &db.config, &msg("a", "kept"))
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
-    let mut tx = db.pool().begin().await.unwrap();
-    enqueue(&mut *tx, &db.config, &msg("b", "rolled-back"))
-        .await
-        .unwrap();
-    tx.rollback().await.unwrap();
-
-    let claim = db.claim(10, Block).await;
-    assert_eq!(names(&claim), ["kept"]);
-    assert_eq!(claim.messages[0].attempts, 0);
-    assert_eq!(claim.messages[0].aggregate_type, "test");
-    assert!(db.claim(10, Block).await.messages.is_empty());
-    let counts = db.store.counts().await.unwrap();
-    assert_eq!((counts.pending, counts.leased), (0, 1));
-    db.drop().await;
-}
-
-#[tokio::test]
-async fn transactions_committing_out_of_insert_order_are_both_delivered() {
-    let Some(db) = db().await else { return };
-    // T1 takes the lower seq but commits last: a `seq > last_seen` cursor would lose it.
-    let mut t1 = db.pool().begin().await.unwrap();
-    enqueue(&mut *t1, &db.config, &msg("k1", "first-insert"))
-        .await
-        .unwrap();
-    let mut t2 = db.pool().begin().await.unwrap();
-    enqueue(&mut *t2, &db.config, &msg("k2", "second-insert"))
-        .await
-        .unwrap();
-    t2.commit().await.unwrap();
-
-    // The claim neither waits for T1's uncommitted row nor sees it.
-    let claim = db.claim(10, Block).await;
-    assert_eq!(names(&claim), ["second-insert"]);
-    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
-
-    t1.commit().await.unwrap();
-    let claim = db.claim(10, Block).await;
-    assert_eq!(names(&claim), ["first-insert"]);
-    db.drop().await;
-}
-
 /// Three relays on their own pools claim, fail, release and complete the same backlog at
 /// once: every message is published exactly once, each key in seq order, and no call fails
 /// (no deadlock or lock timeout reaches the caller).
@@ -179,57 +130,6 @@ async fn concurrent_relays_never_overlap_and_keep_key_order() {
     assert_eq!(
         (counts.published, counts.pending, counts.leased),
         (600, 0, 0)
-    );
-    db.drop().await;
-}
-
-#[tokio::test]
-async fn stale_tokens_change_nothing_and_name_the_lost_ids() {
-    let Some(db) = db().await else { return };
-    db.enqueue(&[msg("a", "1"), msg("b", "2")]).await;
-    let claim = db.claim(10, Block).await;
-    let held = ids(&claim);
-    let stale = LeaseToken::new();
-
-    let lost = |r: Result<(), Error>| match r {
-        Err(Error::LeaseLost { ids }) => ids,
-        other => panic!("expected LeaseLost, got {other:?}"),
-    };
-    assert_eq!(lost(db.store.complete(stale, &held).await), held);
-    assert_eq!(lost(db.store.release(stale, &held).await), held);
-    let failures: Vec<Failure> = held
-        .iter()
-        .map(|id| Failure {
-            id: *id,
-            error: "boom".into(),
-            action: FailAction::Dead,
-        })
-        .collect();
-    assert_eq!(lost(db.store.fail(stale, &failures).await), held);
-    assert!(matches!(
-        db.store.extend(stale, Duration::from_secs(60)).await,
-        Err(Error::LeaseLost { ids }) if ids.is_empty()
-    ));
-    for id in &held {
-        assert_eq!(db.state(*id).await, "leased");
-    }
-
-    // A mixed call changes what is held and names only the rest, once each.
-    let unknown = Uuid::now_v7();
-    assert_eq!(
-        lost(
-            db.store
-                .complete(claim.token, &[held[0], unknown, unknown])
-                .await
-        ),
-        [unknown]
-    );
-    assert_eq!(db.state(held[0]).await, "published");
-    assert_eq!(db.state(held[1]).await, "leased");
-    // Completing twice: the second time the message is no longer held.
-    assert_eq!(
-        lost(db.store.complete(claim.token, &held[..1]).await),
-        held[..1]
     );
     db.drop().await;
 }

@@ -314,7 +314,7 @@ pub async fn dead_head_blocks_or_skips(harness: &dyn Harness) -> Result<(), Stri
 }
 
 /// Transitions under a token that never held the messages change nothing and name them in
-/// `LeaseLost`.
+/// `LeaseLost`; a call mixing held and unknown ids changes the held ones and names only the rest.
 pub async fn stale_token_is_fenced(harness: &dyn Harness) -> Result<(), String> {
     let f = Fixture::new(harness).await?;
     f.enqueue(&[msg("k", "k#1")]).await?;
@@ -356,10 +356,18 @@ pub async fn stale_token_is_fenced(harness: &dyn Harness) -> Result<(), String> 
         counts.leased == 1 && counts.published == 0 && counts.dead == 0 && counts.pending == 0,
         "a foreign token changed the message: counts {counts:?}"
     );
-    f.relay
-        .complete(claim.token, &[id])
-        .await
-        .map_err(err("complete with the right token"))?;
+    let unknown = Uuid::now_v7();
+    let r = f.relay.complete(claim.token, &[id, unknown, unknown]).await;
+    ensure!(
+        is_lease_lost(&r, &[unknown]),
+        "complete of a held id and an unknown one (twice) returned {r:?}, expected LeaseLost \
+         naming only the unknown one"
+    );
+    let counts = f.counts().await?;
+    ensure!(
+        counts.leased == 0 && counts.published == f.kept(1),
+        "the held message of a mixed complete was not published: counts {counts:?}"
+    );
     f.finish().await
 }
 
