@@ -1,6 +1,6 @@
 //! Classification of sqlx errors into the contract's [`Error`], with passwords removed.
 
-use outbox_traits::{redact_url, BoxError, Error};
+use outbox_traits::{BoxError, Error};
 use sqlx::mysql::MySqlDatabaseError;
 
 /// What is unavailable, in [`Error::Unavailable`].
@@ -40,32 +40,15 @@ pub(crate) fn is_deadlock(err: &Error) -> bool {
 /// statement timeouts are transient; a missing table, column or database is permanent with a
 /// hint to run the migration; the rest is permanent.
 pub(crate) fn map_sqlx(err: sqlx::Error, op: &str, table: &str) -> Error {
-    let text = redact_url(&err.to_string());
-    match &err {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Protocol(_) => {
-            Error::unavailable(WHAT, format!("{op} on {table} failed: {text}"), err)
-        }
-        // A configuration error may quote the connection string: keep only the redacted text.
-        sqlx::Error::Configuration(_) => Error::Backend {
-            message: format!("{op}: invalid mysql configuration: {text}"),
-            kind: outbox_traits::ErrorKind::Permanent,
-            source: None,
-        },
-        sqlx::Error::Database(db) => {
-            let number = error_number(&err).unwrap_or(0);
-            let sqlstate = db.code().map(|c| c.into_owned()).unwrap_or_default();
-            classify(number, &sqlstate, op, table, text, Box::new(err))
-        }
-        _ => Error::permanent(
-            format!("{op} on {table} failed: {text}"),
-            Some(Box::new(err)),
-        ),
-    }
+    outbox_sqlx_support::map_sqlx(err, WHAT, op, table, |err, text| {
+        let number = error_number(&err).unwrap_or(0);
+        let sqlstate = err
+            .as_database_error()
+            .and_then(|db| db.code())
+            .map(|c| c.into_owned())
+            .unwrap_or_default();
+        classify(number, &sqlstate, op, table, text, Box::new(err))
+    })
 }
 
 fn classify(

@@ -2,16 +2,15 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::str::FromStr;
 use std::time::Duration;
 
 use chrono::{DateTime, NaiveDateTime, Utc};
 use outbox_traits::{
-    async_trait, redact_url, Capabilities, Claim, ClaimRequest, Error, FailAction, Failure,
-    LeaseToken, OutboxStore,
+    async_trait, Capabilities, Claim, ClaimRequest, Error, FailAction, Failure, LeaseToken,
+    OutboxStore,
 };
-use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool, MySqlPoolOptions};
-use sqlx::{Connection, Row};
+use sqlx::mysql::MySqlPool;
+use sqlx::Row;
 use uuid::Uuid;
 
 use crate::config::MysqlConfig;
@@ -70,34 +69,7 @@ impl MysqlStore {
     /// [`Error::InvalidInput`] for a malformed URL and [`Error::Unavailable`] when the server
     /// cannot be reached; neither message contains the URL's password.
     pub async fn connect(url: &str, config: MysqlConfig) -> Result<Self, Error> {
-        let options = MySqlConnectOptions::from_str(url).map_err(|e| {
-            Error::invalid_input(format!(
-                "mysql URL {:?} is not valid: {}",
-                redact_url(url),
-                redact_url(&e.to_string())
-            ))
-        })?;
-        // Connect once directly: the pool retries a refused connection until its timeout and
-        // then reports only "timed out", while this gives the real cause at once.
-        let probe = tokio::time::timeout(CONNECT_TIMEOUT, MySqlConnection::connect_with(&options));
-        let probe = match probe.await {
-            Ok(result) => result.map_err(|e| unavailable(url, e))?,
-            Err(_elapsed) => {
-                return Err(Error::Unavailable {
-                    what: WHAT.to_owned(),
-                    message: format!(
-                        "cannot connect to {}: no connection within {CONNECT_TIMEOUT:?}",
-                        redact_url(url)
-                    ),
-                    source: None,
-                })
-            }
-        };
-        // Closing the probe is best effort: the server is known to be reachable.
-        let _ = probe.close().await;
-        let pool = MySqlPoolOptions::new()
-            .acquire_timeout(CONNECT_TIMEOUT)
-            .connect_lazy_with(options);
+        let pool = outbox_sqlx_support::connect_pool(url, WHAT, CONNECT_TIMEOUT).await?;
         Ok(Self::new(pool, config))
     }
 
@@ -148,7 +120,7 @@ impl MysqlStore {
             .iter()
             .map(|id| crate::row::uuid(id, self.config.qualified_table()))
             .collect::<Result<_, _>>()?;
-        lease_lost(ids, &held)
+        Error::unless_held(ids, &held)
     }
 
     async fn try_transition(
@@ -231,36 +203,6 @@ pub(crate) fn id_list(ids: &[Uuid]) -> String {
     ids.dedup();
     // A list of plain strings always serializes.
     serde_json::to_string(&ids).unwrap_or_default()
-}
-
-/// [`Error::Unavailable`] for a failed connection to `url`, with the password removed.
-fn unavailable(url: &str, e: sqlx::Error) -> Error {
-    let text = redact_url(&e.to_string());
-    // Keep the source only for errors that cannot quote the URL.
-    let source: Option<outbox_traits::BoxError> = match e {
-        sqlx::Error::Configuration(_) => None,
-        other => Some(Box::new(other)),
-    };
-    Error::Unavailable {
-        what: WHAT.to_owned(),
-        message: format!("cannot connect to {}: {text}", redact_url(url)),
-        source,
-    }
-}
-
-/// `Err(LeaseLost)` naming the requested ids that were not held, once each, in request order.
-fn lease_lost(requested: &[Uuid], held: &HashSet<Uuid>) -> Result<(), Error> {
-    let mut seen = HashSet::new();
-    let lost: Vec<Uuid> = requested
-        .iter()
-        .filter(|id| !held.contains(id) && seen.insert(**id))
-        .copied()
-        .collect();
-    if lost.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::LeaseLost { ids: lost })
-    }
 }
 
 fn truncate_error(text: &str) -> &str {
@@ -364,24 +306,6 @@ impl OutboxStore for MysqlStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lease_lost_names_missing_ids_once_in_order() {
-        let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
-        assert!(lease_lost(&[a, b], &HashSet::from([b, a])).is_ok());
-        match lease_lost(&[c, a, c, b], &HashSet::from([a])) {
-            Err(Error::LeaseLost { ids }) => assert_eq!(ids, vec![c, b]),
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn errors_are_cut_at_a_char_boundary() {
-        let long = "é".repeat(MAX_ERROR_BYTES);
-        let cut = truncate_error(&long);
-        assert!(cut.len() <= MAX_ERROR_BYTES && cut.chars().all(|c| c == 'é'));
-        assert_eq!(truncate_error("short"), "short");
-    }
 
     #[test]
     fn id_lists_are_sorted_and_unique() -> Result<(), serde_json::Error> {

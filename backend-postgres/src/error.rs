@@ -1,6 +1,6 @@
 //! Classification of sqlx errors into the contract's [`Error`], with passwords removed.
 
-use outbox_traits::{redact_url, BoxError, Error};
+use outbox_traits::{BoxError, Error};
 
 /// What is unavailable, in [`Error::Unavailable`].
 pub(crate) const WHAT: &str = "postgres";
@@ -11,31 +11,14 @@ pub(crate) const WHAT: &str = "postgres";
 /// deadlocks, lock and statement timeouts are transient; a missing table or column is permanent
 /// with a hint to run the migration; the rest is permanent.
 pub(crate) fn map_sqlx(err: sqlx::Error, op: &str, table: &str) -> Error {
-    let text = redact_url(&err.to_string());
-    match &err {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Protocol(_) => {
-            Error::unavailable(WHAT, format!("{op} on {table} failed: {text}"), err)
-        }
-        // A configuration error may quote the connection string: keep only the redacted text.
-        sqlx::Error::Configuration(_) => Error::Backend {
-            message: format!("{op}: invalid postgres configuration: {text}"),
-            kind: outbox_traits::ErrorKind::Permanent,
-            source: None,
-        },
-        sqlx::Error::Database(db) => {
-            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
-            classify_sqlstate(&code, op, table, text, Box::new(err))
-        }
-        _ => Error::permanent(
-            format!("{op} on {table} failed: {text}"),
-            Some(Box::new(err)),
-        ),
-    }
+    outbox_sqlx_support::map_sqlx(err, WHAT, op, table, |err, text| {
+        let code = err
+            .as_database_error()
+            .and_then(|db| db.code())
+            .map(|c| c.into_owned())
+            .unwrap_or_default();
+        classify_sqlstate(&code, op, table, text, Box::new(err))
+    })
 }
 
 fn classify_sqlstate(code: &str, op: &str, table: &str, text: String, source: BoxError) -> Error {

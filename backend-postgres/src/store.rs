@@ -2,16 +2,15 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::str::FromStr;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox_traits::{
-    async_trait, redact_url, Capabilities, Claim, ClaimRequest, Counts, DeadMessage, Error,
-    FailAction, Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, WakeSource,
+    async_trait, Capabilities, Claim, ClaimRequest, Counts, DeadMessage, Error, FailAction,
+    Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, WakeSource,
 };
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions, PgRow};
-use sqlx::{Connection, Row};
+use sqlx::postgres::{PgPool, PgRow};
+use sqlx::Row;
 use uuid::Uuid;
 
 use crate::config::PostgresConfig;
@@ -76,34 +75,7 @@ impl PostgresStore {
     /// [`Error::InvalidInput`] for a malformed URL and [`Error::Unavailable`] when the server
     /// cannot be reached; neither message contains the URL's password.
     pub async fn connect(url: &str, config: PostgresConfig) -> Result<Self, Error> {
-        let options = PgConnectOptions::from_str(url).map_err(|e| {
-            Error::invalid_input(format!(
-                "postgres URL {:?} is not valid: {}",
-                redact_url(url),
-                redact_url(&e.to_string())
-            ))
-        })?;
-        // Connect once directly: the pool retries a refused connection until its timeout and
-        // then reports only "timed out", while this gives the real cause at once.
-        let probe = tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options));
-        let probe = match probe.await {
-            Ok(result) => result.map_err(|e| unavailable(url, e))?,
-            Err(_elapsed) => {
-                return Err(Error::Unavailable {
-                    what: WHAT.to_owned(),
-                    message: format!(
-                        "cannot connect to {}: no connection within {CONNECT_TIMEOUT:?}",
-                        redact_url(url)
-                    ),
-                    source: None,
-                })
-            }
-        };
-        // Closing the probe is best effort: the server is known to be reachable.
-        let _ = probe.close().await;
-        let pool = PgPoolOptions::new()
-            .acquire_timeout(CONNECT_TIMEOUT)
-            .connect_lazy_with(options);
+        let pool = outbox_sqlx_support::connect_pool(url, WHAT, CONNECT_TIMEOUT).await?;
         Ok(Self::new(pool, config))
     }
 
@@ -138,44 +110,15 @@ impl PostgresStore {
         if ids.is_empty() {
             return Ok(());
         }
-        let changed: Vec<Uuid> = sqlx::query_scalar(sql)
+        let changed: HashSet<Uuid> = sqlx::query_scalar(sql)
             .bind(token.0)
             .bind(ids)
             .fetch_all(&self.pool)
             .await
-            .map_err(self.err(op))?;
-        lease_lost(ids, &changed)
-    }
-}
-
-/// `Err(LeaseLost)` naming the requested ids that were not changed, in request order.
-/// [`Error::Unavailable`] for a failed connection to `url`, with the password removed.
-fn unavailable(url: &str, e: sqlx::Error) -> Error {
-    let text = redact_url(&e.to_string());
-    // Keep the source only for errors that cannot quote the URL.
-    let source: Option<outbox_traits::BoxError> = match e {
-        sqlx::Error::Configuration(_) => None,
-        other => Some(Box::new(other)),
-    };
-    Error::Unavailable {
-        what: WHAT.to_owned(),
-        message: format!("cannot connect to {}: {text}", redact_url(url)),
-        source,
-    }
-}
-
-fn lease_lost(requested: &[Uuid], changed: &[Uuid]) -> Result<(), Error> {
-    let changed: HashSet<&Uuid> = changed.iter().collect();
-    let mut seen = HashSet::new();
-    let lost: Vec<Uuid> = requested
-        .iter()
-        .filter(|id| !changed.contains(id) && seen.insert(**id))
-        .copied()
-        .collect();
-    if lost.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::LeaseLost { ids: lost })
+            .map_err(self.err(op))?
+            .into_iter()
+            .collect();
+        Error::unless_held(ids, &changed)
     }
 }
 
@@ -312,7 +255,7 @@ impl OutboxStore for PostgresStore {
                 }
             }
         }
-        let changed: Vec<Uuid> = sqlx::query_scalar(&self.config.sql().fail)
+        let changed: HashSet<Uuid> = sqlx::query_scalar(&self.config.sql().fail)
             .bind(token.0)
             .bind(&ids)
             .bind(errors)
@@ -320,8 +263,10 @@ impl OutboxStore for PostgresStore {
             .bind(delays)
             .fetch_all(&self.pool)
             .await
-            .map_err(self.err("fail"))?;
-        lease_lost(&ids, &changed)
+            .map_err(self.err("fail"))?
+            .into_iter()
+            .collect();
+        Error::unless_held(&ids, &changed)
     }
 
     async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
@@ -455,24 +400,6 @@ impl OutboxAdmin for PostgresStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lease_lost_names_missing_ids_once_in_order() {
-        let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
-        assert!(lease_lost(&[a, b], &[b, a]).is_ok());
-        match lease_lost(&[c, a, c, b], &[a]) {
-            Err(Error::LeaseLost { ids }) => assert_eq!(ids, vec![c, b]),
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn errors_are_cut_at_a_char_boundary_without_nul() {
-        let long = "é".repeat(MAX_ERROR_BYTES);
-        let cut = truncate_error(&long);
-        assert!(cut.len() <= MAX_ERROR_BYTES && cut.chars().all(|c| c == 'é'));
-        assert_eq!(truncate_error("a\0b"), "a\u{FFFD}b");
-    }
 
     /// The plan a claim runs with on a table without statistics: with `CLAIM_PLAN` it walks the
     /// claim index in `seq` order; without it the planner sorts the whole backlog (the control,

@@ -90,6 +90,37 @@ impl Error {
         }
     }
 
+    /// `Ok` when every requested message was held, else [`Error::LeaseLost`] naming those that
+    /// were not, once each, in request order. For stores reporting which messages a fenced
+    /// transition changed.
+    ///
+    /// ```
+    /// # use std::collections::HashSet;
+    /// # use outbox_traits::{Error, uuid::Uuid};
+    /// let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+    /// assert!(Error::unless_held(&[a], &HashSet::from([a])).is_ok());
+    /// assert!(matches!(
+    ///     Error::unless_held(&[a, b, b], &HashSet::from([a])),
+    ///     Err(Error::LeaseLost { ids }) if ids == [b]
+    /// ));
+    /// ```
+    pub fn unless_held(
+        requested: &[Uuid],
+        held: &std::collections::HashSet<Uuid>,
+    ) -> Result<(), Error> {
+        let mut seen = std::collections::HashSet::new();
+        let lost: Vec<Uuid> = requested
+            .iter()
+            .filter(|id| !held.contains(id) && seen.insert(**id))
+            .copied()
+            .collect();
+        if lost.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::LeaseLost { ids: lost })
+        }
+    }
+
     /// A transient [`Error::Backend`].
     pub fn transient(message: impl Into<String>, source: Option<BoxError>) -> Self {
         Error::Backend {
