@@ -271,16 +271,7 @@ fn fenced(
             changed.insert(row.message.id);
         }
     }
-    let lost: Vec<Uuid> = ids
-        .iter()
-        .filter(|id| !changed.contains(*id))
-        .copied()
-        .collect();
-    if lost.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::LeaseLost { ids: lost })
-    }
+    Error::unless_held(ids, &changed)
 }
 
 #[async_trait]
