@@ -79,9 +79,15 @@ fn channel_name(schema: &str, table: &str) -> String {
 }
 
 /// Columns read back for a [`outbox_traits::Message`], in the order `row::message` expects.
+///
+/// `partition_key` is read with the database's default collation whatever the column's is, so a
+/// statement prepared before the README's `ALTER ... COLLATE "C"` keeps its result type; else
+/// Postgres refuses to run it again on that connection ("cached plan must not change result
+/// type").
 const MESSAGE_COLUMNS: &str =
     "id, seq, aggregatetype, aggregateid, type, payload::text AS payload, \
-     headers::text AS headers, partition_key, dedup_key, attempts, created_at";
+     headers::text AS headers, partition_key COLLATE \"default\" AS partition_key, dedup_key, \
+     attempts, created_at";
 
 impl Sql {
     pub(crate) fn build(schema: &str, table: &str, notify: bool, delete_published: bool) -> Self {
@@ -288,8 +294,10 @@ upd AS (
         lease_until = now() + $3::bigint * interval '1 microsecond'
     FROM chosen
     WHERE m.id = chosen.id
+    -- partition_key with the default collation: see MESSAGE_COLUMNS.
     RETURNING m.id, m.seq, m.aggregatetype, m.aggregateid, m.type, m.payload::text AS payload,
-              m.headers::text AS headers, m.partition_key, m.dedup_key, m.attempts, m.created_at
+              m.headers::text AS headers, m.partition_key COLLATE "default" AS partition_key,
+              m.dedup_key, m.attempts, m.created_at
 )
 -- One row even when nothing was claimed, to return the lease end in the same round trip.
 SELECT l.lease_until, upd.*

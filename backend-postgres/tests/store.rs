@@ -661,8 +661,16 @@ fn collations(partition_key: &str) -> Vec<(String, String)> {
 /// upgrades it.
 #[tokio::test]
 async fn partition_keys_are_bytewise_in_new_tables_and_older_tables_are_left_alone() {
-    let Some(db) = db().await else { return };
+    let Some(mut db) = db().await else { return };
     assert_eq!(key_collations(&db).await, collations("C"));
+    // One connection, so the claims and dead-letter listings after the ALTER run the
+    // statements prepared before it (a relay running through the upgrade).
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    db.store = PostgresStore::new(pool, db.config.clone());
 
     // A table as earlier versions made it: the database's default collation.
     let table = db.table().to_owned();
@@ -680,11 +688,29 @@ async fn partition_keys_are_bytewise_in_new_tables_and_older_tables_are_left_alo
     let claim = db.claim(10, Block).await;
     assert_eq!(names(&claim), ["k1", "k2", "j1"]);
     db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+    assert!(db.store.list_dead(None, 10).await.unwrap().is_empty());
 
-    // The upgrade the README gives for such a table.
+    // The upgrade the README gives for such a table, while the store's statements are
+    // prepared: they keep working.
     sqlx::query(&alter("C")).execute(db.pool()).await.unwrap();
     assert_eq!(key_collations(&db).await, collations("C"));
-    db.enqueue(&[msg("k", "k3")]).await;
-    assert_eq!(names(&db.claim(10, Block).await), ["k3"]);
+    db.enqueue(&[msg("k", "k3"), msg("d", "d1")]).await;
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["k3", "d1"]);
+    let dead = claim.messages[1].id;
+    db.store
+        .fail(
+            claim.token,
+            &[Failure {
+                id: dead,
+                error: "poison".into(),
+                action: FailAction::Dead,
+            }],
+        )
+        .await
+        .unwrap();
+    let listed = db.store.list_dead(None, 10).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].message.partition_key.as_deref(), Some("d"));
     db.drop().await;
 }
