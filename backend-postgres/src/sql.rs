@@ -222,16 +222,30 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     -- Claimable rows in seq order, locked; rows locked by a concurrent claim are skipped.
     -- The LIMIT sits in a MATERIALIZED CTE so the planner cannot re-run it per outer row
     -- and lock more than $1 rows.
-    SELECT c.id, c.seq, c.partition_key, head.seq AS head_seq
+    SELECT c.id, c.seq, c.partition_key, first.is_head
     FROM {t} c
-    -- The key's first unpublished row, and whether it is claimable. A LATERAL join rather than
-    -- a subquery in WHERE so the planner can memoize it per key: a blocked key's long backlog
-    -- then costs one probe, not one per row.
+    -- Whether the row is its key's first unpublished row: no earlier row of the key in the
+    -- per-key index. For a head (most rows of a claim over many keys) this probe reads no
+    -- table row: the key's earlier entries belong to finished rows and are skipped as dead.
+    -- OFFSET 0 keeps the planner from copying the probe into every expression that uses
+    -- is_head, which ran it three times per row.
+    CROSS JOIN LATERAL (
+        SELECT NOT EXISTS (
+            SELECT 1 FROM {t} e
+            WHERE e.partition_key = c.partition_key AND e.state IN {ordered_states}
+              AND e.seq < c.seq
+        ) AS is_head
+        OFFSET 0
+    ) first
+    -- For a row behind its key's head: whether that head is claimable. Read only for such
+    -- rows (the WHERE on is_head becomes a per-row one-time filter), and a LATERAL join so the
+    -- planner can memoize it per key: a blocked key's long backlog then costs one probe.
     LEFT JOIN LATERAL (
-        SELECT h.seq, h.state = 'pending' AND h.available_at <= now()
+        SELECT h.state = 'pending' AND h.available_at <= now()
                AND (h.lease_until IS NULL OR h.lease_until <= now()) AS claimable
         FROM {t} h
-        WHERE h.partition_key = c.partition_key AND h.state IN {ordered_states}
+        WHERE NOT first.is_head
+          AND h.partition_key = c.partition_key AND h.state IN {ordered_states}
         ORDER BY h.seq
         LIMIT 1
     ) head ON true
@@ -241,28 +255,30 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
       -- Skip keys whose first unpublished row is not claimable (leased to another relay,
       -- waiting for a retry, not yet due, or dead under Block), so that a blocked key's
       -- backlog cannot fill the LIMIT and starve every other key.
-      AND (c.partition_key IS NULL OR head.claimable)
+      AND (c.partition_key IS NULL OR first.is_head OR head.claimable)
     ORDER BY c.seq
     LIMIT $1
     FOR UPDATE OF c SKIP LOCKED
 ),
-ranked AS (
-    SELECT id, seq, partition_key, head_seq,
-           row_number() OVER (PARTITION BY partition_key ORDER BY seq) AS rn,
-           count(*) OVER (PARTITION BY partition_key) AS n
-    FROM cand
-    WHERE partition_key IS NOT NULL
+-- Keys with a candidate behind their head. Only their candidates need the prefix check below;
+-- a key whose only candidate is its head passes as it is (most keys of a claim).
+behind AS (
+    SELECT DISTINCT partition_key FROM cand WHERE NOT is_head
 ),
--- Prefix check: the i-th candidate of a key may go only if it is the key's i-th unpublished
--- row; then every earlier row of the key is a candidate too. A row skipped because another
--- claim locked it, or one not due, breaks the match, so nothing passes an earlier message of
--- its key. A key's only candidate passes when it is the key's first row, which the probe in
--- `cand` already read; keys with several candidates read their first n rows here, one probe
--- per key (most claims over many keys have none of those).
+ranked AS (
+    SELECT c.id, c.seq, c.partition_key,
+           row_number() OVER (PARTITION BY c.partition_key ORDER BY c.seq) AS rn
+    FROM cand c
+    JOIN behind b ON b.partition_key = c.partition_key
+),
+-- Prefix check: the i-th candidate of such a key may go only if it is the key's i-th
+-- unpublished row; then every earlier row of the key is a candidate too. A row skipped because
+-- another claim locked it, or one not due, breaks the match, so nothing passes an earlier
+-- message of its key. One probe per key, reading its first n rows.
 heads AS (
     SELECT k.partition_key, e.seq,
            row_number() OVER (PARTITION BY k.partition_key ORDER BY e.seq) AS rn
-    FROM (SELECT partition_key, max(n) AS n FROM ranked WHERE n > 1 GROUP BY partition_key) k
+    FROM (SELECT partition_key, count(*) AS n FROM ranked GROUP BY partition_key) k
     CROSS JOIN LATERAL (
         SELECT h.seq FROM {t} h
         WHERE h.partition_key = k.partition_key AND h.state IN {ordered_states}
@@ -271,16 +287,18 @@ heads AS (
     ) e
 ),
 chosen AS (
-    SELECT id FROM cand WHERE partition_key IS NULL
+    -- Unordered messages (is_head is true for them), and heads of keys with nothing behind.
+    SELECT c.id FROM cand c
+    WHERE c.is_head
+      AND (c.partition_key IS NULL
+           OR NOT EXISTS (SELECT 1 FROM behind b WHERE b.partition_key = c.partition_key))
     UNION ALL
-    SELECT id FROM ranked WHERE n = 1 AND seq = head_seq
-    UNION ALL
-    -- A candidate of a key with several passes when `heads` has the same (key, rank, seq).
-    -- Matched by grouping rather than a join: with poor statistics the planner ran a join
-    -- here as a nested loop that recomputed `heads` for every candidate.
+    -- A candidate of a key with one behind its head passes when `heads` has the same
+    -- (key, rank, seq). Matched by grouping rather than a join: with poor statistics the
+    -- planner ran a join here as a nested loop that recomputed `heads` for every candidate.
     SELECT (array_agg(id) FILTER (WHERE id IS NOT NULL))[1]
     FROM (
-        SELECT partition_key, rn, seq, id FROM ranked WHERE n > 1
+        SELECT partition_key, rn, seq, id FROM ranked
         UNION ALL
         SELECT partition_key, rn, seq, NULL FROM heads
     ) both_sides
