@@ -35,6 +35,11 @@ pub(crate) struct Sql {
     pub claim_block: String,
     /// Claim where dead messages are ignored for ordering.
     pub claim_skip: String,
+    /// Second step of a claim that came back short from a full window, dead messages blocking
+    /// their key: the claimable heads of keys (and unordered messages) past the window.
+    pub claim_past_block: String,
+    /// The same, dead messages ignored for ordering.
+    pub claim_past_skip: String,
     pub complete: String,
     pub fail: String,
     pub release: String,
@@ -88,6 +93,13 @@ const MESSAGE_COLUMNS: &str =
     "id, seq, aggregatetype, aggregateid, type, payload::text AS payload, \
      headers::text AS headers, partition_key COLLATE \"default\" AS partition_key, dedup_key, \
      attempts, created_at";
+
+/// What a claim returns for each leased row (`m`), in the order `row::message` reads by name.
+/// `partition_key` with the default collation: see [`MESSAGE_COLUMNS`].
+const CLAIM_RETURNING: &str =
+    "m.id, m.seq, m.aggregatetype, m.aggregateid, m.type, m.payload::text AS payload, \
+     m.headers::text AS headers, m.partition_key COLLATE \"default\" AS partition_key, \
+     m.dedup_key, m.attempts, m.created_at";
 
 impl Sql {
     pub(crate) fn build(schema: &str, table: &str, notify: bool, delete_published: bool) -> Self {
@@ -210,6 +222,7 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
             insert_rows
         };
 
+        let returning = CLAIM_RETURNING;
         let claim = |dead_blocks: bool| -> String {
             // Rows that order a key: under Block a dead row still holds its key back.
             let ordered_states = if dead_blocks {
@@ -219,11 +232,14 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
             };
             format!(
                 r#"WITH cand AS MATERIALIZED (
-    -- Claimable rows in seq order, locked; rows locked by a concurrent claim are skipped.
-    -- The LIMIT sits in a MATERIALIZED CTE so the planner cannot re-run it per outer row
-    -- and lock more than $1 rows.
-    SELECT c.id, c.seq, c.partition_key, first.is_head
-    FROM {t} c
+    SELECT c.tid, c.id, c.seq, c.partition_key, first.is_head
+    FROM (
+        -- The window: the first $4 unpublished rows in seq order (leased or not). A claim
+        -- reads at most these, however long a blocked key's backlog is; when it comes back
+        -- short from a full window, `claim_past` takes the heads past it. Not locked here:
+        -- only the chosen candidates are, below.
+        SELECT w.ctid AS tid, w.* FROM {t} w WHERE w.state = 'pending' ORDER BY w.seq LIMIT $4
+    ) c
     -- Whether the row is its key's first unpublished row: no earlier row of the key in the
     -- per-key index. For a head (most rows of a claim over many keys) this probe reads no
     -- table row: the key's earlier entries belong to finished rows and are skipped as dead.
@@ -239,7 +255,7 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     ) first
     -- For a row behind its key's head: whether that head is claimable. Read only for such
     -- rows (the WHERE on is_head becomes a per-row one-time filter), and a LATERAL join so the
-    -- planner can memoize it per key: a blocked key's long backlog then costs one probe.
+    -- planner can memoize it per key: a blocked key's backlog then costs one probe.
     LEFT JOIN LATERAL (
         SELECT h.state = 'pending' AND h.available_at <= now()
                AND (h.lease_until IS NULL OR h.lease_until <= now()) AS claimable
@@ -250,7 +266,7 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
         LIMIT 1
     ) head ON true
     -- Due, and not leased or with an expired lease (reclaimed: the old token loses its fence).
-    WHERE c.state = 'pending' AND c.available_at <= now()
+    WHERE c.available_at <= now()
       AND (c.lease_until IS NULL OR c.lease_until <= now())
       -- Skip keys whose first unpublished row is not claimable (leased to another relay,
       -- waiting for a retry, not yet due, or dead under Block), so that a blocked key's
@@ -258,20 +274,31 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
       AND (c.partition_key IS NULL OR first.is_head OR head.claimable)
     ORDER BY c.seq
     LIMIT $1
-    FOR UPDATE OF c SKIP LOCKED
+),
+-- Lock the candidates by their row address. A row locked by a concurrent transaction is
+-- skipped; so is one changed since this statement's snapshot (locking follows it to its new
+-- version, whose address is not in the list). Either way the prefix check below holds back the
+-- rest of its key.
+locked AS MATERIALIZED (
+    SELECT l.ctid AS tid FROM {t} l
+    WHERE l.ctid = ANY(ARRAY(SELECT tid FROM cand))
+    FOR UPDATE SKIP LOCKED
+),
+lc AS (
+    SELECT c.* FROM cand c JOIN locked l ON l.tid = c.tid
 ),
 -- Keys with a candidate behind their head. Only their candidates need the prefix check below;
 -- a key whose only candidate is its head passes as it is (most keys of a claim).
 behind AS (
-    SELECT DISTINCT partition_key FROM cand WHERE NOT is_head
+    SELECT DISTINCT partition_key FROM lc WHERE NOT is_head
 ),
 ranked AS (
-    SELECT c.id, c.seq, c.partition_key,
+    SELECT c.tid, c.seq, c.partition_key,
            row_number() OVER (PARTITION BY c.partition_key ORDER BY c.seq) AS rn
-    FROM cand c
+    FROM lc c
     JOIN behind b ON b.partition_key = c.partition_key
 ),
--- Prefix check: the i-th candidate of such a key may go only if it is the key's i-th
+-- Prefix check: the i-th locked candidate of such a key may go only if it is the key's i-th
 -- unpublished row; then every earlier row of the key is a candidate too. A row skipped because
 -- another claim locked it, or one not due, breaks the match, so nothing passes an earlier
 -- message of its key. One probe per key, reading its first n rows.
@@ -288,7 +315,7 @@ heads AS (
 ),
 chosen AS (
     -- Unordered messages (is_head is true for them), and heads of keys with nothing behind.
-    SELECT c.id FROM cand c
+    SELECT c.tid FROM lc c
     WHERE c.is_head
       AND (c.partition_key IS NULL
            OR NOT EXISTS (SELECT 1 FROM behind b WHERE b.partition_key = c.partition_key))
@@ -296,9 +323,9 @@ chosen AS (
     -- A candidate of a key with one behind its head passes when `heads` has the same
     -- (key, rank, seq). Matched by grouping rather than a join: with poor statistics the
     -- planner ran a join here as a nested loop that recomputed `heads` for every candidate.
-    SELECT (array_agg(id) FILTER (WHERE id IS NOT NULL))[1]
+    SELECT (array_agg(tid) FILTER (WHERE tid IS NOT NULL))[1]
     FROM (
-        SELECT partition_key, rn, seq, id FROM ranked
+        SELECT partition_key, rn, seq, tid FROM ranked
         UNION ALL
         SELECT partition_key, rn, seq, NULL FROM heads
     ) both_sides
@@ -306,22 +333,91 @@ chosen AS (
     HAVING count(*) = 2
 ),
 upd AS (
-    -- Only the lease columns change: a HOT update when the page has room.
+    -- Only the lease columns change: a HOT update when the page has room. By row address:
+    -- these rows are locked and unchanged since the snapshot, so the address is theirs.
     UPDATE {t} m
     SET lease_token = $2,
         lease_until = now() + $3::bigint * interval '1 microsecond'
-    FROM chosen
-    WHERE m.id = chosen.id
-    -- partition_key with the default collation: see MESSAGE_COLUMNS.
-    RETURNING m.id, m.seq, m.aggregatetype, m.aggregateid, m.type, m.payload::text AS payload,
-              m.headers::text AS headers, m.partition_key COLLATE "default" AS partition_key,
-              m.dedup_key, m.attempts, m.created_at
+    WHERE m.ctid = ANY(ARRAY(SELECT tid FROM chosen))
+    RETURNING {returning}
 )
 -- One row even when nothing was claimed, to return the lease end in the same round trip.
 SELECT l.lease_until, upd.*
 FROM (SELECT now() + $3::bigint * interval '1 microsecond' AS lease_until) l
 LEFT JOIN upd ON true
 ORDER BY upd.seq"#
+            )
+        };
+
+        // Runs after `claim`, in its transaction, when that came back short although its window
+        // was full: the rows past the window may hold claimable keys that a long blocked backlog
+        // kept out of it. Takes only heads (a key's first unpublished row, always safe to take
+        // alone) and unordered messages, oldest first, found key by key with one index probe per
+        // key that has unpublished rows, so its cost follows the number of keys, not the
+        // backlog. It sees the leases `claim` just took (same transaction), so it takes no key
+        // twice.
+        let claim_past = |dead_blocks: bool| -> String {
+            let ordered_states = if dead_blocks {
+                "('pending', 'dead')"
+            } else {
+                "('pending')"
+            };
+            format!(
+                r#"WITH RECURSIVE bound AS MATERIALIZED (
+    -- The last row of the window: nothing to do when every unpublished row fits in it.
+    SELECT w.seq FROM {t} w WHERE w.state = 'pending' ORDER BY w.seq OFFSET $4 - 1 LIMIT 1
+),
+keys AS (
+    -- A loose scan of the per-key index: each step jumps to the next key.
+    SELECT (SELECT min(k.partition_key) FROM {t} k
+            WHERE k.state IN {ordered_states} AND k.partition_key IS NOT NULL) AS key
+    FROM bound
+    UNION ALL
+    SELECT (SELECT min(k.partition_key) FROM {t} k
+            WHERE k.state IN {ordered_states} AND k.partition_key > keys.key)
+    FROM keys
+    WHERE keys.key IS NOT NULL
+),
+cand AS MATERIALIZED (
+    SELECT x.tid, x.seq FROM (
+        SELECT h.tid, h.seq
+        FROM keys
+        CROSS JOIN LATERAL (
+            SELECT h.ctid AS tid, h.seq,
+                   h.state = 'pending' AND h.available_at <= now()
+                   AND (h.lease_until IS NULL OR h.lease_until <= now()) AS claimable
+            FROM {t} h
+            WHERE h.partition_key = keys.key AND h.state IN {ordered_states}
+            ORDER BY h.seq
+            LIMIT 1
+        ) h
+        WHERE h.claimable AND h.seq > (SELECT seq FROM bound)
+        UNION ALL
+        (SELECT u.ctid, u.seq FROM {t} u
+         WHERE u.partition_key IS NULL AND u.state = 'pending'
+           AND u.seq > (SELECT seq FROM bound)
+           AND u.available_at <= now() AND (u.lease_until IS NULL OR u.lease_until <= now())
+         ORDER BY u.seq
+         LIMIT $1)
+    ) x
+    ORDER BY x.seq
+    LIMIT $1
+),
+-- Locked by row address, as in `claim`: a row locked elsewhere or changed since the snapshot
+-- is skipped (a head alone breaks no order).
+locked AS MATERIALIZED (
+    SELECT l.ctid AS tid FROM {t} l
+    WHERE l.ctid = ANY(ARRAY(SELECT tid FROM cand))
+    FOR UPDATE SKIP LOCKED
+),
+upd AS (
+    UPDATE {t} m
+    SET lease_token = $2,
+        lease_until = now() + $3::bigint * interval '1 microsecond'
+    WHERE m.ctid = ANY(ARRAY(SELECT tid FROM locked))
+    RETURNING {returning}
+)
+SELECT upd.* FROM upd ORDER BY upd.seq"#
             )
         };
 
@@ -410,6 +506,8 @@ ORDER BY upd.seq"#
             ),
             claim_block: claim(true),
             claim_skip: claim(false),
+            claim_past_block: claim_past(true),
+            claim_past_skip: claim_past(false),
             insert,
             migrate,
             dedup_constraint,

@@ -34,6 +34,10 @@ const MAX_ERROR_BYTES: usize = 8 * 1024;
 const CLAIM_PLAN: &str = "SELECT set_config('enable_bitmapscan', 'off', true), \
                           set_config('enable_seqscan', 'off', true)";
 
+/// A claim of `limit` rows reads at most `limit * CLAIM_WINDOW` unpublished rows in seq order
+/// (see `Sql::claim_block`); past them it takes only key heads, key by key.
+const CLAIM_WINDOW: i64 = 4;
+
 /// How long [`PostgresStore::connect`] waits for a first connection, and the pool it makes
 /// waits for a connection before a call fails with [`Error::Unavailable`].
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -138,18 +142,23 @@ impl OutboxStore for PostgresStore {
         let lease_us = micros("claim lease", req.lease)?;
         let limit = i64::try_from(req.limit).unwrap_or(i64::MAX);
         let token = LeaseToken::new();
-        let sql = match req.head_policy {
-            HeadPolicy::Block => &self.config.sql().claim_block,
-            HeadPolicy::Skip => &self.config.sql().claim_skip,
+        let all = self.config.sql();
+        let (sql, past) = match req.head_policy {
+            HeadPolicy::Block => (&all.claim_block, &all.claim_past_block),
+            HeadPolicy::Skip => (&all.claim_skip, &all.claim_past_skip),
         };
+        // The claim reads at most this many unpublished rows (leased ones included): the ones in
+        // flight ahead of the claimable rows, and room for rows held back behind them.
+        let window = limit.saturating_mul(CLAIM_WINDOW);
         // The claim statement runs in a short transaction of its own whose first statement pins
         // its plan (see `CLAIM_PLAN`). The transaction runs in its own task, so that a caller
         // that drops this future (a relay aborted mid-claim) cannot leave it open with its rows
         // locked on a pooled connection: it always ends, as a single statement would, and what
         // it leased then expires like a crashed relay's leases.
-        let (pool, sql, table) = (
+        let (pool, sql, past, table) = (
             self.pool.clone(),
             sql.clone(),
+            past.clone(),
             self.config.qualified_table().to_owned(),
         );
         let max = req.limit;
@@ -160,17 +169,41 @@ impl OutboxStore for PostgresStore {
                 .execute(&mut *tx)
                 .await
                 .map_err(err)?;
-            let rows: Vec<PgRow> = sqlx::query(&sql)
+            let mut rows: Vec<PgRow> = sqlx::query(&sql)
                 .bind(limit)
                 .bind(token.0)
                 .bind(lease_us)
+                .bind(window)
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(err)?;
-            // One row carries only the lease end; the others are messages. More messages than
-            // the limit is impossible by the SQL (LIMIT inside a MATERIALIZED CTE); if it ever
-            // happens, lease nothing and let the caller refuse the claim loudly.
-            if rows.len() > max + 1 {
+            // Short (the first row carries only the lease end): look past the window, where a
+            // long blocked backlog may have hidden claimable keys. It returns nothing at once
+            // when the window held every unpublished row.
+            let got = rows
+                .iter()
+                .filter(|row| matches!(row.try_get::<Option<Uuid>, _>("id"), Ok(Some(_))))
+                .count();
+            if got < max {
+                let rest = i64::try_from(max - got).unwrap_or(i64::MAX);
+                let more: Vec<PgRow> = sqlx::query(&past)
+                    .bind(rest)
+                    .bind(token.0)
+                    .bind(lease_us)
+                    .bind(window)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(err)?;
+                rows.extend(more);
+            }
+            // More messages than the limit is impossible by the SQL (LIMITs inside MATERIALIZED
+            // CTEs, the second statement asked for the rest only); if it ever happens, lease
+            // nothing and let the caller refuse the claim loudly.
+            let leased = rows
+                .iter()
+                .filter(|row| matches!(row.try_get::<Option<Uuid>, _>("id"), Ok(Some(_))))
+                .count();
+            if leased > max {
                 tx.rollback().await.map_err(err)?;
             } else {
                 tx.commit().await.map_err(err)?;
@@ -188,13 +221,17 @@ impl OutboxStore for PostgresStore {
             )
         })??;
         let table = self.config.qualified_table();
-        let mut lease_until = None;
-        let mut messages = Vec::with_capacity(rows.len());
-        for row in &rows {
-            lease_until = Some(
+        // Every row of the first statement carries the lease end (the second one's rows, after
+        // them, do not).
+        let lease_until = match rows.first() {
+            Some(row) => Some(
                 row.try_get::<DateTime<Utc>, _>("lease_until")
                     .map_err(self.err("claim"))?,
-            );
+            ),
+            None => None,
+        };
+        let mut messages = Vec::with_capacity(rows.len());
+        for row in &rows {
             // The single row of an empty claim carries only the lease end.
             if row
                 .try_get::<Option<Uuid>, _>("id")
@@ -218,6 +255,9 @@ impl OutboxStore for PostgresStore {
                 None,
             ));
         }
+        // Heads found past the window may be older than rows of the window that committed
+        // late; hand the batch out in seq order all the same.
+        messages.sort_by_key(|m| m.seq);
         let lease_until = lease_until.ok_or_else(|| {
             Error::permanent(format!("claim on {table} returned no lease end"), None)
         })?;
@@ -437,10 +477,12 @@ mod tests {
                 if pin {
                     sqlx::query(CLAIM_PLAN).execute(&mut *tx).await?;
                 }
-                tx.execute(format!("PREPARE claim_plan(bigint, uuid, bigint) AS {sql}").as_str())
-                    .await?;
+                tx.execute(
+                    format!("PREPARE claim_plan(bigint, uuid, bigint, bigint) AS {sql}").as_str(),
+                )
+                .await?;
                 let lines: Vec<String> = sqlx::query_scalar(
-                    "EXPLAIN EXECUTE claim_plan(500, gen_random_uuid(), 30000000)",
+                    "EXPLAIN EXECUTE claim_plan(500, gen_random_uuid(), 30000000, 2000)",
                 )
                 .fetch_all(&mut *tx)
                 .await?;
