@@ -1072,6 +1072,33 @@ pub async fn dedup_key_outlives_its_message_only_while_kept(
     f.finish().await
 }
 
+/// A key whose head is leased holds back only its own backlog, however long: a claim still
+/// finds the claimable messages behind it (another key's head and an unordered message), so a
+/// store that reads only a bounded stretch of the backlog must look past it for them.
+pub async fn blocked_backlog_hides_no_key(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    let mut batch: Vec<NewMessage> = (1..=100)
+        .map(|i| msg("stuck", &format!("stuck#{i}")))
+        .collect();
+    batch.push(msg("j", "j#1"));
+    batch.push(msg("u", "u#1").unordered());
+    f.enqueue(&batch).await?;
+    let head = f.claim(1).await?;
+    ensure!(
+        labels(&head) == ["stuck#1"],
+        "claim(1) returned {:?}, expected the oldest [\"stuck#1\"]",
+        labels(&head)
+    );
+    let next = f.claim(2).await?;
+    ensure!(
+        labels(&next) == ["j#1", "u#1"],
+        "while stuck#1 is leased with 99 messages of its key behind it, claim(2) returned {:?}; \
+         expected [\"j#1\", \"u#1\"], the only claimable messages",
+        labels(&next)
+    );
+    f.finish().await
+}
+
 /// Every check, by name, so the macro and pickers can run them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -1114,11 +1141,13 @@ pub enum Check {
     ConcurrentClaimsAreExclusive,
     /// [`dedup_key_outlives_its_message_only_while_kept`]
     DedupKeyOutlivesItsMessageOnlyWhileKept,
+    /// [`blocked_backlog_hides_no_key`]
+    BlockedBacklogHidesNoKey,
 }
 
 impl Check {
     /// Every check.
-    pub const ALL: [Check; 19] = [
+    pub const ALL: [Check; 20] = [
         Check::ClaimRespectsLimit,
         Check::NoPhantoms,
         Check::LateCommitIsClaimed,
@@ -1138,6 +1167,7 @@ impl Check {
         Check::EnqueueRefusals,
         Check::ConcurrentClaimsAreExclusive,
         Check::DedupKeyOutlivesItsMessageOnlyWhileKept,
+        Check::BlockedBacklogHidesNoKey,
     ];
 
     /// Run this check against a fresh store of `harness`.
@@ -1164,6 +1194,7 @@ impl Check {
             Check::DedupKeyOutlivesItsMessageOnlyWhileKept => {
                 dedup_key_outlives_its_message_only_while_kept(harness).await
             }
+            Check::BlockedBacklogHidesNoKey => blocked_backlog_hides_no_key(harness).await,
         }
     }
 

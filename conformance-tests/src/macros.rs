@@ -41,6 +41,7 @@ macro_rules! conformance_suite {
             enqueue_refusals EnqueueRefusals,
             concurrent_claims_are_exclusive ConcurrentClaimsAreExclusive,
             dedup_key_outlives_its_message_only_while_kept DedupKeyOutlivesItsMessageOnlyWhileKept,
+            blocked_backlog_hides_no_key BlockedBacklogHidesNoKey,
         );
     };
     ($harness:expr) => {
