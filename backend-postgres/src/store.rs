@@ -46,7 +46,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 ///
 /// Holds a connection pool and a [`PostgresConfig`]; cloning is cheap and shares the pool.
 /// Every method is one statement in its own short transaction (a claim runs one `set_config`
-/// before its statement, see `CLAIM_PLAN`), so no lock is held between calls.
+/// before its statement, see `CLAIM_PLAN`, and a second statement when it comes back short from
+/// a full window, see `CLAIM_WINDOW`), so no lock is held between calls.
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: PgPool,
