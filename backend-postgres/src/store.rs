@@ -136,6 +136,30 @@ fn truncate_error(text: &str) -> String {
     text[..cut].replace('\0', "\u{FFFD}")
 }
 
+/// A claim statement (`Sql::claim_*` or `Sql::claim_past_*`) with its parameters bound:
+/// `$1` how many messages, `$2` the token, `$3` the lease in microseconds, `$4` the window.
+fn claim_statement(
+    sql: &str,
+    limit: i64,
+    token: LeaseToken,
+    lease_us: i64,
+    window: i64,
+) -> sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql)
+        .bind(limit)
+        .bind(token.0)
+        .bind(lease_us)
+        .bind(window)
+}
+
+/// How many of a claim's rows are messages (an empty claim's single row carries only the lease
+/// end).
+fn messages_in(rows: &[PgRow]) -> usize {
+    rows.iter()
+        .filter(|row| matches!(row.try_get::<Option<Uuid>, _>("id"), Ok(Some(_))))
+        .count()
+}
+
 #[async_trait]
 impl OutboxStore for PostgresStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
@@ -170,28 +194,17 @@ impl OutboxStore for PostgresStore {
                 .execute(&mut *tx)
                 .await
                 .map_err(err)?;
-            let mut rows: Vec<PgRow> = sqlx::query(&sql)
-                .bind(limit)
-                .bind(token.0)
-                .bind(lease_us)
-                .bind(window)
+            let mut rows: Vec<PgRow> = claim_statement(&sql, limit, token, lease_us, window)
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(err)?;
-            // Short (the first row carries only the lease end): look past the window, where a
-            // long blocked backlog may have hidden claimable keys. It returns nothing at once
-            // when the window held every unpublished row.
-            let got = rows
-                .iter()
-                .filter(|row| matches!(row.try_get::<Option<Uuid>, _>("id"), Ok(Some(_))))
-                .count();
+            // Short: look past the window, where a long blocked backlog may have hidden
+            // claimable keys. It returns nothing at once when the window held every
+            // unpublished row.
+            let got = messages_in(&rows);
             if got < max {
                 let rest = i64::try_from(max - got).unwrap_or(i64::MAX);
-                let more: Vec<PgRow> = sqlx::query(&past)
-                    .bind(rest)
-                    .bind(token.0)
-                    .bind(lease_us)
-                    .bind(window)
+                let more = claim_statement(&past, rest, token, lease_us, window)
                     .fetch_all(&mut *tx)
                     .await
                     .map_err(err)?;
@@ -200,10 +213,7 @@ impl OutboxStore for PostgresStore {
             // More messages than the limit is impossible by the SQL (LIMITs inside MATERIALIZED
             // CTEs, the second statement asked for the rest only); if it ever happens, lease
             // nothing and let the caller refuse the claim loudly.
-            let leased = rows
-                .iter()
-                .filter(|row| matches!(row.try_get::<Option<Uuid>, _>("id"), Ok(Some(_))))
-                .count();
+            let leased = messages_in(&rows);
             if leased > max {
                 tx.rollback().await.map_err(err)?;
             } else {
