@@ -349,13 +349,15 @@ ORDER BY upd.seq"#
             )
         };
 
-        // Runs after `claim`, in its transaction, when that came back short although its window
-        // was full: the rows past the window may hold claimable keys that a long blocked backlog
-        // kept out of it. Takes only heads (a key's first unpublished row, always safe to take
-        // alone) and unordered messages, oldest first, found key by key with one index probe per
-        // key that has unpublished rows, so its cost follows the number of keys, not the
-        // backlog. It sees the leases `claim` just took (same transaction), so it takes no key
-        // twice.
+        // Runs after `claim`, in its transaction, when that came back short: the rows past a
+        // full window may hold claimable keys that a long blocked backlog kept out of it. Takes
+        // only heads (a key's first unpublished row, always safe to take alone) and unordered
+        // messages, oldest first. With few keys (at most the window's size) it finds them key
+        // by key, one index probe per key, whatever the backlog (a backlog of keys whose heads
+        // are leased: 3 ms instead of 92 over 100,000 rows and 100 keys); with more keys it
+        // reads the rows past the window, which for rows not due costs less than a probe per
+        // key (100,000 keys: 37 ms instead of 1.1 s). It sees the leases `claim` just took (same
+        // transaction), so it takes no key twice.
         let claim_past = |dead_blocks: bool| -> String {
             let ordered_states = if dead_blocks {
                 "('pending', 'dead')"
@@ -368,18 +370,26 @@ ORDER BY upd.seq"#
     SELECT w.seq FROM {t} w WHERE w.state = 'pending' ORDER BY w.seq OFFSET $4 - 1 LIMIT 1
 ),
 keys AS (
-    -- A loose scan of the per-key index: each step jumps to the next key.
+    -- A loose scan of the per-key index: each step jumps to the next key. It stops after $4
+    -- keys: past that, reading the rows past the window costs less than a probe per key.
     SELECT (SELECT min(k.partition_key) FROM {t} k
-            WHERE k.state IN {ordered_states} AND k.partition_key IS NOT NULL) AS key
+            WHERE k.state IN {ordered_states} AND k.partition_key IS NOT NULL) AS key,
+           1 AS n
     FROM bound
     UNION ALL
     SELECT (SELECT min(k.partition_key) FROM {t} k
-            WHERE k.state IN {ordered_states} AND k.partition_key > keys.key)
+            WHERE k.state IN {ordered_states} AND k.partition_key > keys.key),
+           keys.n + 1
     FROM keys
-    WHERE keys.key IS NOT NULL
+    WHERE keys.key IS NOT NULL AND keys.n <= $4
+),
+-- Whether the loose scan reached the last key (NULL when there is nothing past the window).
+walked AS MATERIALIZED (
+    SELECT bool_or(key IS NULL) AS all_keys FROM keys
 ),
 cand AS MATERIALIZED (
     SELECT x.tid, x.seq FROM (
+        -- Few keys: each key's head, when it is claimable and past the window.
         SELECT h.tid, h.seq
         FROM keys
         CROSS JOIN LATERAL (
@@ -391,13 +401,33 @@ cand AS MATERIALIZED (
             ORDER BY h.seq
             LIMIT 1
         ) h
-        WHERE h.claimable AND h.seq > (SELECT seq FROM bound)
+        WHERE (SELECT all_keys FROM walked) AND h.claimable AND h.seq > (SELECT seq FROM bound)
         UNION ALL
         (SELECT u.ctid, u.seq FROM {t} u
-         WHERE u.partition_key IS NULL AND u.state = 'pending'
+         WHERE (SELECT all_keys FROM walked)
+           AND u.partition_key IS NULL AND u.state = 'pending'
            AND u.seq > (SELECT seq FROM bound)
            AND u.available_at <= now() AND (u.lease_until IS NULL OR u.lease_until <= now())
          ORDER BY u.seq
+         LIMIT $1)
+        UNION ALL
+        -- Many keys: the rows past the window in seq order, keeping unordered ones and heads
+        -- (the head probe is memoized per key, so a blocked key's rows cost no probe each).
+        (SELECT c.ctid, c.seq
+         FROM {t} c
+         LEFT JOIN LATERAL (
+             SELECT h.seq, h.state = 'pending' AND h.available_at <= now()
+                    AND (h.lease_until IS NULL OR h.lease_until <= now()) AS claimable
+             FROM {t} h
+             WHERE h.partition_key = c.partition_key AND h.state IN {ordered_states}
+             ORDER BY h.seq
+             LIMIT 1
+         ) head ON true
+         WHERE NOT (SELECT all_keys FROM walked)
+           AND c.state = 'pending' AND c.seq > (SELECT seq FROM bound)
+           AND c.available_at <= now() AND (c.lease_until IS NULL OR c.lease_until <= now())
+           AND (c.partition_key IS NULL OR (head.claimable AND head.seq = c.seq))
+         ORDER BY c.seq
          LIMIT $1)
     ) x
     ORDER BY x.seq

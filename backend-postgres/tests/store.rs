@@ -767,3 +767,33 @@ async fn a_blocked_backlog_longer_than_the_window_hides_no_key() {
     assert!(db.claim(100, Block).await.messages.is_empty());
     db.drop().await;
 }
+
+/// Past a full window with more keys than the window has rows, the claim reads the rows past
+/// the window instead of probing key by key: it still takes the oldest claimable heads and
+/// unordered messages, and holds back the rest of each key.
+#[tokio::test]
+async fn past_the_window_with_many_keys_takes_the_oldest_heads() {
+    let Some(db) = db().await else { return };
+    // Limit 2: a window of 8 rows and a key walk of at most 8 keys; 12 keys wait past it.
+    let mut batch: Vec<NewMessage> = (1..=10).map(|i| msg("stuck", &format!("s{i}"))).collect();
+    for i in 1..=12 {
+        batch.push(msg(&format!("k{i:02}"), &format!("k{i:02}a")));
+    }
+    batch.push(msg("k01", "k01b"));
+    batch.push(msg("u", "u1").unordered());
+    db.enqueue(&batch).await;
+    assert_eq!(names(&db.claim(1, Block).await), ["s1"]);
+
+    let mut claimed = Vec::new();
+    for _ in 0..6 {
+        let claim = db.claim(2, Block).await;
+        assert!(!claim.messages.is_empty());
+        claimed.extend(names(&claim));
+    }
+    let want: Vec<String> = (1..=12).map(|i| format!("k{i:02}a")).collect();
+    assert_eq!(claimed, want);
+    // k01b waits for k01a, which is leased; u1 comes next.
+    let next = db.claim(2, Block).await;
+    assert_eq!(names(&next), ["u1"]);
+    db.drop().await;
+}
