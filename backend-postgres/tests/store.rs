@@ -10,8 +10,8 @@ use std::time::Duration;
 use common::{db, db_with, ids, msg, names, random_schema, Db};
 use outbox_backend_postgres::{enqueue, enqueue_batch, migrate, PostgresConfig, PostgresStore};
 use outbox_traits::{
-    ClaimRequest, Error, ErrorKind, FailAction, Failure, HeadPolicy, LeaseToken, NewMessage,
-    OutboxAdmin, OutboxStore,
+    ClaimRequest, Error, ErrorKind, FailAction, Failure, HeadPolicy, LeaseToken, OutboxAdmin,
+    OutboxStore,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use uuid::Uuid;
@@ -712,88 +712,5 @@ async fn partition_keys_are_bytewise_in_new_tables_and_older_tables_are_left_alo
     let listed = db.store.list_dead(None, 10).await.unwrap();
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].message.partition_key.as_deref(), Some("d"));
-    db.drop().await;
-}
-
-/// A claim reads a bounded window of the backlog (4 × its limit); a blocked key's backlog
-/// longer than that hides no other key: the claim takes the claimable heads (and unordered
-/// messages) past the window, oldest first, and still holds back a key behind a leased or (under
-/// Block) dead head.
-#[tokio::test]
-async fn a_blocked_backlog_longer_than_the_window_hides_no_key() {
-    let Some(db) = db().await else { return };
-    let mut batch: Vec<NewMessage> = (1..=20).map(|i| msg("stuck", &format!("s{i}"))).collect();
-    batch.extend([
-        msg("d", "d1"),
-        msg("a", "a1"),
-        msg("b", "b1"),
-        msg("b", "b2"),
-        msg("u", "u1").unordered(),
-        msg("d", "d2"),
-        msg("c", "c1"),
-    ]);
-    db.enqueue(&batch).await;
-    // Lease the stuck key's head, and make d1 dead.
-    let first = db.claim(1, Block).await;
-    assert_eq!(names(&first), ["s1"]);
-    let rest = db.claim(30, Block).await;
-    assert_eq!(names(&rest), ["d1", "a1", "b1", "b2", "u1", "d2", "c1"]);
-    let d1 = rest.messages[0].id;
-    db.store
-        .fail(
-            rest.token,
-            &[Failure {
-                id: d1,
-                error: "poison".into(),
-                action: FailAction::Dead,
-            }],
-        )
-        .await
-        .unwrap();
-    let others: Vec<Uuid> = ids(&rest).into_iter().filter(|id| *id != d1).collect();
-    db.store.release(rest.token, &others).await.unwrap();
-
-    // Limit 3: the window is the first 12 unpublished rows, all of the stuck key (its head
-    // leased). Past it: the heads a1 and b1 and the unordered u1, oldest first; not b2
-    // (behind b1), not d2 (behind a dead d1 under Block).
-    let past = db.claim(3, Block).await;
-    assert_eq!(names(&past), ["a1", "b1", "u1"]);
-    let more = db.claim(3, Block).await;
-    assert_eq!(names(&more), ["c1"]);
-    // Under Skip the dead d1 holds nothing back.
-    let skip = db.claim(3, Skip).await;
-    assert_eq!(names(&skip), ["d2"]);
-    // A window that holds every unpublished row: nothing is claimable.
-    assert!(db.claim(100, Block).await.messages.is_empty());
-    db.drop().await;
-}
-
-/// Past a full window with more keys than the window has rows, the claim reads the rows past
-/// the window instead of probing key by key: it still takes the oldest claimable heads and
-/// unordered messages, and holds back the rest of each key.
-#[tokio::test]
-async fn past_the_window_with_many_keys_takes_the_oldest_heads() {
-    let Some(db) = db().await else { return };
-    // Limit 2: a window of 8 rows and a key walk of at most 8 keys; 12 keys wait past it.
-    let mut batch: Vec<NewMessage> = (1..=10).map(|i| msg("stuck", &format!("s{i}"))).collect();
-    for i in 1..=12 {
-        batch.push(msg(&format!("k{i:02}"), &format!("k{i:02}a")));
-    }
-    batch.push(msg("k01", "k01b"));
-    batch.push(msg("u", "u1").unordered());
-    db.enqueue(&batch).await;
-    assert_eq!(names(&db.claim(1, Block).await), ["s1"]);
-
-    let mut claimed = Vec::new();
-    for _ in 0..6 {
-        let claim = db.claim(2, Block).await;
-        assert!(!claim.messages.is_empty());
-        claimed.extend(names(&claim));
-    }
-    let want: Vec<String> = (1..=12).map(|i| format!("k{i:02}a")).collect();
-    assert_eq!(claimed, want);
-    // k01b waits for k01a, which is leased; u1 comes next.
-    let next = db.claim(2, Block).await;
-    assert_eq!(names(&next), ["u1"]);
     db.drop().await;
 }

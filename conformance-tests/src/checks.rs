@@ -1074,13 +1074,16 @@ pub async fn dedup_key_outlives_its_message_only_while_kept(
 
 /// A key whose head is leased holds back only its own backlog, however long: a claim still
 /// finds the claimable messages behind it (another key's head and an unordered message), so a
-/// store that reads only a bounded stretch of the backlog must look past it for them.
+/// store that reads only a bounded stretch of the backlog must look past it for them. Past it,
+/// a dead head still holds back its key under `Block` and not under `Skip`.
 pub async fn blocked_backlog_hides_no_key(harness: &dyn Harness) -> Result<(), String> {
     let f = Fixture::new(harness).await?;
     let mut batch: Vec<NewMessage> = (1..=100)
         .map(|i| msg("stuck", &format!("stuck#{i}")))
         .collect();
+    batch.push(msg("d", "d#1"));
     batch.push(msg("j", "j#1"));
+    batch.push(msg("d", "d#2"));
     batch.push(msg("u", "u#1").unordered());
     f.enqueue(&batch).await?;
     let head = f.claim(1).await?;
@@ -1089,12 +1092,88 @@ pub async fn blocked_backlog_hides_no_key(harness: &dyn Harness) -> Result<(), S
         "claim(1) returned {:?}, expected the oldest [\"stuck#1\"]",
         labels(&head)
     );
+    // Make d#1 dead: the next claim returns it, whatever else it takes.
+    let first = f.claim(10).await?;
+    let Some(d1) = first
+        .messages
+        .iter()
+        .zip(labels(&first))
+        .find_map(|(m, label)| (label == "d#1").then_some(m.id))
+    else {
+        return Err(format!(
+            "while stuck#1 is leased with 99 messages of its key behind it, claim(10) returned \
+             {:?}, without the claimable d#1",
+            labels(&first)
+        ));
+    };
+    f.relay
+        .fail(
+            first.token,
+            &[Failure {
+                id: d1,
+                error: "poison".into(),
+                action: FailAction::Dead,
+            }],
+        )
+        .await
+        .map_err(err("fail"))?;
+    let others: Vec<Uuid> = ids(&first).into_iter().filter(|id| *id != d1).collect();
+    f.relay
+        .release(first.token, &others)
+        .await
+        .map_err(err("release"))?;
+
     let next = f.claim(2).await?;
     ensure!(
         labels(&next) == ["j#1", "u#1"],
-        "while stuck#1 is leased with 99 messages of its key behind it, claim(2) returned {:?}; \
-         expected [\"j#1\", \"u#1\"], the only claimable messages",
+        "behind the leased stuck#1 and its 99 messages, with d#1 dead, claim(2) under Block \
+         returned {:?}; expected [\"j#1\", \"u#1\"] (d#2 waits behind the dead d#1)",
         labels(&next)
+    );
+    let skip = f.claim_with(&f.relay, 2, HeadPolicy::Skip).await?;
+    ensure!(
+        labels(&skip) == ["d#2"],
+        "under Skip the dead d#1 holds nothing back, but claim(2) returned {:?}; expected \
+         [\"d#2\"]",
+        labels(&skip)
+    );
+    f.finish().await
+}
+
+/// Behind a long blocked backlog, many keys (more than a claim's limit many times over) are
+/// claimed oldest first, one after another, and each still holds back its own later messages.
+pub async fn many_keys_behind_a_blocked_backlog(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    let mut batch: Vec<NewMessage> = (1..=10)
+        .map(|i| msg("stuck", &format!("stuck#{i}")))
+        .collect();
+    let keyed: Vec<String> = (1..=12).map(|i| format!("k{i:02}#1")).collect();
+    for (i, label) in keyed.iter().enumerate() {
+        batch.push(msg(&format!("k{:02}", i + 1), label));
+    }
+    batch.push(msg("k01", "k01#2"));
+    batch.push(msg("u", "u#1").unordered());
+    f.enqueue(&batch).await?;
+    let head = f.claim(1).await?;
+    ensure!(
+        labels(&head) == ["stuck#1"],
+        "claim(1) returned {:?}, expected the oldest [\"stuck#1\"]",
+        labels(&head)
+    );
+    let mut claimed = Vec::new();
+    for _ in 0..6 {
+        claimed.extend(labels(&f.claim(2).await?));
+    }
+    ensure!(
+        claimed == keyed,
+        "six claim(2) behind the leased stuck#1 returned {claimed:?}; expected the twelve keys' \
+         first messages, oldest first: {keyed:?}"
+    );
+    let last = f.claim(2).await?;
+    ensure!(
+        labels(&last) == ["u#1"],
+        "then claim(2) returned {:?}; expected [\"u#1\"] (k01#2 waits for the leased k01#1)",
+        labels(&last)
     );
     f.finish().await
 }
@@ -1143,11 +1222,13 @@ pub enum Check {
     DedupKeyOutlivesItsMessageOnlyWhileKept,
     /// [`blocked_backlog_hides_no_key`]
     BlockedBacklogHidesNoKey,
+    /// [`many_keys_behind_a_blocked_backlog`]
+    ManyKeysBehindABlockedBacklog,
 }
 
 impl Check {
     /// Every check.
-    pub const ALL: [Check; 20] = [
+    pub const ALL: [Check; 21] = [
         Check::ClaimRespectsLimit,
         Check::NoPhantoms,
         Check::LateCommitIsClaimed,
@@ -1168,6 +1249,7 @@ impl Check {
         Check::ConcurrentClaimsAreExclusive,
         Check::DedupKeyOutlivesItsMessageOnlyWhileKept,
         Check::BlockedBacklogHidesNoKey,
+        Check::ManyKeysBehindABlockedBacklog,
     ];
 
     /// Run this check against a fresh store of `harness`.
@@ -1195,6 +1277,9 @@ impl Check {
                 dedup_key_outlives_its_message_only_while_kept(harness).await
             }
             Check::BlockedBacklogHidesNoKey => blocked_backlog_hides_no_key(harness).await,
+            Check::ManyKeysBehindABlockedBacklog => {
+                many_keys_behind_a_blocked_backlog(harness).await
+            }
         }
     }
 

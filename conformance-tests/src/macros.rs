@@ -42,6 +42,7 @@ macro_rules! conformance_suite {
             concurrent_claims_are_exclusive ConcurrentClaimsAreExclusive,
             dedup_key_outlives_its_message_only_while_kept DedupKeyOutlivesItsMessageOnlyWhileKept,
             blocked_backlog_hides_no_key BlockedBacklogHidesNoKey,
+            many_keys_behind_a_blocked_backlog ManyKeysBehindABlockedBacklog,
         );
     };
     ($harness:expr) => {
