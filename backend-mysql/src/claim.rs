@@ -59,8 +59,18 @@ async fn try_claim(
         HeadPolicy::Skip => (&sql.candidates_skip, &sql.order_skip),
     };
 
+    // The window: how many rows of the backlog (leased ones included) a claim reads in seq
+    // order before it looks past them key by key.
+    let window = limit.saturating_mul(CLAIM_WINDOW);
     let mut tx = store.pool().begin_with(BEGIN).await.map_err(&err)?;
+    // The window's last row; none when the whole backlog fits in it.
+    let bound: Option<i64> = sqlx::query_scalar(&sql.past_bound)
+        .bind(window - 1)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(&err)?;
     let rows: Vec<MySqlRow> = sqlx::query(candidates_sql)
+        .bind(bound.unwrap_or(i64::MAX))
         .bind(limit)
         .bind(lease_us)
         .fetch_all(&mut *tx)
@@ -94,7 +104,16 @@ async fn try_claim(
         ));
     }
 
-    let chosen = keep_key_order(&mut tx, order_sql, candidates, table).await?;
+    let mut chosen = keep_key_order(&mut tx, order_sql, candidates, table).await?;
+    let got = u64::try_from(chosen.len()).unwrap_or(u64::MAX);
+    if let (true, Some(bound)) = (got < limit, bound) {
+        let more = look_past(&mut tx, store, head_policy, limit - got, window, bound).await?;
+        if !more.is_empty() {
+            chosen.extend(more);
+            chosen.sort_by_key(|m| m.seq);
+            chosen.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+        }
+    }
     let token = LeaseToken::new();
     if !chosen.is_empty() {
         let seqs: Vec<i64> = chosen.iter().map(|m| m.seq).collect();
@@ -125,6 +144,73 @@ async fn try_claim(
         lease_until: lease_until.and_utc(),
         messages: chosen,
     })
+}
+
+/// A claim of `limit` rows reads at most `limit * CLAIM_WINDOW` rows of the backlog in seq
+/// order; past them it takes only key heads.
+const CLAIM_WINDOW: u64 = 4;
+
+/// After a claim came back short from a full window (its last row is `bound`): lock up to
+/// `rest` claimable heads (a key's first pending row, safe to take alone) and unordered messages
+/// past the window, oldest first, so that a long blocked backlog hides no key. With at most
+/// `window` keys in the per-key index they are found key by key (one index dive each, whatever
+/// the backlog); with more, by reading the rows past the window in seq order.
+async fn look_past(
+    tx: &mut Transaction<'static, MySql>,
+    store: &MysqlStore,
+    head_policy: HeadPolicy,
+    rest: u64,
+    window: u64,
+    bound: i64,
+) -> Result<Vec<Message>, Error> {
+    let sql = store.config().sql();
+    let table = store.config().qualified_table();
+    let err = store.err("claim");
+    let walk: Vec<i64> = sqlx::query_scalar(&sql.past_keys)
+        .bind(window.saturating_add(1))
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(&err)?;
+    let mut rows: Vec<MySqlRow> = Vec::new();
+    // The walk saw every key (rather than stopping at its limit).
+    let walked_every_key = u64::try_from(walk.len()).unwrap_or(u64::MAX) <= window;
+    if walked_every_key {
+        let mut heads: Vec<i64> = walk.into_iter().filter(|head| *head > bound).collect();
+        heads.sort_unstable();
+        if !heads.is_empty() {
+            let heads_sql = match head_policy {
+                HeadPolicy::Block => &sql.past_heads_block,
+                HeadPolicy::Skip => &sql.past_heads_skip,
+            };
+            rows.extend(
+                sqlx::query(heads_sql)
+                    .bind(serde_json::to_string(&heads).unwrap_or_default())
+                    .fetch_all(&mut **tx)
+                    .await
+                    .map_err(&err)?,
+            );
+        }
+        rows.extend(
+            sqlx::query(&sql.past_unordered)
+                .bind(bound)
+                .bind(rest)
+                .fetch_all(&mut **tx)
+                .await
+                .map_err(&err)?,
+        );
+    } else {
+        let rows_sql = match head_policy {
+            HeadPolicy::Block => &sql.past_rows_block,
+            HeadPolicy::Skip => &sql.past_rows_skip,
+        };
+        rows = sqlx::query(rows_sql)
+            .bind(bound)
+            .bind(rest)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(&err)?;
+    }
+    rows.iter().map(|row| message(row, table)).collect()
 }
 
 /// The candidates that keep per-key order: unordered ones, and keyed ones that come before

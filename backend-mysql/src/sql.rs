@@ -81,6 +81,23 @@ pub(crate) struct Sql {
     pub order_block: String,
     /// Per-key order check where dead messages are ignored.
     pub order_skip: String,
+    /// The claim's window: the seq of its last row (none when the backlog fits in it).
+    pub past_bound: String,
+    /// Look past a full window: each key's first pending row, one index dive per key, at most
+    /// the given number of keys.
+    pub past_keys: String,
+    /// Look past a full window: lock the listed heads that are still claimable heads, dead
+    /// messages blocking their key.
+    pub past_heads_block: String,
+    /// The same, dead messages ignored for ordering.
+    pub past_heads_skip: String,
+    /// Look past a full window: lock claimable unordered messages past it.
+    pub past_unordered: String,
+    /// Look past a full window with many keys: lock the claimable heads and unordered messages
+    /// past it, reading the rows in seq order; dead messages blocking their key.
+    pub past_rows_block: String,
+    /// The same, dead messages ignored for ordering.
+    pub past_rows_skip: String,
     /// Lease the chosen rows.
     pub lease: String,
     /// Lock the listed rows still held under a token.
@@ -169,6 +186,11 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
                 r#"(SELECT {columns}, NULL AS lease_until
  FROM {t} c FORCE INDEX (ix_claim)
  WHERE {claimable_c}
+   -- The window: up to the last of the first rows of the backlog in seq order (leased ones
+   -- included; `past_bound`, given as a value so that it bounds the index range), so a claim
+   -- reads a bounded stretch however long a blocked backlog is; when it comes back short from
+   -- a full window, the look-past statements take the heads past it.
+   AND c.seq <= ?
    -- Skip keys whose first pending row is not claimable (leased to another relay, waiting
    -- for a retry, not yet due) or, under Block, that have a dead row before this one, so
    -- that a blocked key's backlog cannot fill the LIMIT and starve every other key. These
@@ -190,6 +212,78 @@ UNION ALL
                 columns = message_columns("c"),
                 claimable_c = claimable("c"),
                 claimable_h = claimable("h"),
+            )
+        };
+
+        // Under Block, a key with a dead row before its first pending row is held back.
+        let no_dead_before = |a: &str, dead_blocks: bool| -> String {
+            if dead_blocks {
+                format!(
+                    "
+   AND NOT EXISTS (
+       SELECT 1 FROM {t} d FORCE INDEX (ix_key)
+       WHERE d.partition_key = {a}.partition_key AND d.state = 'dead' AND d.seq < {a}.seq)"
+                )
+            } else {
+                String::new()
+            }
+        };
+        let past_bound = format!(
+            "SELECT w.seq FROM {t} w FORCE INDEX (ix_claim)
+             WHERE w.state = 'pending' ORDER BY w.seq LIMIT ?, 1"
+        );
+        // A loose index scan ("Using index for group-by"): one dive per key of the per-key
+        // index, giving each key's first pending row, at most the given number of keys.
+        let past_keys = format!(
+            "SELECT MIN(k.seq) AS head FROM {t} k FORCE INDEX (ix_key)
+             WHERE k.state = 'pending' AND k.partition_key IS NOT NULL
+             GROUP BY k.partition_key
+             LIMIT ?"
+        );
+        let past_heads = |dead_blocks: bool| -> String {
+            format!(
+                r#"SELECT {columns}, NULL AS lease_until
+FROM JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
+STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.seq
+WHERE {claimable_c}
+   -- Still its key's first pending row.
+   AND NOT EXISTS (
+       SELECT 1 FROM {t} e FORCE INDEX (ix_key)
+       WHERE e.partition_key = c.partition_key AND e.state = 'pending' AND e.seq < c.seq){dead}
+FOR UPDATE SKIP LOCKED"#,
+                columns = message_columns("c"),
+                claimable_c = claimable("c"),
+                dead = no_dead_before("c", dead_blocks),
+            )
+        };
+        let past_unordered = format!(
+            r#"SELECT {columns}, NULL AS lease_until
+FROM {t} c FORCE INDEX (ix_key)
+WHERE c.partition_key IS NULL AND c.state = 'pending' AND c.seq > ?
+  AND {claimable_c}
+ORDER BY c.seq
+LIMIT ?
+FOR UPDATE SKIP LOCKED"#,
+            columns = message_columns("c"),
+            claimable_c = claimable("c"),
+        );
+        let past_rows = |dead_blocks: bool| -> String {
+            format!(
+                r#"SELECT {columns}, NULL AS lease_until
+FROM {t} c FORCE INDEX (ix_claim)
+WHERE {claimable_c} AND c.seq > ?
+  -- Heads only: the key's first pending row (a cached subquery per key), so a blocked key's
+  -- rows cost no probe each.
+  AND (c.partition_key IS NULL OR (
+       c.seq = (SELECT h.seq FROM {t} h FORCE INDEX (ix_key)
+                WHERE h.partition_key = c.partition_key AND h.state = 'pending'
+                ORDER BY h.seq LIMIT 1){dead}))
+ORDER BY c.seq
+LIMIT ?
+FOR UPDATE SKIP LOCKED"#,
+                columns = message_columns("c"),
+                claimable_c = claimable("c"),
+                dead = no_dead_before("c", dead_blocks),
             )
         };
 
@@ -236,6 +330,13 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             candidates_skip: candidates(false),
             order_block: order(true),
             order_skip: order(false),
+            past_bound,
+            past_keys,
+            past_heads_block: past_heads(true),
+            past_heads_skip: past_heads(false),
+            past_unordered,
+            past_rows_block: past_rows(true),
+            past_rows_skip: past_rows(false),
             lease: format!(
                 "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
                  STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
