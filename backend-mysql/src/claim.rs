@@ -1,22 +1,26 @@
-//! The claim: one short transaction of at most five round trips, whatever the batch size.
+//! The claim: one short transaction of at most nine round trips, whatever the batch size.
 //!
 //! 1. `BEGIN` (READ COMMITTED).
-//! 2. Lock up to `limit` claimable rows in `seq` order with `FOR UPDATE SKIP LOCKED`, reading
-//!    every column the relay needs, skipping keys whose first pending row is not claimable
-//!    (and, under `Block`, rows behind a dead one). One more row carries the lease end,
-//!    computed once by the database clock.
-//! 3. Per-key order: for the keys of the candidates, one query finds each key's first pending
+//! 2. The window: the `seq` of the `4 × limit`-th pending row (none when the backlog is
+//!    shorter). The claim reads no row past it, however long a blocked backlog is.
+//! 3. Lock up to `limit` claimable rows of the window in `seq` order with
+//!    `FOR UPDATE SKIP LOCKED`, reading every column the relay needs, skipping keys whose first
+//!    pending row is not claimable (and, under `Block`, rows behind a dead one). One more row
+//!    carries the lease end, computed once by the database clock.
+//! 4. Per-key order: for the keys of the candidates, one query finds each key's first pending
 //!    row that is not a candidate (and its first dead row under `Block`). A candidate is kept
 //!    only if it comes before both, so every earlier unpublished row of its key is in the
-//!    claim. This catches what step 2 cannot see: rows skipped because a concurrent claim or
+//!    claim. This catches what step 3 cannot see: rows skipped because a concurrent claim or
 //!    transition had them locked, and rows behind the key's first one that are leased, not
 //!    due or dead.
-//! 4. Lease the kept rows, by `seq`, in one `UPDATE`.
-//! 5. `COMMIT`, which releases the locks of the rows that were not kept.
+//! 5. Fewer than `limit` kept and the window full: look past it (two or three queries, see
+//!    `look_past`), locking claimable key heads and unordered messages.
+//! 6. Lease the kept rows, by `seq`, in one `UPDATE`.
+//! 7. `COMMIT`, which releases the locks of the rows that were not kept.
 //!
-//! The candidates stay locked from step 2 to the commit, so the checks of step 3 and the lease
-//! of step 4 see them unchanged. Step 2 never waits for a lock (`SKIP LOCKED`), step 3 reads
-//! without locking and step 4 updates rows this transaction already holds, so a claim cannot
+//! The candidates stay locked from steps 3 and 5 to the commit, so the checks of step 4 and the
+//! lease of step 6 see them unchanged. Locking reads never wait (`SKIP LOCKED`), the other
+//! reads do not lock, and step 6 updates rows this transaction already holds, so a claim cannot
 //! be part of a deadlock cycle; if InnoDB reports one anyway, the claim runs again (a few
 //! times) before the transient error is returned.
 
