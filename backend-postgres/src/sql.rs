@@ -101,6 +101,15 @@ const CLAIM_RETURNING: &str =
      m.headers::text AS headers, m.partition_key COLLATE \"default\" AS partition_key, \
      m.dedup_key, m.attempts, m.created_at";
 
+/// The states of the rows that order a key: under Block a dead row still holds its key back.
+fn ordered_states(dead_blocks: bool) -> &'static str {
+    if dead_blocks {
+        "('pending', 'dead')"
+    } else {
+        "('pending')"
+    }
+}
+
 impl Sql {
     pub(crate) fn build(schema: &str, table: &str, notify: bool, delete_published: bool) -> Self {
         let t = format!("\"{schema}\".\"{table}\"");
@@ -224,12 +233,7 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
 
         let returning = CLAIM_RETURNING;
         let claim = |dead_blocks: bool| -> String {
-            // Rows that order a key: under Block a dead row still holds its key back.
-            let ordered_states = if dead_blocks {
-                "('pending', 'dead')"
-            } else {
-                "('pending')"
-            };
+            let ordered_states = ordered_states(dead_blocks);
             format!(
                 r#"WITH cand AS MATERIALIZED (
     SELECT c.tid, c.id, c.seq, c.partition_key, first.is_head
@@ -359,11 +363,7 @@ ORDER BY upd.seq"#
         // key (100,000 keys: 37 ms instead of 1.1 s). It sees the leases `claim` just took (same
         // transaction), so it takes no key twice.
         let claim_past = |dead_blocks: bool| -> String {
-            let ordered_states = if dead_blocks {
-                "('pending', 'dead')"
-            } else {
-                "('pending')"
-            };
+            let ordered_states = ordered_states(dead_blocks);
             format!(
                 r#"WITH RECURSIVE bound AS MATERIALIZED (
     -- The last row of the window: nothing to do when every unpublished row fits in it.

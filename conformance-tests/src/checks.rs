@@ -119,6 +119,27 @@ impl Fixture {
         self.admin.counts().await.map_err(err("counts"))
     }
 
+    /// Enqueue `backlog` messages of key `stuck` (labels `stuck#1`...) and then `behind`, and
+    /// lease `stuck#1`: the rest of the stuck key waits, ahead of everything in `behind`.
+    async fn behind_a_blocked_backlog(
+        &self,
+        backlog: usize,
+        behind: Vec<NewMessage>,
+    ) -> Result<(), String> {
+        let mut batch: Vec<NewMessage> = (1..=backlog)
+            .map(|i| msg("stuck", &format!("stuck#{i}")))
+            .collect();
+        batch.extend(behind);
+        self.enqueue(&batch).await?;
+        let head = self.claim(1).await?;
+        ensure!(
+            labels(&head) == ["stuck#1"],
+            "claim(1) returned {:?}, expected the oldest [\"stuck#1\"]",
+            labels(&head)
+        );
+        Ok(())
+    }
+
     async fn finish(self) -> Result<(), String> {
         drop(self.relay);
         drop(self.admin);
@@ -1078,20 +1099,16 @@ pub async fn dedup_key_outlives_its_message_only_while_kept(
 /// a dead head still holds back its key under `Block` and not under `Skip`.
 pub async fn blocked_backlog_hides_no_key(harness: &dyn Harness) -> Result<(), String> {
     let f = Fixture::new(harness).await?;
-    let mut batch: Vec<NewMessage> = (1..=100)
-        .map(|i| msg("stuck", &format!("stuck#{i}")))
-        .collect();
-    batch.push(msg("d", "d#1"));
-    batch.push(msg("j", "j#1"));
-    batch.push(msg("d", "d#2"));
-    batch.push(msg("u", "u#1").unordered());
-    f.enqueue(&batch).await?;
-    let head = f.claim(1).await?;
-    ensure!(
-        labels(&head) == ["stuck#1"],
-        "claim(1) returned {:?}, expected the oldest [\"stuck#1\"]",
-        labels(&head)
-    );
+    f.behind_a_blocked_backlog(
+        100,
+        vec![
+            msg("d", "d#1"),
+            msg("j", "j#1"),
+            msg("d", "d#2"),
+            msg("u", "u#1").unordered(),
+        ],
+    )
+    .await?;
     // Make d#1 dead: the next claim returns it, whatever else it takes.
     let first = f.claim(10).await?;
     let Some(d1) = first
@@ -1144,22 +1161,15 @@ pub async fn blocked_backlog_hides_no_key(harness: &dyn Harness) -> Result<(), S
 /// claimed oldest first, one after another, and each still holds back its own later messages.
 pub async fn many_keys_behind_a_blocked_backlog(harness: &dyn Harness) -> Result<(), String> {
     let f = Fixture::new(harness).await?;
-    let mut batch: Vec<NewMessage> = (1..=10)
-        .map(|i| msg("stuck", &format!("stuck#{i}")))
-        .collect();
     let keyed: Vec<String> = (1..=12).map(|i| format!("k{i:02}#1")).collect();
-    for (i, label) in keyed.iter().enumerate() {
-        batch.push(msg(&format!("k{:02}", i + 1), label));
-    }
-    batch.push(msg("k01", "k01#2"));
-    batch.push(msg("u", "u#1").unordered());
-    f.enqueue(&batch).await?;
-    let head = f.claim(1).await?;
-    ensure!(
-        labels(&head) == ["stuck#1"],
-        "claim(1) returned {:?}, expected the oldest [\"stuck#1\"]",
-        labels(&head)
-    );
+    let mut behind: Vec<NewMessage> = keyed
+        .iter()
+        .enumerate()
+        .map(|(i, label)| msg(&format!("k{:02}", i + 1), label))
+        .collect();
+    behind.push(msg("k01", "k01#2"));
+    behind.push(msg("u", "u#1").unordered());
+    f.behind_a_blocked_backlog(10, behind).await?;
     let mut claimed = Vec::new();
     for _ in 0..6 {
         claimed.extend(labels(&f.claim(2).await?));

@@ -194,6 +194,10 @@ pub trait OutboxStore: Send + Sync {
     ///   or locked by a concurrent claim, hold back the key. Dead earlier messages hold it back
     ///   under [`HeadPolicy::Block`] and are ignored under [`HeadPolicy::Skip`]. Messages with no
     ///   partition key are not ordered.
+    /// - MUST NOT let a blocked key's backlog, however long, hide the claimable messages behind
+    ///   it: a claim still returns other keys' first messages and unordered messages (a store
+    ///   that reads a bounded stretch of the backlog may return only each key's first message
+    ///   past it, and so fewer than `req.limit`).
     /// - SHOULD return messages in `seq` order; MUST keep each key's messages in `seq` order.
     /// - MUST NOT count an attempt: attempts are counted by [`OutboxStore::fail`].
     /// - SHOULD cost one round trip and use an index that stays small as history grows.
