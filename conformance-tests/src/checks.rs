@@ -119,6 +119,14 @@ impl Fixture {
         self.admin.counts().await.map_err(err("counts"))
     }
 
+    /// Dead-letter message `id`, leased under `token`, with `error` as its reason.
+    async fn dead_letter(&self, token: LeaseToken, id: Uuid, error: &str) -> Result<(), String> {
+        self.relay
+            .fail(token, &[dead(id, error)])
+            .await
+            .map_err(err("fail"))
+    }
+
     /// Enqueue `backlog` messages of key `stuck` (labels `stuck#1`...) and then `behind`, and
     /// lease `stuck#1`: the rest of the stuck key waits, ahead of everything in `behind`.
     async fn behind_a_blocked_backlog(
@@ -144,6 +152,15 @@ impl Fixture {
         drop(self.relay);
         drop(self.admin);
         self.store.teardown().await.map_err(err("teardown"))
+    }
+}
+
+/// A failure that dead-letters message `id` with `error` as its reason.
+fn dead(id: Uuid, error: &str) -> Failure {
+    Failure {
+        id,
+        error: error.into(),
+        action: FailAction::Dead,
     }
 }
 
@@ -310,15 +327,7 @@ pub async fn dead_head_blocks_or_skips(harness: &dyn Harness) -> Result<(), Stri
     f.enqueue(&[msg("k", "k#1"), msg("k", "k#2")]).await?;
     let head = f.claim(1).await?;
     let id = ids(&head)[0];
-    let failure = Failure {
-        id,
-        error: "poison pill".into(),
-        action: FailAction::Dead,
-    };
-    f.relay
-        .fail(head.token, &[failure])
-        .await
-        .map_err(err("fail"))?;
+    f.dead_letter(head.token, id, "poison pill").await?;
     let blocked = f.claim_with(&f.relay, 10, HeadPolicy::Block).await?;
     ensure!(
         blocked.messages.is_empty(),
@@ -347,17 +356,7 @@ pub async fn stale_token_is_fenced(harness: &dyn Harness) -> Result<(), String> 
         is_lease_lost(&r, &[id]),
         "complete with a foreign token returned {r:?}, expected LeaseLost naming the message"
     );
-    let r = f
-        .relay
-        .fail(
-            stale,
-            &[Failure {
-                id,
-                error: "x".into(),
-                action: FailAction::Dead,
-            }],
-        )
-        .await;
+    let r = f.relay.fail(stale, &[dead(id, "x")]).await;
     ensure!(
         is_lease_lost(&r, &[id]),
         "fail with a foreign token returned {r:?}"
@@ -426,17 +425,7 @@ pub async fn expired_lease_is_fenced(harness: &dyn Harness) -> Result<(), String
         is_lease_lost(&r, &[id]),
         "the stale relay completed after another took over: {r:?}"
     );
-    let r = f
-        .relay
-        .fail(
-            first.token,
-            &[Failure {
-                id,
-                error: "late".into(),
-                action: FailAction::Dead,
-            }],
-        )
-        .await;
+    let r = f.relay.fail(first.token, &[dead(id, "late")]).await;
     ensure!(
         is_lease_lost(&r, &[id]),
         "the stale relay failed the message after another took over: {r:?}"
@@ -634,11 +623,7 @@ pub async fn dead_letters_requeue_discard(harness: &dyn Harness) -> Result<(), S
     let claim = f.claim(2).await?;
     let failures: Vec<Failure> = ids(&claim)
         .into_iter()
-        .map(|id| Failure {
-            id,
-            error: format!("rejected {id}"),
-            action: FailAction::Dead,
-        })
+        .map(|id| dead(id, &format!("rejected {id}")))
         .collect();
     f.relay
         .fail(claim.token, &failures)
@@ -1123,17 +1108,7 @@ pub async fn blocked_backlog_hides_no_key(harness: &dyn Harness) -> Result<(), S
             labels(&first)
         ));
     };
-    f.relay
-        .fail(
-            first.token,
-            &[Failure {
-                id: d1,
-                error: "poison".into(),
-                action: FailAction::Dead,
-            }],
-        )
-        .await
-        .map_err(err("fail"))?;
+    f.dead_letter(first.token, d1, "poison").await?;
     let others: Vec<Uuid> = ids(&first).into_iter().filter(|id| *id != d1).collect();
     f.relay
         .release(first.token, &others)
