@@ -345,9 +345,16 @@ upd AS (
     WHERE m.ctid = ANY(ARRAY(SELECT tid FROM chosen))
     RETURNING {returning}
 )
--- One row even when nothing was claimed, to return the lease end in the same round trip.
-SELECT l.lease_until, upd.*
-FROM (SELECT now() + $3::bigint * interval '1 microsecond' AS lease_until) l
+-- One row even when nothing was claimed, to return the lease end in the same round trip, and
+-- the window's end: when the claim came back short, the seq of the window's last row if the
+-- window was full (NULL if it held every unpublished row, as on an idle relay's polls, which
+-- then need no second statement). `claim_past` looks past that seq.
+SELECT l.lease_until, l.window_end, upd.*
+FROM (SELECT now() + $3::bigint * interval '1 microsecond' AS lease_until,
+             CASE WHEN (SELECT count(*) FROM upd) < $1 THEN (
+                 SELECT w.seq FROM {t} w WHERE w.state = 'pending'
+                 ORDER BY w.seq OFFSET $4 - 1 LIMIT 1
+             ) END AS window_end) l
 LEFT JOIN upd ON true
 ORDER BY upd.seq"#
             )
@@ -366,8 +373,8 @@ ORDER BY upd.seq"#
             let ordered_states = ordered_states(dead_blocks);
             format!(
                 r#"WITH RECURSIVE bound AS MATERIALIZED (
-    -- The last row of the window: nothing to do when every unpublished row fits in it.
-    SELECT w.seq FROM {t} w WHERE w.state = 'pending' ORDER BY w.seq OFFSET $4 - 1 LIMIT 1
+    -- The last row of `claim`'s full window ($5, its `window_end`).
+    SELECT $5::bigint AS seq WHERE $5::bigint IS NOT NULL
 ),
 keys AS (
     -- A loose scan of the per-key index: each step jumps to the next key. It stops after $4

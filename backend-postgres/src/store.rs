@@ -137,7 +137,8 @@ fn truncate_error(text: &str) -> String {
 }
 
 /// A claim statement (`Sql::claim_*` or `Sql::claim_past_*`) with its parameters bound:
-/// `$1` how many messages, `$2` the token, `$3` the lease in microseconds, `$4` the window.
+/// `$1` how many messages, `$2` the token, `$3` the lease in microseconds, `$4` the window
+/// (`claim_past_*` takes a fifth, the window's last seq).
 fn claim_statement(
     sql: &str,
     limit: i64,
@@ -198,13 +199,18 @@ impl OutboxStore for PostgresStore {
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(err)?;
-            // Short: look past the window, where a long blocked backlog may have hidden
-            // claimable keys. It returns nothing at once when the window held every
-            // unpublished row.
+            // Short from a full window: look past it, where a long blocked backlog may have
+            // hidden claimable keys. A window that held every unpublished row (an idle
+            // relay's polls) has nothing past it: no second statement.
             let got = messages_in(&rows);
-            if got < max {
+            let window_end = match rows.first() {
+                Some(row) => row.try_get::<Option<i64>, _>("window_end").map_err(err)?,
+                None => None,
+            };
+            if let (true, Some(window_end)) = (got < max, window_end) {
                 let rest = i64::try_from(max - got).unwrap_or(i64::MAX);
                 let more = claim_statement(&past, rest, token, lease_us, window)
+                    .bind(window_end)
                     .fetch_all(&mut *tx)
                     .await
                     .map_err(err)?;
