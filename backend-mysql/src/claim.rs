@@ -189,6 +189,7 @@ async fn look_past(
             rows.extend(
                 sqlx::query(heads_sql)
                     .bind(serde_json::to_string(&heads).unwrap_or_default())
+                    .bind(rest)
                     .fetch_all(&mut **tx)
                     .await
                     .map_err(&err)?,

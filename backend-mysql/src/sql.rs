@@ -86,8 +86,8 @@ pub(crate) struct Sql {
     /// Look past a full window: each key's first pending row, one index dive per key, at most
     /// the given number of keys.
     pub past_keys: String,
-    /// Look past a full window: lock the listed heads that are still claimable heads, dead
-    /// messages blocking their key.
+    /// Look past a full window: lock the oldest listed heads that are still claimable heads (at
+    /// most the number still wanted), dead messages blocking their key.
     pub past_heads_block: String,
     /// The same, dead messages ignored for ordering.
     pub past_heads_skip: String,
@@ -250,6 +250,9 @@ WHERE {claimable_c}
    AND NOT EXISTS (
        SELECT 1 FROM {t} e FORCE INDEX (ix_key)
        WHERE e.partition_key = c.partition_key AND e.state = 'pending' AND e.seq < c.seq){dead}
+-- The oldest heads first (the list is sorted and the join keeps its order): the scan stops, and
+-- stops locking, at the number still wanted. An ORDER BY would sort after locking every head.
+LIMIT ?
 FOR UPDATE SKIP LOCKED"#,
                 columns = message_columns("c"),
                 claimable_c = claimable("c"),
