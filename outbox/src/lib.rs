@@ -65,3 +65,4 @@ pub mod redis {
 }
 
 pub mod broker;
+pub mod store;
