@@ -1,0 +1,314 @@
+//! `outbox-relay`: the outbox relay as a program, and the operator's commands.
+//!
+//! ```text
+//! outbox-relay --store postgres://app@db/app run --broker 'nats://nats:4222?subject=orders.{event_type}&stream=ORDERS'
+//! outbox-relay --store postgres://app@db/app counts
+//! outbox-relay --store postgres://app@db/app dead list
+//! ```
+//!
+//! The store and the broker are URLs (`OUTBOX_STORE_URL`, `OUTBOX_BROKER_URL`), so moving from
+//! one broker to another is a change of configuration. `run` relays until SIGTERM or Ctrl-C,
+//! then shuts down gracefully; `drain` relays until nothing is left to claim and exits. Logs and
+//! the relay's closing stats (one JSON line) go to standard error (`RUST_LOG`, default `info`),
+//! out of the way of a `stdout://` broker's messages; the other commands print their results
+//! (counts, dead letters) to standard output as JSON lines. Exit status: 0 on success, 1 when a command fails, 2 for bad
+//! arguments.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use outbox::relay::{Relay, RelayConfig, RelayStats};
+use outbox::store::StoreOptions;
+use outbox::{redact_url, Error, HeadPolicy};
+use serde_json::{json, Value};
+use std::sync::Arc;
+use uuid::Uuid;
+
+/// The outbox relay: publishes committed outbox messages to a broker, and manages the outbox.
+#[derive(Debug, Parser)]
+#[command(name = "outbox-relay", version, about, long_about = None)]
+struct Cli {
+    /// The outbox database: postgres://, mysql:// (or mariadb://) or sqlite:// URL.
+    #[arg(long, env = "OUTBOX_STORE_URL", hide_env_values = true)]
+    store: String,
+    /// The outbox table (default: outbox).
+    #[arg(long, env = "OUTBOX_TABLE")]
+    table: Option<String>,
+    /// The Postgres schema of the table (default: public).
+    #[arg(long, env = "OUTBOX_SCHEMA")]
+    schema: Option<String>,
+    /// Delete messages once published instead of marking them published.
+    #[arg(long, env = "OUTBOX_DELETE_PUBLISHED", value_parser = clap::builder::BoolishValueParser::new())]
+    delete_published: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Relay until SIGTERM or Ctrl-C, then finish in-flight batches and exit.
+    Run(RelayArgs),
+    /// Relay until nothing is left to claim (messages waiting for a retry are not waited for).
+    Drain(RelayArgs),
+    /// Create the outbox table and indexes if they do not exist.
+    Migrate,
+    /// Print how many messages are pending, leased, published and dead.
+    Counts,
+    /// List, requeue or discard dead-lettered messages.
+    #[command(subcommand)]
+    Dead(DeadCommand),
+    /// Delete published messages older than a given age, in bounded batches.
+    Purge {
+        /// Age of the published messages to delete, e.g. 7d, 12h.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        older_than: Duration,
+        /// Messages per delete statement.
+        #[arg(long, default_value_t = 1000)]
+        batch: usize,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum DeadCommand {
+    /// Print dead messages, oldest first, one JSON object per line.
+    List {
+        /// Only messages after this seq (for paging).
+        #[arg(long)]
+        after: Option<i64>,
+        /// Most messages to print.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Make dead messages pending again, with their attempts reset.
+    Requeue {
+        /// Message ids.
+        #[arg(required = true)]
+        ids: Vec<Uuid>,
+    },
+    /// Delete dead messages.
+    Discard {
+        /// Message ids.
+        #[arg(required = true)]
+        ids: Vec<Uuid>,
+    },
+}
+
+/// What a dead head message does to its key's later messages.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Head {
+    /// Later messages of the key wait until the dead one is requeued or discarded.
+    Block,
+    /// Later messages of the key go on.
+    Skip,
+}
+
+#[derive(Debug, Args)]
+struct RelayArgs {
+    /// The broker: stdout://, nats://, kafka:// or redis:// URL with its options.
+    #[arg(long, env = "OUTBOX_BROKER_URL", hide_env_values = true)]
+    broker: String,
+    /// Create the outbox table first if it does not exist.
+    #[arg(long)]
+    migrate: bool,
+    /// Most messages per claim and publish.
+    #[arg(long, env = "OUTBOX_BATCH_SIZE")]
+    batch_size: Option<usize>,
+    /// Batches in flight at once.
+    #[arg(long, env = "OUTBOX_CONCURRENCY")]
+    concurrency: Option<usize>,
+    /// How long a claim is held before another relay may take it over, e.g. 30s.
+    #[arg(long, env = "OUTBOX_LEASE", value_parser = humantime::parse_duration)]
+    lease: Option<Duration>,
+    /// Attempts after which a failing message is dead-lettered.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS")]
+    max_attempts: Option<u32>,
+    /// What a dead message does to the later messages of its key.
+    #[arg(long, env = "OUTBOX_HEAD_POLICY", value_enum)]
+    head_policy: Option<Head>,
+    /// Longest wait between claims when idle, e.g. 1s.
+    #[arg(long, env = "OUTBOX_POLL_MAX", value_parser = humantime::parse_duration)]
+    poll_max: Option<Duration>,
+    /// How long a stop waits for in-flight batches, e.g. 10s.
+    #[arg(long, env = "OUTBOX_SHUTDOWN_DEADLINE", value_parser = humantime::parse_duration)]
+    shutdown_deadline: Option<Duration>,
+}
+
+impl RelayArgs {
+    fn config(&self) -> Result<RelayConfig, Error> {
+        let defaults = RelayConfig::default();
+        let config = RelayConfig {
+            batch_size: self.batch_size.unwrap_or(defaults.batch_size),
+            concurrency: self.concurrency.unwrap_or(defaults.concurrency),
+            lease: self.lease.unwrap_or(defaults.lease),
+            max_attempts: self.max_attempts.unwrap_or(defaults.max_attempts),
+            head_policy: match self.head_policy {
+                Some(Head::Block) => HeadPolicy::Block,
+                Some(Head::Skip) => HeadPolicy::Skip,
+                None => defaults.head_policy,
+            },
+            poll_max: self.poll_max.unwrap_or(defaults.poll_max),
+            shutdown_deadline: self.shutdown_deadline.unwrap_or(defaults.shutdown_deadline),
+            ..defaults
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    match execute(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // Errors of this crate's stores and brokers never carry a password; the redaction is
+            // for text that came from elsewhere (e.g. a driver's message quoting the URL).
+            eprintln!("outbox-relay: {}", redact_url(&e.to_string()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn execute(cli: Cli) -> Result<(), Error> {
+    let options = StoreOptions {
+        table: cli.table.clone(),
+        schema: cli.schema.clone(),
+        delete_published: cli.delete_published,
+    };
+    let (args, serve) = match cli.command {
+        Command::Run(args) => (args, true),
+        Command::Drain(args) => (args, false),
+        command => return admin(&cli.store, &options, command).await,
+    };
+    // The relay settings, then the broker, are checked before the store is opened (which for
+    // SQLite creates the file).
+    let config = args.config()?;
+    let publisher = outbox::broker::connect(&args.broker).await?;
+    let opened = outbox::store::open(&cli.store, &options).await?;
+    if args.migrate {
+        opened.migrate().await?;
+    }
+    let relay = Relay::new(opened.store.clone(), Arc::from(publisher), config)?;
+    tracing::info!(
+        store = opened.name(),
+        broker = %redact_url(&args.broker),
+        mode = if serve { "run" } else { "drain" },
+        "relay started"
+    );
+    let stats = if serve {
+        relay.run(stop_signal()).await?
+    } else {
+        relay.run_until_idle().await?
+    };
+    // A summary, on standard error: standard output may be carrying the messages themselves
+    // (stdout://).
+    eprintln!("{}", stats_json(&stats));
+    Ok(())
+}
+
+/// The operator's commands.
+async fn admin(store: &str, options: &StoreOptions, command: Command) -> Result<(), Error> {
+    let opened = outbox::store::open(store, options).await?;
+    match command {
+        Command::Run(_) | Command::Drain(_) => Ok(()),
+        Command::Migrate => {
+            opened.migrate().await?;
+            print(&json!({"migrated": opened.name()}));
+            Ok(())
+        }
+        Command::Counts => {
+            let counts = opened.admin.counts().await?;
+            print(&json!(counts));
+            Ok(())
+        }
+        Command::Dead(DeadCommand::List { after, limit }) => {
+            for dead in opened.admin.list_dead(after, limit).await? {
+                let mut line = json!(dead.message);
+                // The payload is JSON text: print it as JSON, not as a quoted string.
+                if let Ok(payload) = serde_json::from_str::<Value>(&dead.message.payload) {
+                    line["payload"] = payload;
+                }
+                line["last_error"] = json!(dead.last_error);
+                print(&line);
+            }
+            Ok(())
+        }
+        Command::Dead(DeadCommand::Requeue { ids }) => {
+            let n = opened.admin.requeue(&ids).await?;
+            print(&json!({"requeued": n}));
+            Ok(())
+        }
+        Command::Dead(DeadCommand::Discard { ids }) => {
+            let n = opened.admin.discard(&ids).await?;
+            print(&json!({"discarded": n}));
+            Ok(())
+        }
+        Command::Purge { older_than, batch } => {
+            let mut purged = 0;
+            loop {
+                let n = opened.admin.purge_published(older_than, batch).await?;
+                purged += n;
+                if n < u64::try_from(batch).unwrap_or(u64::MAX) {
+                    break;
+                }
+            }
+            print(&json!({"purged": purged}));
+            Ok(())
+        }
+    }
+}
+
+/// Resolves at SIGTERM (what service managers and Kubernetes send) or Ctrl-C.
+async fn stop_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            // Cannot listen for Ctrl-C: rely on SIGTERM alone.
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    () = ctrl_c => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; stop with Ctrl-C");
+                ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    ctrl_c.await;
+    tracing::info!("stop requested: finishing in-flight batches");
+}
+
+fn stats_json(stats: &RelayStats) -> Value {
+    json!({
+        "claimed": stats.claimed,
+        "published": stats.published,
+        "retried": stats.retried,
+        "dead": stats.dead,
+        "released": stats.released,
+        "lease_lost": stats.lease_lost,
+        "batches": stats.batches,
+        "store_errors": stats.store_errors,
+        "order_violations": stats.order_violations,
+    })
+}
+
+fn print(value: &Value) {
+    println!("{value}");
+}

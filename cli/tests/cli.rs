@@ -1,0 +1,424 @@
+//! The `outbox-relay` program, run as a separate process against SQLite files and the real
+//! Postgres, MariaDB and NATS servers.
+//!
+//! Nothing sleeps: the NATS test waits for the relayed messages on a subscription, then stops
+//! the relay with SIGTERM; time limits are only failure guards.
+
+use std::path::Path;
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use futures::StreamExt;
+use outbox::sqlite::{SqliteConfig, SqliteStore};
+use outbox::{ClaimRequest, FailAction, Failure, HeadPolicy, NewMessage, OutboxStore};
+use outbox_conformance_tests::env::service_url;
+use outbox_e2e::{nats, unique_suffix};
+use serde_json::Value;
+use tokio::process::Command;
+use uuid::Uuid;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type TestResult = Result<(), BoxError>;
+
+/// Failure guard for a child process or a broker read; a passing test never gets near it.
+const GUARD: Duration = Duration::from_secs(60);
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+fn message(n: usize) -> NewMessage {
+    NewMessage::new(
+        "order",
+        format!("order-{n}"),
+        "order.placed",
+        serde_json::json!({"n": n, "note": "grüße \"quoted\""}),
+    )
+    .with_partition_key(format!("customer-{}", n % 3))
+}
+
+/// Run `outbox-relay` with `args` to the end.
+async fn run(args: &[&str]) -> Result<Output, BoxError> {
+    let child = Command::new(BIN)
+        .args(args)
+        .env_remove("OUTBOX_STORE_URL")
+        .env_remove("OUTBOX_BROKER_URL")
+        .stdin(Stdio::null())
+        .output();
+    Ok(tokio::time::timeout(GUARD, child).await??)
+}
+
+/// Run `outbox-relay` with `args`, expect success, return its standard output's JSON lines.
+async fn json_lines(args: &[&str]) -> Result<Vec<Value>, BoxError> {
+    let out = run(args).await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(format!("outbox-relay {args:?} failed ({}): {stderr}", out.status).into());
+    }
+    let stdout = String::from_utf8(out.stdout)?;
+    Ok(stdout
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?)
+}
+
+/// A SQLite file holding `n` committed messages and a rolled-back transaction's `n` more.
+fn sqlite_with(path: &Path, n: usize) -> Result<Vec<Uuid>, BoxError> {
+    let config = SqliteConfig::default();
+    let mut conn = outbox::sqlite::open_connection(path, &config)?;
+    outbox::sqlite::migrate(&conn, &config)?;
+    let committed: Vec<NewMessage> = (0..n).map(message).collect();
+    let tx = conn.transaction()?;
+    outbox::sqlite::enqueue_batch(&tx, &config, &committed)?;
+    tx.commit()?;
+    let rolled_back: Vec<NewMessage> = (n..2 * n).map(message).collect();
+    let tx = conn.transaction()?;
+    outbox::sqlite::enqueue_batch(&tx, &config, &rolled_back)?;
+    tx.rollback()?;
+    Ok(committed.iter().map(|m| m.id).collect())
+}
+
+#[tokio::test]
+async fn drains_sqlite_to_stdout_then_counts_and_purges() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("outbox.sqlite");
+    let ids = sqlite_with(&path, 5)?;
+    let store = format!("sqlite://{}", path.display());
+
+    let out = run(&["--store", &store, "drain", "--broker", "stdout://"]).await?;
+    assert!(out.status.success(), "{out:?}");
+    let published: Vec<Value> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let published_ids: Vec<Uuid> = published
+        .iter()
+        .map(|line| line["id"].as_str().unwrap_or_default().parse())
+        .collect::<Result<_, _>>()?;
+    assert_eq!(
+        published_ids, ids,
+        "the committed messages, in order, and nothing else"
+    );
+    // The run's stats are a summary on standard error, out of the way of piped messages.
+    let stderr = String::from_utf8(out.stderr)?;
+    assert!(stderr.contains(r#""published":5"#), "{stderr}");
+
+    let counts = json_lines(&["--store", &store, "counts"]).await?;
+    assert_eq!(
+        counts,
+        [serde_json::json!({"pending": 0, "leased": 0, "published": 5, "dead": 0})]
+    );
+    let purged = json_lines(&[
+        "--store",
+        &store,
+        "purge",
+        "--older-than",
+        "0s",
+        "--batch",
+        "2",
+    ])
+    .await?;
+    assert_eq!(purged, [serde_json::json!({"purged": 5})]);
+    let counts = json_lines(&["--store", &store, "counts"]).await?;
+    assert_eq!(counts[0]["published"], 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn takes_the_store_and_broker_from_the_environment() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("outbox.sqlite");
+    let ids = sqlite_with(&path, 3)?;
+    let out = Command::new(BIN)
+        .arg("drain")
+        .env("OUTBOX_STORE_URL", format!("sqlite://{}", path.display()))
+        .env("OUTBOX_BROKER_URL", "stdout://")
+        .env("OUTBOX_DELETE_PUBLISHED", "1")
+        .env("OUTBOX_BATCH_SIZE", "2")
+        .stdin(Stdio::null())
+        .output();
+    let out = tokio::time::timeout(GUARD, out).await??;
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8(out.stdout)?.lines().count(), ids.len());
+    let stderr = String::from_utf8(out.stderr)?;
+    assert!(
+        stderr.contains(r#""batches":2"#),
+        "batch size from the environment: {stderr}"
+    );
+    let store = format!("sqlite://{}", path.display());
+    let counts = json_lines(&["--store", &store, "counts"]).await?;
+    assert_eq!(
+        counts,
+        [serde_json::json!({"pending": 0, "leased": 0, "published": 0, "dead": 0})],
+        "published messages deleted (OUTBOX_DELETE_PUBLISHED=1)"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn lists_requeues_and_discards_dead_letters() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("outbox.sqlite");
+    let ids = sqlite_with(&path, 2)?;
+    {
+        let store = SqliteStore::open(&path, SqliteConfig::default()).await?;
+        let claim = store
+            .claim(&ClaimRequest {
+                limit: 2,
+                lease: Duration::from_secs(30),
+                head_policy: HeadPolicy::Block,
+            })
+            .await?;
+        let failures: Vec<Failure> = ids
+            .iter()
+            .map(|id| Failure {
+                id: *id,
+                error: format!("rejected {id}"),
+                action: FailAction::Dead,
+            })
+            .collect();
+        store.fail(claim.token, &failures).await?;
+    }
+    let store = format!("sqlite://{}", path.display());
+
+    let dead = json_lines(&["--store", &store, "dead", "list"]).await?;
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert_eq!(dead[0]["id"], ids[0].to_string());
+    assert_eq!(dead[0]["last_error"], format!("rejected {}", ids[0]));
+    // The payload is printed as JSON, not as a quoted string.
+    assert_eq!(dead[0]["payload"]["note"], "grüße \"quoted\"");
+    let paged = json_lines(&[
+        "--store",
+        &store,
+        "dead",
+        "list",
+        "--after",
+        &dead[0]["seq"].to_string(),
+    ])
+    .await?;
+    assert_eq!(paged.len(), 1);
+    assert_eq!(paged[0]["id"], ids[1].to_string());
+
+    let requeued = json_lines(&["--store", &store, "dead", "requeue", &ids[0].to_string()]).await?;
+    assert_eq!(requeued, [serde_json::json!({"requeued": 1})]);
+    let discarded =
+        json_lines(&["--store", &store, "dead", "discard", &ids[1].to_string()]).await?;
+    assert_eq!(discarded, [serde_json::json!({"discarded": 1})]);
+    let counts = json_lines(&["--store", &store, "counts"]).await?;
+    assert_eq!(
+        counts,
+        [serde_json::json!({"pending": 1, "leased": 0, "published": 0, "dead": 0})]
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn bad_urls_and_settings_fail_with_a_clear_message_and_no_password() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let store = format!("sqlite://{}", dir.path().join("outbox.sqlite").display());
+    let cases: [(&[&str], i32, &str); 5] = [
+        (
+            &["--store", "amqp://guest:secret@localhost/", "counts"],
+            1,
+            "use one of: postgres://",
+        ),
+        (
+            &[
+                "--store",
+                "postgres://app:secret@127.0.0.1:1/app",
+                "--table",
+                "bad name",
+                "counts",
+            ],
+            1,
+            "table",
+        ),
+        (
+            &[
+                "--store",
+                &store,
+                "drain",
+                "--broker",
+                "amqp://guest:secret@localhost/",
+            ],
+            1,
+            "unknown broker scheme",
+        ),
+        (
+            &[
+                "--store",
+                &store,
+                "drain",
+                "--broker",
+                "stdout://",
+                "--lease",
+                "0s",
+            ],
+            1,
+            "lease is 0",
+        ),
+        (
+            &[
+                "--store",
+                &store,
+                "drain",
+                "--broker",
+                "stdout://",
+                "--lease",
+                "soon",
+            ],
+            2,
+            "--lease",
+        ),
+    ];
+    for (args, code, says) in cases {
+        let out = run(args).await?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("secret"),
+            "{args:?} leaked the password: {stderr}"
+        );
+    }
+    // A relay setting is refused before anything is opened: no database file was created.
+    assert!(!dir.path().join("outbox.sqlite").exists());
+    Ok(())
+}
+
+/// Postgres into NATS: `migrate`, then `run` relays what producers commit until SIGTERM, and
+/// exits cleanly with its stats.
+#[tokio::test]
+async fn runs_postgres_into_nats_until_sigterm() -> TestResult {
+    let (Some(pg_url), Some(nats_url)) = (
+        service_url("OUTBOX_TEST_POSTGRES_URL"),
+        service_url("OUTBOX_TEST_NATS_URL"),
+    ) else {
+        return Ok(());
+    };
+    let suffix = unique_suffix();
+    let schema = format!("cli_{suffix}");
+    let stream = format!("CLI_{suffix}");
+    let subject = format!("cli{suffix}");
+    let store_args = ["--store", pg_url.as_str(), "--schema", schema.as_str()];
+
+    let migrated = json_lines(&[&store_args[..], &["migrate"]].concat()).await?;
+    assert_eq!(migrated, [serde_json::json!({"migrated": "postgres"})]);
+
+    // Every message the relay stores in the stream is also delivered to core subscribers.
+    let client = async_nats::connect(&nats_url).await?;
+    let mut sub = client.subscribe(format!("{subject}.>")).await?;
+    let broker = format!(
+        "{nats_url}?subject={subject}.{{event_type}}&stream={stream}&create_stream=true\
+         &stream_subjects={subject}.>"
+    );
+    let relay = Command::new(BIN)
+        .args(store_args)
+        .args(["run", "--broker", &broker, "--batch-size", "7"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+
+    // Committed while the relay runs: it is woken by the store (LISTEN/NOTIFY) or its poll.
+    let config = outbox::postgres::PostgresConfig::builder()
+        .schema(schema.clone())
+        .build()?;
+    let pool = sqlx::PgPool::connect(&pg_url).await?;
+    let messages: Vec<NewMessage> = (0..20).map(message).collect();
+    let mut tx = pool.begin().await?;
+    outbox::postgres::enqueue_batch(&mut *tx, &config, &messages).await?;
+    tx.commit().await?;
+
+    let mut seen = Vec::new();
+    while seen.len() < messages.len() {
+        let Some(msg) = tokio::time::timeout(GUARD, sub.next()).await? else {
+            return Err("subscription ended".into());
+        };
+        let id = msg
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Msg-Id"))
+            .map(|v| v.as_str().to_owned())
+            .unwrap_or_default();
+        seen.push(id.parse::<Uuid>()?);
+    }
+    let stored = nats::read_stream(&nats_url, &stream).await?;
+    assert_eq!(stored.len(), messages.len(), "each message stored once");
+    for key in 0..3 {
+        let want: Vec<Uuid> = messages
+            .iter()
+            .filter(|m| m.partition_key == Some(format!("customer-{key}")))
+            .map(|m| m.id)
+            .collect();
+        let got: Vec<Uuid> = seen
+            .iter()
+            .copied()
+            .filter(|id| want.contains(id))
+            .collect();
+        assert_eq!(got, want, "per-key order of customer-{key}");
+    }
+
+    let pid = relay.id().ok_or("relay exited early")?;
+    let kill = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .await?;
+    assert!(kill.success());
+    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "relay exit {}: {stderr}", out.status);
+    assert!(stderr.contains(r#""published":20"#), "{stderr}");
+    assert!(!stderr.contains("password"), "{stderr}");
+
+    let counts = json_lines(&[&store_args[..], &["counts"]].concat()).await?;
+    assert_eq!(
+        counts,
+        [serde_json::json!({"pending": 0, "leased": 0, "published": 20, "dead": 0})]
+    );
+    nats::delete_stream(&nats_url, &stream).await?;
+    sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .execute(&pool)
+        .await?;
+    Ok(())
+}
+
+/// MariaDB through a `mariadb://` URL: `drain --migrate` creates the table and relays.
+#[tokio::test]
+async fn drains_mariadb_with_migrate() -> TestResult {
+    let Some(my_url) = service_url("OUTBOX_TEST_MYSQL_URL") else {
+        return Ok(());
+    };
+    let table = format!("cli_{}", unique_suffix());
+    let mariadb_url = my_url.replacen("mysql:", "mariadb:", 1);
+    let store_args = ["--store", mariadb_url.as_str(), "--table", table.as_str()];
+    let drained = run(&[
+        &store_args[..],
+        &["drain", "--migrate", "--broker", "stdout://"],
+    ]
+    .concat())
+    .await?;
+    assert!(drained.status.success(), "{drained:?}");
+    assert!(drained.stdout.is_empty(), "nothing to relay yet");
+
+    let config = outbox::mysql::MysqlConfig::builder()
+        .table(table.clone())
+        .build()?;
+    let pool = sqlx::MySqlPool::connect(&my_url).await?;
+    let messages: Vec<NewMessage> = (0..4).map(message).collect();
+    let mut tx = pool.begin().await?;
+    outbox::mysql::enqueue_batch(&mut *tx, &config, &messages).await?;
+    tx.commit().await?;
+
+    let out = run(&[&store_args[..], &["drain", "--broker", "stdout://"]].concat()).await?;
+    assert!(out.status.success(), "{out:?}");
+    let ids: Vec<Uuid> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).map(|v| v["id"].clone()))
+        .map(|id| Ok::<_, BoxError>(serde_json::from_value(id?)?))
+        .collect::<Result<_, _>>()?;
+    assert_eq!(ids, messages.iter().map(|m| m.id).collect::<Vec<_>>());
+    sqlx::query(&format!("DROP TABLE `{table}`"))
+        .execute(&pool)
+        .await?;
+    Ok(())
+}
