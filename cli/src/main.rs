@@ -188,6 +188,8 @@ async fn execute(cli: Cli) -> Result<(), Error> {
         Command::Drain(args) => (args, false),
         command => return admin(&cli.store, &options, command).await,
     };
+    // Listen before connecting to anything (see `Stop`).
+    let stop = serve.then(Stop::listen);
     // The relay settings, then the broker, are checked before the store is opened (which for
     // SQLite creates the file).
     let config = args.config()?;
@@ -203,10 +205,9 @@ async fn execute(cli: Cli) -> Result<(), Error> {
         mode = if serve { "run" } else { "drain" },
         "relay started"
     );
-    let stats = if serve {
-        relay.run(stop_signal()).await?
-    } else {
-        relay.run_until_idle().await?
+    let stats = match stop {
+        Some(stop) => relay.run(stop.requested()).await?,
+        None => relay.run_until_idle().await?,
     };
     // A summary, on standard error: standard output may be carrying the messages themselves
     // (stdout://).
@@ -266,33 +267,62 @@ async fn admin(store: &str, options: &StoreOptions, command: Command) -> Result<
     }
 }
 
-/// Resolves at SIGTERM (what service managers and Kubernetes send) or Ctrl-C.
-async fn stop_signal() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            // Cannot listen for Ctrl-C: rely on SIGTERM alone.
-            std::future::pending::<()>().await;
-        }
-    };
+/// The stop request: SIGTERM (what service managers and Kubernetes send) or Ctrl-C.
+///
+/// Listening starts when this is made, at start-up: a stop that arrives while the relay is
+/// still connecting is kept, and the relay then stops as soon as it runs, instead of the
+/// process dying from the signal's default action.
+struct Stop {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    () = ctrl_c => {}
+    term: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    int: Option<tokio::signal::unix::Signal>,
+}
+
+impl Stop {
+    fn listen() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let listen = |kind: SignalKind, name: &str| match signal(kind) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot listen for {name}");
+                    None
+                }
+            };
+            Self {
+                term: listen(SignalKind::terminate(), "SIGTERM"),
+                int: listen(SignalKind::interrupt(), "SIGINT"),
+            }
+        }
+        #[cfg(not(unix))]
+        Self {}
+    }
+
+    /// Resolves at the first stop request.
+    async fn requested(self) {
+        #[cfg(unix)]
+        {
+            async fn next(signal: Option<tokio::signal::unix::Signal>) {
+                match signal {
+                    Some(mut s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending().await,
                 }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM; stop with Ctrl-C");
-                ctrl_c.await;
+            tokio::select! {
+                () = next(self.term) => {}
+                () = next(self.int) => {}
             }
         }
+        #[cfg(not(unix))]
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+        tracing::info!("stop requested: finishing in-flight batches");
     }
-    #[cfg(not(unix))]
-    ctrl_c.await;
-    tracing::info!("stop requested: finishing in-flight batches");
 }
 
 fn stats_json(stats: &RelayStats) -> Value {
