@@ -14,10 +14,12 @@
 //! (counts, dead letters) to standard output as JSON lines. Exit status: 0 on success, 1 when a command fails, 2 for bad
 //! arguments.
 
+use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use metrics_exporter_prometheus::PrometheusBuilder;
 use outbox::relay::{Relay, RelayConfig, RelayStats};
 use outbox::store::StoreOptions;
 use outbox::{redact_url, Error, HeadPolicy};
@@ -132,6 +134,9 @@ struct RelayArgs {
     /// How long a stop waits for in-flight batches, e.g. 10s.
     #[arg(long, env = "OUTBOX_SHUTDOWN_DEADLINE", value_parser = humantime::parse_duration)]
     shutdown_deadline: Option<Duration>,
+    /// Serve the relay's metrics for Prometheus on this address (any path), e.g. 0.0.0.0:9000.
+    #[arg(long, env = "OUTBOX_METRICS_ADDR")]
+    metrics_addr: Option<SocketAddr>,
 }
 
 impl RelayArgs {
@@ -198,6 +203,13 @@ async fn execute(cli: Cli) -> Result<(), Error> {
     if args.migrate {
         opened.migrate().await?;
     }
+    if let Some(addr) = args.metrics_addr {
+        PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .map_err(|e| Error::invalid_input(format!("cannot serve metrics on {addr}: {e}")))?;
+    }
+    // Registers the metrics' descriptions with the exporter installed above.
     let relay = Relay::new(opened.store.clone(), Arc::from(publisher), config)?;
     tracing::info!(
         store = opened.name(),

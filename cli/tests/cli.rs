@@ -14,6 +14,7 @@ use outbox::{ClaimRequest, FailAction, Failure, HeadPolicy, NewMessage, OutboxSt
 use outbox_conformance_tests::env::service_url;
 use outbox_e2e::{nats, unique_suffix};
 use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 use uuid::Uuid;
 
@@ -420,5 +421,66 @@ async fn drains_mariadb_with_migrate() -> TestResult {
     sqlx::query(&format!("DROP TABLE `{table}`"))
         .execute(&pool)
         .await?;
+    Ok(())
+}
+
+/// `--metrics-addr` serves the relay's counters for Prometheus while it runs.
+#[tokio::test]
+async fn serves_prometheus_metrics_while_running() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("outbox.sqlite");
+    let ids = sqlite_with(&path, 3)?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let store = format!("sqlite://{}", path.display());
+    let mut relay = Command::new(BIN)
+        .args([
+            "--store",
+            &store,
+            "run",
+            "--broker",
+            "stdout://",
+            "--metrics-addr",
+            &addr,
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    // The messages on standard output: the relay is running, its exporter installed.
+    let stdout = relay.stdout.take().ok_or("no stdout pipe")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    for _ in &ids {
+        tokio::time::timeout(GUARD, lines.next_line())
+            .await??
+            .ok_or("stdout closed")?;
+    }
+    let scrape = async {
+        let mut conn = tokio::net::TcpStream::connect(&addr).await?;
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut body = String::new();
+        conn.read_to_string(&mut body).await?;
+        Ok::<_, BoxError>(body)
+    };
+    let body = tokio::time::timeout(GUARD, scrape).await??;
+    // Claimed before they were printed (their completion may still be on its way).
+    assert!(
+        body.contains(r#"outbox_claimed_total{publisher="stdout"} 3"#),
+        "{body}"
+    );
+    assert!(body.contains("# HELP outbox_claim_seconds"), "{body}");
+
+    let pid = relay.id().ok_or("relay exited early")?;
+    let kill = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .await?;
+    assert!(kill.success());
+    let status = tokio::time::timeout(GUARD, relay.wait()).await??;
+    assert!(status.success(), "{status}");
     Ok(())
 }
