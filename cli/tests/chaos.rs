@@ -16,7 +16,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::process::Stdio;
-use std::time::Duration;
 
 use futures::StreamExt;
 use outbox::postgres::{PostgresConfig, PostgresStore};
@@ -30,26 +29,14 @@ use tokio::process::{Child, Command};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+mod common;
+use common::{message, sigterm, BoxError, BIN, GUARD};
 
-const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
-/// Failure guard for an event the test waits for; a passing run never gets near it.
-const GUARD: Duration = Duration::from_secs(60);
 const ROUNDS: usize = 20;
 const TXS_PER_ROUND: usize = 4;
 const PER_TX: usize = 6;
 const KEYS: usize = 5;
 const RELAYS: usize = 2;
-
-fn message(n: usize) -> NewMessage {
-    NewMessage::new(
-        "order",
-        format!("order-{n}"),
-        "order.placed",
-        serde_json::json!({"n": n, "note": "grüße \"quoted\" \\ back"}),
-    )
-    .with_partition_key(format!("customer-{}", n % KEYS))
-}
 
 /// A running relay process.
 struct Relay {
@@ -154,7 +141,7 @@ async fn relays_killed_at_random_points_lose_nothing_and_keep_key_order() -> Res
     let mut kills = 0;
     for round in 0..ROUNDS {
         for t in 0..TXS_PER_ROUND {
-            let batch: Vec<NewMessage> = (n..n + PER_TX).map(message).collect();
+            let batch: Vec<NewMessage> = (n..n + PER_TX).map(|n| message(n, KEYS)).collect();
             n += PER_TX;
             let mut tx = pool.begin().await?;
             outbox::postgres::enqueue_batch(&mut *tx, &config, &batch).await?;
@@ -200,12 +187,7 @@ async fn relays_killed_at_random_points_lose_nothing_and_keep_key_order() -> Res
         if let Some(started) = relay.started.take() {
             tokio::time::timeout(GUARD, started).await??;
         }
-        let pid = relay.child.id().ok_or("a relay exited on its own")?;
-        let status = Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .await?;
-        assert!(status.success());
+        sigterm(&relay.child).await?;
     }
     for mut relay in relays {
         let status = tokio::time::timeout(GUARD, relay.child.wait()).await??;

@@ -18,23 +18,10 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 use uuid::Uuid;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+mod common;
+use common::{message, sigterm, BoxError, BIN, GUARD};
+
 type TestResult = Result<(), BoxError>;
-
-/// Failure guard for a child process or a broker read; a passing test never gets near it.
-const GUARD: Duration = Duration::from_secs(60);
-
-const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
-
-fn message(n: usize) -> NewMessage {
-    NewMessage::new(
-        "order",
-        format!("order-{n}"),
-        "order.placed",
-        serde_json::json!({"n": n, "note": "grüße \"quoted\""}),
-    )
-    .with_partition_key(format!("customer-{}", n % 3))
-}
 
 /// Run `outbox-relay` with `args` to the end.
 async fn run(args: &[&str]) -> Result<Output, BoxError> {
@@ -61,16 +48,27 @@ async fn json_lines(args: &[&str]) -> Result<Vec<Value>, BoxError> {
         .collect::<Result<_, _>>()?)
 }
 
+/// The ids of the messages a `stdout://` relay printed, in order.
+fn stdout_ids(stdout: &[u8]) -> Result<Vec<Uuid>, BoxError> {
+    std::str::from_utf8(stdout)?
+        .lines()
+        .map(|line| {
+            let message: Value = serde_json::from_str(line)?;
+            Ok(serde_json::from_value(message["id"].clone())?)
+        })
+        .collect()
+}
+
 /// A SQLite file holding `n` committed messages and a rolled-back transaction's `n` more.
 fn sqlite_with(path: &Path, n: usize) -> Result<Vec<Uuid>, BoxError> {
     let config = SqliteConfig::default();
     let mut conn = outbox::sqlite::open_connection(path, &config)?;
     outbox::sqlite::migrate(&conn, &config)?;
-    let committed: Vec<NewMessage> = (0..n).map(message).collect();
+    let committed: Vec<NewMessage> = (0..n).map(|n| message(n, 3)).collect();
     let tx = conn.transaction()?;
     outbox::sqlite::enqueue_batch(&tx, &config, &committed)?;
     tx.commit()?;
-    let rolled_back: Vec<NewMessage> = (n..2 * n).map(message).collect();
+    let rolled_back: Vec<NewMessage> = (n..2 * n).map(|n| message(n, 3)).collect();
     let tx = conn.transaction()?;
     outbox::sqlite::enqueue_batch(&tx, &config, &rolled_back)?;
     tx.rollback()?;
@@ -86,14 +84,7 @@ async fn drains_sqlite_to_stdout_then_counts_and_purges() -> TestResult {
 
     let out = run(&["--store", &store, "drain", "--broker", "stdout://"]).await?;
     assert!(out.status.success(), "{out:?}");
-    let published: Vec<Value> = String::from_utf8(out.stdout)?
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
-    let published_ids: Vec<Uuid> = published
-        .iter()
-        .map(|line| line["id"].as_str().unwrap_or_default().parse())
-        .collect::<Result<_, _>>()?;
+    let published_ids = stdout_ids(&out.stdout)?;
     assert_eq!(
         published_ids, ids,
         "the committed messages, in order, and nothing else"
@@ -185,7 +176,7 @@ async fn lists_requeues_and_discards_dead_letters() -> TestResult {
     assert_eq!(dead[0]["id"], ids[0].to_string());
     assert_eq!(dead[0]["last_error"], format!("rejected {}", ids[0]));
     // The payload is printed as JSON, not as a quoted string.
-    assert_eq!(dead[0]["payload"]["note"], "grüße \"quoted\"");
+    assert_eq!(dead[0]["payload"]["note"], "grüße \"quoted\" \\ back");
     let paged = json_lines(&[
         "--store",
         &store,
@@ -325,7 +316,7 @@ async fn runs_postgres_into_nats_until_sigterm() -> TestResult {
         .schema(schema.clone())
         .build()?;
     let pool = sqlx::PgPool::connect(&pg_url).await?;
-    let messages: Vec<NewMessage> = (0..20).map(message).collect();
+    let messages: Vec<NewMessage> = (0..20).map(|n| message(n, 3)).collect();
     let mut tx = pool.begin().await?;
     outbox::postgres::enqueue_batch(&mut *tx, &config, &messages).await?;
     tx.commit().await?;
@@ -359,12 +350,7 @@ async fn runs_postgres_into_nats_until_sigterm() -> TestResult {
         assert_eq!(got, want, "per-key order of customer-{key}");
     }
 
-    let pid = relay.id().ok_or("relay exited early")?;
-    let kill = Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .await?;
-    assert!(kill.success());
+    sigterm(&relay).await?;
     let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "relay exit {}: {stderr}", out.status);
@@ -405,18 +391,14 @@ async fn drains_mariadb_with_migrate() -> TestResult {
         .table(table.clone())
         .build()?;
     let pool = sqlx::MySqlPool::connect(&my_url).await?;
-    let messages: Vec<NewMessage> = (0..4).map(message).collect();
+    let messages: Vec<NewMessage> = (0..4).map(|n| message(n, 3)).collect();
     let mut tx = pool.begin().await?;
     outbox::mysql::enqueue_batch(&mut *tx, &config, &messages).await?;
     tx.commit().await?;
 
     let out = run(&[&store_args[..], &["drain", "--broker", "stdout://"]].concat()).await?;
     assert!(out.status.success(), "{out:?}");
-    let ids: Vec<Uuid> = String::from_utf8(out.stdout)?
-        .lines()
-        .map(|line| serde_json::from_str::<Value>(line).map(|v| v["id"].clone()))
-        .map(|id| Ok::<_, BoxError>(serde_json::from_value(id?)?))
-        .collect::<Result<_, _>>()?;
+    let ids = stdout_ids(&out.stdout)?;
     assert_eq!(ids, messages.iter().map(|m| m.id).collect::<Vec<_>>());
     sqlx::query(&format!("DROP TABLE `{table}`"))
         .execute(&pool)
@@ -474,12 +456,7 @@ async fn serves_prometheus_metrics_while_running() -> TestResult {
     );
     assert!(body.contains("# HELP outbox_claim_seconds"), "{body}");
 
-    let pid = relay.id().ok_or("relay exited early")?;
-    let kill = Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .await?;
-    assert!(kill.success());
+    sigterm(&relay).await?;
     let status = tokio::time::timeout(GUARD, relay.wait()).await??;
     assert!(status.success(), "{status}");
     Ok(())

@@ -19,6 +19,8 @@
 
 use outbox_traits::{redact_url, Error, Publisher};
 
+use crate::schemes;
+
 /// The schemes [`connect`] understands, whether or not their feature is compiled in.
 pub const SCHEMES: &[(&str, &str)] = &[
     ("stdout", "always available"),
@@ -28,11 +30,7 @@ pub const SCHEMES: &[(&str, &str)] = &[
 ];
 
 fn choices() -> String {
-    SCHEMES
-        .iter()
-        .map(|(scheme, how)| format!("{scheme}:// ({how})"))
-        .collect::<Vec<_>>()
-        .join(", ")
+    schemes::choices(SCHEMES)
 }
 
 /// Build the publisher that `url` names, connecting to its broker.
@@ -91,17 +89,12 @@ pub async fn connect(url: &str) -> Result<Box<dyn Publisher>, Error> {
 
 /// The schemes whose publisher is compiled into this build.
 pub fn compiled_in() -> Vec<&'static str> {
-    let mut schemes = vec!["stdout"];
-    if cfg!(feature = "nats") {
-        schemes.push("nats");
-    }
-    if cfg!(feature = "kafka") {
-        schemes.push("kafka");
-    }
-    if cfg!(feature = "redis") {
-        schemes.push("redis");
-    }
-    schemes
+    schemes::compiled(&[
+        ("stdout", true),
+        ("nats", cfg!(feature = "nats")),
+        ("kafka", cfg!(feature = "kafka")),
+        ("redis", cfg!(feature = "redis")),
+    ])
 }
 
 #[cfg_attr(
@@ -109,12 +102,7 @@ pub fn compiled_in() -> Vec<&'static str> {
     allow(dead_code)
 )]
 fn not_compiled(scheme: &str) -> Result<Box<dyn Publisher>, Error> {
-    let compiled: Vec<String> = compiled_in().iter().map(|s| format!("{s}://")).collect();
-    Err(Error::invalid_input(format!(
-        "{scheme}:// needs the `{scheme}` feature of the `outbox` crate, which is not compiled in \
-         (add `features = [\"{scheme}\"]`); compiled-in choices: {}",
-        compiled.join(", ")
-    )))
+    Err(schemes::not_compiled(scheme, scheme, &compiled_in()))
 }
 
 #[cfg(test)]

@@ -65,4 +65,5 @@ pub mod redis {
 }
 
 pub mod broker;
+mod schemes;
 pub mod store;

@@ -26,6 +26,8 @@ use std::sync::Arc;
 
 use outbox_traits::{redact_url, Error, OutboxAdmin, OutboxStore};
 
+use crate::schemes;
+
 /// The schemes [`open`] understands, whether or not their feature is compiled in.
 pub const SCHEMES: &[(&str, &str)] = &[
     ("postgres", "feature `postgres`"),
@@ -109,11 +111,7 @@ impl OpenedStore {
 }
 
 fn choices() -> String {
-    SCHEMES
-        .iter()
-        .map(|(scheme, how)| format!("{scheme}:// ({how})"))
-        .collect::<Vec<_>>()
-        .join(", ")
+    schemes::choices(SCHEMES)
 }
 
 /// Connect to (or, for SQLite, open) the store that `url` names.
@@ -218,17 +216,11 @@ pub async fn open(url: &str, options: &StoreOptions) -> Result<OpenedStore, Erro
 
 /// The backends compiled into this build.
 pub fn compiled_in() -> Vec<&'static str> {
-    let mut schemes = Vec::new();
-    if cfg!(feature = "postgres") {
-        schemes.push("postgres");
-    }
-    if cfg!(feature = "mysql") {
-        schemes.push("mysql");
-    }
-    if cfg!(feature = "sqlite") {
-        schemes.push("sqlite");
-    }
-    schemes
+    schemes::compiled(&[
+        ("postgres", cfg!(feature = "postgres")),
+        ("mysql", cfg!(feature = "mysql")),
+        ("sqlite", cfg!(feature = "sqlite")),
+    ])
 }
 
 #[cfg_attr(
@@ -241,16 +233,7 @@ fn not_compiled(scheme: &str) -> Result<OpenedStore, Error> {
         "mariadb" => "mysql",
         other => other,
     };
-    let compiled: Vec<String> = compiled_in().iter().map(|s| format!("{s}://")).collect();
-    Err(Error::invalid_input(format!(
-        "{scheme}:// needs the `{feature}` feature of the `outbox` crate, which is not compiled \
-         in (add `features = [\"{feature}\"]`); compiled-in choices: {}",
-        if compiled.is_empty() {
-            "none".to_owned()
-        } else {
-            compiled.join(", ")
-        }
-    )))
+    Err(schemes::not_compiled(scheme, feature, &compiled_in()))
 }
 
 #[cfg(test)]
