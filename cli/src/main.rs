@@ -14,6 +14,7 @@
 //! (counts, dead letters) to standard output as JSON lines. Exit status: 0 on success, 1 when a command fails, 2 for bad
 //! arguments.
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -22,7 +23,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use outbox::relay::{Relay, RelayConfig, RelayStats};
 use outbox::store::StoreOptions;
-use outbox::{redact_url, Error, HeadPolicy};
+use outbox::{redact_url, Error, HeadPolicy, OutboxAdmin};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use uuid::Uuid;
@@ -137,6 +138,14 @@ struct RelayArgs {
     /// Serve the relay's metrics for Prometheus on this address (any path), e.g. 0.0.0.0:9000.
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     metrics_addr: Option<SocketAddr>,
+    /// Delete published messages older than this (e.g. 7d): in `run` at start and then every
+    /// `--purge-every`, in `drain` once after draining. Off by default.
+    #[arg(long, env = "OUTBOX_PURGE_OLDER_THAN", value_parser = humantime::parse_duration)]
+    purge_older_than: Option<Duration>,
+    /// How often `run` purges (with `--purge-older-than`).
+    #[arg(long, env = "OUTBOX_PURGE_EVERY", default_value = "1m",
+          value_parser = humantime::parse_duration)]
+    purge_every: Duration,
 }
 
 impl RelayArgs {
@@ -157,6 +166,11 @@ impl RelayArgs {
             ..defaults
         };
         config.validate()?;
+        if self.purge_every.is_zero() {
+            return Err(Error::invalid_input(
+                "--purge-every is 0; it must be a positive interval (default 1m)",
+            ));
+        }
         Ok(config)
     }
 }
@@ -166,6 +180,8 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: not in log files, journald or container logs.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
@@ -217,9 +233,43 @@ async fn execute(cli: Cli) -> Result<(), Error> {
         mode = if serve { "run" } else { "drain" },
         "relay started"
     );
+    let admin = opened.admin.clone();
+    let purge = move |age| {
+        let admin = admin.clone();
+        async move {
+            match purge_all(admin.as_ref(), age, PURGE_BATCH).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(purged = n, "purged published messages"),
+                Err(e) => tracing::warn!(error = %e, "purge failed; retrying at the next interval"),
+            }
+        }
+    };
     let stats = match stop {
-        Some(stop) => relay.run(stop.requested()).await?,
-        None => relay.run_until_idle().await?,
+        Some(stop) => {
+            let purger = args.purge_older_than.map(|age| {
+                let mut tick = tokio::time::interval(args.purge_every);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let purge = purge.clone();
+                tokio::spawn(async move {
+                    loop {
+                        tick.tick().await;
+                        purge(age).await;
+                    }
+                })
+            });
+            let stats = relay.run(stop.requested()).await;
+            if let Some(purger) = purger {
+                purger.abort();
+            }
+            stats?
+        }
+        None => {
+            let stats = relay.run_until_idle().await?;
+            if let Some(age) = args.purge_older_than {
+                purge(age).await;
+            }
+            stats
+        }
     };
     // A summary, on standard error: standard output may be carrying the messages themselves
     // (stdout://).
@@ -265,14 +315,7 @@ async fn admin(store: &str, options: &StoreOptions, command: Command) -> Result<
             Ok(())
         }
         Command::Purge { older_than, batch } => {
-            let mut purged = 0;
-            loop {
-                let n = opened.admin.purge_published(older_than, batch).await?;
-                purged += n;
-                if n < u64::try_from(batch).unwrap_or(u64::MAX) {
-                    break;
-                }
-            }
+            let purged = purge_all(opened.admin.as_ref(), older_than, batch).await?;
             print(&json!({"purged": purged}));
             Ok(())
         }
@@ -334,6 +377,21 @@ impl Stop {
             std::future::pending::<()>().await;
         }
         tracing::info!("stop requested: finishing in-flight batches");
+    }
+}
+
+/// Messages per delete statement of the relay's own purges.
+const PURGE_BATCH: usize = 1000;
+
+/// Delete published messages older than `age`, `batch` per statement, until none is left.
+async fn purge_all(admin: &dyn OutboxAdmin, age: Duration, batch: usize) -> Result<u64, Error> {
+    let mut purged = 0;
+    loop {
+        let n = admin.purge_published(age, batch).await?;
+        purged += n;
+        if n < u64::try_from(batch).unwrap_or(u64::MAX) {
+            return Ok(purged);
+        }
     }
 }
 

@@ -206,7 +206,7 @@ async fn lists_requeues_and_discards_dead_letters() -> TestResult {
 async fn bad_urls_and_settings_fail_with_a_clear_message_and_no_password() -> TestResult {
     let dir = tempfile::tempdir()?;
     let store = format!("sqlite://{}", dir.path().join("outbox.sqlite").display());
-    let cases: [(&[&str], i32, &str); 5] = [
+    let cases: [(&[&str], i32, &str); 6] = [
         (
             &["--store", "amqp://guest:secret@localhost/", "counts"],
             1,
@@ -259,6 +259,19 @@ async fn bad_urls_and_settings_fail_with_a_clear_message_and_no_password() -> Te
             ],
             2,
             "--lease",
+        ),
+        (
+            &[
+                "--store",
+                &store,
+                "run",
+                "--broker",
+                "stdout://",
+                "--purge-every",
+                "0s",
+            ],
+            1,
+            "--purge-every is 0",
         ),
     ];
     for (args, code, says) in cases {
@@ -459,5 +472,66 @@ async fn serves_prometheus_metrics_while_running() -> TestResult {
     sigterm(&relay).await?;
     let status = tokio::time::timeout(GUARD, relay.wait()).await??;
     assert!(status.success(), "{status}");
+    Ok(())
+}
+
+/// `run --purge-older-than` deletes old published messages while it relays (at start, then at
+/// each interval); `drain --purge-older-than` once after draining.
+#[tokio::test]
+async fn purges_published_messages_while_relaying() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("outbox.sqlite");
+    sqlite_with(&path, 3)?;
+    let store = format!("sqlite://{}", path.display());
+    let drained = run(&["--store", &store, "drain", "--broker", "stdout://"]).await?;
+    assert_eq!(stdout_ids(&drained.stdout)?.len(), 3);
+
+    let mut relay = Command::new(BIN)
+        .args(["--store", &store, "run", "--broker", "stdout://"])
+        .args(["--purge-older-than", "0s", "--purge-every", "1h"])
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let stderr = relay.stderr.take().ok_or("no stderr pipe")?;
+    let mut lines = tokio::io::BufReader::new(stderr).lines();
+    loop {
+        let line = tokio::time::timeout(GUARD, lines.next_line())
+            .await??
+            .ok_or("the relay closed its stderr before purging")?;
+        if line.contains("purged published messages") {
+            assert!(line.contains("purged=3"), "{line}");
+            break;
+        }
+    }
+    sigterm(&relay).await?;
+    let status = tokio::time::timeout(GUARD, relay.wait()).await??;
+    assert!(status.success(), "{status}");
+    let counts = json_lines(&["--store", &store, "counts"]).await?;
+    assert_eq!(counts[0]["published"], 0, "{counts:?}");
+
+    // drain: one pass after draining, which sees what the drain just published.
+    let path = dir.path().join("second.sqlite");
+    sqlite_with(&path, 2)?;
+    let store = format!("sqlite://{}", path.display());
+    let out = run(&[
+        "--store",
+        &store,
+        "drain",
+        "--broker",
+        "stdout://",
+        "--purge-older-than",
+        "0s",
+    ])
+    .await?;
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(stdout_ids(&out.stdout)?.len(), 2);
+    let counts = json_lines(&["--store", &store, "counts"]).await?;
+    assert_eq!(
+        counts,
+        [serde_json::json!({"pending": 0, "leased": 0, "published": 0, "dead": 0})]
+    );
     Ok(())
 }
