@@ -1,5 +1,6 @@
-//! Chaos: two `outbox-relay run` processes relay Postgres into NATS while a producer commits and
-//! rolls back transactions, and relays are SIGKILLed at random points of the stream and replaced.
+//! Chaos: two `outbox-relay run` processes relay a Postgres outbox, or a SQLite file, into NATS
+//! while a producer commits and rolls back transactions, and relays are SIGKILLed at random
+//! points of the stream and replaced.
 //!
 //! Each round commits a few transactions (and rolls one back), waits until a random number of
 //! new messages has reached the broker, then kills a random relay with SIGKILL, expires every
@@ -11,7 +12,9 @@
 //! store has nothing left pending.
 //!
 //! Nothing sleeps: kills are triggered by deliveries seen on a subscription, and leases are
-//! expired by moving their stored end back. The seed is printed; `OUTBOX_CHAOS_SEED=N` replays
+//! expired by moving their stored end back (on Postgres after ending the dead relay's sessions,
+//! so that a statement it had already sent cannot take a lease afterwards; a SQLite writer's
+//! locks end with its process). The seed is printed; `OUTBOX_CHAOS_SEED=N` replays
 //! a run's choices (the exact kill points also depend on timing).
 
 use std::collections::{HashMap, HashSet};
@@ -19,6 +22,7 @@ use std::process::Stdio;
 
 use futures::StreamExt;
 use outbox::postgres::{PostgresConfig, PostgresStore};
+use outbox::sqlite::{SqliteConfig, SqliteStore};
 use outbox::{NewMessage, OutboxAdmin};
 use outbox_conformance_tests::env::service_url;
 use outbox_e2e::{check_delivery, nats, unique_suffix, Expected};
@@ -41,7 +45,7 @@ const RELAYS: usize = 2;
 /// A running relay process.
 struct Relay {
     child: Child,
-    /// Its sessions' application name.
+    /// Its name (on Postgres, its sessions' application name).
     name: String,
     /// Fires when the relay has logged that it started (its stop signal handler is in place).
     started: Option<oneshot::Receiver<()>>,
@@ -49,15 +53,19 @@ struct Relay {
     stderr: JoinHandle<String>,
 }
 
-/// Start a relay whose database sessions carry `name` as their application name.
-fn spawn_relay(pg_url: &str, schema: &str, broker: &str, name: &str) -> Result<Relay, BoxError> {
-    let sep = if pg_url.contains('?') { '&' } else { '?' };
-    let store = format!("{pg_url}{sep}application_name={name}");
+/// Start a relay on `store_args` (`--store ...` and its options) into `broker`.
+fn spawn_relay(store_args: &[String], broker: &str, name: &str) -> Result<Relay, BoxError> {
     let mut child = Command::new(BIN)
+        .args(store_args)
         .args([
-            "--store", &store, "--schema", schema, "run", "--broker", broker,
+            "run",
+            "--broker",
+            broker,
+            "--batch-size",
+            "4",
+            "--poll-max",
+            "20ms",
         ])
-        .args(["--batch-size", "4", "--poll-max", "20ms"])
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -89,31 +97,198 @@ fn spawn_relay(pg_url: &str, schema: &str, broker: &str, name: &str) -> Result<R
     })
 }
 
+/// The outbox under test, and what the test does to it directly.
+enum Db {
+    Postgres {
+        url: String,
+        store: PostgresStore,
+        schema: String,
+    },
+    Sqlite {
+        path: std::path::PathBuf,
+        store: SqliteStore,
+        _dir: tempfile::TempDir,
+    },
+}
+
+impl Db {
+    async fn postgres(url: String, suffix: &str) -> Result<Self, BoxError> {
+        let schema = format!("chaos_{suffix}");
+        let config = PostgresConfig::builder().schema(schema.clone()).build()?;
+        let store = PostgresStore::connect(&url, config).await?;
+        store.migrate().await?;
+        Ok(Db::Postgres { url, store, schema })
+    }
+
+    async fn sqlite() -> Result<Self, BoxError> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("outbox.sqlite");
+        let store = SqliteStore::open(&path, SqliteConfig::default()).await?;
+        Ok(Db::Sqlite {
+            path,
+            store,
+            _dir: dir,
+        })
+    }
+
+    /// `--store ...` for a relay named `name`.
+    fn store_args(&self, name: &str) -> Vec<String> {
+        match self {
+            Db::Postgres { url, schema, .. } => {
+                let sep = if url.contains('?') { '&' } else { '?' };
+                vec![
+                    "--store".into(),
+                    format!("{url}{sep}application_name={name}"),
+                    "--schema".into(),
+                    schema.clone(),
+                ]
+            }
+            Db::Sqlite { path, .. } => {
+                vec!["--store".into(), format!("sqlite://{}", path.display())]
+            }
+        }
+    }
+
+    /// Enqueue `batch` in one transaction, then commit it or roll it back.
+    async fn write(&self, batch: &[NewMessage], commit: bool) -> Result<(), BoxError> {
+        match self {
+            Db::Postgres { store, .. } => {
+                let mut tx = store.pool().begin().await?;
+                outbox::postgres::enqueue_batch(&mut *tx, store.config(), batch).await?;
+                if commit {
+                    tx.commit().await?;
+                } else {
+                    tx.rollback().await?;
+                }
+            }
+            Db::Sqlite { store, .. } => {
+                let batch = batch.to_vec();
+                store
+                    .transaction(move |tx, config| {
+                        outbox::sqlite::enqueue_batch(tx, config, &batch)?;
+                        if commit {
+                            Ok(())
+                        } else {
+                            // An error rolls the transaction back.
+                            Err(outbox::Error::invalid_input("rolled back on purpose"))
+                        }
+                    })
+                    .await
+                    .or_else(|e: outbox::Error| if commit { Err(e) } else { Ok(()) })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After relay `name` was killed: end its sessions, then expire every lease (its, and the
+    /// survivor's).
+    async fn after_kill(&self, name: &str) -> Result<(), BoxError> {
+        match self {
+            Db::Postgres { store, schema, .. } => {
+                sqlx::query(
+                    "SELECT count(pg_terminate_backend(pid, 10000)) FROM pg_stat_activity \
+                     WHERE application_name = $1",
+                )
+                .bind(name)
+                .execute(store.pool())
+                .await?;
+                sqlx::query(&format!(
+                    "UPDATE \"{schema}\".outbox SET lease_until = now() - interval '1 second' \
+                     WHERE lease_until IS NOT NULL AND state = 'pending'"
+                ))
+                .execute(store.pool())
+                .await?;
+            }
+            Db::Sqlite { path, .. } => {
+                let conn = outbox::sqlite::open_connection(path, &SqliteConfig::default())?;
+                conn.execute(
+                    "UPDATE outbox SET lease_until = lease_until - 3600000 \
+                     WHERE state = 'leased'",
+                    [],
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every stored message's payload text by id: what the relay publishes byte for byte
+    /// (Postgres normalises JSON text).
+    async fn payloads(&self) -> Result<HashMap<String, String>, BoxError> {
+        Ok(match self {
+            Db::Postgres { store, schema, .. } => sqlx::query_as(&format!(
+                "SELECT id::text, payload::text FROM \"{schema}\".outbox"
+            ))
+            .fetch_all(store.pool())
+            .await?
+            .into_iter()
+            .collect(),
+            Db::Sqlite { path, .. } => {
+                let conn = outbox::sqlite::open_connection(path, &SqliteConfig::default())?;
+                let mut stmt = conn.prepare("SELECT id, payload FROM outbox")?;
+                let rows = stmt.query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?;
+                rows.collect::<Result<_, _>>()?
+            }
+        })
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Db::Postgres { .. } => "postgres",
+            Db::Sqlite { .. } => "sqlite",
+        }
+    }
+
+    fn admin(&self) -> &dyn OutboxAdmin {
+        match self {
+            Db::Postgres { store, .. } => store,
+            Db::Sqlite { store, .. } => store,
+        }
+    }
+
+    async fn drop_schema(&self) -> Result<(), BoxError> {
+        if let Db::Postgres { store, schema, .. } = self {
+            sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+                .execute(store.pool())
+                .await?;
+        }
+        Ok(())
+    }
+}
+
 #[tokio::test]
-async fn relays_killed_at_random_points_lose_nothing_and_keep_key_order() -> Result<(), BoxError> {
+async fn postgres_relays_killed_at_random_points_lose_nothing_and_keep_key_order(
+) -> Result<(), BoxError> {
     let (Some(pg_url), Some(nats_url)) = (
         service_url("OUTBOX_TEST_POSTGRES_URL"),
         service_url("OUTBOX_TEST_NATS_URL"),
     ) else {
         return Ok(());
     };
+    let suffix = unique_suffix();
+    chaos(Db::postgres(pg_url, &suffix).await?, &nats_url, &suffix).await
+}
+
+#[tokio::test]
+async fn sqlite_relays_killed_at_random_points_lose_nothing_and_keep_key_order(
+) -> Result<(), BoxError> {
+    let Some(nats_url) = service_url("OUTBOX_TEST_NATS_URL") else {
+        return Ok(());
+    };
+    chaos(Db::sqlite().await?, &nats_url, &unique_suffix()).await
+}
+
+async fn chaos(db: Db, nats_url: &str, suffix: &str) -> Result<(), BoxError> {
     let seed = match std::env::var("OUTBOX_CHAOS_SEED") {
         Ok(s) => s.parse()?,
         Err(_) => rand::rng().random(),
     };
-    eprintln!("chaos seed {seed} (OUTBOX_CHAOS_SEED={seed} replays its choices)");
+    let what = db.name();
+    eprintln!("{what} chaos seed {seed} (OUTBOX_CHAOS_SEED={seed} replays its choices)");
     let mut rng = StdRng::seed_from_u64(seed);
 
-    let suffix = unique_suffix();
-    let schema = format!("chaos_{suffix}");
     let stream = format!("CHAOS_{suffix}");
     let subject = format!("chaos{suffix}");
-    let config = PostgresConfig::builder().schema(schema.clone()).build()?;
-    let store = PostgresStore::connect(&pg_url, config.clone()).await?;
-    store.migrate().await?;
-    let pool = store.pool().clone();
-
-    let client = async_nats::connect(&nats_url).await?;
+    let client = async_nats::connect(nats_url).await?;
     let mut sub = client.subscribe(format!("{subject}.>")).await?;
     let broker = format!(
         "{nats_url}?subject={subject}.{{event_type}}&stream={stream}&create_stream=true\
@@ -122,12 +297,8 @@ async fn relays_killed_at_random_points_lose_nothing_and_keep_key_order() -> Res
     let mut started = 0;
     let mut spawn = || {
         started += 1;
-        spawn_relay(
-            &pg_url,
-            &schema,
-            &broker,
-            &format!("chaos-{suffix}-{started}"),
-        )
+        let name = format!("chaos-{suffix}-{started}");
+        spawn_relay(&db.store_args(&name), &broker, &name)
     };
     let mut relays: Vec<Relay> = Vec::new();
     for _ in 0..RELAYS {
@@ -143,14 +314,12 @@ async fn relays_killed_at_random_points_lose_nothing_and_keep_key_order() -> Res
         for t in 0..TXS_PER_ROUND {
             let batch: Vec<NewMessage> = (n..n + PER_TX).map(|n| message(n, KEYS)).collect();
             n += PER_TX;
-            let mut tx = pool.begin().await?;
-            outbox::postgres::enqueue_batch(&mut *tx, &config, &batch).await?;
-            if t == round % TXS_PER_ROUND {
-                tx.rollback().await?;
-                rolled_back.extend(batch.iter().map(|m| m.id.to_string()));
-            } else {
-                tx.commit().await?;
+            let commit = t != round % TXS_PER_ROUND;
+            db.write(&batch, commit).await?;
+            if commit {
                 committed.extend(batch);
+            } else {
+                rolled_back.extend(batch.iter().map(|m| m.id.to_string()));
             }
         }
         // Kill once a random share of this round's messages has arrived: mid-stream.
@@ -162,22 +331,9 @@ async fn relays_killed_at_random_points_lose_nothing_and_keep_key_order() -> Res
         relays[victim].child.wait().await?;
         kills += 1;
         // The dead relay's sessions end, as a crashed host's do once the server notices: a
-        // statement it had already sent (a claim's COMMIT, say) finishes or is aborted first,
-        // so it cannot take a lease after the expiry below.
-        sqlx::query(
-            "SELECT count(pg_terminate_backend(pid, 10000)) FROM pg_stat_activity \
-             WHERE application_name = $1",
-        )
-        .bind(&relays[victim].name)
-        .execute(&pool)
-        .await?;
-        // The killed relay's leases (and the survivor's) end now.
-        sqlx::query(&format!(
-            "UPDATE \"{schema}\".outbox SET lease_until = now() - interval '1 second' \
-             WHERE lease_until IS NOT NULL AND state = 'pending'"
-        ))
-        .execute(&pool)
-        .await?;
+        // statement it had already sent (a claim's COMMIT, say) finishes or is aborted first.
+        // Then the killed relay's leases (and the survivor's) end now.
+        db.after_kill(&relays[victim].name).await?;
         relays[victim] = spawn()?;
     }
     wait_for(&mut sub, &mut seen, committed.len()).await?;
@@ -201,23 +357,15 @@ async fn relays_killed_at_random_points_lose_nothing_and_keep_key_order() -> Res
     // A message whose complete a fenced zombie lost may still be pending (its new holder may
     // not have claimed it before the stop): a last drain settles it, as the next start would.
     let drained = Command::new(BIN)
-        .args(["--store", &pg_url, "--schema", &schema])
+        .args(db.store_args("chaos-drain"))
         .args(["drain", "--broker", &broker])
         .stdin(Stdio::null())
         .output();
     let drained = tokio::time::timeout(GUARD, drained).await??;
     assert!(drained.status.success(), "{drained:?}");
 
-    let received = nats::read_stream(&nats_url, &stream).await?;
-    // The payload as the store holds it (Postgres normalises JSON text), which is what the
-    // relay publishes byte for byte.
-    let stored: HashMap<String, String> = sqlx::query_as(&format!(
-        "SELECT id::text, payload::text FROM \"{schema}\".outbox"
-    ))
-    .fetch_all(&pool)
-    .await?
-    .into_iter()
-    .collect();
+    let received = nats::read_stream(nats_url, &stream).await?;
+    let stored = db.payloads().await?;
     let expected: Vec<Expected> = committed
         .iter()
         .map(|m| Expected {
@@ -238,14 +386,15 @@ async fn relays_killed_at_random_points_lose_nothing_and_keep_key_order() -> Res
         leaked.is_empty(),
         "rolled-back messages published: {leaked:?}"
     );
-    let delivery = check_delivery(&received, &expected).map_err(|e| format!("seed {seed}: {e}"))?;
+    let delivery =
+        check_delivery(&received, &expected).map_err(|e| format!("{what} seed {seed}: {e}"))?;
     assert_eq!(delivery.distinct, committed.len());
     eprintln!(
-        "chaos seed {seed}: {kills} kills, {} messages, {} duplicates in the stream",
+        "{what} chaos seed {seed}: {kills} kills, {} messages, {} duplicates in the stream",
         committed.len(),
         delivery.duplicates
     );
-    let counts = store.counts().await?;
+    let counts = db.admin().counts().await?;
     assert_eq!(
         (counts.pending, counts.leased, counts.dead),
         (0, 0, 0),
@@ -253,11 +402,8 @@ async fn relays_killed_at_random_points_lose_nothing_and_keep_key_order() -> Res
     );
     assert_eq!(counts.published, committed.len() as u64);
 
-    nats::delete_stream(&nats_url, &stream).await?;
-    sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
-        .execute(&pool)
-        .await?;
-    Ok(())
+    nats::delete_stream(nats_url, &stream).await?;
+    db.drop_schema().await
 }
 
 /// Read the subscription until `target` distinct message ids have been seen.
