@@ -233,27 +233,23 @@ async fn execute(cli: Cli) -> Result<(), Error> {
         mode = if serve { "run" } else { "drain" },
         "relay started"
     );
-    let admin = opened.admin.clone();
-    let purge = move |age| {
-        let admin = admin.clone();
-        async move {
-            match purge_all(admin.as_ref(), age, PURGE_BATCH).await {
-                Ok(0) => {}
-                Ok(n) => tracing::info!(purged = n, "purged published messages"),
-                Err(e) => tracing::warn!(error = %e, "purge failed; retrying at the next interval"),
-            }
-        }
-    };
     let stats = match stop {
         Some(stop) => {
             let purger = args.purge_older_than.map(|age| {
                 let mut tick = tokio::time::interval(args.purge_every);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                let purge = purge.clone();
+                let admin = opened.admin.clone();
                 tokio::spawn(async move {
                     loop {
                         tick.tick().await;
-                        purge(age).await;
+                        match purge_all(admin.as_ref(), age, PURGE_BATCH).await {
+                            Ok(0) => {}
+                            Ok(n) => tracing::info!(purged = n, "purged published messages"),
+                            Err(e) => tracing::warn!(
+                                error = %e,
+                                "purge failed; retrying at the next interval"
+                            ),
+                        }
                     }
                 })
             });
@@ -265,8 +261,10 @@ async fn execute(cli: Cli) -> Result<(), Error> {
         }
         None => {
             let stats = relay.run_until_idle().await?;
+            // One pass; a failure fails the command (a job runner then sees it).
             if let Some(age) = args.purge_older_than {
-                purge(age).await;
+                let n = purge_all(opened.admin.as_ref(), age, PURGE_BATCH).await?;
+                tracing::info!(purged = n, "purged published messages");
             }
             stats
         }
