@@ -52,7 +52,8 @@ struct Cli {
 enum Command {
     /// Relay until SIGTERM or Ctrl-C, then finish in-flight batches and exit.
     Run(RelayArgs),
-    /// Relay until nothing is left to claim (messages waiting for a retry are not waited for).
+    /// Relay until nothing is left to claim (messages waiting for a retry are not waited for);
+    /// SIGTERM or Ctrl-C stops it early, gracefully.
     Drain(RelayArgs),
     /// Create the outbox table and indexes if they do not exist.
     Migrate,
@@ -210,7 +211,7 @@ async fn execute(cli: Cli) -> Result<(), Error> {
         command => return admin(&cli.store, &options, command).await,
     };
     // Listen before connecting to anything (see `Stop`).
-    let stop = serve.then(Stop::listen);
+    let stop = Stop::listen();
     // The relay settings, then the broker, are checked before the store is opened (which for
     // SQLite creates the file).
     let config = args.config()?;
@@ -233,41 +234,38 @@ async fn execute(cli: Cli) -> Result<(), Error> {
         mode = if serve { "run" } else { "drain" },
         "relay started"
     );
-    let stats = match stop {
-        Some(stop) => {
-            let purger = args.purge_older_than.map(|age| {
-                let mut tick = tokio::time::interval(args.purge_every);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                let admin = opened.admin.clone();
-                tokio::spawn(async move {
-                    loop {
-                        tick.tick().await;
-                        match purge_all(admin.as_ref(), age, PURGE_BATCH).await {
-                            Ok(0) => {}
-                            Ok(n) => tracing::info!(purged = n, "purged published messages"),
-                            Err(e) => tracing::warn!(
-                                error = %e,
-                                "purge failed; retrying at the next interval"
-                            ),
-                        }
+    let stats = if serve {
+        let purger = args.purge_older_than.map(|age| {
+            let mut tick = tokio::time::interval(args.purge_every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let admin = opened.admin.clone();
+            tokio::spawn(async move {
+                loop {
+                    tick.tick().await;
+                    match purge_all(admin.as_ref(), age, PURGE_BATCH).await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(purged = n, "purged published messages"),
+                        Err(e) => tracing::warn!(
+                            error = %e,
+                            "purge failed; retrying at the next interval"
+                        ),
                     }
-                })
-            });
-            let stats = relay.run(stop.requested()).await;
-            if let Some(purger) = purger {
-                purger.abort();
-            }
-            stats?
+                }
+            })
+        });
+        let stats = relay.run(stop.requested()).await;
+        if let Some(purger) = purger {
+            purger.abort();
         }
-        None => {
-            let stats = relay.run_until_idle().await?;
-            // One pass; a failure fails the command (a job runner then sees it).
-            if let Some(age) = args.purge_older_than {
-                let n = purge_all(opened.admin.as_ref(), age, PURGE_BATCH).await?;
-                tracing::info!(purged = n, "purged published messages");
-            }
-            stats
+        stats?
+    } else {
+        let stats = relay.run_until_idle_or(stop.requested()).await?;
+        // One pass; a failure fails the command (a job runner then sees it).
+        if let Some(age) = args.purge_older_than {
+            let n = purge_all(opened.admin.as_ref(), age, PURGE_BATCH).await?;
+            tracing::info!(purged = n, "purged published messages");
         }
+        stats
     };
     // A summary, on standard error: standard output may be carrying the messages themselves
     // (stdout://).
@@ -320,7 +318,8 @@ async fn admin(store: &str, options: &StoreOptions, command: Command) -> Result<
     }
 }
 
-/// The stop request: SIGTERM (what service managers and Kubernetes send) or Ctrl-C.
+/// The stop request of `run` and `drain`: SIGTERM (what service managers, job runners and
+/// Kubernetes send) or Ctrl-C.
 ///
 /// Listening starts when this is made, at start-up: a stop that arrives while the relay is
 /// still connecting is kept, and the relay then stops as soon as it runs, instead of the

@@ -127,15 +127,29 @@ impl Relay {
     /// outage); a permanent store error stops claiming, lets in-flight batches finish, and is
     /// returned.
     pub async fn run_until_idle(&self) -> Result<RelayStats, Error> {
-        let stats = Arc::new(StatsCell::default());
-        let rec = Recorder::new(stats.clone(), self.shared.publisher_name.clone());
-        run_loop(&self.shared, &rec, Mode::Drain, pin!(pending())).await?;
-        Ok(stats.snapshot())
+        self.run_in(Mode::Drain, pending()).await
+    }
+
+    /// [`run_until_idle`](Self::run_until_idle), unless `shutdown` resolves first (e.g. a
+    /// SIGTERM to a drain job): then it stops claiming and shuts down gracefully within
+    /// [`RelayConfig::shutdown_deadline`], as [`run`](Self::run) does, and returns the stats.
+    pub async fn run_until_idle_or<F>(&self, shutdown: F) -> Result<RelayStats, Error>
+    where
+        F: Future<Output = ()>,
+    {
+        self.run_in(Mode::Drain, shutdown).await
     }
 
     /// Run in the current task until `shutdown` resolves (e.g. `tokio::signal::ctrl_c()`), then
     /// shut down gracefully within [`RelayConfig::shutdown_deadline`] and return the stats.
     pub async fn run<F>(&self, shutdown: F) -> Result<RelayStats, Error>
+    where
+        F: Future<Output = ()>,
+    {
+        self.run_in(Mode::Serve, shutdown).await
+    }
+
+    async fn run_in<F>(&self, mode: Mode, shutdown: F) -> Result<RelayStats, Error>
     where
         F: Future<Output = ()>,
     {
@@ -146,7 +160,7 @@ impl Relay {
             shutdown.await;
             deadline
         };
-        run_loop(&self.shared, &rec, Mode::Serve, pin!(stop)).await?;
+        run_loop(&self.shared, &rec, mode, pin!(stop)).await?;
         Ok(stats.snapshot())
     }
 

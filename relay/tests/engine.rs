@@ -719,6 +719,54 @@ async fn run_serves_until_its_shutdown_future_resolves() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_drain_stopped_early_finishes_its_batch_and_claims_nothing_more() {
+    let store = TestStore::new(Wakeups::Inner);
+    let publisher = GatedPublisher::closed();
+    store
+        .inner
+        .enqueue([msg("a", 0), msg("b", 0), msg("c", 0)])
+        .unwrap();
+    let relay = Relay::new(
+        store.clone(),
+        publisher.clone(),
+        RelayConfig {
+            batch_size: 1,
+            concurrency: 1,
+            ..config()
+        },
+    )
+    .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        relay
+            .run_until_idle_or(async {
+                let _ = stop_rx.await;
+            })
+            .await
+    });
+    until(&publisher.entered, 1).await;
+    stop_tx.send(()).unwrap();
+    // The publish is let through only after the relay has taken the stop (the clock is
+    // paused: the sleep ends when every task waits).
+    let opener = {
+        let publisher = publisher.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            publisher.open();
+        })
+    };
+    let stats = task.await.unwrap().unwrap();
+    opener.await.unwrap();
+    assert_eq!((stats.claimed, stats.published, stats.released), (1, 1, 0));
+    assert_eq!(
+        store.inner.unpublished().len(),
+        2,
+        "nothing claimed after the stop"
+    );
+    assert_eq!(store.inner.counts().await.unwrap().leased, 0);
+}
+
+#[tokio::test(start_paused = true)]
 async fn dropping_the_handle_shuts_down_with_the_configured_deadline() {
     let store = TestStore::new(Wakeups::Inner);
     let publisher = GatedPublisher::closed();
