@@ -64,8 +64,8 @@
 //!   counts it ([`RelayStats::lease_lost`]) and carries on.
 //! - **Outages.** Store errors never end a running relay: it backs off
 //!   ([`RelayConfig::store_backoff`]) and tries again; a failed `complete`, `fail` or `release`
-//!   is retried while the lease lasts. Only [`Relay::run_until_idle`] returns an error, and only
-//!   a permanent one.
+//!   is retried while the lease lasts. Only [`Relay::run_until_idle`] (and
+//!   [`Relay::run_until_idle_or`]) returns an error, and only a permanent one.
 //! - **Idle polling and wake-ups.** After an empty claim the relay waits
 //!   [`RelayConfig::poll_min`], doubling on each further empty claim up to
 //!   [`RelayConfig::poll_max`]; after a full claim it claims again at once. A [`Notifier`] or the
@@ -73,7 +73,8 @@
 //!   failing wake-up source is resubscribed later while polling carries on. Once a claim made on
 //!   a wake-up finds nothing, the next wake-up is served after a pause of at most 10 ms
 //!   (`poll_min` if shorter), so a flood of stale hints cannot spin the loop.
-//! - **Shutdown.** [`RelayHandle::shutdown`] stops claiming, lets in-flight batches publish and
+//! - **Shutdown.** [`RelayHandle::shutdown`] (or the future given to [`Relay::run`] or
+//!   [`Relay::run_until_idle_or`] resolving) stops claiming, lets in-flight batches publish and
 //!   settle until the deadline, then releases what is still leased.
 //!
 //! # Delivery guarantees
