@@ -34,7 +34,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 mod common;
-use common::{message, sigterm, BoxError, BIN, GUARD};
+use common::{message, relay_process, sigterm, BoxError, BIN, GUARD};
 
 const ROUNDS: usize = 20;
 const TXS_PER_ROUND: usize = 4;
@@ -55,23 +55,15 @@ struct Relay {
 
 /// Start a relay on `store_args` (`--store ...` and its options) into `broker`.
 fn spawn_relay(store_args: &[String], broker: &str, name: &str) -> Result<Relay, BoxError> {
-    let mut child = Command::new(BIN)
-        .args(store_args)
-        .args([
-            "run",
-            "--broker",
-            broker,
-            "--batch-size",
-            "4",
-            "--poll-max",
-            "20ms",
-        ])
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
+    let mut child = relay_process(store_args.iter().map(String::as_str).chain([
+        "run",
+        "--broker",
+        broker,
+        "--batch-size",
+        "4",
+        "--poll-max",
+        "20ms",
+    ]))?;
     let pipe = child.stderr.take().ok_or("no stderr pipe")?;
     let (tx, started) = oneshot::channel();
     let stderr = tokio::spawn(async move {

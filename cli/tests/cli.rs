@@ -19,7 +19,7 @@ use tokio::process::Command;
 use uuid::Uuid;
 
 mod common;
-use common::{message, sigterm, BoxError, BIN, GUARD};
+use common::{message, relay_process, sigterm, BoxError, BIN, GUARD};
 
 type TestResult = Result<(), BoxError>;
 
@@ -315,14 +315,13 @@ async fn runs_postgres_into_nats_until_sigterm() -> TestResult {
         "{nats_url}?subject={subject}.{{event_type}}&stream={stream}&create_stream=true\
          &stream_subjects={subject}.>"
     );
-    let relay = Command::new(BIN)
-        .args(store_args)
-        .args(["run", "--broker", &broker, "--batch-size", "7"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
+    let relay = relay_process(store_args.into_iter().chain([
+        "run",
+        "--broker",
+        &broker,
+        "--batch-size",
+        "7",
+    ]))?;
 
     // Committed while the relay runs: it is woken by the store (LISTEN/NOTIFY) or its poll.
     let config = outbox::postgres::PostgresConfig::builder()
@@ -430,21 +429,15 @@ async fn serves_prometheus_metrics_while_running() -> TestResult {
         .port();
     let addr = format!("127.0.0.1:{port}");
     let store = format!("sqlite://{}", path.display());
-    let mut relay = Command::new(BIN)
-        .args([
-            "--store",
-            &store,
-            "run",
-            "--broker",
-            "stdout://",
-            "--metrics-addr",
-            &addr,
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
+    let mut relay = relay_process([
+        "--store",
+        &store,
+        "run",
+        "--broker",
+        "stdout://",
+        "--metrics-addr",
+        &addr,
+    ])?;
     // The messages on standard output: the relay is running, its exporter installed.
     let stdout = relay.stdout.take().ok_or("no stdout pipe")?;
     let mut lines = tokio::io::BufReader::new(stdout).lines();
@@ -486,15 +479,17 @@ async fn purges_published_messages_while_relaying() -> TestResult {
     let drained = run(&["--store", &store, "drain", "--broker", "stdout://"]).await?;
     assert_eq!(stdout_ids(&drained.stdout)?.len(), 3);
 
-    let mut relay = Command::new(BIN)
-        .args(["--store", &store, "run", "--broker", "stdout://"])
-        .args(["--purge-older-than", "0s", "--purge-every", "1h"])
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()?;
+    let mut relay = relay_process([
+        "--store",
+        &store,
+        "run",
+        "--broker",
+        "stdout://",
+        "--purge-older-than",
+        "0s",
+        "--purge-every",
+        "1h",
+    ])?;
     let stderr = relay.stderr.take().ok_or("no stderr pipe")?;
     let mut lines = tokio::io::BufReader::new(stderr).lines();
     loop {

@@ -1,5 +1,7 @@
 //! What the `outbox-relay` tests share.
 
+use std::ffi::OsStr;
+use std::process::Stdio;
 use std::time::Duration;
 
 use outbox::NewMessage;
@@ -39,4 +41,21 @@ pub async fn sigterm(relay: &Child) -> Result<(), BoxError> {
     } else {
         Err(format!("kill -TERM {pid}: {status}").into())
     }
+}
+
+/// A long-running `outbox-relay` with `args`: info logs, both outputs piped, killed if the test
+/// drops it.
+pub fn relay_process<I, S>(args: I) -> Result<Child, BoxError>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    Ok(Command::new(BIN)
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?)
 }
