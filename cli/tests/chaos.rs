@@ -1,15 +1,16 @@
 //! Chaos: two `outbox-relay run` processes relay a Postgres outbox, or a SQLite file, into NATS
-//! while a producer commits and rolls back transactions, and relays are SIGKILLed at random
-//! points of the stream and replaced.
+//! (or Postgres into Redis) while a producer commits and rolls back transactions, and relays
+//! are SIGKILLed at random points of the stream and replaced.
 //!
 //! Each round commits a few transactions (and rolls one back), waits until a random number of
 //! new messages has reached the broker, then kills a random relay with SIGKILL, expires every
 //! lease in SQL (the killed relay's, and the survivor's too, which makes the survivor a zombie
 //! the store must fence) and starts a replacement. Kills therefore land anywhere: in a claim, a
 //! publish, a complete, between them. At the end the survivors are stopped with SIGTERM and the
-//! stream is read back with its own client: every committed message is there once with its
-//! exact payload, no rolled-back message is, and each key's messages are in commit order; the
-//! store has nothing left pending.
+//! stream is read back with its own client: every committed message is there with its exact
+//! payload, no rolled-back message is, each key's first copies are in commit order, and the
+//! copies beyond the first (none on NATS, whose dedup window drops them; some on Redis) stay
+//! within what the kills put in flight; the store has nothing left pending.
 //!
 //! Nothing sleeps: kills are triggered by deliveries seen on a subscription, and leases are
 //! expired by moving their stored end back (on Postgres after ending the dead relay's sessions,
@@ -19,13 +20,14 @@
 
 use std::collections::{HashMap, HashSet};
 use std::process::Stdio;
+use std::time::Duration;
 
 use futures::StreamExt;
 use outbox::postgres::{PostgresConfig, PostgresStore};
 use outbox::sqlite::{SqliteConfig, SqliteStore};
 use outbox::{NewMessage, OutboxAdmin};
 use outbox_conformance_tests::env::service_url;
-use outbox_e2e::{check_delivery, nats, unique_suffix, Expected};
+use outbox_e2e::{check_delivery, nats, redis, unique_suffix, Expected, Received};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -41,6 +43,9 @@ const TXS_PER_ROUND: usize = 4;
 const PER_TX: usize = 6;
 const KEYS: usize = 5;
 const RELAYS: usize = 2;
+/// Each relay's batch size and batches in flight.
+const BATCH: usize = 4;
+const IN_FLIGHT: usize = 2;
 
 /// A running relay process.
 struct Relay {
@@ -60,7 +65,9 @@ fn spawn_relay(store_args: &[String], broker: &str, name: &str) -> Result<Relay,
         "--broker",
         broker,
         "--batch-size",
-        "4",
+        &BATCH.to_string(),
+        "--concurrency",
+        &IN_FLIGHT.to_string(),
         "--poll-max",
         "20ms",
     ]))?;
@@ -257,7 +264,12 @@ async fn postgres_relays_killed_at_random_points_lose_nothing_and_keep_key_order
         return Ok(());
     };
     let suffix = unique_suffix();
-    chaos(Db::postgres(pg_url, &suffix).await?, &nats_url, &suffix).await
+    chaos(
+        Db::postgres(pg_url, &suffix).await?,
+        Broker::Nats { url: nats_url },
+        &suffix,
+    )
+    .await
 }
 
 #[tokio::test]
@@ -266,10 +278,34 @@ async fn sqlite_relays_killed_at_random_points_lose_nothing_and_keep_key_order(
     let Some(nats_url) = service_url("OUTBOX_TEST_NATS_URL") else {
         return Ok(());
     };
-    chaos(Db::sqlite().await?, &nats_url, &unique_suffix()).await
+    chaos(
+        Db::sqlite().await?,
+        Broker::Nats { url: nats_url },
+        &unique_suffix(),
+    )
+    .await
 }
 
-async fn chaos(db: Db, nats_url: &str, suffix: &str) -> Result<(), BoxError> {
+/// Into Redis, which keeps every republished copy: duplicates show, and must stay within what
+/// the kills put in flight, with each key's first copies in commit order.
+#[tokio::test]
+async fn postgres_into_redis_relays_killed_at_random_points_lose_nothing() -> Result<(), BoxError> {
+    let (Some(pg_url), Some(redis_url)) = (
+        service_url("OUTBOX_TEST_POSTGRES_URL"),
+        service_url("OUTBOX_TEST_REDIS_URL"),
+    ) else {
+        return Ok(());
+    };
+    let suffix = unique_suffix();
+    chaos(
+        Db::postgres(pg_url, &suffix).await?,
+        Broker::Redis { url: redis_url },
+        &suffix,
+    )
+    .await
+}
+
+async fn chaos(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
     let seed = match std::env::var("OUTBOX_CHAOS_SEED") {
         Ok(s) => s.parse()?,
         Err(_) => rand::rng().random(),
@@ -278,19 +314,15 @@ async fn chaos(db: Db, nats_url: &str, suffix: &str) -> Result<(), BoxError> {
     eprintln!("{what} chaos seed {seed} (OUTBOX_CHAOS_SEED={seed} replays its choices)");
     let mut rng = StdRng::seed_from_u64(seed);
 
-    let stream = format!("CHAOS_{suffix}");
-    let subject = format!("chaos{suffix}");
-    let client = async_nats::connect(nats_url).await?;
-    let mut sub = client.subscribe(format!("{subject}.>")).await?;
-    let broker = format!(
-        "{nats_url}?subject={subject}.{{event_type}}&stream={stream}&create_stream=true\
-         &stream_subjects={subject}.>"
-    );
+    let mut watch = broker.watch(suffix).await?;
+    let broker_url = broker.relay_url(suffix);
+    let broker_name = broker.name();
+    let what = format!("{what} → {broker_name}");
     let mut started = 0;
     let mut spawn = || {
         started += 1;
         let name = format!("chaos-{suffix}-{started}");
-        spawn_relay(&db.store_args(&name), &broker, &name)
+        spawn_relay(&db.store_args(&name), &broker_url, &name)
     };
     let mut relays: Vec<Relay> = Vec::new();
     for _ in 0..RELAYS {
@@ -317,7 +349,7 @@ async fn chaos(db: Db, nats_url: &str, suffix: &str) -> Result<(), BoxError> {
         // Kill once a random share of this round's messages has arrived: mid-stream.
         let pending = committed.len() - seen.len();
         let target = seen.len() + rng.random_range(1..=pending.max(1));
-        wait_for(&mut sub, &mut seen, target).await?;
+        watch.wait_for(&mut seen, target).await?;
         let victim = rng.random_range(0..relays.len());
         relays[victim].child.start_kill()?;
         relays[victim].child.wait().await?;
@@ -328,7 +360,7 @@ async fn chaos(db: Db, nats_url: &str, suffix: &str) -> Result<(), BoxError> {
         db.after_kill(&relays[victim].name).await?;
         relays[victim] = spawn()?;
     }
-    wait_for(&mut sub, &mut seen, committed.len()).await?;
+    watch.wait_for(&mut seen, committed.len()).await?;
 
     for relay in &mut relays {
         // A SIGTERM before the relay listens for it would kill it by default action.
@@ -350,13 +382,13 @@ async fn chaos(db: Db, nats_url: &str, suffix: &str) -> Result<(), BoxError> {
     // not have claimed it before the stop): a last drain settles it, as the next start would.
     let drained = Command::new(BIN)
         .args(db.store_args("chaos-drain"))
-        .args(["drain", "--broker", &broker])
+        .args(["drain", "--broker", &broker_url])
         .stdin(Stdio::null())
         .output();
     let drained = tokio::time::timeout(GUARD, drained).await??;
     assert!(drained.status.success(), "{drained:?}");
 
-    let received = nats::read_stream(nats_url, &stream).await?;
+    let received = broker.read_back(suffix).await?;
     let stored = db.payloads().await?;
     let expected: Vec<Expected> = committed
         .iter()
@@ -386,6 +418,14 @@ async fn chaos(db: Db, nats_url: &str, suffix: &str) -> Result<(), BoxError> {
         committed.len(),
         delivery.duplicates
     );
+    // Duplicates come only from a kill or a fenced zombie: at most what the killed relay and
+    // the survivor (whose leases were expired) had in flight, per kill.
+    let bound = kills * RELAYS * IN_FLIGHT * BATCH;
+    assert!(
+        delivery.duplicates <= bound,
+        "{what} seed {seed}: {} duplicates, more than {bound}",
+        delivery.duplicates
+    );
     let counts = db.admin().counts().await?;
     assert_eq!(
         (counts.pending, counts.leased, counts.dead),
@@ -394,29 +434,114 @@ async fn chaos(db: Db, nats_url: &str, suffix: &str) -> Result<(), BoxError> {
     );
     assert_eq!(counts.published, committed.len() as u64);
 
-    nats::delete_stream(nats_url, &stream).await?;
+    broker.delete(suffix).await?;
     db.drop_schema().await
 }
 
-/// Read the subscription until `target` distinct message ids have been seen.
-async fn wait_for(
-    sub: &mut async_nats::Subscriber,
-    seen: &mut HashSet<String>,
-    target: usize,
-) -> Result<(), BoxError> {
-    while seen.len() < target {
-        let next = tokio::time::timeout(GUARD, sub.next()).await.map_err(|_| {
-            format!(
-                "{} of {target} messages reached the broker; no more within {GUARD:?}",
-                seen.len()
-            )
-        })?;
-        let Some(msg) = next else {
-            return Err("subscription ended".into());
-        };
-        if let Some(id) = msg.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")) {
-            seen.insert(id.as_str().to_owned());
+/// The broker under test.
+enum Broker {
+    /// NATS JetStream: deliveries are seen on a core subscription to the stream's subjects
+    /// (its dedup window drops republished copies).
+    Nats { url: String },
+    /// Redis Streams: deliveries are seen with a blocking `XREAD` (no dedup: republished copies
+    /// stay in the stream).
+    Redis { url: String },
+}
+
+/// Deliveries as they reach the broker.
+enum Watch {
+    Nats(async_nats::Subscriber),
+    Redis {
+        url: String,
+        key: String,
+        last: String,
+    },
+}
+
+impl Broker {
+    fn name(&self) -> &'static str {
+        match self {
+            Broker::Nats { .. } => "nats",
+            Broker::Redis { .. } => "redis",
         }
     }
-    Ok(())
+
+    fn relay_url(&self, suffix: &str) -> String {
+        match self {
+            Broker::Nats { url } => format!(
+                "{url}?subject=chaos{suffix}.{{event_type}}&stream=CHAOS_{suffix}\
+                 &create_stream=true&stream_subjects=chaos{suffix}.>"
+            ),
+            Broker::Redis { url } => format!("{url}?stream=chaos{suffix}"),
+        }
+    }
+
+    async fn watch(&self, suffix: &str) -> Result<Watch, BoxError> {
+        Ok(match self {
+            Broker::Nats { url } => {
+                let client = async_nats::connect(url).await?;
+                Watch::Nats(client.subscribe(format!("chaos{suffix}.>")).await?)
+            }
+            Broker::Redis { url } => Watch::Redis {
+                url: url.clone(),
+                key: format!("chaos{suffix}"),
+                last: "0".into(),
+            },
+        })
+    }
+
+    async fn read_back(&self, suffix: &str) -> Result<Vec<Received>, BoxError> {
+        match self {
+            Broker::Nats { url } => nats::read_stream(url, &format!("CHAOS_{suffix}")).await,
+            Broker::Redis { url } => redis::read_stream(url, &format!("chaos{suffix}")).await,
+        }
+    }
+
+    async fn delete(&self, suffix: &str) -> Result<(), BoxError> {
+        match self {
+            Broker::Nats { url } => nats::delete_stream(url, &format!("CHAOS_{suffix}")).await,
+            Broker::Redis { url } => redis::delete(url, &format!("chaos{suffix}")).await,
+        }
+    }
+}
+
+impl Watch {
+    /// Wait until `target` distinct message ids have reached the broker.
+    async fn wait_for(
+        &mut self,
+        seen: &mut HashSet<String>,
+        target: usize,
+    ) -> Result<(), BoxError> {
+        let deadline = tokio::time::Instant::now() + GUARD;
+        while seen.len() < target {
+            let late = || {
+                format!(
+                    "{} of {target} messages reached the broker; no more within {GUARD:?}",
+                    seen.len()
+                )
+            };
+            match self {
+                Watch::Nats(sub) => {
+                    let next = tokio::time::timeout_at(deadline, sub.next())
+                        .await
+                        .map_err(|_| late())?;
+                    let Some(msg) = next else {
+                        return Err("subscription ended".into());
+                    };
+                    if let Some(id) = msg.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")) {
+                        seen.insert(id.as_str().to_owned());
+                    }
+                }
+                Watch::Redis { url, key, last } => {
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(late().into());
+                    }
+                    // Blocks until entries arrive (or a second passes, then asks again).
+                    let ids = redis::ids_after(url, key, last, Duration::from_secs(1)).await?;
+                    seen.extend(ids);
+                }
+            }
+        }
+        Ok(())
+    }
 }

@@ -374,6 +374,36 @@ pub mod redis {
             .collect())
     }
 
+    /// Wait up to `block` for entries of the stream at `key` after entry `last` (`0` for the
+    /// first), and return their message ids; `last` moves to the newest entry read. An empty
+    /// list means nothing arrived in time.
+    pub async fn ids_after(
+        url: &str,
+        key: &str,
+        last: &mut String,
+        block: std::time::Duration,
+    ) -> Result<Vec<String>, BoxError> {
+        let mut con = connection(url).await?;
+        let reply: Option<Vec<(String, Vec<Entry>)>> = ::redis::cmd("XREAD")
+            .arg("BLOCK")
+            .arg(u64::try_from(block.as_millis()).unwrap_or(u64::MAX))
+            .arg("STREAMS")
+            .arg(key)
+            .arg(last.as_str())
+            .query_async(&mut con)
+            .await?;
+        let mut ids = Vec::new();
+        for (_, entries) in reply.unwrap_or_default() {
+            for (entry_id, fields) in entries {
+                if let Some((_, id)) = fields.iter().find(|(n, _)| n == "id") {
+                    ids.push(String::from_utf8_lossy(id).into_owned());
+                }
+                *last = entry_id;
+            }
+        }
+        Ok(ids)
+    }
+
     /// How many entries the stream at `key` holds.
     pub async fn stream_len(url: &str, key: &str) -> Result<u64, BoxError> {
         let mut con = connection(url).await?;
