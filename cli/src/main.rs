@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use metrics_exporter_prometheus::PrometheusBuilder;
-use outbox::relay::{Relay, RelayConfig, RelayStats};
+use outbox::relay::{Relay, RelayConfig};
 use outbox::store::StoreOptions;
 use outbox::{redact_url, Error, HeadPolicy, OutboxAdmin};
 use serde_json::{json, Value};
@@ -269,7 +269,7 @@ async fn execute(cli: Cli) -> Result<(), Error> {
     };
     // A summary, on standard error: standard output may be carrying the messages themselves
     // (stdout://).
-    eprintln!("{}", stats_json(&stats));
+    eprintln!("{}", json!(stats));
     Ok(())
 }
 
@@ -390,20 +390,6 @@ async fn purge_all(admin: &dyn OutboxAdmin, age: Duration, batch: usize) -> Resu
             return Ok(purged);
         }
     }
-}
-
-fn stats_json(stats: &RelayStats) -> Value {
-    json!({
-        "claimed": stats.claimed,
-        "published": stats.published,
-        "retried": stats.retried,
-        "dead": stats.dead,
-        "released": stats.released,
-        "lease_lost": stats.lease_lost,
-        "batches": stats.batches,
-        "store_errors": stats.store_errors,
-        "order_violations": stats.order_violations,
-    })
 }
 
 fn print(value: &Value) {

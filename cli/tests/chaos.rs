@@ -20,7 +20,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::process::Stdio;
-use std::time::Duration;
 
 use futures::StreamExt;
 use outbox::postgres::{PostgresConfig, PostgresStore};
@@ -160,20 +159,16 @@ impl Db {
                     tx.rollback().await?;
                 }
             }
-            Db::Sqlite { store, .. } => {
-                let batch = batch.to_vec();
-                store
-                    .transaction(move |tx, config| {
-                        outbox::sqlite::enqueue_batch(tx, config, &batch)?;
-                        if commit {
-                            Ok(())
-                        } else {
-                            // An error rolls the transaction back.
-                            Err(outbox::Error::invalid_input("rolled back on purpose"))
-                        }
-                    })
-                    .await
-                    .or_else(|e: outbox::Error| if commit { Err(e) } else { Ok(()) })?;
+            Db::Sqlite { path, .. } => {
+                let config = SqliteConfig::default();
+                let mut conn = outbox::sqlite::open_connection(path, &config)?;
+                let tx = conn.transaction()?;
+                outbox::sqlite::enqueue_batch(&tx, &config, batch)?;
+                if commit {
+                    tx.commit()?;
+                } else {
+                    tx.rollback()?;
+                }
             }
         }
         Ok(())
@@ -536,8 +531,9 @@ impl Watch {
                     if tokio::time::Instant::now() >= deadline {
                         return Err(late().into());
                     }
-                    // Blocks until entries arrive (or a second passes, then asks again).
-                    let ids = redis::ids_after(url, key, last, Duration::from_secs(1)).await?;
+                    // Blocks until entries arrive (or the guard's time is up).
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    let ids = redis::ids_after(url, key, last, left).await?;
                     seen.extend(ids);
                 }
             }

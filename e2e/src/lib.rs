@@ -386,7 +386,8 @@ pub mod redis {
         let mut con = connection(url).await?;
         let reply: Option<Vec<(String, Vec<Entry>)>> = ::redis::cmd("XREAD")
             .arg("BLOCK")
-            .arg(u64::try_from(block.as_millis()).unwrap_or(u64::MAX))
+            // 0 would block forever.
+            .arg(u64::try_from(block.as_millis().max(1)).unwrap_or(u64::MAX))
             .arg("STREAMS")
             .arg(key)
             .arg(last.as_str())

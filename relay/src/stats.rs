@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// `order_violations`). Counters only grow; a transition the store refused with
 /// [`Error::LeaseLost`](outbox_traits::Error::LeaseLost) is counted in `lease_lost`, not in
 /// `published`, `retried`, `dead` or `released`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub struct RelayStats {
     /// Messages handed out by claims.
     pub claimed: u64,

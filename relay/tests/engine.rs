@@ -737,26 +737,26 @@ async fn a_drain_stopped_early_finishes_its_batch_and_claims_nothing_more() {
     )
     .unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (taken_tx, taken_rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         relay
             .run_until_idle_or(async {
                 let _ = stop_rx.await;
+                // Resolving is the relay taking the stop: it polls this future in its loop.
+                let _ = taken_tx.send(());
             })
             .await
     });
     until(&publisher.entered, 1).await;
     stop_tx.send(()).unwrap();
-    // The publish is let through only after the relay has taken the stop (the clock is
-    // paused: the sleep ends when every task waits).
-    let opener = {
-        let publisher = publisher.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            publisher.open();
-        })
-    };
+    // The publish is let through only once the relay has taken the stop (a failure guard on
+    // the paused clock: a relay that never takes it fails here instead of hanging).
+    tokio::time::timeout(Duration::from_secs(60), taken_rx)
+        .await
+        .expect("the drain never took the stop")
+        .unwrap();
+    publisher.open();
     let stats = task.await.unwrap().unwrap();
-    opener.await.unwrap();
     assert_eq!((stats.claimed, stats.published, stats.released), (1, 1, 0));
     assert_eq!(
         store.inner.unpublished().len(),
