@@ -8,7 +8,6 @@ use std::path::Path;
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
-use futures::StreamExt;
 use outbox::sqlite::{SqliteConfig, SqliteStore};
 use outbox::{ClaimRequest, FailAction, Failure, HeadPolicy, NewMessage, OutboxStore};
 use outbox_conformance_tests::env::service_url;
@@ -19,7 +18,7 @@ use tokio::process::Command;
 use uuid::Uuid;
 
 mod common;
-use common::{message, relay_process, sigterm, BoxError, BIN, GUARD};
+use common::{message, nats_msg_ids, relay_process, signal, sigterm, BoxError, BIN, GUARD};
 
 type TestResult = Result<(), BoxError>;
 
@@ -333,19 +332,11 @@ async fn runs_postgres_into_nats_until_sigterm() -> TestResult {
     outbox::postgres::enqueue_batch(&mut *tx, &config, &messages).await?;
     tx.commit().await?;
 
-    let mut seen = Vec::new();
-    while seen.len() < messages.len() {
-        let Some(msg) = tokio::time::timeout(GUARD, sub.next()).await? else {
-            return Err("subscription ended".into());
-        };
-        let id = msg
-            .headers
-            .as_ref()
-            .and_then(|h| h.get("Nats-Msg-Id"))
-            .map(|v| v.as_str().to_owned())
-            .unwrap_or_default();
-        seen.push(id.parse::<Uuid>()?);
-    }
+    let seen: Vec<Uuid> = nats_msg_ids(&mut sub, messages.len())
+        .await?
+        .iter()
+        .map(|id| id.parse())
+        .collect::<Result<_, _>>()?;
     let stored = nats::read_stream(&nats_url, &stream).await?;
     assert_eq!(stored.len(), messages.len(), "each message stored once");
     for key in 0..3 {
@@ -543,5 +534,55 @@ async fn purges_published_messages_while_relaying() -> TestResult {
         published.is_some_and(|n| n <= 1),
         "the two published by the first drain are purged: {counts:?}"
     );
+    Ok(())
+}
+
+/// `run` stops gracefully on SIGINT (Ctrl-C) as on SIGTERM: it finishes its in-flight batches,
+/// so every message it printed is marked published, then exits 0 with its stats.
+#[tokio::test]
+async fn run_stops_gracefully_on_sigterm_and_sigint() -> TestResult {
+    for name in ["TERM", "INT"] {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("outbox.sqlite");
+        let ids = sqlite_with(&path, 5)?;
+        let store = format!("sqlite://{}", path.display());
+        let mut relay = relay_process([
+            "--store",
+            &store,
+            "run",
+            "--broker",
+            "stdout://",
+            "--batch-size",
+            "2",
+        ])?;
+        let stdout = relay.stdout.take().ok_or("no stdout pipe")?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let mut printed = Vec::new();
+        while printed.len() < ids.len() {
+            let line = tokio::time::timeout(GUARD, lines.next_line())
+                .await??
+                .ok_or("the relay closed its stdout")?;
+            printed.extend(stdout_ids(line.as_bytes())?);
+        }
+        assert_eq!(printed, ids);
+
+        signal(&relay, name).await?;
+        let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "SIG{name}: {}: {stderr}",
+            out.status
+        );
+        assert!(stderr.contains("stop requested"), "SIG{name}: {stderr}");
+        assert!(stderr.contains(r#""published":5"#), "SIG{name}: {stderr}");
+        let counts = json_lines(&["--store", &store, "counts"]).await?;
+        assert_eq!(
+            counts,
+            [serde_json::json!({"pending": 0, "leased": 0, "published": 5, "dead": 0})],
+            "SIG{name}: what was printed is marked published"
+        );
+    }
     Ok(())
 }

@@ -4,6 +4,7 @@ use std::ffi::OsStr;
 use std::process::Stdio;
 use std::time::Duration;
 
+use futures::StreamExt;
 use outbox::NewMessage;
 use tokio::process::{Child, Command};
 
@@ -31,16 +32,47 @@ pub fn message(n: usize, keys: usize) -> NewMessage {
 
 /// Ask a running relay to stop, as a service manager does (SIGTERM).
 pub async fn sigterm(relay: &Child) -> Result<(), BoxError> {
+    signal(relay, "TERM").await
+}
+
+/// Send the signal `name` (as `kill` spells it: `TERM`, `INT`, `KILL`...) to a running relay.
+pub async fn signal(relay: &Child, name: &str) -> Result<(), BoxError> {
     let pid = relay.id().ok_or("the relay already exited")?;
     let status = Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
+        .args([format!("-{name}"), pid.to_string()])
         .status()
         .await?;
     if status.success() {
         Ok(())
     } else {
-        Err(format!("kill -TERM {pid}: {status}").into())
+        Err(format!("kill -{name} {pid}: {status}").into())
     }
+}
+
+/// The `Nats-Msg-Id` header values (the outbox message ids) of the next `n` messages on `sub`,
+/// in arrival order. Fails on a message without one, when the subscription ends, or when the
+/// `n` have not all arrived within [`GUARD`]. A republished copy counts as a message of its own.
+// Each test binary compiles this module; not every one uses every helper.
+#[allow(dead_code)]
+pub async fn nats_msg_ids(
+    sub: &mut async_nats::Subscriber,
+    n: usize,
+) -> Result<Vec<String>, BoxError> {
+    let deadline = tokio::time::Instant::now() + GUARD;
+    let mut ids = Vec::with_capacity(n);
+    while ids.len() < n {
+        let next = tokio::time::timeout_at(deadline, sub.next())
+            .await
+            .map_err(|_| format!("{} of {n} messages arrived within {GUARD:?}", ids.len()))?;
+        let msg = next.ok_or("the subscription ended")?;
+        let id = msg
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Msg-Id"))
+            .ok_or_else(|| format!("a message on {} has no Nats-Msg-Id", msg.subject))?;
+        ids.push(id.as_str().to_owned());
+    }
+    Ok(ids)
 }
 
 /// A long-running `outbox-relay` with `args`: info logs, both outputs piped, killed if the test
