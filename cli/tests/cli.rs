@@ -2,7 +2,9 @@
 //! Postgres, MariaDB and NATS servers.
 //!
 //! Nothing sleeps: the NATS test waits for the relayed messages on a subscription, then stops
-//! the relay with SIGTERM; time limits are only failure guards.
+//! the relay with SIGTERM; the stop tests signal once the relay has printed its messages, or
+//! once a proxy in front of NATS has accepted its connection; time limits are only failure
+//! guards.
 
 use std::path::Path;
 use std::process::{Output, Stdio};
@@ -584,5 +586,69 @@ async fn run_stops_gracefully_on_sigterm_and_sigint() -> TestResult {
             "SIG{name}: what was printed is marked published"
         );
     }
+    Ok(())
+}
+
+/// The `user:pass@` part (empty without credentials) and the `host:port` of a `nats://` URL.
+fn nats_authority(url: &str) -> Result<(&str, &str), BoxError> {
+    let rest = url
+        .strip_prefix("nats://")
+        .ok_or_else(|| format!("{url:?} is not a nats:// URL"))?;
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    Ok(match authority.rfind('@') {
+        Some(at) => authority.split_at(at + 1),
+        None => ("", authority),
+    })
+}
+
+/// A SIGTERM that arrives while `run` is still connecting is kept: the relay listens for it
+/// before connecting, and stops gracefully once it runs instead of dying by the signal.
+///
+/// A proxy in front of NATS holds the relay's connection: the signal is sent once the proxy has
+/// accepted it, while the relay waits for the server's greeting; then the proxy forwards.
+#[tokio::test]
+async fn keeps_a_sigterm_that_arrives_while_connecting() -> TestResult {
+    let Some(nats_url) = service_url("OUTBOX_TEST_NATS_URL") else {
+        return Ok(());
+    };
+    let (credentials, upstream) = nats_authority(&nats_url)?;
+    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = proxy.local_addr()?.port();
+    let suffix = unique_suffix();
+    let stream = format!("CLI_{suffix}");
+    let subject = format!("cli{suffix}");
+    let broker = format!(
+        "nats://{credentials}127.0.0.1:{port}?subject={subject}.{{event_type}}&stream={stream}\
+         &create_stream=true&stream_subjects={subject}.>"
+    );
+    let dir = tempfile::tempdir()?;
+    let store = format!("sqlite://{}", dir.path().join("outbox.sqlite").display());
+    let relay = relay_process(["--store", &store, "run", "--broker", &broker])?;
+
+    let (mut client, _) = tokio::time::timeout(GUARD, proxy.accept()).await??;
+    sigterm(&relay).await?;
+    let mut server = tokio::net::TcpStream::connect(upstream).await?;
+    let forward =
+        tokio::spawn(async move { tokio::io::copy_bidirectional(&mut client, &mut server).await });
+
+    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
+    forward.abort();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "not a graceful stop ({}): {stderr}",
+        out.status
+    );
+    assert!(stderr.contains("relay started"), "{stderr}");
+    assert!(stderr.contains("stop requested"), "{stderr}");
+    assert!(
+        stderr
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .any(|stats| stats.get("published").is_some()),
+        "no stats line: {stderr}"
+    );
+    nats::delete_stream(&nats_url, &stream).await?;
     Ok(())
 }
