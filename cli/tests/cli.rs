@@ -24,23 +24,39 @@ use common::{message, nats_msg_ids, relay_process, signal, sigterm, BoxError, BI
 
 type TestResult = Result<(), BoxError>;
 
-/// Run `outbox-relay` with `args` to the end.
-async fn run(args: &[&str]) -> Result<Output, BoxError> {
-    let child = Command::new(BIN)
+/// `outbox-relay` with `args`, without the store and broker settings of the environment.
+fn command(args: &[&str]) -> Command {
+    let mut command = Command::new(BIN);
+    command
         .args(args)
         .env_remove("OUTBOX_STORE_URL")
         .env_remove("OUTBOX_BROKER_URL")
-        .stdin(Stdio::null())
-        .output();
-    Ok(tokio::time::timeout(GUARD, child).await??)
+        .stdin(Stdio::null());
+    command
+}
+
+/// Run `command` to the end.
+async fn output(mut command: Command) -> Result<Output, BoxError> {
+    Ok(tokio::time::timeout(GUARD, command.output()).await??)
+}
+
+/// Run `outbox-relay` with `args` to the end.
+async fn run(args: &[&str]) -> Result<Output, BoxError> {
+    output(command(args)).await
 }
 
 /// Run `outbox-relay` with `args`, expect success, return its standard output's JSON lines.
 async fn json_lines(args: &[&str]) -> Result<Vec<Value>, BoxError> {
-    let out = run(args).await?;
+    json_output(command(args)).await
+}
+
+/// Run `command`, expect success, return its standard output's JSON lines.
+async fn json_output(command: Command) -> Result<Vec<Value>, BoxError> {
+    let shown = format!("{:?}", command.as_std());
+    let out = output(command).await?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() {
-        return Err(format!("outbox-relay {args:?} failed ({}): {stderr}", out.status).into());
+        return Err(format!("{shown} failed ({}): {stderr}", out.status).into());
     }
     let stdout = String::from_utf8(out.stdout)?;
     Ok(stdout
@@ -650,5 +666,38 @@ async fn keeps_a_sigterm_that_arrives_while_connecting() -> TestResult {
         "no stats line: {stderr}"
     );
     nats::delete_stream(&nats_url, &stream).await?;
+    Ok(())
+}
+
+/// `sqlite:path` (without `//`) names a file as `sqlite://path` does, absolute or relative to
+/// the working directory: `migrate` creates it, `counts` reads it.
+#[tokio::test]
+async fn sqlite_urls_with_or_without_slashes_name_a_file() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let file = |name: &str| dir.path().join(name);
+    let cases = [
+        (format!("sqlite:{}", file("a.db").display()), file("a.db")),
+        (format!("sqlite://{}", file("b.db").display()), file("b.db")),
+        ("sqlite:c.db".to_owned(), file("c.db")),
+        ("sqlite://d.db".to_owned(), file("d.db")),
+    ];
+    for (url, path) in cases {
+        assert!(!path.exists());
+        let mut migrate = command(&["--store", &url, "migrate"]);
+        migrate.current_dir(dir.path());
+        assert_eq!(
+            json_output(migrate).await?,
+            [serde_json::json!({"migrated": "sqlite"})],
+            "{url}"
+        );
+        assert!(path.is_file(), "{url} did not create {}", path.display());
+        let mut counts = command(&["--store", &url, "counts"]);
+        counts.current_dir(dir.path());
+        assert_eq!(
+            json_output(counts).await?,
+            [serde_json::json!({"pending": 0, "leased": 0, "published": 0, "dead": 0})],
+            "{url}"
+        );
+    }
     Ok(())
 }
