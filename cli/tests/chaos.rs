@@ -1,4 +1,4 @@
-//! Chaos: two `outbox-relay run` processes relay a Postgres outbox, or a SQLite file, into NATS
+//! Chaos: two `outbox-relay run` processes relay a Postgres, MariaDB or SQLite outbox into NATS
 //! (or Postgres into Redis) while a producer commits and rolls back transactions, and relays
 //! are SIGKILLed at random points of the stream and replaced.
 //!
@@ -13,15 +13,20 @@
 //! within what the kills put in flight; the store has nothing left pending.
 //!
 //! Nothing sleeps: kills are triggered by deliveries seen on a subscription, and leases are
-//! expired by moving their stored end back (on Postgres after ending the dead relay's sessions,
-//! so that a statement it had already sent cannot take a lease afterwards; a SQLite writer's
-//! locks end with its process). The seed is printed; `OUTBOX_CHAOS_SEED=N` replays
-//! a run's choices (the exact kill points also depend on timing).
+//! expired by moving their stored end back (on Postgres and MariaDB after ending the dead
+//! relay's sessions, so that a statement it had already sent cannot take a lease afterwards; a
+//! SQLite writer's locks end with its process). A relay's sessions are found by their
+//! application name on Postgres and, since MariaDB sessions carry none, by their user on
+//! MariaDB, where each relay connects as an account of its own. The seed is printed;
+//! `OUTBOX_CHAOS_SEED=N` replays a run's choices (the exact kill points also depend on timing).
 
 use std::collections::{HashMap, HashSet};
 use std::process::Stdio;
+use std::str::FromStr;
+use std::sync::Mutex;
 
 use futures::StreamExt;
+use outbox::mysql::{MysqlConfig, MysqlStore};
 use outbox::postgres::{PostgresConfig, PostgresStore};
 use outbox::sqlite::{SqliteConfig, SqliteStore};
 use outbox::{NewMessage, OutboxAdmin};
@@ -29,6 +34,8 @@ use outbox_conformance_tests::env::service_url;
 use outbox_e2e::{check_delivery, nats, redis, unique_suffix, Expected, Received};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPool};
+use sqlx::ConnectOptions;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::oneshot;
@@ -49,7 +56,7 @@ const IN_FLIGHT: usize = 2;
 /// A running relay process.
 struct Relay {
     child: Child,
-    /// Its name (on Postgres, its sessions' application name).
+    /// Its name (on Postgres, its sessions' application name; on MariaDB, its account).
     name: String,
     /// Fires when the relay has logged that it started (its stop signal handler is in place).
     started: Option<oneshot::Receiver<()>>,
@@ -107,6 +114,14 @@ enum Db {
         store: SqliteStore,
         _dir: tempfile::TempDir,
     },
+    Mysql {
+        /// The test's own (administrator's) URL.
+        url: String,
+        store: MysqlStore,
+        table: String,
+        /// The relays' accounts created so far, dropped at the end.
+        users: Mutex<Vec<String>>,
+    },
 }
 
 impl Db {
@@ -129,9 +144,22 @@ impl Db {
         })
     }
 
-    /// `--store ...` for a relay named `name`.
-    fn store_args(&self, name: &str) -> Vec<String> {
-        match self {
+    async fn mysql(url: String, suffix: &str) -> Result<Self, BoxError> {
+        let table = format!("chaos_{suffix}");
+        let config = MysqlConfig::builder().table(table.clone()).build()?;
+        let store = MysqlStore::connect(&url, config).await?;
+        store.migrate().await?;
+        Ok(Db::Mysql {
+            url,
+            store,
+            table,
+            users: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// `--store ...` for a relay named `name` (on MariaDB, after creating its account).
+    async fn store_args(&self, name: &str) -> Result<Vec<String>, BoxError> {
+        Ok(match self {
             Db::Postgres { url, schema, .. } => {
                 let sep = if url.contains('?') { '&' } else { '?' };
                 vec![
@@ -144,7 +172,39 @@ impl Db {
             Db::Sqlite { path, .. } => {
                 vec!["--store".into(), format!("sqlite://{}", path.display())]
             }
-        }
+            Db::Mysql {
+                url,
+                store,
+                table,
+                users,
+            } => {
+                // MariaDB sessions carry no application name: an account per relay is what
+                // tells its sessions apart. It may read and change the test's table (claim,
+                // complete) and nothing else.
+                let password = unique_suffix();
+                sqlx::query(&format!(
+                    "CREATE USER '{name}'@'%' IDENTIFIED BY '{password}'"
+                ))
+                .execute(store.pool())
+                .await?;
+                users.lock().map_err(|_| "poisoned")?.push(name.to_owned());
+                sqlx::query(&format!(
+                    "GRANT SELECT, UPDATE, DELETE ON `{table}` TO '{name}'@'%'"
+                ))
+                .execute(store.pool())
+                .await?;
+                let relay_url = MySqlConnectOptions::from_str(url)?
+                    .username(name)
+                    .password(&password)
+                    .to_url_lossy();
+                vec![
+                    "--store".into(),
+                    relay_url.to_string(),
+                    "--table".into(),
+                    table.clone(),
+                ]
+            }
+        })
     }
 
     /// Enqueue `batch` in one transaction, then commit it or roll it back.
@@ -153,11 +213,12 @@ impl Db {
             Db::Postgres { store, .. } => {
                 let mut tx = store.pool().begin().await?;
                 outbox::postgres::enqueue_batch(&mut *tx, store.config(), batch).await?;
-                if commit {
-                    tx.commit().await?;
-                } else {
-                    tx.rollback().await?;
-                }
+                finish(tx, commit).await?;
+            }
+            Db::Mysql { store, .. } => {
+                let mut tx = store.pool().begin().await?;
+                outbox::mysql::enqueue_batch(&mut *tx, store.config(), batch).await?;
+                finish(tx, commit).await?;
             }
             Db::Sqlite { path, .. } => {
                 let config = SqliteConfig::default();
@@ -201,6 +262,41 @@ impl Db {
                     [],
                 )?;
             }
+            Db::Mysql { store, table, .. } => {
+                // Once none of the dead relay's sessions is listed, nothing it sent can still
+                // take a lease. No new session of its account can start (its process is
+                // gone), and a session leaves the process list only once it has ended: KILL
+                // CONNECTION (or the closed socket) aborts its statement and rolls back its
+                // open transaction, so a claim whose COMMIT had not run leaves no lease, while
+                // a COMMIT that had run is durable and visible before the session is gone
+                // (checked by hand: a killed session that rolls back 300,000 row changes stays
+                // listed until its locks are free). Every lease the relay ever wrote is
+                // therefore in the table when the expiry below reads it. Expiring first would
+                // race: the plain read of leased rows sees a row that a claim has leased but
+                // not committed as not leased, and that claim's COMMIT, already sent, would
+                // then leave a lease of the dead relay that holds its messages back for a
+                // whole lease.
+                end_sessions(store.pool(), name).await?;
+                let leased: Vec<i64> = sqlx::query_scalar(&format!(
+                    "SELECT seq FROM `{table}` WHERE state = 'pending' AND lease_until IS NOT NULL"
+                ))
+                .fetch_all(store.pool())
+                .await?;
+                // One row per statement, found by primary key (forced: through `ix_claim` the
+                // statement would lock that index's entry, then the row) and changed in no
+                // index: a statement that holds one lock cannot deadlock with the survivor's
+                // transitions, which lock several rows.
+                for seq in leased {
+                    sqlx::query(&format!(
+                        "UPDATE `{table}` FORCE INDEX (PRIMARY) \
+                         SET lease_until = UTC_TIMESTAMP(6) - INTERVAL 1 SECOND \
+                         WHERE seq = ? AND state = 'pending' AND lease_until IS NOT NULL"
+                    ))
+                    .bind(seq)
+                    .execute(store.pool())
+                    .await?;
+                }
+            }
         }
         Ok(())
     }
@@ -222,6 +318,17 @@ impl Db {
                 let rows = stmt.query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?;
                 rows.collect::<Result<_, _>>()?
             }
+            Db::Mysql { store, table, .. } => {
+                // Both columns have binary collations, which sqlx types as bytes: read the
+                // bytes the relay reads.
+                let rows: Vec<(Vec<u8>, Vec<u8>)> =
+                    sqlx::query_as(&format!("SELECT id, payload FROM `{table}`"))
+                        .fetch_all(store.pool())
+                        .await?;
+                rows.into_iter()
+                    .map(|(id, payload)| Ok((String::from_utf8(id)?, String::from_utf8(payload)?)))
+                    .collect::<Result<_, BoxError>>()?
+            }
         })
     }
 
@@ -229,6 +336,7 @@ impl Db {
         match self {
             Db::Postgres { .. } => "postgres",
             Db::Sqlite { .. } => "sqlite",
+            Db::Mysql { .. } => "mariadb",
         }
     }
 
@@ -236,16 +344,86 @@ impl Db {
         match self {
             Db::Postgres { store, .. } => store,
             Db::Sqlite { store, .. } => store,
+            Db::Mysql { store, .. } => store,
         }
     }
 
-    async fn drop_schema(&self) -> Result<(), BoxError> {
-        if let Db::Postgres { store, schema, .. } = self {
-            sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
-                .execute(store.pool())
-                .await?;
+    /// Drop what the test created in the server: the schema, or the table and accounts.
+    async fn clean_up(&self) -> Result<(), BoxError> {
+        match self {
+            Db::Postgres { store, schema, .. } => {
+                sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+                    .execute(store.pool())
+                    .await?;
+            }
+            Db::Sqlite { .. } => {}
+            Db::Mysql {
+                store,
+                table,
+                users,
+                ..
+            } => {
+                sqlx::query(&format!("DROP TABLE `{table}`"))
+                    .execute(store.pool())
+                    .await?;
+                let users = std::mem::take(&mut *users.lock().map_err(|_| "poisoned")?);
+                for user in users {
+                    sqlx::query(&format!("DROP USER '{user}'@'%'"))
+                        .execute(store.pool())
+                        .await?;
+                }
+            }
         }
         Ok(())
+    }
+}
+
+/// Commit `tx`, or roll it back.
+async fn finish<DB: sqlx::Database>(
+    tx: sqlx::Transaction<'_, DB>,
+    commit: bool,
+) -> Result<(), sqlx::Error> {
+    if commit {
+        tx.commit().await
+    } else {
+        tx.rollback().await
+    }
+}
+
+/// End every session of MariaDB account `user` with `KILL CONNECTION`, and return once the
+/// process list shows none of them.
+async fn end_sessions(pool: &MySqlPool, user: &str) -> Result<(), BoxError> {
+    let deadline = tokio::time::Instant::now() + GUARD;
+    let mut killed = HashSet::new();
+    loop {
+        let ids: Vec<i64> =
+            sqlx::query_scalar("SELECT ID FROM information_schema.PROCESSLIST WHERE USER = ?")
+                .bind(user)
+                .fetch_all(pool)
+                .await?;
+        if ids.is_empty() {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!("sessions {ids:?} of {user} still listed after {GUARD:?}").into());
+        }
+        // A killed session stays listed while it rolls back: kill each once, then poll.
+        for id in ids {
+            if !killed.insert(id) {
+                continue;
+            }
+            match sqlx::query(&format!("KILL CONNECTION {id}"))
+                .execute(pool)
+                .await
+            {
+                Ok(_) => {}
+                // It ended between the listing and the kill (ER_NO_SUCH_THREAD).
+                Err(sqlx::Error::Database(e))
+                    if e.try_downcast_ref::<MySqlDatabaseError>()
+                        .is_some_and(|e| e.number() == 1094) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 }
 
@@ -277,6 +455,26 @@ async fn sqlite_relays_killed_at_random_points_lose_nothing_and_keep_key_order(
         Db::sqlite().await?,
         Broker::Nats { url: nats_url },
         &unique_suffix(),
+    )
+    .await
+}
+
+/// MariaDB, whose relays are told apart by their accounts: each relay connects as its own user,
+/// whose sessions are ended with `KILL CONNECTION` after its kill.
+#[tokio::test]
+async fn mariadb_relays_killed_at_random_points_lose_nothing_and_keep_key_order(
+) -> Result<(), BoxError> {
+    let (Some(my_url), Some(nats_url)) = (
+        service_url("OUTBOX_TEST_MYSQL_URL"),
+        service_url("OUTBOX_TEST_NATS_URL"),
+    ) else {
+        return Ok(());
+    };
+    let suffix = unique_suffix();
+    chaos(
+        Db::mysql(my_url, &suffix).await?,
+        Broker::Nats { url: nats_url },
+        &suffix,
     )
     .await
 }
@@ -314,14 +512,14 @@ async fn chaos(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
     let broker_name = broker.name();
     let what = format!("{what} → {broker_name}");
     let mut started = 0;
-    let mut spawn = || {
+    let mut spawn = async || {
         started += 1;
         let name = format!("chaos-{suffix}-{started}");
-        spawn_relay(&db.store_args(&name), &broker_url, &name)
+        spawn_relay(&db.store_args(&name).await?, &broker_url, &name)
     };
     let mut relays: Vec<Relay> = Vec::new();
     for _ in 0..RELAYS {
-        relays.push(spawn()?);
+        relays.push(spawn().await?);
     }
 
     let mut committed: Vec<NewMessage> = Vec::new();
@@ -353,7 +551,7 @@ async fn chaos(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
         // statement it had already sent (a claim's COMMIT, say) finishes or is aborted first.
         // Then the killed relay's leases (and the survivor's) end now.
         db.after_kill(&relays[victim].name).await?;
-        relays[victim] = spawn()?;
+        relays[victim] = spawn().await?;
     }
     watch.wait_for(&mut seen, committed.len()).await?;
 
@@ -376,7 +574,7 @@ async fn chaos(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
     // A message whose complete a fenced zombie lost may still be pending (its new holder may
     // not have claimed it before the stop): a last drain settles it, as the next start would.
     let drained = Command::new(BIN)
-        .args(db.store_args("chaos-drain"))
+        .args(db.store_args(&format!("chaos-{suffix}-drain")).await?)
         .args(["drain", "--broker", &broker_url])
         .stdin(Stdio::null())
         .output();
@@ -430,7 +628,7 @@ async fn chaos(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
     assert_eq!(counts.published, committed.len() as u64);
 
     broker.delete(suffix).await?;
-    db.drop_schema().await
+    db.clean_up().await
 }
 
 /// The broker under test.
