@@ -16,7 +16,7 @@ use outbox_conformance_tests::env::service_url;
 use outbox_e2e::{nats, unique_suffix};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
-use tokio::process::Command;
+use tokio::process::{Child, Command};
 use uuid::Uuid;
 
 mod common;
@@ -372,9 +372,7 @@ async fn runs_postgres_into_nats_until_sigterm() -> TestResult {
     }
 
     sigterm(&relay).await?;
-    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "relay exit {}: {stderr}", out.status);
+    let stderr = stopped_gracefully(relay, "SIGTERM").await?;
     assert!(stderr.contains(r#""published":20"#), "{stderr}");
     assert!(!stderr.contains("password"), "{stderr}");
 
@@ -585,15 +583,7 @@ async fn run_stops_gracefully_on_sigterm_and_sigint() -> TestResult {
         assert_eq!(printed, ids);
 
         signal(&relay, name).await?;
-        let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "SIG{name}: {}: {stderr}",
-            out.status
-        );
-        assert!(stderr.contains("stop requested"), "SIG{name}: {stderr}");
+        let stderr = stopped_gracefully(relay, &format!("SIG{name}")).await?;
         assert!(stderr.contains(r#""published":5"#), "SIG{name}: {stderr}");
         let counts = json_lines(&["--store", &store, "counts"]).await?;
         assert_eq!(
@@ -603,6 +593,22 @@ async fn run_stops_gracefully_on_sigterm_and_sigint() -> TestResult {
         );
     }
     Ok(())
+}
+
+/// Wait for a relay that was sent a stop signal, check that it stopped gracefully (exit code 0,
+/// not killed by the signal, and "stop requested" logged), and return its standard error.
+/// `what` names the case in failure messages.
+async fn stopped_gracefully(relay: Child, what: &str) -> Result<String, BoxError> {
+    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{what}: not a graceful stop ({}): {stderr}",
+        out.status
+    );
+    assert!(stderr.contains("stop requested"), "{what}: {stderr}");
+    Ok(stderr)
 }
 
 /// The `user:pass@` part (empty without credentials) and the `host:port` of a `nats://` URL.
@@ -647,17 +653,10 @@ async fn keeps_a_sigterm_that_arrives_while_connecting() -> TestResult {
     let forward =
         tokio::spawn(async move { tokio::io::copy_bidirectional(&mut client, &mut server).await });
 
-    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
+    let stderr = stopped_gracefully(relay, "SIGTERM while connecting").await;
     forward.abort();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "not a graceful stop ({}): {stderr}",
-        out.status
-    );
+    let stderr = stderr?;
     assert!(stderr.contains("relay started"), "{stderr}");
-    assert!(stderr.contains("stop requested"), "{stderr}");
     assert!(
         stderr
             .lines()
