@@ -34,7 +34,7 @@ use outbox_conformance_tests::env::service_url;
 use outbox_e2e::{check_delivery, nats, redis, unique_suffix, Expected, Received};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPool};
+use sqlx::mysql::MySqlConnectOptions;
 use sqlx::ConnectOptions;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -42,7 +42,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 mod common;
-use common::{message, relay_process, sigterm, BoxError, BIN, GUARD};
+use common::{end_mysql_sessions, message, relay_process, sigterm, BoxError, BIN, GUARD};
 
 const ROUNDS: usize = 20;
 const TXS_PER_ROUND: usize = 4;
@@ -276,7 +276,7 @@ impl Db {
                 // not committed as not leased, and that claim's COMMIT, already sent, would
                 // then leave a lease of the dead relay that holds its messages back for a
                 // whole lease.
-                end_sessions(store.pool(), name).await?;
+                end_mysql_sessions(store.pool(), name).await?;
                 let leased: Vec<i64> = sqlx::query_scalar(&format!(
                     "SELECT seq FROM `{table}` WHERE state = 'pending' AND lease_until IS NOT NULL"
                 ))
@@ -387,43 +387,6 @@ async fn finish<DB: sqlx::Database>(
         tx.commit().await
     } else {
         tx.rollback().await
-    }
-}
-
-/// End every session of MariaDB account `user` with `KILL CONNECTION`, and return once the
-/// process list shows none of them.
-async fn end_sessions(pool: &MySqlPool, user: &str) -> Result<(), BoxError> {
-    let deadline = tokio::time::Instant::now() + GUARD;
-    let mut killed = HashSet::new();
-    loop {
-        let ids: Vec<i64> =
-            sqlx::query_scalar("SELECT ID FROM information_schema.PROCESSLIST WHERE USER = ?")
-                .bind(user)
-                .fetch_all(pool)
-                .await?;
-        if ids.is_empty() {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(format!("sessions {ids:?} of {user} still listed after {GUARD:?}").into());
-        }
-        // A killed session stays listed while it rolls back: kill each once, then poll.
-        for id in ids {
-            if !killed.insert(id) {
-                continue;
-            }
-            match sqlx::query(&format!("KILL CONNECTION {id}"))
-                .execute(pool)
-                .await
-            {
-                Ok(_) => {}
-                // It ended between the listing and the kill (ER_NO_SUCH_THREAD).
-                Err(sqlx::Error::Database(e))
-                    if e.try_downcast_ref::<MySqlDatabaseError>()
-                        .is_some_and(|e| e.number() == 1094) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
     }
 }
 

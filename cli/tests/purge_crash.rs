@@ -13,7 +13,6 @@
 //! sleeps inside its own process, where no other connection can see it waiting. A kill there
 //! could only be placed by timing.
 
-use std::collections::HashSet;
 use std::process::Stdio;
 use std::str::FromStr;
 use std::time::Duration;
@@ -24,7 +23,7 @@ use outbox::{ClaimRequest, FailAction, Failure, HeadPolicy, NewMessage, OutboxSt
 use outbox_conformance_tests::env::service_url;
 use outbox_e2e::unique_suffix;
 use serde_json::Value;
-use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPool};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
 use sqlx::{ConnectOptions, MySql, PgPool, Postgres, Transaction};
 use tokio::process::Command;
 use uuid::Uuid;
@@ -32,7 +31,7 @@ use uuid::Uuid;
 // Shared with the other test binaries; this one uses no graceful stop (`sigterm`).
 #[allow(dead_code)]
 mod common;
-use common::{message, relay_process, signal, BoxError, BIN, GUARD};
+use common::{end_mysql_sessions, message, relay_process, signal, BoxError, BIN, GUARD};
 
 type TestResult = Result<(), BoxError>;
 
@@ -408,7 +407,7 @@ impl Db {
             .bind(app)
             .fetch_all(store.pool())
             .await?),
-            Db::Mysql { store, user, .. } => end_sessions(store.pool(), user).await,
+            Db::Mysql { store, user, .. } => end_mysql_sessions(store.pool(), user).await,
         }
     }
 
@@ -431,43 +430,6 @@ impl Db {
             }
         }
         Ok(())
-    }
-}
-
-/// End every session of MariaDB account `user` with `KILL CONNECTION`, and return their ids
-/// once the process list shows none of them. A killed session stays listed while
-/// it rolls back, so once it is gone its batch is undone and its locks are free.
-async fn end_sessions(pool: &MySqlPool, user: &str) -> Result<Vec<i64>, BoxError> {
-    let deadline = tokio::time::Instant::now() + GUARD;
-    let mut killed = HashSet::new();
-    loop {
-        let ids: Vec<i64> =
-            sqlx::query_scalar("SELECT ID FROM information_schema.PROCESSLIST WHERE USER = ?")
-                .bind(user)
-                .fetch_all(pool)
-                .await?;
-        if ids.is_empty() {
-            return Ok(killed.into_iter().collect());
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(format!("sessions {ids:?} of {user} still listed after {GUARD:?}").into());
-        }
-        for id in ids {
-            if !killed.insert(id) {
-                continue;
-            }
-            match sqlx::query(&format!("KILL CONNECTION {id}"))
-                .execute(pool)
-                .await
-            {
-                Ok(_) => {}
-                // It ended between the listing and the kill (ER_NO_SUCH_THREAD).
-                Err(sqlx::Error::Database(e))
-                    if e.try_downcast_ref::<MySqlDatabaseError>()
-                        .is_some_and(|e| e.number() == 1094) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
     }
 }
 

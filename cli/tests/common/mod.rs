@@ -91,3 +91,43 @@ where
         .kill_on_drop(true)
         .spawn()?)
 }
+
+/// End every session of MariaDB account `user` with `KILL CONNECTION`, and return their ids
+/// once the process list shows none of them. A killed session stays listed while it rolls back,
+/// so once it is gone its open transaction is undone and its locks are free; a COMMIT it had
+/// already run is done. Polls the process list (a query loop, no clock wait) until [`GUARD`].
+// Each test binary compiles this module; not every one uses every helper.
+#[allow(dead_code)]
+pub async fn end_mysql_sessions(pool: &sqlx::MySqlPool, user: &str) -> Result<Vec<i64>, BoxError> {
+    let deadline = tokio::time::Instant::now() + GUARD;
+    let mut killed = std::collections::HashSet::new();
+    loop {
+        let ids: Vec<i64> =
+            sqlx::query_scalar("SELECT ID FROM information_schema.PROCESSLIST WHERE USER = ?")
+                .bind(user)
+                .fetch_all(pool)
+                .await?;
+        if ids.is_empty() {
+            return Ok(killed.into_iter().collect());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!("sessions {ids:?} of {user} still listed after {GUARD:?}").into());
+        }
+        for id in ids {
+            if !killed.insert(id) {
+                continue;
+            }
+            match sqlx::query(&format!("KILL CONNECTION {id}"))
+                .execute(pool)
+                .await
+            {
+                Ok(_) => {}
+                // It ended between the listing and the kill (ER_NO_SUCH_THREAD).
+                Err(sqlx::Error::Database(e))
+                    if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                        .is_some_and(|e| e.number() == 1094) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
