@@ -7,7 +7,7 @@
 //! guards.
 
 use std::path::Path;
-use std::process::{Output, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use outbox::sqlite::{SqliteConfig, SqliteStore};
@@ -20,50 +20,12 @@ use tokio::process::{Child, Command};
 use uuid::Uuid;
 
 mod common;
-use common::{message, nats_msg_ids, relay_process, signal, sigterm, BoxError, BIN, GUARD};
+use common::{
+    command, json_lines, json_output, message, nats_msg_ids, relay_process, run, signal, sigterm,
+    BoxError, BIN, GUARD,
+};
 
 type TestResult = Result<(), BoxError>;
-
-/// `outbox-relay` with `args`, without the store and broker settings of the environment.
-fn command(args: &[&str]) -> Command {
-    let mut command = Command::new(BIN);
-    command
-        .args(args)
-        .env_remove("OUTBOX_STORE_URL")
-        .env_remove("OUTBOX_BROKER_URL")
-        .stdin(Stdio::null());
-    command
-}
-
-/// Run `command` to the end.
-async fn output(mut command: Command) -> Result<Output, BoxError> {
-    Ok(tokio::time::timeout(GUARD, command.output()).await??)
-}
-
-/// Run `outbox-relay` with `args` to the end.
-async fn run(args: &[&str]) -> Result<Output, BoxError> {
-    output(command(args)).await
-}
-
-/// Run `outbox-relay` with `args`, expect success, return its standard output's JSON lines.
-async fn json_lines(args: &[&str]) -> Result<Vec<Value>, BoxError> {
-    json_output(command(args)).await
-}
-
-/// Run `command`, expect success, return its standard output's JSON lines.
-async fn json_output(command: Command) -> Result<Vec<Value>, BoxError> {
-    let shown = format!("{:?}", command.as_std());
-    let out = output(command).await?;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() {
-        return Err(format!("{shown} failed ({}): {stderr}", out.status).into());
-    }
-    let stdout = String::from_utf8(out.stdout)?;
-    Ok(stdout
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?)
-}
 
 /// The ids of the messages a `stdout://` relay printed, in order.
 fn stdout_ids(stdout: &[u8]) -> Result<Vec<Uuid>, BoxError> {
@@ -682,7 +644,7 @@ async fn sqlite_urls_with_or_without_slashes_name_a_file() -> TestResult {
     ];
     for (url, path) in cases {
         assert!(!path.exists());
-        let mut migrate = command(&["--store", &url, "migrate"]);
+        let mut migrate = command(["--store", &url, "migrate"]);
         migrate.current_dir(dir.path());
         assert_eq!(
             json_output(migrate).await?,
@@ -690,7 +652,7 @@ async fn sqlite_urls_with_or_without_slashes_name_a_file() -> TestResult {
             "{url}"
         );
         assert!(path.is_file(), "{url} did not create {}", path.display());
-        let mut counts = command(&["--store", &url, "counts"]);
+        let mut counts = command(["--store", &url, "counts"]);
         counts.current_dir(dir.path());
         assert_eq!(
             json_output(counts).await?,

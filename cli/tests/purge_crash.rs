@@ -13,7 +13,6 @@
 //! sleeps inside its own process, where no other connection can see it waiting. A kill there
 //! could only be placed by timing.
 
-use std::process::Stdio;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -25,13 +24,12 @@ use outbox_e2e::unique_suffix;
 use serde_json::Value;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
 use sqlx::{ConnectOptions, MySql, PgPool, Postgres, Transaction};
-use tokio::process::Command;
 use uuid::Uuid;
 
 // Shared with the other test binaries; this one uses no graceful stop (`sigterm`).
 #[allow(dead_code)]
 mod common;
-use common::{end_mysql_sessions, message, relay_process, signal, BoxError, BIN, GUARD};
+use common::{end_mysql_sessions, json_lines, message, relay_process, signal, BoxError, GUARD};
 
 type TestResult = Result<(), BoxError>;
 
@@ -46,21 +44,13 @@ const PENDING: usize = 3;
 
 /// Run `outbox-relay` with `args` to the end, expect success, return its one JSON line.
 async fn json_line<S: AsRef<str>>(args: &[S]) -> Result<Value, BoxError> {
-    let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
-    let out = tokio::time::timeout(
-        GUARD,
-        Command::new(BIN)
-            .args(&args)
-            .env_remove("OUTBOX_STORE_URL")
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await??;
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        return Err(format!("outbox-relay {args:?} failed ({}): {stderr}", out.status).into());
+    let lines = json_lines(args.iter().map(|a| -> &str { a.as_ref() })).await?;
+    match <[Value; 1]>::try_from(lines) {
+        Ok([line]) => Ok(line),
+        Err(lines) => {
+            Err(format!("outbox-relay printed {} JSON lines, not one", lines.len()).into())
+        }
     }
-    Ok(serde_json::from_slice(&out.stdout)?)
 }
 
 /// The database under test: its store (in a schema or table of the test's own) and how to

@@ -1,11 +1,12 @@
 //! What the `outbox-relay` tests share.
 
 use std::ffi::OsStr;
-use std::process::Stdio;
+use std::process::{Output, Stdio};
 use std::time::Duration;
 
 use futures::StreamExt;
 use outbox::NewMessage;
+use serde_json::Value;
 use tokio::process::{Child, Command};
 
 /// Errors of test code: any error is a failure report.
@@ -130,4 +131,58 @@ pub async fn end_mysql_sessions(pool: &sqlx::MySqlPool, user: &str) -> Result<Ve
             }
         }
     }
+}
+
+/// `outbox-relay` with `args`, without the store and broker settings of the environment.
+#[allow(dead_code)]
+pub fn command<I, S>(args: I) -> Command
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    let mut command = Command::new(BIN);
+    command
+        .args(args)
+        .env_remove("OUTBOX_STORE_URL")
+        .env_remove("OUTBOX_BROKER_URL")
+        .stdin(Stdio::null());
+    command
+}
+
+/// Run `command` to the end.
+#[allow(dead_code)]
+pub async fn output(mut command: Command) -> Result<Output, BoxError> {
+    Ok(tokio::time::timeout(GUARD, command.output()).await??)
+}
+
+/// Run `outbox-relay` with `args` to the end.
+#[allow(dead_code)]
+pub async fn run(args: &[&str]) -> Result<Output, BoxError> {
+    output(command(args)).await
+}
+
+/// Run `outbox-relay` with `args`, expect success, return its standard output's JSON lines.
+#[allow(dead_code)]
+pub async fn json_lines<I, S>(args: I) -> Result<Vec<Value>, BoxError>
+where
+    I: IntoIterator<Item = S>,
+    S: AsRef<OsStr>,
+{
+    json_output(command(args)).await
+}
+
+/// Run `command`, expect success, return its standard output's JSON lines.
+#[allow(dead_code)]
+pub async fn json_output(command: Command) -> Result<Vec<Value>, BoxError> {
+    let shown = format!("{:?}", command.as_std());
+    let out = output(command).await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(format!("{shown} failed ({}): {stderr}", out.status).into());
+    }
+    let stdout = String::from_utf8(out.stdout)?;
+    Ok(stdout
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?)
 }
