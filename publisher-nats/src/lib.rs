@@ -65,6 +65,7 @@
 //! building one publisher per worker.
 
 mod config;
+mod flight;
 mod publisher;
 mod subject;
 

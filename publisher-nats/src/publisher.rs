@@ -1,20 +1,17 @@
 //! The JetStream publisher: lanes per partition key, acks awaited concurrently, verified
 //! duplicates.
 
-use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use async_nats::connection::State;
 use async_nats::header::{HeaderMap, HeaderName, HeaderValue, NATS_MESSAGE_ID};
-use async_nats::jetstream::{self, context, ErrorCode};
+use async_nats::jetstream::{self, ErrorCode};
 use async_trait::async_trait;
-use futures::StreamExt;
 use outbox_routing::standard_headers;
 use outbox_traits::{redact_url, Error, Message, PublishOutcome, Publisher};
 
 use crate::config::{NatsConfig, StreamSetup};
-use crate::subject;
+use crate::flight::Flight;
 
 /// Publishes outbox messages to NATS JetStream. Build it with [`NatsPublisher::connect`]; share it
 /// (it is cheap to clone: the connection is shared).
@@ -23,14 +20,6 @@ pub struct NatsPublisher {
     client: async_nats::Client,
     jetstream: jetstream::Context,
     config: NatsConfig,
-}
-
-/// What one publish did to the batch beyond its own outcome.
-#[derive(PartialEq, Eq)]
-enum Health {
-    Fine,
-    /// The server stopped answering or the connection is gone: stop sending the rest.
-    Broken,
 }
 
 impl NatsPublisher {
@@ -163,62 +152,9 @@ impl NatsPublisher {
         }
     }
 
-    /// Publish the messages of one partition key (or one unordered message) in order, one in
-    /// flight at a time.
-    async fn run_lane(
-        &self,
-        batch: &[Message],
-        lane: Vec<usize>,
-        broken: &AtomicBool,
-    ) -> Vec<(usize, PublishOutcome)> {
-        let mut out = Vec::with_capacity(lane.len());
-        let mut stopped = false;
-        for index in lane {
-            if stopped {
-                out.push((index, PublishOutcome::NotAttempted));
-                continue;
-            }
-            let outcome = if broken.load(Ordering::Relaxed) {
-                PublishOutcome::transient("not sent: NATS stopped answering earlier in this batch")
-            } else {
-                let (outcome, health) = self.publish_one(&batch[index]).await;
-                if health == Health::Broken {
-                    broken.store(true, Ordering::Relaxed);
-                }
-                outcome
-            };
-            stopped = !outcome.is_acked();
-            out.push((index, outcome));
-        }
-        out
-    }
-
-    async fn publish_one(&self, msg: &Message) -> (PublishOutcome, Health) {
-        let subject = self
-            .config
-            .subject
-            .render_with(msg, subject::sanitize_value);
-        let headers = match headers_for(msg) {
-            Ok(h) => h,
-            Err(reason) => return (PublishOutcome::permanent(reason), Health::Fine),
-        };
-        let publish = jetstream::message::PublishMessage::build()
-            .payload(msg.payload.clone().into())
-            .headers(headers);
-        let ack = match self.jetstream.send_publish(subject.clone(), publish).await {
-            Ok(ack) => ack,
-            Err(e) => return classify_send_error(&e, &subject),
-        };
-        match ack.await {
-            Ok(ack) if !ack.duplicate => (PublishOutcome::Acked, Health::Fine),
-            Ok(ack) => (self.verify_duplicate(msg, &ack).await, Health::Fine),
-            Err(e) => classify_ack_error(&e, &subject),
-        }
-    }
-
     /// FM-C4: a duplicate ack names the sequence of the message the server kept for this
     /// `Nats-Msg-Id`; count it as delivered only if that message is there and carries our id.
-    async fn verify_duplicate(
+    pub(crate) async fn verify_duplicate(
         &self,
         msg: &Message,
         ack: &jetstream::publish::PublishAck,
@@ -265,7 +201,7 @@ impl NatsPublisher {
     }
 }
 
-fn headers_for(msg: &Message) -> Result<HeaderMap, String> {
+pub(crate) fn headers_for(msg: &Message) -> Result<HeaderMap, String> {
     let mut headers = HeaderMap::new();
     headers.insert(NATS_MESSAGE_ID, msg.id.hyphenated().to_string().as_str());
     for (name, value) in standard_headers(msg) {
@@ -288,82 +224,6 @@ fn headers_for(msg: &Message) -> Result<HeaderMap, String> {
     Ok(headers)
 }
 
-fn jetstream_code(e: &(dyn std::error::Error + 'static)) -> Option<(ErrorCode, String)> {
-    e.source()
-        .and_then(|s| s.downcast_ref::<jetstream::Error>())
-        .map(|j| (j.error_code(), j.to_string()))
-}
-
-fn classify_send_error(e: &context::PublishError, subject: &str) -> (PublishOutcome, Health) {
-    use context::PublishErrorKind as K;
-    let detail = redact_url(&e.to_string());
-    match e.kind() {
-        K::MaxPayloadExceeded => (
-            PublishOutcome::permanent(format!(
-                "message for {subject} is larger than the NATS server's max_payload: {detail}; \
-                 store large bodies elsewhere and publish a reference"
-            )),
-            Health::Fine,
-        ),
-        // Nothing left the client: the command queue did not take it in time.
-        K::TimedOut => (
-            PublishOutcome::transient(format!("NATS publish to {subject} not sent: {detail}")),
-            Health::Broken,
-        ),
-        _ => (
-            PublishOutcome::transient(format!("NATS publish to {subject} not sent: {detail}")),
-            Health::Fine,
-        ),
-    }
-}
-
-fn classify_ack_error(e: &context::PublishError, subject: &str) -> (PublishOutcome, Health) {
-    use context::PublishErrorKind as K;
-    let detail = redact_url(&e.to_string());
-    match e.kind() {
-        K::TimedOut | K::BrokenPipe => (
-            PublishOutcome::Ambiguous {
-                reason: format!("no JetStream ack for {subject}: {detail}"),
-            },
-            Health::Broken,
-        ),
-        // "No responders": no stream captures the subject, so nothing was stored. Transient
-        // because creating the stream fixes it without touching the message; the relay's
-        // max_attempts still dead-letters it if nobody does.
-        K::StreamNotFound => (
-            PublishOutcome::transient(format!(
-                "no JetStream stream captures subject {subject} (no responders); create a \
-                 stream for it or set create_stream=true"
-            )),
-            Health::Fine,
-        ),
-        K::MaxPayloadExceeded => (
-            PublishOutcome::permanent(format!("message for {subject} too large: {detail}")),
-            Health::Fine,
-        ),
-        _ => match jetstream_code(e) {
-            Some((code, text)) if code == ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM => (
-                PublishOutcome::permanent(format!(
-                    "message for {subject} is larger than the stream's max_msg_size: {text}; \
-                     store large bodies elsewhere and publish a reference"
-                )),
-                Health::Fine,
-            ),
-            Some((_, text)) => (
-                PublishOutcome::transient(format!("JetStream refused {subject}: {text}")),
-                Health::Fine,
-            ),
-            // An answer we cannot read: it may have been stored.
-            None => (
-                PublishOutcome::Ambiguous {
-                    reason: format!("unreadable JetStream answer for {subject}: {detail}"),
-                },
-                Health::Fine,
-            ),
-        },
-    }
-}
-
 #[async_trait]
 impl Publisher for NatsPublisher {
     async fn publish(&self, batch: &[Message]) -> Vec<PublishOutcome> {
@@ -382,31 +242,7 @@ impl Publisher for NatsPublisher {
                 .map(|_| PublishOutcome::transient(reason.clone()))
                 .collect();
         }
-        let mut lanes: Vec<Vec<usize>> = Vec::new();
-        let mut lane_of_key: HashMap<&str, usize> = HashMap::new();
-        for (index, msg) in batch.iter().enumerate() {
-            match msg.partition_key.as_deref() {
-                Some(key) => {
-                    let lane = *lane_of_key.entry(key).or_insert_with(|| {
-                        lanes.push(Vec::new());
-                        lanes.len() - 1
-                    });
-                    lanes[lane].push(index);
-                }
-                None => lanes.push(vec![index]),
-            }
-        }
-        let broken = AtomicBool::new(false);
-        let results: Vec<Vec<(usize, PublishOutcome)>> = futures::stream::iter(lanes)
-            .map(|lane| self.run_lane(batch, lane, &broken))
-            .buffer_unordered(self.config.max_in_flight)
-            .collect()
-            .await;
-        let mut outcomes = vec![PublishOutcome::NotAttempted; batch.len()];
-        for (index, outcome) in results.into_iter().flatten() {
-            outcomes[index] = outcome;
-        }
-        outcomes
+        Flight::new(self, batch).run().await
     }
 
     fn name(&self) -> &str {
