@@ -7,7 +7,7 @@ use async_nats::connection::State;
 use async_nats::header::{HeaderMap, HeaderName, HeaderValue, NATS_MESSAGE_ID};
 use async_nats::jetstream::{self, ErrorCode};
 use async_trait::async_trait;
-use outbox_routing::standard_headers;
+use outbox_routing::{standard_header_refs, STANDARD_HEADER_NAMES};
 use outbox_traits::{redact_url, Error, Message, PublishOutcome, Publisher};
 
 use crate::config::{NatsConfig, StreamSetup};
@@ -202,17 +202,21 @@ impl NatsPublisher {
 }
 
 pub(crate) fn headers_for(msg: &Message) -> Result<HeaderMap, String> {
+    let id = msg.id.hyphenated().to_string();
     let mut headers = HeaderMap::new();
-    headers.insert(NATS_MESSAGE_ID, msg.id.hyphenated().to_string().as_str());
-    for (name, value) in standard_headers(msg) {
-        let header_name = HeaderName::from_str(&name).map_err(|_| {
-            format!(
-                "header name {name:?} of message {} is not valid in NATS \
-                 (ASCII without ':', spaces or control characters)",
-                msg.id
-            )
-        })?;
-        let header_value = HeaderValue::from_str(&value).map_err(|_| {
+    headers.insert(NATS_MESSAGE_ID, id.as_str());
+    for (name, value) in standard_header_refs(msg, &id) {
+        let header_name = match STANDARD_HEADER_NAMES.iter().find(|std| **std == name) {
+            Some(std) => HeaderName::from_static(std),
+            None => HeaderName::from_str(name).map_err(|_| {
+                format!(
+                    "header name {name:?} of message {} is not valid in NATS \
+                     (ASCII without ':', spaces or control characters)",
+                    msg.id
+                )
+            })?,
+        };
+        let header_value = HeaderValue::from_str(value).map_err(|_| {
             format!(
                 "header {name:?} of message {} has a value with a line break, which NATS \
                  headers cannot carry",

@@ -15,8 +15,8 @@ mod headers;
 mod template;
 
 pub use headers::{
-    standard_headers, HEADER_AGGREGATE_ID, HEADER_AGGREGATE_TYPE, HEADER_EVENT_TYPE,
-    HEADER_MESSAGE_ID, HEADER_PARTITION_KEY, STANDARD_HEADER_NAMES,
+    standard_header_refs, standard_headers, HEADER_AGGREGATE_ID, HEADER_AGGREGATE_TYPE,
+    HEADER_EVENT_TYPE, HEADER_MESSAGE_ID, HEADER_PARTITION_KEY, STANDARD_HEADER_NAMES,
 };
 pub use template::{Field, RoutingTemplate, PLACEHOLDERS};
 
