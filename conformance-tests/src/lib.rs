@@ -36,6 +36,7 @@ pub mod harness;
 mod macros;
 pub mod memory;
 mod model;
+pub mod process;
 pub mod property;
 pub mod publisher;
 mod scenario;

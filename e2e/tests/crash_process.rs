@@ -44,6 +44,7 @@ use outbox::postgres::{PostgresConfig, PostgresStore};
 use outbox::sqlite::{SqliteConfig, SqliteStore};
 use outbox::{Counts, NewMessage, OutboxAdmin};
 use outbox_conformance_tests::env::service_url;
+use outbox_conformance_tests::process::process_stopped;
 use outbox_e2e::crash::{self, message};
 use outbox_e2e::{check_delivery, kafka, nats, redis, unique_suffix, Expected, Received};
 use sqlx::postgres::PgPoolOptions;
@@ -232,19 +233,11 @@ impl Proc {
         assert!(status.success(), "kill -{signal} {} failed", self.what);
     }
 
-    /// The process state letter from `/proc/<pid>/stat` (`T` when stopped).
-    fn state(&self) -> char {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap();
-        // The command name is in parentheses and may contain spaces: the state follows it.
-        let after = &stat[stat.rfind(')').unwrap() + 1..];
-        after.trim_start().chars().next().unwrap()
-    }
-
-    /// SIGSTOP the process and wait until the kernel reports it stopped.
+    /// SIGSTOP the process and wait until the kernel reports every thread of it stopped.
     async fn stop(&self) {
         self.signal("STOP");
         let start = Instant::now();
-        while self.state() != 'T' {
+        while !process_stopped(self.pid()) {
             assert!(start.elapsed() < GUARD, "{} did not stop", self.what);
             tokio::task::yield_now().await;
         }
