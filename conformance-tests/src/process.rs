@@ -30,9 +30,19 @@ pub fn process_stopped(pid: u32) -> bool {
     any
 }
 
+/// After `kill -STOP`, wait until [`process_stopped`] says so; panics naming `what` if it has
+/// not happened within 30 s (a guard: the stop normally shows within microseconds).
+pub fn wait_until_stopped(pid: u32, what: &str) {
+    let guard = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !process_stopped(pid) {
+        assert!(std::time::Instant::now() < guard, "{what} did not stop");
+        std::thread::yield_now();
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::process_stopped;
+    use super::{process_stopped, wait_until_stopped};
 
     #[test]
     fn tells_a_stopped_child_from_a_running_one() {
@@ -47,11 +57,8 @@ mod tests {
             .status()
             .expect("kill runs");
         assert!(status.success());
-        let guard = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while !process_stopped(pid) {
-            assert!(std::time::Instant::now() < guard, "sleep did not stop");
-            std::thread::yield_now();
-        }
+        wait_until_stopped(pid, "sleep");
+        assert!(process_stopped(pid));
         let _ = child.kill();
         let _ = child.wait();
         assert!(!process_stopped(pid), "a reaped process is not stopped");

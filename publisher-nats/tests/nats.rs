@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_nats::header::NATS_MESSAGE_ID;
 use async_nats::jetstream;
 use outbox_conformance_tests::env::service_url;
-use outbox_conformance_tests::process::process_stopped;
+use outbox_conformance_tests::process::wait_until_stopped;
 use outbox_conformance_tests::publisher::{
     self as conformance, message, BrokerReader, PublisherHarness, ReceivedMessage,
 };
@@ -144,19 +144,7 @@ impl PrivateServer {
             .unwrap();
         assert!(status.success());
         if signal == "-STOP" {
-            self.wait_until_stopped();
-        }
-    }
-
-    /// Wait until every thread of the server is stopped ([`process_stopped`]).
-    fn wait_until_stopped(&self) {
-        let guard = std::time::Instant::now() + Duration::from_secs(30);
-        while !process_stopped(self.child.id()) {
-            assert!(
-                std::time::Instant::now() < guard,
-                "nats-server did not stop"
-            );
-            std::thread::yield_now();
+            wait_until_stopped(self.child.id(), "nats-server");
         }
     }
 

@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use outbox_conformance_tests::env::service_url;
-use outbox_conformance_tests::process::process_stopped;
+use outbox_conformance_tests::process::wait_until_stopped;
 use outbox_conformance_tests::publisher::{
     self as conformance, message, BrokerReader, PublisherHarness, ReceivedMessage,
 };
@@ -164,14 +164,7 @@ impl PrivateServer {
         assert!(status.success());
         if signal == "-STOP" {
             // `kill` returns once the stop is queued; wait until it is done.
-            let guard = std::time::Instant::now() + Duration::from_secs(30);
-            while !process_stopped(self.child.id()) {
-                assert!(
-                    std::time::Instant::now() < guard,
-                    "redis-server did not stop"
-                );
-                std::thread::yield_now();
-            }
+            wait_until_stopped(self.child.id(), "redis-server");
         }
     }
 
