@@ -80,7 +80,8 @@ pub struct NatsConfig {
     pub subject: RoutingTemplate,
     /// Connection, ack and API timeout.
     pub timeout: Duration,
-    /// Partition keys with a message in flight at once (each key has at most one).
+    /// Partition keys of one batch (one `publish` call) with a message in flight at once (each
+    /// key has at most one). Batches published concurrently each have their own limit.
     pub max_in_flight: usize,
     /// Stream to check or create at connect time; `None` checks nothing (then a subject that no
     /// stream captures fails each message as "no stream").

@@ -60,9 +60,9 @@
 //! `NatsPublisher::connect(config).await?` to the relay as its `Publisher`.
 //!
 //! To share a connection, pass your own client to [`NatsPublisher::with_client`]. The in-flight
-//! limit also sizes the JetStream context's ack window, which is shared by concurrent publish
-//! calls on one publisher: with several relay workers, raise `max_in_flight` rather than
-//! building one publisher per worker.
+//! limit applies to each publish call: concurrent calls on one publisher (several relay
+//! workers, or batches in flight) each have up to `max_in_flight` keys in flight, on one shared
+//! connection.
 
 mod config;
 mod flight;

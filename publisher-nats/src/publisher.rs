@@ -1,5 +1,5 @@
-//! The JetStream publisher: lanes per partition key, acks awaited concurrently, verified
-//! duplicates.
+//! The JetStream publisher: connection, stream set-up, headers and the check of duplicate acks.
+//! Publishing a batch (lanes per partition key, acks read from one inbox) is in `flight`.
 
 use std::str::FromStr;
 
@@ -63,10 +63,8 @@ impl NatsPublisher {
         config.validate()?;
         let jetstream = jetstream::ContextBuilder::new()
             .timeout(config.timeout)
-            // Our lanes bound what is in flight; the context's own limit must not be lower
-            // or publishes would queue behind it and time out.
-            .max_ack_inflight(config.max_in_flight.max(1))
-            .backpressure_on_inflight(true)
+            // Used for stream set-up and for reading back a duplicate's stored message; batches
+            // are published by `Flight`, which bounds its own messages in flight.
             .build(client.clone());
         let publisher = Self {
             client,
