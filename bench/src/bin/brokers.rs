@@ -17,6 +17,13 @@
 //! `none` drains into the in-memory recording publisher instead of a broker: the store's own
 //! ceiling, for telling claim/complete cost from publish cost (not part of `all`).
 //!
+//! It also prints the CPU time (user + system) each side used during the drain, read from
+//! `/proc` (Linux only; nothing is printed elsewhere): this process (the relay), the Postgres
+//! server (every `postgres` process, with the children it reaped) and the broker's server
+//! (`nats-server`, `tansu` or `redis-server`), in seconds and in µs per message. Client and
+//! servers share the machine's cores, so these say where a drain's time goes and let figures
+//! taken on different machines be compared by cost rather than by rate.
+//!
 //! Afterwards the broker is read back with its own client: with `verify=full` (default) every
 //! message must be there, byte-equal, in per-key order; `verify=count` only counts. The schema,
 //! stream, topic are deleted at the end. Servers come from `OUTBOX_TEST_POSTGRES_URL`,
@@ -272,6 +279,108 @@ impl Publisher for TimedPublisher {
     }
 }
 
+/// Clock ticks per second of `/proc/<pid>/stat` times (`USER_HZ`, 100 on every Linux build this
+/// benchmark runs on).
+const TICKS_PER_SEC: f64 = 100.0;
+
+/// CPU seconds (user + system, of the process and of the children it reaped) by process name,
+/// summed over every process of that name: one reading of `/proc`.
+#[derive(Debug, Clone, Default)]
+struct CpuReading(std::collections::HashMap<String, f64>);
+
+impl CpuReading {
+    /// Read every process's `/proc/<pid>/stat`, and this process's as `self`. Empty where
+    /// `/proc` cannot be read.
+    fn now() -> Self {
+        let mut by_name = std::collections::HashMap::new();
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return Self(by_name);
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+                continue;
+            }
+            if let Some((comm, secs)) = std::fs::read_to_string(entry.path().join("stat"))
+                .ok()
+                .and_then(|stat| parse_stat(&stat))
+            {
+                *by_name.entry(comm).or_insert(0.0) += secs;
+            }
+        }
+        if let Some((_, secs)) = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|stat| parse_stat(&stat))
+        {
+            by_name.insert("self".to_owned(), secs);
+        }
+        Self(by_name)
+    }
+
+    /// Seconds used by processes named `name` since `before` (0 when none ran).
+    fn since(&self, before: &Self, name: &str) -> f64 {
+        let at = |r: &Self| r.0.get(name).copied().unwrap_or(0.0);
+        (at(self) - at(before)).max(0.0)
+    }
+}
+
+/// A process's name and CPU seconds (utime + stime + cutime + cstime) from its `stat` line.
+fn parse_stat(stat: &str) -> Option<(String, f64)> {
+    // The name is in parentheses and may hold spaces or parentheses: it ends at the last ')'.
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let comm = stat.get(open + 1..close)?.to_owned();
+    // After the name: state (field 3), ..., utime (14), stime (15), cutime (16), cstime (17).
+    let fields: Vec<&str> = stat.get(close + 2..)?.split(' ').collect();
+    let ticks = fields
+        .get(11..15)?
+        .iter()
+        .map(|f| f.parse::<u64>().ok())
+        .sum::<Option<u64>>()?;
+    Some((comm, ticks as f64 / TICKS_PER_SEC))
+}
+
+/// The drain's CPU line: seconds and µs per message for the relay, Postgres and the broker's
+/// server, and how much of the machine's cores they left idle.
+fn cpu_line(
+    before: &CpuReading,
+    after: &CpuReading,
+    server: Option<&str>,
+    messages: usize,
+    wall: Duration,
+) -> Option<String> {
+    if after.0.is_empty() {
+        return None;
+    }
+    let per_msg = |secs: f64| secs * 1e6 / messages.max(1) as f64;
+    let relay = after.since(before, "self");
+    let postgres = after.since(before, "postgres");
+    let mut parts = vec![
+        format!(
+            "relay (this process) {relay:.2} s = {:.1} µs/msg",
+            per_msg(relay)
+        ),
+        format!("Postgres {postgres:.2} s = {:.1} µs/msg", per_msg(postgres)),
+    ];
+    let mut total = relay + postgres;
+    if let Some(server) = server {
+        let secs = after.since(before, server);
+        total += secs;
+        parts.push(format!(
+            "{server} {secs:.2} s = {:.1} µs/msg",
+            per_msg(secs)
+        ));
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let busy = total / (wall.as_secs_f64() * cores);
+    Some(format!(
+        "CPU during the drain: {}; together {:.1} µs/msg, {:.0}% of {cores} cores",
+        parts.join(", "),
+        per_msg(total),
+        busy * 100.0
+    ))
+}
+
 /// One broker destination: where to publish, how to read it back, how to remove it.
 enum Destination {
     Nats {
@@ -346,6 +455,16 @@ impl Destination {
                 (Destination::Redis { url, stream }, publisher_url, settings)
             }
         })
+    }
+
+    /// The process name of the broker's server, for the CPU line.
+    fn server_process(&self) -> Option<&'static str> {
+        match self {
+            Destination::Nats { .. } => Some("nats-server"),
+            Destination::Kafka { .. } => Some("tansu"),
+            Destination::Redis { .. } => Some("redis-server"),
+            Destination::None => None,
+        }
     }
 
     async fn read(&self) -> BoxResult<Vec<Received>> {
@@ -475,10 +594,33 @@ async fn drain(
     let relays = (0..s.relays)
         .map(|_| Relay::new(timed.clone(), publisher.clone(), relay_config.clone()))
         .collect::<Result<Vec<_>, _>>()?;
+    // What the broker must hold, read before the drain: a store that deletes published rows
+    // has none left afterwards.
+    let expected = if s.verify_full && !matches!(destination, Destination::None) {
+        let rows: Vec<(String, Option<String>, String)> = sqlx::query_as(&format!(
+            "SELECT id::text, partition_key, payload::text FROM {} ORDER BY seq",
+            config.qualified_table()
+        ))
+        .fetch_all(pool)
+        .await?;
+        Some(
+            rows.into_iter()
+                .map(|(id, key, payload)| Expected {
+                    id,
+                    key,
+                    payload: payload.into_bytes(),
+                })
+                .collect::<Vec<_>>(),
+        )
+    } else {
+        None
+    };
+    let cpu_before = CpuReading::now();
     let started = Instant::now();
     let results =
         futures::future::join_all(relays.iter().map(|relay| relay.run_until_idle())).await;
     let elapsed = started.elapsed();
+    let cpu_after = CpuReading::now();
     let mut stats = outbox_relay::RelayStats::default();
     for r in results {
         stats += r?;
@@ -502,6 +644,15 @@ async fn drain(
         stats.retried,
         stats.released,
     );
+    if let Some(line) = cpu_line(
+        &cpu_before,
+        &cpu_after,
+        destination.server_process(),
+        s.messages,
+        elapsed,
+    ) {
+        eprintln!("  {broker}: {line}");
+    }
     if stats.published as usize != s.messages {
         return Err(format!(
             "{broker}: published {} of {} messages",
@@ -512,21 +663,7 @@ async fn drain(
 
     if matches!(destination, Destination::None) {
         // Nothing to read back: the relay's stats above are the whole result.
-    } else if s.verify_full {
-        let rows: Vec<(String, Option<String>, String)> = sqlx::query_as(&format!(
-            "SELECT id::text, partition_key, payload::text FROM {} ORDER BY seq",
-            config.qualified_table()
-        ))
-        .fetch_all(pool)
-        .await?;
-        let expected: Vec<Expected> = rows
-            .into_iter()
-            .map(|(id, key, payload)| Expected {
-                id,
-                key,
-                payload: payload.into_bytes(),
-            })
-            .collect();
+    } else if let Some(expected) = expected {
         let received = destination.read().await?;
         let delivery =
             check_delivery(&received, &expected).map_err(|e| format!("{broker}: {e}"))?;
