@@ -16,7 +16,9 @@
 //!   and an empty token becomes `_` (dots are kept, so `order.placed` adds a subject level).
 //! - **Headers**: `Nats-Msg-Id` = the message id (JetStream drops a republish within the stream's
 //!   duplicate window), plus [`outbox_routing::standard_headers`] (message id, event type,
-//!   aggregate type and id, partition key, user headers such as `traceparent`).
+//!   aggregate type and id, partition key, user headers such as `traceparent`). A user header
+//!   named `Nats-Msg-Id` (in any case) is left out: the id JetStream deduplicates on is always
+//!   the stored message's own.
 //! - **Pipelining with per-key order**: every partition key is a lane that has at most one
 //!   message in flight, and up to `max_in_flight` lanes run at once. JetStream can store a later
 //!   message after an earlier one failed, so a key never has two messages in flight; different keys

@@ -204,6 +204,11 @@ pub(crate) fn headers_for(msg: &Message) -> Result<HeaderMap, String> {
     let mut headers = HeaderMap::new();
     headers.insert(NATS_MESSAGE_ID, id.as_str());
     for (name, value) in standard_header_refs(msg, &id) {
+        // The id JetStream deduplicates on is the stored message's own: a user header of that
+        // name would add a second, contradicting value.
+        if name.eq_ignore_ascii_case(NATS_MESSAGE_ID.as_ref()) {
+            continue;
+        }
         let header_name = match STANDARD_HEADER_NAMES.iter().find(|std| **std == name) {
             Some(std) => HeaderName::from_static(std),
             None => HeaderName::from_str(name).map_err(|_| {

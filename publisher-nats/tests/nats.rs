@@ -315,6 +315,74 @@ async fn stream_max_msg_size_fails_only_that_message_permanently() {
     js.delete_stream(format!("M_{s}")).await.unwrap();
 }
 
+/// The subject each message is stored under is the template rendered over its own fields, and
+/// a user header that forges the id (`Nats-Msg-Id`, `message-id`, in any case) is dropped: the
+/// stored message carries its real id once under each name.
+#[tokio::test]
+async fn subjects_follow_the_template_and_forged_id_headers_are_dropped() {
+    let Some(url) = service_url(VAR) else { return };
+    let harness = Harness::new(url);
+    let s = suffix();
+    let (prefix, stream) = (format!("t{s}"), format!("T_{s}"));
+    let config = NatsConfig::from_url(&format!(
+        "{}?subject={prefix}.{{aggregate_type}}.{{event_type}}&stream={stream}&create_stream=true",
+        harness.url
+    ))
+    .unwrap();
+    let publisher = NatsPublisher::connect(config).await.unwrap();
+    harness.streams.lock().unwrap().push(stream.clone());
+    let mut batch = Vec::new();
+    for (aggregate, event) in [
+        ("order", "order.placed"),
+        ("invoice", "sent"),
+        ("order", "paid"),
+    ] {
+        let mut msg = message(Some(aggregate), "{}");
+        msg.aggregate_type = aggregate.into();
+        msg.event_type = event.into();
+        msg.headers.insert("nats-msg-id".into(), "forged".into());
+        msg.headers.insert("Message-ID".into(), "forged".into());
+        msg.headers.insert("tenant".into(), "acme".into());
+        batch.push(msg);
+    }
+    let outcomes = publisher.publish(&batch).await;
+    assert!(
+        outcomes.iter().all(PublishOutcome::is_acked),
+        "{outcomes:?}"
+    );
+
+    let js = jetstream::new(publisher.client().clone());
+    let info = js.get_stream(&stream).await.unwrap();
+    for (seq, msg) in (1..).zip(&batch) {
+        let stored = info.get_raw_message(seq).await.unwrap();
+        assert_eq!(
+            stored.subject.as_str(),
+            format!("{prefix}.{}.{}", msg.aggregate_type, msg.event_type)
+        );
+        let id = msg.id.hyphenated().to_string();
+        let mut ids = Vec::new();
+        let mut tenant = Vec::new();
+        for (name, values) in stored.headers.iter() {
+            let values = values.iter().map(|v| v.as_str().to_owned());
+            match name.to_string().to_ascii_lowercase().as_str() {
+                "nats-msg-id" | "message-id" => ids.extend(values.map(|v| (name.to_string(), v))),
+                "tenant" => tenant.extend(values),
+                _ => {}
+            }
+        }
+        ids.sort();
+        assert_eq!(
+            ids,
+            vec![
+                ("Nats-Msg-Id".to_owned(), id.clone()),
+                ("message-id".to_owned(), id)
+            ]
+        );
+        assert_eq!(tenant, ["acme"]);
+    }
+    harness.cleanup().await;
+}
+
 #[tokio::test]
 async fn subject_without_stream_is_a_transient_failure_naming_the_fix() {
     let Some(url) = service_url(VAR) else { return };
