@@ -137,6 +137,22 @@ mod tests {
         }
     }
 
+    /// Through `connect` itself, in a build without the `nats` feature (`scripts/test` runs this
+    /// crate's tests once with no features).
+    #[cfg(not(feature = "nats"))]
+    #[tokio::test]
+    async fn a_broker_url_whose_feature_is_off_names_the_feature() {
+        let err = connect("nats://app:secret@127.0.0.1:4222?subject=a")
+            .await
+            .err()
+            .expect("nats is not compiled in");
+        let text = err.to_string();
+        assert!(matches!(err, Error::InvalidInput(_)), "{text}");
+        assert!(text.contains("`nats` feature"), "{text}");
+        assert!(text.contains("stdout://"), "{text}");
+        assert!(!text.contains("secret"), "{text}");
+    }
+
     #[tokio::test]
     async fn stdout_is_always_available() {
         assert_eq!(connect("stdout://").await.unwrap().name(), "stdout");

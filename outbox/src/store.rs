@@ -250,6 +250,24 @@ mod tests {
         }
     }
 
+    /// Through `open` itself, in a build without the `postgres` feature (`scripts/test` runs
+    /// this crate's tests once with no features).
+    #[cfg(not(feature = "postgres"))]
+    #[tokio::test]
+    async fn a_store_url_whose_feature_is_off_names_the_feature() {
+        let err = open(
+            "postgres://app:secret@127.0.0.1/app",
+            &StoreOptions::default(),
+        )
+        .await
+        .err()
+        .expect("postgres is not compiled in");
+        let text = err.to_string();
+        assert!(matches!(err, Error::InvalidInput(_)), "{text}");
+        assert!(text.contains("`postgres` feature"), "{text}");
+        assert!(!text.contains("secret"), "{text}");
+    }
+
     #[cfg(feature = "sqlite")]
     #[tokio::test]
     async fn sqlite_urls_name_a_file_and_refuse_postgres_options() {
