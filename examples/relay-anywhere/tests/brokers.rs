@@ -97,16 +97,38 @@ async fn relays_to_redis() {
 async fn a_bad_broker_url_fails_before_anything_is_written() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("outbox.sqlite");
-    for url in [
-        "amqp://guest:secret@localhost",
-        "nats://127.0.0.1:4222?colour=red",
+    // Each error names the valid choices: the schemes, or the broker's options.
+    for (url, choices) in [
+        (
+            "amqp://guest:secret@localhost",
+            &["stdout://", "nats://", "kafka://", "redis://"][..],
+        ),
+        (
+            "nats://127.0.0.1:4222?colour=red",
+            &["subject", "stream", "timeout_ms"][..],
+        ),
+        (
+            "kafka://127.0.0.1:9092?topic=t&colour=red",
+            &["topic", "librdkafka"][..],
+        ),
+        (
+            "redis://127.0.0.1:6379?stream=s&colour=red",
+            &["stream", "maxlen"][..],
+        ),
     ] {
         let err = run(&db, ORDERS, url).await.unwrap_err();
+        let text = err.to_string();
         assert!(
             matches!(err, outbox::Error::InvalidInput(_)),
-            "{url}: {err}"
+            "{url}: {text}"
         );
-        assert!(!err.to_string().contains("secret"), "{err}");
+        assert!(!text.contains("secret"), "{text}");
+        for choice in choices {
+            assert!(
+                text.contains(choice),
+                "{url}: {text} does not name {choice}"
+            );
+        }
     }
     assert!(!db.exists(), "nothing may be written for a bad broker URL");
 }
