@@ -247,12 +247,26 @@ impl Db {
                 .bind(name)
                 .execute(store.pool())
                 .await?;
-                sqlx::query(&format!(
-                    "UPDATE \"{schema}\".outbox SET lease_until = now() - interval '1 second' \
-                     WHERE lease_until IS NOT NULL AND state = 'pending'"
-                ))
-                .execute(store.pool())
-                .await?;
+                // The survivor's transitions lock rows in their own order, so this statement,
+                // which locks every leased row, may be chosen as a deadlock's victim: it changed
+                // nothing then, and runs again.
+                let mut attempts = 0;
+                loop {
+                    let expired = sqlx::query(&format!(
+                        "UPDATE \"{schema}\".outbox SET lease_until = now() - interval '1 second' \
+                         WHERE lease_until IS NOT NULL AND state = 'pending'"
+                    ))
+                    .execute(store.pool())
+                    .await;
+                    match expired {
+                        Err(sqlx::Error::Database(e))
+                            if e.code().as_deref() == Some("40P01") && attempts < 10 =>
+                        {
+                            attempts += 1;
+                        }
+                        other => break other.map(drop)?,
+                    }
+                }
             }
             Db::Sqlite { path, .. } => {
                 let conn = outbox::sqlite::open_connection(path, &SqliteConfig::default())?;
@@ -330,6 +344,60 @@ impl Db {
                     .collect::<Result<_, BoxError>>()?
             }
         })
+    }
+
+    /// The rows of messages `ids` as the store holds them, one line each, and the store's
+    /// clock: what a stall report shows.
+    async fn describe(&self, ids: &[String]) -> Result<String, BoxError> {
+        let mut out = String::new();
+        match self {
+            Db::Postgres { store, schema, .. } => {
+                let rows: Vec<(String,)> = sqlx::query_as(&format!(
+                    "SELECT concat_ws(' ', 'now', now(), '|', seq, id, partition_key, state, \
+                     'attempts', attempts, 'available_at', available_at, 'lease_until', \
+                     coalesce(lease_until::text, '-'), 'error', coalesce(last_error, '-')) \
+                     FROM \"{schema}\".outbox WHERE id::text = ANY($1) ORDER BY seq"
+                ))
+                .bind(ids)
+                .fetch_all(store.pool())
+                .await?;
+                rows.into_iter()
+                    .for_each(|(r,)| out.push_str(&format!("{r}\n")));
+            }
+            Db::Sqlite { path, .. } => {
+                let conn = outbox::sqlite::open_connection(path, &SqliteConfig::default())?;
+                let mut stmt = conn.prepare(
+                    "SELECT 'now ' || CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) || ' | ' || seq || ' ' || id \
+                     || ' ' || ifnull(partition_key, '-') || ' ' || state || ' attempts ' \
+                     || attempts || ' available_at ' || available_at || ' lease_until ' \
+                     || ifnull(lease_until, '-') || ' error ' || ifnull(last_error, '-') \
+                     FROM outbox WHERE id = ?1",
+                )?;
+                for id in ids {
+                    let rows = stmt.query_map([id], |row| row.get::<_, String>(0))?;
+                    for row in rows {
+                        out.push_str(&format!("{}\n", row?));
+                    }
+                }
+            }
+            Db::Mysql { store, table, .. } => {
+                for id in ids {
+                    let rows: Vec<(String,)> = sqlx::query_as(&format!(
+                        "SELECT CAST(CONCAT_WS(' ', 'now', UTC_TIMESTAMP(6), '|', seq, id, \
+                         IFNULL(partition_key, '-'), state, 'attempts', attempts, \
+                         'available_at', available_at, 'lease_until', \
+                         IFNULL(lease_until, '-'), 'error', IFNULL(last_error, '-')) AS CHAR) \
+                         FROM `{table}` WHERE id = ?"
+                    ))
+                    .bind(id)
+                    .fetch_all(store.pool())
+                    .await?;
+                    rows.into_iter()
+                        .for_each(|(r,)| out.push_str(&format!("{r}\n")));
+                }
+            }
+        }
+        Ok(out)
     }
 
     fn name(&self) -> &'static str {
@@ -490,6 +558,8 @@ async fn chaos(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
     let mut seen: HashSet<String> = HashSet::new();
     let mut n = 0;
     let mut kills = 0;
+    // The killed relays' names and standard error, for the report of a stall.
+    let mut killed: Vec<(String, JoinHandle<String>)> = Vec::new();
     for round in 0..ROUNDS {
         for t in 0..TXS_PER_ROUND {
             let batch: Vec<NewMessage> = (n..n + PER_TX).map(|n| message(n, KEYS)).collect();
@@ -505,18 +575,24 @@ async fn chaos(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
         // Kill once a random share of this round's messages has arrived: mid-stream.
         let pending = committed.len() - seen.len();
         let target = seen.len() + rng.random_range(1..=pending.max(1));
-        watch.wait_for(&mut seen, target).await?;
+        if let Err(e) = watch.wait_for(&mut seen, target).await {
+            return Err(stalled(e, &db, &committed, &seen, relays, killed).await);
+        }
         let victim = rng.random_range(0..relays.len());
         relays[victim].child.start_kill()?;
         relays[victim].child.wait().await?;
         kills += 1;
+        let name = relays[victim].name.clone();
         // The dead relay's sessions end, as a crashed host's do once the server notices: a
         // statement it had already sent (a claim's COMMIT, say) finishes or is aborted first.
         // Then the killed relay's leases (and the survivor's) end now.
-        db.after_kill(&relays[victim].name).await?;
-        relays[victim] = spawn().await?;
+        db.after_kill(&name).await?;
+        let dead = std::mem::replace(&mut relays[victim], spawn().await?);
+        killed.push((name, dead.stderr));
     }
-    watch.wait_for(&mut seen, committed.len()).await?;
+    if let Err(e) = watch.wait_for(&mut seen, committed.len()).await {
+        return Err(stalled(e, &db, &committed, &seen, relays, killed).await);
+    }
 
     for relay in &mut relays {
         // A SIGTERM before the relay listens for it would kill it by default action.
@@ -594,6 +670,48 @@ async fn chaos(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
     db.clean_up().await
 }
 
+/// The report of a stall (committed messages that stopped reaching the broker): `err`, then
+/// each missing message's row as the store holds it, then what every relay (killed, replaced
+/// and running, which are stopped here) logged above INFO.
+async fn stalled(
+    err: BoxError,
+    db: &Db,
+    committed: &[NewMessage],
+    seen: &HashSet<String>,
+    relays: Vec<Relay>,
+    killed: Vec<(String, JoinHandle<String>)>,
+) -> BoxError {
+    let missing: Vec<String> = committed
+        .iter()
+        .map(|m| m.id.to_string())
+        .filter(|id| !seen.contains(id))
+        .take(20)
+        .collect();
+    let mut report = format!("{err}\nmissing (first 20): {missing:?}\n");
+    match db.describe(&missing).await {
+        Ok(rows) => report.push_str(&rows),
+        Err(e) => report.push_str(&format!("could not read their rows: {e}\n")),
+    }
+    let mut logs = killed;
+    for mut relay in relays {
+        let _ = relay.child.start_kill();
+        let _ = relay.child.wait().await;
+        logs.push((format!("{} (running)", relay.name), relay.stderr));
+    }
+    for (name, stderr) in logs {
+        let text = stderr.await.unwrap_or_default();
+        report.push_str(&format!("--- relay {name}:\n"));
+        for line in text
+            .lines()
+            .filter(|l| !l.contains("INFO") && !l.contains("DEBUG") && !l.contains("TRACE"))
+        {
+            report.push_str(line);
+            report.push('\n');
+        }
+    }
+    report.into()
+}
+
 /// The broker under test.
 enum Broker {
     /// NATS JetStream: deliveries are seen on a core subscription to the stream's subjects
@@ -636,7 +754,13 @@ impl Broker {
         Ok(match self {
             Broker::Nats { url } => {
                 let client = async_nats::connect(url).await?;
-                Watch::Nats(client.subscribe(format!("chaos{suffix}.>")).await?)
+                let sub = client.subscribe(format!("chaos{suffix}.>")).await?;
+                // `subscribe` returns once the SUB is queued; the flush's PING is answered
+                // only after the server has taken it. Without it a relay (another connection)
+                // can publish the first messages before the server knows this subscription,
+                // and the test waits for deliveries that already happened.
+                client.flush().await?;
+                Watch::Nats(sub)
             }
             Broker::Redis { url } => Watch::Redis {
                 url: url.clone(),

@@ -290,6 +290,9 @@ async fn runs_postgres_into_nats_until_sigterm() -> TestResult {
     // Every message the relay stores in the stream is also delivered to core subscribers.
     let client = async_nats::connect(&nats_url).await?;
     let mut sub = client.subscribe(format!("{subject}.>")).await?;
+    // The server has taken the subscription once the flush's PING is answered: the relay
+    // (another connection) cannot publish before it.
+    client.flush().await?;
     let broker = format!(
         "{nats_url}?subject={subject}.{{event_type}}&stream={stream}&create_stream=true\
          &stream_subjects={subject}.>"
