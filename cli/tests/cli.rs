@@ -21,8 +21,8 @@ use uuid::Uuid;
 
 mod common;
 use common::{
-    command, json_lines, json_output, message, nats_msg_ids, relay_process, run, signal, sigterm,
-    BoxError, BIN, GUARD,
+    command, json_lines, json_output, message, nats_msg_ids, nats_subscription, relay_process, run,
+    signal, sigterm, BoxError, BIN, GUARD,
 };
 
 type TestResult = Result<(), BoxError>;
@@ -288,11 +288,7 @@ async fn runs_postgres_into_nats_until_sigterm() -> TestResult {
     assert_eq!(migrated, [serde_json::json!({"migrated": "postgres"})]);
 
     // Every message the relay stores in the stream is also delivered to core subscribers.
-    let client = async_nats::connect(&nats_url).await?;
-    let mut sub = client.subscribe(format!("{subject}.>")).await?;
-    // The server has taken the subscription once the flush's PING is answered: the relay
-    // (another connection) cannot publish before it.
-    client.flush().await?;
+    let mut sub = nats_subscription(&nats_url, format!("{subject}.>")).await?;
     let broker = format!(
         "{nats_url}?subject={subject}.{{event_type}}&stream={stream}&create_stream=true\
          &stream_subjects={subject}.>"

@@ -190,8 +190,9 @@ pub mod kafka {
 
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     use rdkafka::client::DefaultClientContext;
+    use rdkafka::config::FromClientConfig;
     use rdkafka::consumer::{BaseConsumer, Consumer};
-    use rdkafka::message::{Header, Headers, Message as _, OwnedHeaders};
+    use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
     use rdkafka::producer::{FutureProducer, FutureRecord};
     use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
@@ -239,6 +240,43 @@ pub mod kafka {
         Ok(())
     }
 
+    /// A consumer of `topic`'s `partitions` partitions, each assigned from its start (no group
+    /// rebalance, no committed offsets): it sees every record the topic ever held.
+    pub fn consumer_from_start<C>(
+        brokers: &str,
+        topic: &str,
+        partitions: i32,
+    ) -> Result<C, BoxError>
+    where
+        C: FromClientConfig + Consumer,
+    {
+        let consumer: C = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .set("group.id", format!("outbox-e2e-{}", uuid::Uuid::new_v4()))
+            .set("enable.auto.commit", "false")
+            .create()?;
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition_offset(topic, p, Offset::Beginning)?;
+        }
+        consumer.assign(&tpl)?;
+        Ok(consumer)
+    }
+
+    /// The value of `record`'s first header `name`, as text.
+    pub fn header<M: Message>(record: &M, name: &str) -> Option<String> {
+        record.headers().and_then(|h| {
+            h.iter()
+                .find(|h| h.key == name)
+                .map(|h| String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned())
+        })
+    }
+
+    /// The outbox message id a record carries (its `message-id` header).
+    pub fn message_id<M: Message>(record: &M) -> Option<String> {
+        header(record, MESSAGE_ID)
+    }
+
     /// Every record of `topic` (with `partitions` partitions), partition after partition, each
     /// in offset order.
     ///
@@ -280,16 +318,7 @@ pub mod kafka {
         partitions: i32,
         marker: &str,
     ) -> Result<Vec<Received>, BoxError> {
-        let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", brokers)
-            .set("group.id", format!("outbox-e2e-{}", uuid::Uuid::new_v4()))
-            .set("enable.auto.commit", "false")
-            .create()?;
-        let mut tpl = TopicPartitionList::new();
-        for p in 0..partitions {
-            tpl.add_partition_offset(topic, p, Offset::Beginning)?;
-        }
-        consumer.assign(&tpl)?;
+        let consumer: BaseConsumer = consumer_from_start(brokers, topic, partitions)?;
         let mut done = vec![false; partitions as usize];
         let mut by_partition: Vec<Vec<Received>> = vec![Vec::new(); partitions as usize];
         let start = Instant::now();
@@ -305,14 +334,7 @@ pub mod kafka {
             };
             let m = polled?;
             let p = m.partition() as usize;
-            let header = |name: &str| {
-                m.headers().and_then(|h| {
-                    h.iter()
-                        .find(|h| h.key == name)
-                        .map(|h| String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned())
-                })
-            };
-            if let Some(value) = header(MARKER_HEADER) {
+            if let Some(value) = header(&m, MARKER_HEADER) {
                 // Markers of earlier reads are skipped; this read's marker ends the partition.
                 if value == marker {
                     done[p] = true;
@@ -323,7 +345,7 @@ pub mod kafka {
                 continue;
             }
             by_partition[p].push(Received {
-                id: header(MESSAGE_ID).unwrap_or_default(),
+                id: message_id(&m).unwrap_or_default(),
                 payload: m.payload().unwrap_or_default().to_vec(),
                 key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
             });

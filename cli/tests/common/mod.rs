@@ -50,6 +50,23 @@ pub async fn signal(relay: &Child, name: &str) -> Result<(), BoxError> {
     }
 }
 
+/// A core subscription to `subject` on the NATS server at `url`, in place on the server when
+/// this returns. `subscribe` returns once the SUB is queued; the flush's PING is answered only
+/// after the server has taken it. Without the flush a relay (another connection) can publish
+/// its first messages before the server knows the subscription, and a test waits for
+/// deliveries that already happened.
+// Each test binary compiles this module; not every one uses every helper.
+#[allow(dead_code)]
+pub async fn nats_subscription(
+    url: &str,
+    subject: String,
+) -> Result<async_nats::Subscriber, BoxError> {
+    let client = async_nats::connect(url).await?;
+    let sub = client.subscribe(subject).await?;
+    client.flush().await?;
+    Ok(sub)
+}
+
 /// The `Nats-Msg-Id` header values (the outbox message ids) of the next `n` messages on `sub`,
 /// in arrival order. Fails on a message without one, when the subscription ends, or when the
 /// `n` have not all arrived within [`GUARD`]. A republished copy counts as a message of its own.
