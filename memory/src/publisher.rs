@@ -1,9 +1,10 @@
 //! A publisher that records what it is asked to publish, with scripted outcomes.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
+use outbox_routing::attempt_in_key_order;
 use outbox_traits::{Message, PublishOutcome, Publisher};
 use tokio::sync::watch;
 use uuid::Uuid;
@@ -160,18 +161,11 @@ impl Publisher for RecordingPublisher {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .clone();
-        let mut outcomes = Vec::with_capacity(batch.len());
-        let mut stopped_keys: HashSet<&str> = HashSet::new();
-        let published = {
+        let (outcomes, published) = {
             let mut log = self.lock();
             log.calls += 1;
             let call = log.calls;
-            for message in batch {
-                let key = message.partition_key.as_deref();
-                if key.is_some_and(|k| stopped_keys.contains(k)) {
-                    outcomes.push(PublishOutcome::NotAttempted);
-                    continue;
-                }
+            let outcomes = attempt_in_key_order(batch, |message| {
                 let scripted = log
                     .scripted
                     .get_mut(&message.id)
@@ -179,11 +173,6 @@ impl Publisher for RecordingPublisher {
                 let outcome = scripted
                     .or_else(|| decide.as_ref().map(|f| f(message)))
                     .unwrap_or(PublishOutcome::Acked);
-                if !outcome.is_acked() {
-                    if let Some(k) = key {
-                        stopped_keys.insert(k);
-                    }
-                }
                 let delivery = if reached_broker(&outcome) {
                     let n = log.delivered_per_id.entry(message.id).or_insert(0);
                     *n += 1;
@@ -197,12 +186,14 @@ impl Publisher for RecordingPublisher {
                     delivery,
                     call,
                 });
-                outcomes.push(outcome);
-            }
-            log.sent
+                outcome
+            });
+            let published = log
+                .sent
                 .iter()
                 .filter(|d| reached_broker(&d.outcome))
-                .count()
+                .count();
+            (outcomes, published)
         };
         self.published.send_replace(published);
         outcomes

@@ -1,11 +1,10 @@
 //! [`KafkaPublisher`]: the [`Publisher`] implementation.
 
 use std::borrow::Cow;
-use std::collections::HashSet;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use outbox_routing::standard_headers;
+use outbox_routing::{settle_in_key_order, standard_headers, KeyGate};
 use outbox_traits::{async_trait, Error, Message, PublishOutcome, Publisher};
 use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, FromClientConfigAndContext, RDKafkaLogLevel};
@@ -285,16 +284,16 @@ impl Publisher for KafkaPublisher {
         let mut slots: Vec<Slotted> = Vec::with_capacity(batch.len());
         // The topic of each message, for error reasons (empty when it had none).
         let mut topics: Vec<String> = Vec::with_capacity(batch.len());
-        // Keys that already have a message not handed to librdkafka in this batch: their later
+        // Closes a key once one of its messages is not handed to librdkafka: the key's later
         // messages are not sent at all.
-        let mut blocked: HashSet<&str> = HashSet::new();
+        let mut gate = KeyGate::new();
         // Index of the oldest pending delivery not yet awaited, for freeing queue space.
         let mut oldest = 0usize;
         let mut fatal_while_enqueueing = false;
 
         for msg in batch {
             let key = msg.partition_key.as_deref();
-            if key.is_some_and(|k| blocked.contains(k)) {
+            if !gate.admits(msg) {
                 slots.push(Slotted::Done(PublishOutcome::NotAttempted));
                 topics.push(String::new());
                 continue;
@@ -314,7 +313,7 @@ impl Publisher for KafkaPublisher {
                         msg.id
                     ))));
                     topics.push(String::new());
-                    block(&mut blocked, key);
+                    gate.close(msg);
                     continue;
                 }
             };
@@ -369,7 +368,7 @@ impl Publisher for KafkaPublisher {
                 }
             };
             if matches!(outcome, Slotted::Done(_)) {
-                block(&mut blocked, key);
+                gate.close(msg);
             }
             slots.push(outcome);
             topics.push(topic);
@@ -419,12 +418,6 @@ impl Publisher for KafkaPublisher {
 
     fn name(&self) -> &str {
         "kafka"
-    }
-}
-
-fn block<'a>(blocked: &mut HashSet<&'a str>, key: Option<&'a str>) {
-    if let Some(k) = key {
-        blocked.insert(k);
     }
 }
 
@@ -525,29 +518,16 @@ fn hint(code: RDKafkaErrorCode, reason: String) -> String {
     }
 }
 
-/// Apply the per-key rule of the contract: after a message that was not acknowledged, the key's
-/// later messages that were not acknowledged either are given back as not attempted (their
-/// failure, if any, was caused by the earlier one). A later message that *was* acknowledged is
-/// reported as such: it is stored, and pretending otherwise would only duplicate it.
+/// Apply the per-key rule of the contract to the delivery reports (see
+/// [`settle_in_key_order`]), warning about each message acknowledged after an earlier message of
+/// its key was not: the key's order is broken if the earlier one is republished.
 fn keep_key_order(batch: &[Message], outcomes: &mut [PublishOutcome]) {
-    let mut failed: HashSet<&str> = HashSet::new();
-    for (msg, outcome) in batch.iter().zip(outcomes.iter_mut()) {
-        let Some(key) = msg.partition_key.as_deref() else {
-            continue;
-        };
-        if failed.contains(key) {
-            if outcome.is_acked() {
-                tracing::warn!(
-                    message_id = %msg.id,
-                    "kafka: message acknowledged after an earlier message of its key was not; \
-                     the key's order is broken if the earlier one is republished"
-                );
-            } else {
-                *outcome = PublishOutcome::NotAttempted;
-            }
-        } else if !outcome.is_acked() {
-            failed.insert(key);
-        }
+    for index in settle_in_key_order(batch, outcomes) {
+        tracing::warn!(
+            message_id = %batch[index].id,
+            "kafka: message acknowledged after an earlier message of its key was not; \
+             the key's order is broken if the earlier one is republished"
+        );
     }
 }
 

@@ -16,6 +16,7 @@ use async_nats::jetstream::ErrorCode;
 use async_nats::{PublishErrorKind, StatusCode};
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
+use outbox_routing::KeyGate;
 use outbox_traits::{redact_url, Message, PublishOutcome};
 use tokio::time::Instant;
 
@@ -59,6 +60,8 @@ pub(crate) struct Flight<'a> {
     lane_of: Vec<usize>,
     stage: Vec<Stage>,
     outcomes: Vec<PublishOutcome>,
+    /// Closes a key at its first message that is not acked: the rest of its lane is not sent.
+    gate: KeyGate<'a>,
     /// Sent messages with their ack deadlines, in send order (so deadlines ascend). Entries whose
     /// message has left `Sent` are skipped when they reach the front.
     deadlines: VecDeque<(Instant, usize)>,
@@ -100,6 +103,7 @@ impl<'a> Flight<'a> {
             lane_of,
             stage: vec![Stage::Waiting; batch.len()],
             outcomes: vec![PublishOutcome::NotAttempted; batch.len()],
+            gate: KeyGate::new(),
             deadlines: VecDeque::with_capacity(batch.len()),
             active: 0,
             next_lane: 0,
@@ -178,12 +182,11 @@ impl<'a> Flight<'a> {
                             self.open -= 1;
                             self.broken = true;
                             let subject = self.subject_of(index);
-                            self.stage[index] = Stage::Done;
-                            self.outcomes[index] = PublishOutcome::Ambiguous {
+                            self.settle(index, PublishOutcome::Ambiguous {
                                 reason: format!(
                                     "no JetStream ack for {subject} within {timeout:?}"
                                 ),
-                            };
+                            });
                         }
                     }
                 }
@@ -220,8 +223,7 @@ impl<'a> Flight<'a> {
             match self.send(index).await {
                 Ok(()) => {}
                 Err(NotSent { outcome, broken }) => {
-                    self.stage[index] = Stage::Done;
-                    self.outcomes[index] = outcome;
+                    self.settle(index, outcome);
                     self.broken |= broken;
                     lane = Some(current);
                 }
@@ -229,15 +231,19 @@ impl<'a> Flight<'a> {
         }
     }
 
-    /// The lane's next message to send, unless the lane is finished or stopped at a message
-    /// that was not acked.
+    /// The lane's next message to send, unless the lane is finished or its key was closed by a
+    /// message that was not acked.
     fn next_of(&self, lane: usize) -> Option<usize> {
-        let members = &self.lanes[lane];
-        let at = self.cursor[lane];
-        if at > 0 && !self.outcomes[members[at - 1]].is_acked() {
-            return None;
-        }
-        members.get(at).copied()
+        let next = *self.lanes[lane].get(self.cursor[lane])?;
+        self.gate.admits(&self.batch[next]).then_some(next)
+    }
+
+    /// Give message `index` its final outcome; one that is not acked closes its key.
+    fn settle(&mut self, index: usize, outcome: PublishOutcome) {
+        let batch = self.batch;
+        self.gate.record(&batch[index], &outcome);
+        self.stage[index] = Stage::Done;
+        self.outcomes[index] = outcome;
     }
 
     async fn send(&mut self, index: usize) -> Result<(), NotSent> {
@@ -352,8 +358,7 @@ impl<'a> Flight<'a> {
 
     /// Record a sent message's outcome and move its lane on.
     async fn finish(&mut self, index: usize, outcome: PublishOutcome) {
-        self.stage[index] = Stage::Done;
-        self.outcomes[index] = outcome;
+        self.settle(index, outcome);
         let lane = self.lane_of[index];
         if self.broken {
             return;
@@ -365,11 +370,9 @@ impl<'a> Flight<'a> {
     fn give_up_on_sent(&mut self, why: &str) {
         for index in 0..self.batch.len() {
             if self.stage[index] == Stage::Sent {
-                self.stage[index] = Stage::Done;
                 self.open -= 1;
-                self.outcomes[index] = PublishOutcome::Ambiguous {
-                    reason: format!("{}: {why}", self.subject_of(index)),
-                };
+                let reason = format!("{}: {why}", self.subject_of(index));
+                self.settle(index, PublishOutcome::Ambiguous { reason });
             }
         }
     }

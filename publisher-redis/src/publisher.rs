@@ -1,8 +1,7 @@
 //! The Redis Streams publisher: one pipeline of XADDs per batch.
 
-use std::collections::HashSet;
-
 use async_trait::async_trait;
+use outbox_routing::KeyGate;
 use outbox_traits::{redact_url, Error, Message, PublishOutcome, Publisher};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::Value;
@@ -134,15 +133,11 @@ fn entry_outcome(reply: &Value) -> PublishOutcome {
 impl Publisher for RedisPublisher {
     async fn publish(&self, batch: &[Message]) -> Vec<PublishOutcome> {
         let mut outcomes = vec![PublishOutcome::NotAttempted; batch.len()];
-        let mut failed_keys: HashSet<&str> = HashSet::new();
+        let mut gate = KeyGate::new();
         let mut pipe = redis::pipe();
         let mut sent = Vec::with_capacity(batch.len());
         for (index, msg) in batch.iter().enumerate() {
-            if msg
-                .partition_key
-                .as_deref()
-                .is_some_and(|k| failed_keys.contains(k))
-            {
+            if !gate.admits(msg) {
                 continue; // stays NotAttempted
             }
             if let Some(limit) = self.config.max_payload {
@@ -153,9 +148,7 @@ impl Publisher for RedisPublisher {
                         msg.id,
                         msg.payload.len()
                     ));
-                    if let Some(key) = msg.partition_key.as_deref() {
-                        failed_keys.insert(key);
-                    }
+                    gate.record(msg, &outcomes[index]);
                     continue;
                 }
             }

@@ -11,10 +11,11 @@
 //! assert_eq!(publisher.name(), "stdout");
 //! ```
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
+use outbox_routing::attempt_in_key_order;
 use outbox_traits::{async_trait, Message, PublishOutcome, Publisher};
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -62,16 +63,7 @@ impl StdoutPublisher {
 
     fn render(batch: &[Message]) -> (Vec<u8>, Vec<PublishOutcome>) {
         let mut bytes = Vec::with_capacity(batch.len() * 256);
-        let mut outcomes = Vec::with_capacity(batch.len());
-        // Keys whose earlier message in this batch failed: their later messages stay unsent.
-        let mut failed_keys: HashSet<&str> = HashSet::new();
-        for message in batch {
-            if let Some(key) = message.partition_key.as_deref() {
-                if failed_keys.contains(key) {
-                    outcomes.push(PublishOutcome::NotAttempted);
-                    continue;
-                }
-            }
+        let outcomes = attempt_in_key_order(batch, |message| {
             let rendered =
                 serde_json::from_str::<&RawValue>(&message.payload).and_then(|payload| {
                     serde_json::to_writer(
@@ -92,26 +84,23 @@ impl StdoutPublisher {
             match rendered {
                 Ok(()) => {
                     bytes.push(b'\n');
-                    outcomes.push(PublishOutcome::Acked);
+                    PublishOutcome::Acked
                 }
                 // A payload that is not JSON will never become JSON: dead-letter it, and drop
                 // the partial line so the output stays one JSON document per line.
                 Err(e) => {
-                    if let Some(key) = message.partition_key.as_deref() {
-                        failed_keys.insert(key);
-                    }
                     if let Some(end) = bytes.iter().rposition(|b| *b == b'\n') {
                         bytes.truncate(end + 1);
                     } else {
                         bytes.clear();
                     }
-                    outcomes.push(PublishOutcome::permanent(format!(
+                    PublishOutcome::permanent(format!(
                         "payload of message {} is not valid JSON: {e}",
                         message.id
-                    )));
+                    ))
                 }
             }
-        }
+        });
         (bytes, outcomes)
     }
 }
