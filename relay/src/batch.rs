@@ -1,29 +1,23 @@
 //! One batch's life after its claim: publish (extending the lease while the publish runs), then
 //! settle the outcomes with one bulk store call per kind of transition.
 
-use std::future::{pending, Future};
+use std::future::pending;
 use std::panic::AssertUnwindSafe;
 use std::pin::pin;
 
 use futures::future::{BoxFuture, FutureExt};
 use outbox_traits::{Claim, Error, FailAction, Failure, LeaseToken};
 use tokio::sync::watch;
-use tokio::time::{sleep_until, Instant};
-use tracing::{debug, error, warn};
+use tokio::time::Instant;
+use tracing::{error, warn};
 use uuid::Uuid;
 
-use crate::engine::Shared;
+use crate::lease::LeaseKeeper;
 use crate::outcome::{settle, FailPolicy};
+use crate::shared::Shared;
 use crate::stats::Counter;
 use crate::telemetry::Recorder;
-
-/// Await the future in `slot`, or never if the slot is empty.
-pub(crate) async fn poll_slot<F: Future + Unpin>(slot: &mut Option<F>) -> F::Output {
-    match slot {
-        Some(fut) => fut.await,
-        None => pending().await,
-    }
-}
+use crate::wait::{poll_slot, sleep_until_some};
 
 /// Resolve once the loop asks in-flight batches to give up (shutdown deadline passed).
 pub(crate) async fn abandoned(rx: &mut watch::Receiver<bool>) {
@@ -118,7 +112,6 @@ impl Batch<'_> {
     ) -> Option<(Vec<outbox_traits::PublishOutcome>, Instant)> {
         let shared = self.shared;
         let lease = shared.config.lease;
-        let half = lease / 2;
         let started = Instant::now();
         // A panicking publisher breaks its contract; treating the batch as ambiguous (an empty
         // outcome list) keeps the relay and every other batch alive.
@@ -130,11 +123,8 @@ impl Batch<'_> {
                     Vec::new()
                 })
             }));
-        let mut held_until = claimed_at + lease;
-        let mut next_extend = Some(claimed_at + half);
+        let mut keeper = LeaseKeeper::new(claim.token, lease, claimed_at);
         let mut extending: Option<BoxFuture<'_, Result<_, Error>>> = None;
-        let mut extend_started = claimed_at;
-        let mut extend_failures = 0u32;
         let outcomes = loop {
             tokio::select! {
                 biased;
@@ -142,43 +132,16 @@ impl Batch<'_> {
                 () = abandoned(&mut self.abandon) => return None,
                 result = poll_slot(&mut extending) => {
                     extending = None;
-                    match result {
-                        Ok(_) => {
-                            extend_failures = 0;
-                            held_until = extend_started + lease;
-                            next_extend = Some(extend_started + half);
-                            debug!(token = %claim.token, "lease extended while publishing");
-                        }
-                        Err(Error::LeaseLost { .. }) => {
-                            // Keep publishing: the store fences the completion, and what was
-                            // sent is sent. Another relay may publish these too (duplicates).
-                            warn!(token = %claim.token, "lease lost while publishing; completion will be refused");
-                            self.rec.extend_lost();
-                        }
-                        Err(e) => {
-                            self.rec.add(Counter::StoreErrors, 1);
-                            extend_failures += 1;
-                            let now = Instant::now();
-                            if now < held_until {
-                                let pause = shared.config.store_backoff.delay(extend_failures)
-                                    .min((held_until - now) / 2);
-                                warn!(token = %claim.token, error = %e, "could not extend the lease; trying again");
-                                next_extend = Some(now + pause);
-                            } else {
-                                warn!(token = %claim.token, error = %e, "could not extend the lease before it ended");
-                            }
-                        }
-                    }
+                    keeper.extended(result, self.rec, &shared.config.store_backoff);
                 }
-                () = sleep_until_some(next_extend), if extending.is_none() && next_extend.is_some() => {
-                    next_extend = None;
-                    extend_started = Instant::now();
+                () = sleep_until_some(keeper.next_extend()), if extending.is_none() && keeper.next_extend().is_some() => {
+                    keeper.extending();
                     extending = Some(shared.store.extend(claim.token, lease));
                 }
             }
         };
         self.rec.publish_took(started.elapsed());
-        Some((outcomes, held_until))
+        Some((outcomes, keeper.held_until()))
     }
 
     async fn complete(&self, token: LeaseToken, ids: &[Uuid], lease_end: Instant) -> Option<Error> {
@@ -290,12 +253,5 @@ impl Batch<'_> {
             warn!(call = what, error = %err, retry_in = ?pause, "store call failed; retrying");
             tokio::time::sleep(pause).await;
         }
-    }
-}
-
-async fn sleep_until_some(at: Option<Instant>) {
-    match at {
-        Some(at) => sleep_until(at).await,
-        None => pending().await,
     }
 }

@@ -103,16 +103,23 @@ mod batch;
 mod config;
 mod engine;
 mod handle;
+mod lease;
 mod notifier;
 mod outcome;
+mod pacing;
+mod run_loop;
+mod shared;
 mod stats;
 mod telemetry;
+mod wait;
+mod wake;
 
 pub use backoff::Backoff;
 pub use config::RelayConfig;
-pub use engine::{Relay, RELEASE_GRACE};
+pub use engine::Relay;
 pub use handle::RelayHandle;
 pub use notifier::Notifier;
+pub use run_loop::RELEASE_GRACE;
 pub use stats::RelayStats;
 pub use telemetry::describe_metrics;
 

@@ -1,8 +1,7 @@
 //! Turning a batch's publish outcomes into store transitions: which ids to complete, which to
 //! fail (retry or dead-letter) and which to release.
 
-use std::collections::HashSet;
-
+use outbox_routing::KeyGate;
 use outbox_traits::{ErrorKind, FailAction, Failure, Message, PublishOutcome};
 use rand::Rng;
 use uuid::Uuid;
@@ -75,40 +74,65 @@ pub(crate) fn settle<R: Rng + ?Sized>(
     policy: &FailPolicy,
     rng: &mut R,
 ) -> Settlement {
-    let mut out = Settlement::default();
     if outcomes.len() != batch.len() {
-        out.wrong_outcome_count = Some(outcomes.len());
+        return Settlement::wrong_count(batch, outcomes.len(), policy, rng);
+    }
+    let mut out = Settlement::default();
+    // Closes a key at its first message that was not acknowledged.
+    let mut gate = KeyGate::new();
+    for (msg, outcome) in batch.iter().zip(outcomes) {
+        let key_failed_earlier = !gate.admits(msg);
+        gate.record(msg, &outcome);
+        out.add(msg, outcome, key_failed_earlier, policy, rng);
+    }
+    out
+}
+
+impl Settlement {
+    /// The publisher returned `got` outcomes for the batch: every message is ambiguous.
+    fn wrong_count<R: Rng + ?Sized>(
+        batch: &[Message],
+        got: usize,
+        policy: &FailPolicy,
+        rng: &mut R,
+    ) -> Self {
         let reason = format!(
-            "ambiguous: the publisher returned {} outcomes for {} messages",
-            outcomes.len(),
+            "ambiguous: the publisher returned {got} outcomes for {} messages",
             batch.len()
         );
-        out.fail = batch
-            .iter()
-            .map(|msg| policy.failure(msg, reason.clone(), rng))
-            .collect();
-        return out;
+        Self {
+            wrong_outcome_count: Some(got),
+            fail: batch
+                .iter()
+                .map(|msg| policy.failure(msg, reason.clone(), rng))
+                .collect(),
+            ..Self::default()
+        }
     }
-    // Keys with a message that was not acknowledged earlier in this batch.
-    let mut broken_keys: HashSet<&str> = HashSet::new();
-    for (msg, outcome) in batch.iter().zip(outcomes) {
-        let key = msg.partition_key.as_deref();
+
+    /// Add the transition for `msg`, whose outcome is `outcome`; `key_failed_earlier` says
+    /// whether an earlier message of its key in the batch was not acknowledged.
+    fn add<R: Rng + ?Sized>(
+        &mut self,
+        msg: &Message,
+        outcome: PublishOutcome,
+        key_failed_earlier: bool,
+        policy: &FailPolicy,
+        rng: &mut R,
+    ) {
         match outcome {
             PublishOutcome::Acked => {
-                if key.is_some_and(|k| broken_keys.contains(k)) {
-                    out.order_violations.push(msg.id);
+                if key_failed_earlier {
+                    self.order_violations.push(msg.id);
                 }
                 // Completed even out of order: the broker has it, and a retry would only add
                 // a duplicate further out of order.
-                out.complete.push(msg.id);
-                continue;
+                self.complete.push(msg.id);
             }
-            PublishOutcome::NotAttempted if key.is_some_and(|k| broken_keys.contains(k)) => {
-                out.release.push(msg.id)
-            }
+            PublishOutcome::NotAttempted if key_failed_earlier => self.release.push(msg.id),
             PublishOutcome::NotAttempted => {
-                out.unexplained_not_attempted.push(msg.id);
-                out.fail.push(policy.failure(
+                self.unexplained_not_attempted.push(msg.id);
+                self.fail.push(policy.failure(
                     msg,
                     "ambiguous: the publisher did not attempt it, with no earlier failure of its key"
                         .to_owned(),
@@ -118,7 +142,7 @@ pub(crate) fn settle<R: Rng + ?Sized>(
             PublishOutcome::Failed {
                 kind: ErrorKind::Permanent,
                 reason,
-            } => out.fail.push(Failure {
+            } => self.fail.push(Failure {
                 id: msg.id,
                 error: format!("permanent: {reason}"),
                 action: FailAction::Dead,
@@ -126,23 +150,19 @@ pub(crate) fn settle<R: Rng + ?Sized>(
             PublishOutcome::Failed {
                 kind: ErrorKind::Transient,
                 reason,
-            } => out
+            } => self
                 .fail
                 .push(policy.failure(msg, format!("transient: {reason}"), rng)),
             PublishOutcome::Ambiguous { reason } => {
-                out.fail
+                self.fail
                     .push(policy.failure(msg, format!("ambiguous: {reason}"), rng))
             }
             // Outcomes added to the contract later: the safe reading is "maybe stored".
-            other => out
+            other => self
                 .fail
                 .push(policy.failure(msg, format!("ambiguous: {other:?}"), rng)),
         }
-        if let Some(k) = key {
-            broken_keys.insert(k);
-        }
     }
-    out
 }
 
 #[cfg(test)]

@@ -1,0 +1,177 @@
+//! When the relay loop claims next: adaptive polling, wake-ups, back-off after store errors, and
+//! what the claims so far said about the backlog.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::backoff::Backoff;
+use crate::config::RelayConfig;
+
+/// Longest pause [`woken`] puts between a wake-up and its claim (shorter if `poll_min` is).
+pub(crate) const WAKE_PACING: Duration = Duration::from_millis(10);
+
+/// The claim side of the loop's state. Every change goes through a named transition.
+pub(crate) struct Pacing {
+    /// Serve mode: run until stopped, polling when idle (drain mode never waits for a poll).
+    serve: bool,
+    poll_min: Duration,
+    poll_max: Duration,
+    batch_size: usize,
+    /// A claim is running.
+    claiming: bool,
+    /// Drain mode: the last claim found no (or only a partial) batch, and no batch has settled
+    /// since, so claiming again now would find nothing new.
+    quiet: bool,
+    /// Batches settled so far, and how many had settled when the running claim started: a
+    /// claim that overlapped a settle may have been held back by leases that are gone now, so
+    /// its empty (or partial) answer says nothing about the backlog.
+    settles: u64,
+    settles_at_claim: u64,
+    /// Earliest next claim, from adaptive polling.
+    next_claim: Option<Instant>,
+    /// Earliest next claim, from back-off after store errors.
+    paused_until: Option<Instant>,
+    idle_wait: Duration,
+    /// A wake-up arrived since the last claim started / the running claim followed one.
+    hinted: bool,
+    claim_hinted: bool,
+    /// When a claim made on a wake-up came back empty: the next wake-up waits a short pause
+    /// from then (see [`woken`]), so a burst of stale hints (or a source that is always ready)
+    /// cannot spin the claim loop.
+    spurious_at: Option<Instant>,
+    store_failures: u32,
+}
+
+impl Pacing {
+    pub(crate) fn new(config: &RelayConfig, serve: bool) -> Self {
+        Self {
+            serve,
+            poll_min: config.poll_min,
+            poll_max: config.poll_max,
+            batch_size: config.batch_size,
+            claiming: false,
+            quiet: false,
+            settles: 0,
+            settles_at_claim: 0,
+            next_claim: None,
+            paused_until: None,
+            idle_wait: config.poll_min,
+            hinted: false,
+            claim_hinted: false,
+            spurious_at: None,
+            store_failures: 0,
+        }
+    }
+
+    /// A claim is running.
+    pub(crate) fn claiming(&self) -> bool {
+        self.claiming
+    }
+
+    /// The last claim found nothing new and nothing settled since (see the field).
+    pub(crate) fn quiet(&self) -> bool {
+        self.quiet
+    }
+
+    /// The earliest time the next claim may start (`None`: at once).
+    pub(crate) fn claim_at(&self) -> Option<Instant> {
+        later(self.next_claim, self.paused_until)
+    }
+
+    /// Transition: a claim starts now.
+    pub(crate) fn start_claim(&mut self) {
+        self.claiming = true;
+        self.settles_at_claim = self.settles;
+        self.claim_hinted = std::mem::take(&mut self.hinted);
+        self.next_claim = None;
+        self.paused_until = None;
+    }
+
+    /// Transition: the running claim returned. Says whether a batch settled while it ran.
+    pub(crate) fn claim_returned(&mut self) -> bool {
+        self.claiming = false;
+        self.settles != self.settles_at_claim
+    }
+
+    /// Transition: the claim found nothing.
+    pub(crate) fn found_nothing(&mut self, overlapped_settle: bool) {
+        self.store_failures = 0;
+        if overlapped_settle {
+            // Claim again at once: see `settles_at_claim`.
+            self.next_claim = None;
+            return;
+        }
+        self.quiet = true;
+        if self.claim_hinted {
+            self.spurious_at = Some(Instant::now());
+        }
+        if self.serve && self.hinted {
+            // A wake-up arrived while this claim ran; it may have missed what the wake-up
+            // announced.
+            self.next_claim = woken(self.spurious_at, self.poll_min);
+        } else if self.serve {
+            self.next_claim = Some(Instant::now() + self.idle_wait);
+            self.idle_wait = (self.idle_wait * 2).min(self.poll_max);
+        }
+    }
+
+    /// Transition: the claim found `size` messages.
+    pub(crate) fn found(&mut self, size: usize, overlapped_settle: bool) {
+        self.store_failures = 0;
+        self.spurious_at = None;
+        self.idle_wait = self.poll_min;
+        if size < self.batch_size && !overlapped_settle {
+            // Partial: the backlog is drained for now; claim again soon rather than at once,
+            // so that small batches do not spin.
+            self.quiet = true;
+            if self.serve && !self.hinted {
+                self.next_claim = Some(Instant::now() + self.poll_min);
+            }
+        }
+    }
+
+    /// Transition: a store call failed; no claim before the back-off pause it returns.
+    pub(crate) fn back_off(&mut self, backoff: &Backoff) -> Duration {
+        self.store_failures += 1;
+        let pause = backoff.delay(self.store_failures);
+        self.paused_until = Some(Instant::now() + pause);
+        pause
+    }
+
+    /// Transition: a batch settled, which may have released messages or unblocked keys.
+    pub(crate) fn settled(&mut self) {
+        self.settles += 1;
+        self.quiet = false;
+        self.next_claim = None;
+    }
+
+    /// Transition: a wake-up (notifier or the store's source) arrived.
+    pub(crate) fn woken_up(&mut self) {
+        self.hinted = true;
+        self.next_claim = woken(self.spurious_at, self.poll_min);
+        self.idle_wait = self.poll_min;
+    }
+}
+
+/// When to claim after a wake-up: at once, unless a claim made on an earlier wake-up came back
+/// empty less than `min(poll_min, WAKE_PACING)` ago. Such an empty claim is usually innocent
+/// (the hint's message was taken by an earlier claim), so the pause stays short whatever
+/// `poll_min` is; it only caps a flood of hints at about one claim per pause.
+fn woken(spurious_at: Option<Instant>, poll_min: Duration) -> Option<Instant> {
+    spurious_at
+        .map(|at| at + poll_min.min(WAKE_PACING))
+        .filter(|at| *at > Instant::now())
+}
+
+fn later(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The earliest of `times`, ignoring the absent ones.
+pub(crate) fn earliest(times: impl IntoIterator<Item = Option<Instant>>) -> Option<Instant> {
+    times.into_iter().flatten().min()
+}

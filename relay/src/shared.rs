@@ -1,0 +1,19 @@
+//! What the relay loop and its batches share.
+
+use std::sync::Arc;
+
+use outbox_traits::{OutboxStore, Publisher};
+
+use crate::config::RelayConfig;
+use crate::notifier::Notifier;
+
+/// The store, publisher and settings of one [`Relay`](crate::Relay), shared by its loops and
+/// their batches.
+#[derive(Clone)]
+pub(crate) struct Shared {
+    pub(crate) store: Arc<dyn OutboxStore>,
+    pub(crate) publisher: Arc<dyn Publisher>,
+    pub(crate) config: RelayConfig,
+    pub(crate) notifier: Notifier,
+    pub(crate) publisher_name: String,
+}
