@@ -175,3 +175,103 @@ fn later(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
 pub(crate) fn earliest(times: impl IntoIterator<Item = Option<Instant>>) -> Option<Instant> {
     times.into_iter().flatten().min()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> RelayConfig {
+        RelayConfig {
+            batch_size: 10,
+            poll_min: Duration::from_millis(100),
+            poll_max: Duration::from_millis(350),
+            ..RelayConfig::default()
+        }
+    }
+
+    /// Start a claim and let it return with nothing (`overlapped`: a batch settled meanwhile).
+    fn empty_claim(pacing: &mut Pacing) {
+        pacing.start_claim();
+        let overlapped = pacing.claim_returned();
+        pacing.found_nothing(overlapped);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn empty_claims_double_the_idle_wait_up_to_poll_max() {
+        let mut pacing = Pacing::new(&config(), true);
+        assert_eq!(pacing.claim_at(), None, "the first claim is due at once");
+        let mut waits = Vec::new();
+        for _ in 0..4 {
+            empty_claim(&mut pacing);
+            waits.push(pacing.claim_at().unwrap() - Instant::now());
+        }
+        let ms = Duration::from_millis;
+        assert_eq!(waits, [ms(100), ms(200), ms(350), ms(350)]);
+        pacing.start_claim();
+        let overlapped = pacing.claim_returned();
+        pacing.found(10, overlapped);
+        assert_eq!(pacing.claim_at(), None, "a full batch claims again at once");
+        empty_claim(&mut pacing);
+        assert_eq!(pacing.claim_at().unwrap() - Instant::now(), ms(100));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_claim_that_overlapped_a_settle_is_repeated_at_once() {
+        let mut pacing = Pacing::new(&config(), false);
+        pacing.start_claim();
+        pacing.settled();
+        assert!(pacing.claim_returned(), "the settle overlapped the claim");
+        pacing.found_nothing(true);
+        assert!(!pacing.quiet(), "an overlapped empty claim proves nothing");
+        assert_eq!(pacing.claim_at(), None);
+        empty_claim(&mut pacing);
+        assert!(
+            pacing.quiet(),
+            "drain mode is done once a claim finds nothing"
+        );
+        pacing.settled();
+        assert!(!pacing.quiet(), "a settle may have freed messages");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stale_wake_up_paces_the_next_one() {
+        let mut pacing = Pacing::new(&config(), true);
+        pacing.woken_up();
+        assert_eq!(pacing.claim_at(), None, "a first wake-up claims at once");
+        empty_claim(&mut pacing);
+        pacing.woken_up();
+        let pause = pacing.claim_at().unwrap() - Instant::now();
+        assert_eq!(
+            pause, WAKE_PACING,
+            "a wake-up after a stale one waits the short pause"
+        );
+        tokio::time::advance(WAKE_PACING).await;
+        pacing.woken_up();
+        assert_eq!(
+            pacing.claim_at(),
+            None,
+            "once the pause is over, at once again"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn store_errors_pause_claims_until_a_claim_succeeds() {
+        let config = config();
+        let mut pacing = Pacing::new(&config, true);
+        let first = pacing.back_off(&config.store_backoff);
+        assert_eq!(pacing.claim_at(), Some(Instant::now() + first));
+        pacing.start_claim();
+        assert_eq!(pacing.claim_at(), None, "starting a claim clears the pause");
+        pacing.claim_returned();
+        pacing.back_off(&config.store_backoff);
+        assert_eq!(pacing.store_failures, 2);
+        pacing.start_claim();
+        pacing.claim_returned();
+        pacing.found(10, false);
+        pacing.back_off(&config.store_backoff);
+        assert_eq!(
+            pacing.store_failures, 1,
+            "a successful claim resets the failure count"
+        );
+    }
+}

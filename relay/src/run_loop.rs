@@ -118,6 +118,8 @@ impl<'a> RunLoop<'a> {
         }
     }
 
+    /// Turn until [`RunLoop::finished`]: act on what is due, then wait for the next event,
+    /// wake-up, stop signal or timer and apply its transition.
     async fn run(
         mut self,
         mut stop: Pin<&mut impl Future<Output = Duration>>,
@@ -130,9 +132,7 @@ impl<'a> RunLoop<'a> {
             }
             let listening = self.listening();
             if listening && self.wake.start_subscribing(now) {
-                self.events.push(Box::pin(async move {
-                    Event::Subscribed(shared.store.wakeups().await)
-                }));
+                self.subscribe();
             }
             let may_claim = self.may_claim();
             if may_claim && self.pacing.claim_at().is_none_or(|at| at <= now) {
@@ -230,6 +230,14 @@ impl<'a> RunLoop<'a> {
         self.wake.close();
     }
 
+    /// Transition (wake): subscribe to the store's wake-ups.
+    fn subscribe(&mut self) {
+        let shared = self.shared;
+        self.events.push(Box::pin(async move {
+            Event::Subscribed(shared.store.wakeups().await)
+        }));
+    }
+
     /// Transition (claim): start a claim.
     fn claim(&mut self) {
         self.pacing.start_claim();
@@ -241,6 +249,7 @@ impl<'a> RunLoop<'a> {
         }));
     }
 
+    /// Dispatch an event of the loop's own futures to its transition.
     fn on_event(&mut self, event: Event) {
         match event {
             Event::Claimed { result, started } => self.claimed(result, started),
