@@ -69,7 +69,7 @@ async fn concurrent_relays_never_overlap_and_keep_key_order() {
                 empty_in_a_row = 0;
                 // Every few rounds, the first message fails (due again at once) and the rest of
                 // its key goes back, as the engine does after a failed publish.
-                let failing = (round + r) % 4 == 0;
+                let failing = (round + r).is_multiple_of(4);
                 let first = &claim.messages[0];
                 let mut done = Vec::new();
                 let mut back = Vec::new();

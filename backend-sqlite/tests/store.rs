@@ -301,7 +301,7 @@ async fn two_handles_claiming_concurrently_never_overlap_and_keep_key_order() {
     }
     let mut published = holder.len();
     loop {
-        let store = if published % 2 == 0 { &a } else { &b };
+        let store = if published.is_multiple_of(2) { &a } else { &b };
         let claim = store.claim(&req(13)).await.unwrap();
         if claim.messages.is_empty() {
             break;
