@@ -53,8 +53,9 @@
 //! # let dir = tempfile::tempdir()?;
 //! let path = dir.path().join("app.db");
 //! let config = SqliteConfig::default();
-//! // The relay's side; opening it creates the outbox table if needed.
+//! // The relay's side; migrate creates the outbox table if needed.
 //! let store = SqliteStore::open(&path, config.clone()).await?;
+//! store.migrate().await?;
 //!
 //! // The service's side: its own connection, one transaction for the order and its event.
 //! let mut conn = open_connection(&path, &config)?;
@@ -120,7 +121,8 @@
 //!
 //! # The SQL
 //!
-//! [`migrate`] runs [`schema_sql`] for the configured table (`outbox` here):
+//! [`migrate`] (and [`SqliteStore::migrate`]) runs [`SqliteConfig::migration_sql`] for the
+//! configured table (`outbox` here):
 //!
 //! ```sql
 //! CREATE TABLE IF NOT EXISTS outbox (
@@ -164,15 +166,18 @@ mod connection;
 mod enqueue;
 mod error;
 mod lease;
+mod migrate;
 mod row;
-mod schema;
+mod sql;
 mod store;
 
-pub use config::{SqliteConfig, Synchronous, DEFAULT_BUSY_TIMEOUT, DEFAULT_TABLE};
+pub use config::{
+    SqliteConfig, SqliteConfigBuilder, Synchronous, DEFAULT_BUSY_TIMEOUT, DEFAULT_TABLE,
+};
 pub use connection::open_connection;
 pub use enqueue::{enqueue, enqueue_batch};
 pub use error::sqlite_error;
-pub use schema::{migrate, schema_sql};
+pub use migrate::migrate;
 pub use store::SqliteStore;
 
 /// Re-exported so that callers name the same rusqlite version as this crate.
