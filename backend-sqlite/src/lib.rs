@@ -156,6 +156,14 @@
 //!
 //! Times are integer milliseconds since the Unix epoch (`available_at` is the due time of a
 //! pending message: its not-before time or its retry time).
+//!
+//! # Source layout
+//!
+//! The same files do the same jobs in the three SQL backends (`config.rs`, `store.rs`,
+//! `migrate.rs`, `sql.rs`, `enqueue.rs`, `claim.rs`, `lease.rs`, `admin.rs`, `row.rs`,
+//! `error.rs`), plus `connection.rs` (opening and configuring connections) and `cancel.rs`
+//! (rolling back calls whose caller went away) here; the table is in the workspace README's
+//! layout section.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod admin;
