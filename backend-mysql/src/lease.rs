@@ -19,6 +19,7 @@ use crate::row::{decode_error, micros, text};
 use crate::sql::BEGIN;
 use crate::store::{MysqlStore, DEADLOCK_RETRIES};
 
+/// [`OutboxStore::complete`](outbox_traits::OutboxStore::complete) for the store.
 pub(crate) async fn complete(
     store: &MysqlStore,
     token: LeaseToken,
@@ -35,6 +36,7 @@ pub(crate) async fn complete(
         .await
 }
 
+/// [`OutboxStore::fail`](outbox_traits::OutboxStore::fail) for the store.
 pub(crate) async fn fail(
     store: &MysqlStore,
     token: LeaseToken,
@@ -54,6 +56,7 @@ pub(crate) async fn fail(
         .await
 }
 
+/// [`OutboxStore::extend`](outbox_traits::OutboxStore::extend) for the store.
 pub(crate) async fn extend(
     store: &MysqlStore,
     token: LeaseToken,
@@ -74,6 +77,7 @@ pub(crate) async fn extend(
     }
 }
 
+/// [`OutboxStore::release`](outbox_traits::OutboxStore::release) for the store.
 pub(crate) async fn release(
     store: &MysqlStore,
     token: LeaseToken,

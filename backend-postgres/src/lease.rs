@@ -14,6 +14,7 @@ use uuid::Uuid;
 
 use crate::store::PostgresStore;
 
+/// [`OutboxStore::complete`](outbox_traits::OutboxStore::complete) for the store.
 pub(crate) async fn complete(
     store: &PostgresStore,
     token: LeaseToken,
@@ -29,6 +30,7 @@ pub(crate) async fn complete(
     .await
 }
 
+/// [`OutboxStore::fail`](outbox_traits::OutboxStore::fail) for the store.
 pub(crate) async fn fail(
     store: &PostgresStore,
     token: LeaseToken,
@@ -69,6 +71,7 @@ pub(crate) async fn fail(
     Error::unless_held(&ids, &changed)
 }
 
+/// [`OutboxStore::extend`](outbox_traits::OutboxStore::extend) for the store.
 pub(crate) async fn extend(
     store: &PostgresStore,
     token: LeaseToken,
@@ -93,6 +96,7 @@ pub(crate) async fn extend(
     row.try_get("lease_until").map_err(store.err("extend"))
 }
 
+/// [`OutboxStore::release`](outbox_traits::OutboxStore::release) for the store.
 pub(crate) async fn release(
     store: &PostgresStore,
     token: LeaseToken,
