@@ -4,11 +4,13 @@ use std::time::Duration;
 
 use outbox_traits::{async_trait, Counts, DeadMessage, Error, OutboxAdmin};
 use sqlx::mysql::MySqlRow;
-use sqlx::Row;
 use uuid::Uuid;
 
+use outbox_sqlx_support::row::counts;
+
+use crate::lease::id_list;
 use crate::row::{message, micros, text};
-use crate::store::{id_list, MysqlStore};
+use crate::store::MysqlStore;
 
 #[async_trait]
 impl OutboxAdmin for MysqlStore {
@@ -91,16 +93,6 @@ impl OutboxAdmin for MysqlStore {
             .fetch_one(self.pool())
             .await
             .map_err(self.err("counts"))?;
-        let get = |name: &str| -> Result<u64, Error> {
-            let n: i64 = row.try_get(name).map_err(self.err("counts"))?;
-            // COUNT is never negative.
-            Ok(u64::try_from(n).unwrap_or(0))
-        };
-        Ok(Counts {
-            pending: get("pending")?,
-            leased: get("leased")?,
-            published: get("published")?,
-            dead: get("dead")?,
-        })
+        counts(&row, self.err("counts"))
     }
 }

@@ -1,3 +1,6 @@
+//! The relay's side of the store ([`OutboxStore`]): the claim, and the dispatch of the fenced
+//! transitions to [`crate::lease`].
+//!
 //! The claim: one short transaction of at most nine round trips, whatever the batch size.
 //!
 //! 1. `BEGIN` (READ COMMITTED).
@@ -25,18 +28,54 @@
 //! times) before the transient error is returned.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
-use chrono::NaiveDateTime;
-use outbox_traits::{Claim, ClaimRequest, Error, HeadPolicy, LeaseToken, Message};
+use chrono::{DateTime, NaiveDateTime, Utc};
+use outbox_traits::{
+    async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, HeadPolicy, LeaseToken,
+    Message, OutboxStore,
+};
 use sqlx::mysql::MySqlRow;
 use sqlx::{MySql, Row, Transaction};
+use uuid::Uuid;
 
 use crate::error::is_deadlock;
+use crate::lease;
 use crate::row::{decode_error, message, micros};
 use crate::sql::BEGIN;
 use crate::store::{MysqlStore, DEADLOCK_RETRIES};
 
-pub(crate) async fn claim(store: &MysqlStore, req: &ClaimRequest) -> Result<Claim, Error> {
+#[async_trait]
+impl OutboxStore for MysqlStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
+        claim(self, req).await
+    }
+
+    async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
+        lease::complete(self, token, ids).await
+    }
+
+    async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error> {
+        lease::fail(self, token, failures).await
+    }
+
+    async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
+        lease::extend(self, token, lease).await
+    }
+
+    async fn release(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
+        lease::release(self, token, ids).await
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        // MariaDB has no LISTEN/NOTIFY: no wake-up source, the relay polls (adaptively).
+        Capabilities::none()
+            .with_concurrent_claimers(true)
+            .with_deletes_published(self.config().delete_published())
+    }
+}
+
+async fn claim(store: &MysqlStore, req: &ClaimRequest) -> Result<Claim, Error> {
     req.validate()?;
     let lease_us = micros("claim lease", req.lease)?;
     let limit = u64::try_from(req.limit).unwrap_or(u64::MAX);

@@ -3,12 +3,13 @@
 use std::fmt;
 use std::sync::Arc;
 
+use outbox_sqlx_support::TableSettings;
 use outbox_traits::{validate_sql_identifier, Error, Limits};
 
 use crate::sql::Sql;
 
 /// The default table: `outbox`, in the connection's database.
-pub const DEFAULT_TABLE: &str = "outbox";
+pub use outbox_sqlx_support::DEFAULT_TABLE;
 
 /// Where the outbox lives and how enqueue behaves.
 ///
@@ -33,9 +34,7 @@ pub struct MysqlConfig {
 
 struct Inner {
     database: Option<String>,
-    table: String,
-    limits: Limits,
-    delete_published: bool,
+    common: TableSettings,
     sql: Sql,
 }
 
@@ -46,11 +45,6 @@ impl MysqlConfig {
         MysqlConfigBuilder::default()
     }
 
-    /// The config for `table` in the connection's database, other settings at their defaults.
-    pub fn new(table: &str) -> Result<Self, Error> {
-        Self::builder().table(table).build()
-    }
-
     /// The database that qualifies the table, if one was set; `None` means the connection's
     /// database (the one named in the URL).
     pub fn database(&self) -> Option<&str> {
@@ -59,7 +53,7 @@ impl MysqlConfig {
 
     /// The table name.
     pub fn table(&self) -> &str {
-        &self.inner.table
+        &self.inner.common.table
     }
 
     /// `` `database`.`table` `` (or `` `table` ``), quoted as it appears in the SQL.
@@ -69,13 +63,13 @@ impl MysqlConfig {
 
     /// The payload limits enqueue enforces.
     pub fn limits(&self) -> Limits {
-        self.inner.limits
+        self.inner.common.limits
     }
 
     /// Whether completing a message deletes its row instead of marking it published
     /// (see [`MysqlConfigBuilder::delete_published`]).
     pub fn delete_published(&self) -> bool {
-        self.inner.delete_published
+        self.inner.common.delete_published
     }
 
     /// The migration SQL for this table, for teams that apply migrations with their own tool.
@@ -90,20 +84,13 @@ impl MysqlConfig {
         &self.inner.sql
     }
 
-    /// Build from names that already passed [`validate_sql_identifier`].
-    fn from_valid(
-        database: Option<String>,
-        table: String,
-        limits: Limits,
-        delete_published: bool,
-    ) -> Self {
-        let sql = Sql::build(database.as_deref(), &table, delete_published);
+    /// Build from settings that already passed their checks.
+    fn from_valid(database: Option<String>, common: TableSettings) -> Self {
+        let sql = Sql::build(database.as_deref(), &common.table, common.delete_published);
         Self {
             inner: Arc::new(Inner {
                 database,
-                table,
-                limits,
-                delete_published,
+                common,
                 sql,
             }),
         }
@@ -113,7 +100,7 @@ impl MysqlConfig {
 impl Default for MysqlConfig {
     /// Table `outbox` in the connection's database, 1 MiB payloads.
     fn default() -> Self {
-        Self::from_valid(None, DEFAULT_TABLE.to_owned(), Limits::default(), false)
+        Self::from_valid(None, TableSettings::default())
     }
 }
 
@@ -121,31 +108,18 @@ impl fmt::Debug for MysqlConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MysqlConfig")
             .field("database", &self.inner.database)
-            .field("table", &self.inner.table)
-            .field("limits", &self.inner.limits)
-            .field("delete_published", &self.inner.delete_published)
+            .field("table", &self.inner.common.table)
+            .field("limits", &self.inner.common.limits)
+            .field("delete_published", &self.inner.common.delete_published)
             .finish()
     }
 }
 
 /// Builder of [`MysqlConfig`]; [`MysqlConfigBuilder::build`] validates everything.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct MysqlConfigBuilder {
     database: Option<String>,
-    table: String,
-    limits: Limits,
-    delete_published: bool,
-}
-
-impl Default for MysqlConfigBuilder {
-    fn default() -> Self {
-        Self {
-            database: None,
-            table: DEFAULT_TABLE.to_owned(),
-            limits: Limits::default(),
-            delete_published: false,
-        }
-    }
+    common: TableSettings,
 }
 
 impl MysqlConfigBuilder {
@@ -159,19 +133,19 @@ impl MysqlConfigBuilder {
 
     /// Outbox table name (default `outbox`).
     pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
+        self.common.table = table.into();
         self
     }
 
     /// Payload limits enforced at enqueue (default 1 MiB).
     pub fn limits(mut self, limits: Limits) -> Self {
-        self.limits = limits;
+        self.common.limits = limits;
         self
     }
 
     /// Largest accepted payload, in bytes of its JSON text.
     pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
-        self.limits.max_payload_bytes = bytes;
+        self.common.limits.max_payload_bytes = bytes;
         self
     }
 
@@ -182,7 +156,7 @@ impl MysqlConfigBuilder {
     /// in both modes, so the setting can change between runs. Reported to the relay as
     /// [`Capabilities::deletes_published`](outbox_traits::Capabilities::deletes_published).
     pub fn delete_published(mut self, delete: bool) -> Self {
-        self.delete_published = delete;
+        self.common.delete_published = delete;
         self
     }
 
@@ -191,18 +165,8 @@ impl MysqlConfigBuilder {
         if let Some(database) = &self.database {
             validate_sql_identifier("database name", database)?;
         }
-        validate_sql_identifier("table name", &self.table)?;
-        if self.limits.max_payload_bytes == 0 {
-            return Err(Error::invalid_input(
-                "max_payload_bytes is 0, which refuses every message; set a positive limit",
-            ));
-        }
-        Ok(MysqlConfig::from_valid(
-            self.database,
-            self.table,
-            self.limits,
-            self.delete_published,
-        ))
+        self.common.validate()?;
+        Ok(MysqlConfig::from_valid(self.database, self.common))
     }
 }
 
@@ -223,7 +187,7 @@ mod tests {
             .starts_with("CREATE DATABASE IF NOT EXISTS `app`;"));
 
         for table in ["a;b", "x`y", "", "1x", "sch.tbl"] {
-            let err = MysqlConfig::new(table).unwrap_err();
+            let err = MysqlConfig::builder().table(table).build().unwrap_err();
             assert!(matches!(err, Error::InvalidInput(_)), "{table}: {err}");
         }
         let err = MysqlConfig::builder().database("a b").build().unwrap_err();

@@ -6,6 +6,7 @@ mod claim;
 mod config;
 mod enqueue;
 mod error;
+mod lease;
 mod migrate;
 mod row;
 mod sql;

@@ -1,7 +1,7 @@
-//! Decoding rows into the contract's types, and durations into the microseconds the SQL takes.
+//! Decoding rows into the contract's types (durations in microseconds and the helpers shared
+//! with Postgres are in `outbox_sqlx_support::row`).
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use chrono::{DateTime, NaiveDateTime, Utc};
 use outbox_traits::{Error, Message};
@@ -9,28 +9,7 @@ use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-/// Longest accepted lease or retry delay: about 100 years. Longer values would run past
-/// `DATETIME`'s year 9999; they are refused as invalid input rather than failing in SQL.
-const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-/// `duration` in whole microseconds (rounded up, so a tiny positive value stays positive).
-pub(crate) fn micros(what: &str, duration: Duration) -> Result<i64, Error> {
-    if duration > MAX_DURATION {
-        return Err(Error::invalid_input(format!(
-            "{what} of {duration:?} is longer than 100 years; use a shorter one"
-        )));
-    }
-    let us = duration.as_nanos().div_ceil(1000);
-    // Bounded by MAX_DURATION above, far below i64::MAX microseconds.
-    Ok(i64::try_from(us).unwrap_or(i64::MAX))
-}
-
-pub(crate) fn decode_error(err: impl std::fmt::Display, table: &str) -> Error {
-    Error::permanent(
-        format!("a row of {table} could not be decoded: {err}; was the table changed by hand?"),
-        None,
-    )
-}
+pub(crate) use outbox_sqlx_support::row::{decode_error, micros};
 
 /// A text column. Read without sqlx's type check: MariaDB flags columns with a binary
 /// collation (the table's `utf8mb4_nopad_bin`) as `BINARY`, which sqlx would refuse for
@@ -81,21 +60,4 @@ pub(crate) fn message(row: &MySqlRow, table: &str) -> Result<Message, Error> {
         attempts: u32::try_from(attempts).map_err(|e| decode_error(e, table))?,
         created_at: utc(row, "created_at", table)?,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations_round_up_and_are_bounded() {
-        assert_eq!(
-            micros("lease", Duration::from_secs(2)).ok(),
-            Some(2_000_000)
-        );
-        assert_eq!(micros("lease", Duration::from_nanos(1)).ok(), Some(1));
-        assert_eq!(micros("lease", Duration::ZERO).ok(), Some(0));
-        let err = micros("lease", Duration::MAX).unwrap_err();
-        assert!(matches!(err, Error::InvalidInput(_)));
-    }
 }

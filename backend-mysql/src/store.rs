@@ -1,55 +1,34 @@
-//! The store: connection, and the relay side (claim, complete, fail, extend, release).
+//! [`MysqlStore`]: the handle the relay and operators use, a pool and a [`MysqlConfig`] (the
+//! shared [`SqlxStore`]); its trait impls are in `claim.rs` (relay side) and `admin.rs`.
 
-use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::time::Duration;
 
-use chrono::{DateTime, NaiveDateTime, Utc};
-use outbox_traits::{
-    async_trait, Capabilities, Claim, ClaimRequest, Error, FailAction, Failure, LeaseToken,
-    OutboxStore,
-};
-use sqlx::mysql::MySqlPool;
-use sqlx::Row;
-use uuid::Uuid;
+use outbox_sqlx_support::SqlxStore;
+use outbox_traits::Error;
+use sqlx::mysql::{MySql, MySqlPool};
 
 use crate::config::MysqlConfig;
-use crate::error::{is_deadlock, map_sqlx, WHAT};
+use crate::error::{map_sqlx, WHAT};
 use crate::migrate::migrate;
-use crate::row::{decode_error, micros, text};
-use crate::sql::BEGIN;
-
-/// Longest stored error text; longer errors are cut (at a character boundary) so a broker that
-/// returns a huge error body cannot bloat the table.
-const MAX_ERROR_BYTES: usize = 8 * 1024;
-
-/// How long [`MysqlStore::connect`] waits for a first connection, and the pool it makes
-/// waits for a connection before a call fails with [`Error::Unavailable`].
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How many times a transaction that InnoDB rolled back as a deadlock victim is run again
 /// before the (transient) error is returned.
 pub(crate) const DEADLOCK_RETRIES: usize = 3;
 
-/// An [`OutboxStore`] and [`OutboxAdmin`](outbox_traits::OutboxAdmin) over a MariaDB (MySQL)
-/// table.
+/// An [`OutboxStore`](outbox_traits::OutboxStore) and [`OutboxAdmin`](outbox_traits::OutboxAdmin)
+/// over a MariaDB (MySQL) table.
 ///
 /// Holds a connection pool and a [`MysqlConfig`]; cloning is cheap and shares the pool. Every
 /// method is one statement or one short transaction of a fixed number of statements, so no
 /// lock or transaction is held between calls.
 #[derive(Clone)]
 pub struct MysqlStore {
-    pool: MySqlPool,
-    config: MysqlConfig,
+    inner: SqlxStore<MySql, MysqlConfig>,
 }
 
 impl fmt::Debug for MysqlStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The pool's options hold the password; show only what is safe.
-        f.debug_struct("MysqlStore")
-            .field("config", &self.config)
-            .field("pool_size", &self.pool.size())
-            .finish()
+        self.inner.fmt_as("MysqlStore", f)
     }
 }
 
@@ -57,7 +36,9 @@ impl MysqlStore {
     /// A store over an existing pool (share your application's pool, or build one with the
     /// connection settings you need).
     pub fn new(pool: MySqlPool, config: MysqlConfig) -> Self {
-        Self { pool, config }
+        Self {
+            inner: SqlxStore::new(pool, config),
+        }
     }
 
     /// Connect a new pool (sqlx's default size; 10 s to get a connection).
@@ -69,276 +50,33 @@ impl MysqlStore {
     /// [`Error::InvalidInput`] for a malformed URL and [`Error::Unavailable`] when the server
     /// cannot be reached; neither message contains the URL's password.
     pub async fn connect(url: &str, config: MysqlConfig) -> Result<Self, Error> {
-        let pool = outbox_sqlx_support::connect_pool(url, WHAT, CONNECT_TIMEOUT).await?;
-        Ok(Self::new(pool, config))
+        Ok(Self {
+            inner: SqlxStore::connect(url, WHAT, config).await?,
+        })
     }
 
     /// The connection pool, e.g. to begin the transactions you pass to [`crate::enqueue`].
     pub fn pool(&self) -> &MySqlPool {
-        &self.pool
+        self.inner.pool()
     }
 
     /// The table and settings this store uses.
     pub fn config(&self) -> &MysqlConfig {
-        &self.config
+        self.inner.config()
     }
 
     /// Create the database (if the config names one), table and indexes if missing (see
     /// [`crate::migrate`]).
+    ///
+    /// # Errors
+    /// As [`crate::migrate`].
     pub async fn migrate(&self) -> Result<(), Error> {
-        migrate(&self.pool, &self.config).await
+        migrate(self.pool(), self.config()).await
     }
 
+    /// Maps a sqlx error of operation `op` on this store's table.
     pub(crate) fn err(&self, op: &str) -> impl Fn(sqlx::Error) -> Error + '_ {
         let op = op.to_owned();
-        move |e| map_sqlx(e, &op, self.config.qualified_table())
-    }
-
-    /// Run a fenced transition: lock the listed messages still held under `token`, apply
-    /// `update` to exactly those (its one parameter is `rows`' JSON for the held ids), commit,
-    /// and report the ids that were not held.
-    async fn transition(
-        &self,
-        op: &str,
-        token: LeaseToken,
-        ids: &[Uuid],
-        update: &str,
-        rows: impl Fn(&[String]) -> Result<String, Error>,
-    ) -> Result<(), Error> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        let list = id_list(ids);
-        let mut attempt = 0;
-        let held = loop {
-            match self.try_transition(op, token, &list, update, &rows).await {
-                Err(e) if is_deadlock(&e) && attempt < DEADLOCK_RETRIES => attempt += 1,
-                other => break other?,
-            }
-        };
-        let held: HashSet<Uuid> = held
-            .iter()
-            .map(|id| crate::row::uuid(id, self.config.qualified_table()))
-            .collect::<Result<_, _>>()?;
-        Error::unless_held(ids, &held)
-    }
-
-    async fn try_transition(
-        &self,
-        op: &str,
-        token: LeaseToken,
-        list: &str,
-        update: &str,
-        rows: &impl Fn(&[String]) -> Result<String, Error>,
-    ) -> Result<Vec<String>, Error> {
-        let err = self.err(op);
-        let mut tx = self.pool.begin_with(BEGIN).await.map_err(&err)?;
-        let held = sqlx::query(&self.config.sql().held)
-            .bind(list)
-            .bind(token.0.hyphenated().to_string())
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(&err)?
-            .iter()
-            .map(|row| text(row, "id", self.config.qualified_table()))
-            .collect::<Result<Vec<String>, Error>>()?;
-        if !held.is_empty() {
-            // The held rows are locked until commit: no other relay or lease expiry changes
-            // them in between, so they are updated without checking the fence again.
-            sqlx::query(update)
-                .bind(rows(&held)?)
-                .execute(&mut *tx)
-                .await
-                .map_err(&err)?;
-        }
-        tx.commit().await.map_err(&err)?;
-        Ok(held)
-    }
-}
-
-impl MysqlStore {
-    async fn try_extend(&self, token: LeaseToken, lease_us: i64) -> Result<DateTime<Utc>, Error> {
-        let err = self.err("extend");
-        let token = token.0.hyphenated().to_string();
-        // Find the token's rows with a plain read, then extend them by primary key: a locking
-        // scan of the pending rows would wait for every row an open transaction is inserting.
-        let rows = sqlx::query(&self.config.sql().extend_find)
-            .bind(lease_us)
-            .bind(&token)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(&err)?;
-        let Some(first) = rows.first() else {
-            return Err(Error::LeaseLost { ids: Vec::new() });
-        };
-        let until: NaiveDateTime = first
-            .try_get("lease_until")
-            .map_err(|e| decode_error(e, self.config.qualified_table()))?;
-        let seqs = rows
-            .iter()
-            .map(|row| row.try_get::<i64, _>("seq"))
-            .collect::<Result<Vec<i64>, _>>()
-            .map_err(|e| decode_error(e, self.config.qualified_table()))?;
-        // The fence is checked again, row by row, in the update: a lease that expired in
-        // between is not revived.
-        let done = sqlx::query(&self.config.sql().extend)
-            .bind(serde_json::to_string(&seqs).unwrap_or_default())
-            .bind(until)
-            .bind(&token)
-            .execute(&self.pool)
-            .await
-            .map_err(&err)?;
-        if done.rows_affected() == 0 {
-            return Err(Error::LeaseLost { ids: Vec::new() });
-        }
-        Ok(until.and_utc())
-    }
-}
-
-/// `ids` deduplicated and sorted, as a JSON array of strings: concurrent calls then lock the
-/// rows they share in the same order and cannot deadlock on each other.
-pub(crate) fn id_list(ids: &[Uuid]) -> String {
-    let mut ids: Vec<String> = ids.iter().map(|id| id.hyphenated().to_string()).collect();
-    ids.sort_unstable();
-    ids.dedup();
-    // A list of plain strings always serializes.
-    serde_json::to_string(&ids).unwrap_or_default()
-}
-
-fn truncate_error(text: &str) -> &str {
-    let mut cut = text.len().min(MAX_ERROR_BYTES);
-    while !text.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    &text[..cut]
-}
-
-/// The JSON rows of `fail`'s update for the `held` ids: the first failure given for each.
-fn failure_rows(failures: &[Failure], held: &[String]) -> Result<String, Error> {
-    let mut by_id: HashMap<String, &Failure> = HashMap::with_capacity(failures.len());
-    for failure in failures {
-        by_id
-            .entry(failure.id.hyphenated().to_string())
-            .or_insert(failure);
-    }
-    let mut rows = Vec::with_capacity(held.len());
-    for id in held {
-        let Some(failure) = by_id.get(id) else {
-            continue;
-        };
-        let (dead, delay_us) = match &failure.action {
-            FailAction::Retry { delay } => (0, micros("retry delay", *delay)?),
-            FailAction::Dead => (1, 0),
-        };
-        rows.push(serde_json::json!({
-            "id": id,
-            "error": truncate_error(&failure.error),
-            "dead": dead,
-            "delay_us": delay_us,
-        }));
-    }
-    serde_json::to_string(&rows)
-        .map_err(|e| Error::permanent(format!("fail: cannot encode the failures: {e}"), None))
-}
-
-#[async_trait]
-impl OutboxStore for MysqlStore {
-    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
-        crate::claim::claim(self, req).await
-    }
-
-    async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
-        self.transition(
-            "complete",
-            token,
-            ids,
-            &self.config.sql().complete,
-            |held| Ok(serde_json::to_string(held).unwrap_or_default()),
-        )
-        .await
-    }
-
-    async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error> {
-        // Refuse a bad delay before anything changes.
-        for failure in failures {
-            if let FailAction::Retry { delay } = &failure.action {
-                micros("retry delay", *delay)?;
-            }
-        }
-        let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
-        self.transition("fail", token, &ids, &self.config.sql().fail, |held| {
-            failure_rows(failures, held)
-        })
-        .await
-    }
-
-    async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
-        if lease.is_zero() {
-            return Err(Error::invalid_input(
-                "lease extension is 0; give the relay time to publish, e.g. 30s",
-            ));
-        }
-        let lease_us = micros("lease extension", lease)?;
-        let mut attempt = 0;
-        loop {
-            match self.try_extend(token, lease_us).await {
-                Err(e) if is_deadlock(&e) && attempt < DEADLOCK_RETRIES => attempt += 1,
-                other => return other,
-            }
-        }
-    }
-
-    async fn release(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
-        self.transition("release", token, ids, &self.config.sql().release, |held| {
-            Ok(serde_json::to_string(held).unwrap_or_default())
-        })
-        .await
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        // MariaDB has no LISTEN/NOTIFY: no wake-up source, the relay polls (adaptively).
-        Capabilities::none()
-            .with_concurrent_claimers(true)
-            .with_deletes_published(self.config.delete_published())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn id_lists_are_sorted_and_unique() -> Result<(), serde_json::Error> {
-        let (a, b) = (Uuid::from_u128(2), Uuid::from_u128(1));
-        let list: Vec<String> = serde_json::from_str(&id_list(&[a, b, a]))?;
-        assert_eq!(list, [b.to_string(), a.to_string()]);
-        Ok(())
-    }
-
-    #[test]
-    fn failure_rows_keep_the_first_failure_of_each_held_id(
-    ) -> Result<(), Box<dyn std::error::Error>> {
-        let id = Uuid::now_v7();
-        let failures = [
-            Failure {
-                id,
-                error: "first".into(),
-                action: FailAction::Retry {
-                    delay: Duration::from_millis(1500),
-                },
-            },
-            Failure {
-                id,
-                error: "second".into(),
-                action: FailAction::Dead,
-            },
-        ];
-        let rows: serde_json::Value =
-            serde_json::from_str(&failure_rows(&failures, &[id.to_string()])?)?;
-        assert_eq!(
-            rows,
-            serde_json::json!([{"id": id.to_string(), "error": "first", "dead": 0, "delay_us": 1_500_000}])
-        );
-        Ok(())
+        move |e| map_sqlx(e, &op, self.config().qualified_table())
     }
 }

@@ -3,14 +3,14 @@
 use std::fmt;
 use std::sync::Arc;
 
+use outbox_sqlx_support::TableSettings;
 use outbox_traits::{validate_sql_identifier, Error, Limits};
 
 use crate::sql::Sql;
 
 /// The default schema: `public`.
 pub const DEFAULT_SCHEMA: &str = "public";
-/// The default table: `outbox`.
-pub const DEFAULT_TABLE: &str = "outbox";
+pub use outbox_sqlx_support::DEFAULT_TABLE;
 
 /// Where the outbox lives and how enqueue behaves.
 ///
@@ -32,10 +32,8 @@ pub struct PostgresConfig {
 
 struct Inner {
     schema: String,
-    table: String,
-    limits: Limits,
     notify: bool,
-    delete_published: bool,
+    common: TableSettings,
     sql: Sql,
 }
 
@@ -45,11 +43,6 @@ impl PostgresConfig {
         PostgresConfigBuilder::default()
     }
 
-    /// The config for `schema.table` with the other settings at their defaults.
-    pub fn new(schema: &str, table: &str) -> Result<Self, Error> {
-        Self::builder().schema(schema).table(table).build()
-    }
-
     /// The schema name.
     pub fn schema(&self) -> &str {
         &self.inner.schema
@@ -57,7 +50,7 @@ impl PostgresConfig {
 
     /// The table name.
     pub fn table(&self) -> &str {
-        &self.inner.table
+        &self.inner.common.table
     }
 
     /// `"schema"."table"`, quoted as it appears in the SQL.
@@ -67,7 +60,7 @@ impl PostgresConfig {
 
     /// The payload limits enqueue enforces.
     pub fn limits(&self) -> Limits {
-        self.inner.limits
+        self.inner.common.limits
     }
 
     /// Whether enqueue sends a `pg_notify` wake-up (one per enqueue call).
@@ -78,7 +71,7 @@ impl PostgresConfig {
     /// Whether completing a message deletes its row instead of marking it published
     /// (see [`PostgresConfigBuilder::delete_published`]).
     pub fn delete_published(&self) -> bool {
-        self.inner.delete_published
+        self.inner.common.delete_published
     }
 
     /// The `LISTEN/NOTIFY` channel for this table: `outbox.<schema>.<table>`, shortened with a
@@ -108,14 +101,17 @@ impl Default for PostgresConfig {
 impl PostgresConfig {
     /// Build from a builder whose names already passed [`validate_sql_identifier`].
     fn from_valid(b: PostgresConfigBuilder) -> Self {
-        let sql = Sql::build(&b.schema, &b.table, b.notify, b.delete_published);
+        let sql = Sql::build(
+            &b.schema,
+            &b.common.table,
+            b.notify,
+            b.common.delete_published,
+        );
         Self {
             inner: Arc::new(Inner {
                 schema: b.schema,
-                table: b.table,
-                limits: b.limits,
                 notify: b.notify,
-                delete_published: b.delete_published,
+                common: b.common,
                 sql,
             }),
         }
@@ -126,10 +122,10 @@ impl fmt::Debug for PostgresConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresConfig")
             .field("schema", &self.inner.schema)
-            .field("table", &self.inner.table)
-            .field("limits", &self.inner.limits)
+            .field("table", &self.inner.common.table)
+            .field("limits", &self.inner.common.limits)
             .field("notify", &self.inner.notify)
-            .field("delete_published", &self.inner.delete_published)
+            .field("delete_published", &self.inner.common.delete_published)
             .finish()
     }
 }
@@ -138,20 +134,16 @@ impl fmt::Debug for PostgresConfig {
 #[derive(Debug, Clone)]
 pub struct PostgresConfigBuilder {
     schema: String,
-    table: String,
-    limits: Limits,
     notify: bool,
-    delete_published: bool,
+    common: TableSettings,
 }
 
 impl Default for PostgresConfigBuilder {
     fn default() -> Self {
         Self {
             schema: DEFAULT_SCHEMA.to_owned(),
-            table: DEFAULT_TABLE.to_owned(),
-            limits: Limits::default(),
             notify: true,
-            delete_published: false,
+            common: TableSettings::default(),
         }
     }
 }
@@ -165,19 +157,19 @@ impl PostgresConfigBuilder {
 
     /// Outbox table name (default `outbox`).
     pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
+        self.common.table = table.into();
         self
     }
 
     /// Payload limits enforced at enqueue (default 1 MiB).
     pub fn limits(mut self, limits: Limits) -> Self {
-        self.limits = limits;
+        self.common.limits = limits;
         self
     }
 
     /// Largest accepted payload, in bytes of its JSON text.
     pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
-        self.limits.max_payload_bytes = bytes;
+        self.common.limits.max_payload_bytes = bytes;
         self
     }
 
@@ -205,19 +197,14 @@ impl PostgresConfigBuilder {
     /// [`OutboxAdmin::purge_published`]: outbox_traits::OutboxAdmin::purge_published
     /// [`OutboxAdmin::counts`]: outbox_traits::OutboxAdmin::counts
     pub fn delete_published(mut self, delete: bool) -> Self {
-        self.delete_published = delete;
+        self.common.delete_published = delete;
         self
     }
 
     /// Validate the names and limits and build every SQL statement.
     pub fn build(self) -> Result<PostgresConfig, Error> {
         validate_sql_identifier("schema name", &self.schema)?;
-        validate_sql_identifier("table name", &self.table)?;
-        if self.limits.max_payload_bytes == 0 {
-            return Err(Error::invalid_input(
-                "max_payload_bytes is 0, which refuses every message; set a positive limit",
-            ));
-        }
+        self.common.validate()?;
         Ok(self.into_config())
     }
 
@@ -240,7 +227,11 @@ mod tests {
         assert!(config.notify());
 
         for (schema, table) in [("a;b", "outbox"), ("public", "x\"y"), ("", "t"), ("s", "")] {
-            let err = PostgresConfig::new(schema, table).unwrap_err();
+            let err = PostgresConfig::builder()
+                .schema(schema)
+                .table(table)
+                .build()
+                .unwrap_err();
             assert!(
                 matches!(err, Error::InvalidInput(_)),
                 "{schema}.{table}: {err}"
@@ -266,7 +257,11 @@ mod tests {
     #[test]
     fn long_names_keep_derived_names_distinct_and_short() {
         let long = "t".repeat(63);
-        let config = PostgresConfig::new(&"s".repeat(63), &long).unwrap();
+        let config = PostgresConfig::builder()
+            .schema("s".repeat(63))
+            .table(&long)
+            .build()
+            .unwrap();
         assert!(config.notify_channel().len() <= 63);
         let sql = config.migration_sql();
         for suffix in [

@@ -1,9 +1,12 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod admin;
+mod claim;
 mod config;
 mod enqueue;
 mod error;
+mod lease;
 mod migrate;
 mod row;
 mod sql;

@@ -1,15 +1,64 @@
-//! Operator functions: dead letters, purge, counts.
+//! The operator's side of the store ([`OutboxAdmin`]): dead letters, purge, counts.
 
 use rusqlite::{params, Connection, TransactionBehavior};
 
+use std::time::Duration;
+
 use outbox_traits::uuid::Uuid;
-use outbox_traits::{Counts, DeadMessage, Error};
+use outbox_traits::{async_trait, Counts, DeadMessage, Error, OutboxAdmin};
 
 use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
 use crate::lease::db_now;
+use crate::row::duration_ms;
 use crate::row::{id_text, message};
-use crate::schema::Sql;
+use crate::sql::Sql;
+use crate::store::SqliteStore;
+
+#[async_trait]
+impl OutboxAdmin for SqliteStore {
+    async fn list_dead(
+        &self,
+        after_seq: Option<i64>,
+        limit: usize,
+    ) -> Result<Vec<DeadMessage>, Error> {
+        self.run(Ctx::Admin, move |conn, sql, table, _| {
+            list_dead(conn, sql, table, after_seq, limit)
+        })
+        .await
+    }
+
+    async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        let ids = ids.to_vec();
+        self.run(Ctx::Admin, move |conn, sql, table, caller| {
+            requeue(conn, sql, table, &ids, caller)
+        })
+        .await
+    }
+
+    async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        let ids = ids.to_vec();
+        self.run(Ctx::Admin, move |conn, sql, table, caller| {
+            discard(conn, sql, table, &ids, caller)
+        })
+        .await
+    }
+
+    async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
+        let older_than_ms = duration_ms(older_than, "purge age")?;
+        self.run(Ctx::Admin, move |conn, sql, table, caller| {
+            purge_published(conn, sql, table, older_than_ms, batch, caller)
+        })
+        .await
+    }
+
+    async fn counts(&self) -> Result<Counts, Error> {
+        self.run(Ctx::Admin, move |conn, sql, table, _| {
+            counts(conn, sql, table)
+        })
+        .await
+    }
+}
 
 fn err(table: &str) -> impl Fn(rusqlite::Error) -> Error + '_ {
     move |e| map_err(e, Ctx::Admin, table)

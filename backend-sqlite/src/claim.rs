@@ -1,3 +1,6 @@
+//! The relay's side of the store ([`OutboxStore`]): the claim, and the dispatch of the fenced
+//! transitions to [`crate::lease`].
+//!
 //! The claim: one `BEGIN IMMEDIATE` transaction that walks the backlog in `seq` order and leases
 //! what per-key order allows.
 
@@ -7,13 +10,20 @@ use std::collections::HashMap;
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, Transaction, TransactionBehavior};
 
-use outbox_traits::{Claim, Error, HeadPolicy, LeaseToken};
+use outbox_traits::chrono::{DateTime, Utc};
+use outbox_traits::uuid::Uuid;
+use outbox_traits::{
+    async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, HeadPolicy, LeaseToken,
+    OutboxStore,
+};
+use std::time::Duration;
 
 use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
-use crate::lease::db_now;
-use crate::row::{id_text, message, to_time};
-use crate::schema::Sql;
+use crate::lease::{self, db_now, same_change, Change};
+use crate::row::{duration_ms, id_text, message, to_time};
+use crate::sql::Sql;
+use crate::store::SqliteStore;
 
 /// What the walk knows about one partition key so far.
 struct KeyState {
@@ -40,7 +50,58 @@ struct KeyState {
 /// `BEGIN IMMEDIATE` takes the write lock before the walk reads anything, so no other claim can
 /// interleave (exclusive leases) and the read-then-write cannot fail with `SQLITE_BUSY` past the
 /// busy timeout (FM-E3).
-pub(crate) fn claim(
+#[async_trait]
+impl OutboxStore for SqliteStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
+        req.validate()?;
+        let lease_ms = duration_ms(req.lease, "lease")?;
+        let (limit, policy) = (req.limit, req.head_policy);
+        self.run(Ctx::Claim, move |conn, sql, table, caller| {
+            claim(conn, sql, table, limit, lease_ms, policy, caller)
+        })
+        .await
+    }
+
+    async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
+        let changes = same_change(ids, || Change::Complete);
+        self.run(Ctx::Complete, move |conn, sql, table, caller| {
+            lease::apply(conn, sql, table, Ctx::Complete, token, &changes, caller)
+        })
+        .await
+    }
+
+    async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error> {
+        let changes = lease::failures(failures)?;
+        self.run(Ctx::Fail, move |conn, sql, table, caller| {
+            lease::apply(conn, sql, table, Ctx::Fail, token, &changes, caller)
+        })
+        .await
+    }
+
+    async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
+        let lease_ms = duration_ms(lease, "lease")?;
+        self.run(Ctx::Extend, move |conn, sql, table, caller| {
+            lease::extend(conn, sql, table, token, lease_ms, caller)
+        })
+        .await
+    }
+
+    async fn release(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
+        let changes = same_change(ids, || Change::Release);
+        self.run(Ctx::Release, move |conn, sql, table, caller| {
+            lease::apply(conn, sql, table, Ctx::Release, token, &changes, caller)
+        })
+        .await
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::none()
+            .with_concurrent_claimers(true)
+            .with_deletes_published(self.config().delete_published())
+    }
+}
+
+fn claim(
     conn: &mut Connection,
     sql: &Sql,
     table: &str,

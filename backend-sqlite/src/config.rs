@@ -1,9 +1,12 @@
-//! Settings shared by [`crate::open_connection`], [`crate::migrate`], the enqueue functions and
-//! [`crate::SqliteStore`].
+//! Which table the store uses and how its connections are set up: [`SqliteConfig`], built and
+//! checked by [`SqliteConfigBuilder`], shared by [`crate::open_connection`], [`crate::migrate`],
+//! the enqueue functions and [`crate::SqliteStore`].
 
 use std::time::Duration;
 
 use outbox_traits::{validate_sql_identifier, Error, Limits};
+
+use crate::sql::schema_sql;
 
 /// The table name used when none is configured.
 pub const DEFAULT_TABLE: &str = "outbox";
@@ -51,109 +54,170 @@ impl Synchronous {
 
 /// Configuration of the SQLite outbox.
 ///
-/// Build it from [`SqliteConfig::default`] and the `with_*` methods; every function of this
-/// crate validates it (see [`SqliteConfig::validate`]) before touching the database.
+/// Build it with [`SqliteConfig::builder`] (or take [`SqliteConfig::default`]);
+/// [`SqliteConfigBuilder::build`] checks every setting, so a config is always valid. The same
+/// API as the other backends' configs.
 ///
 /// ```
 /// use std::time::Duration;
 /// use outbox_backend_sqlite::{SqliteConfig, Synchronous};
-/// let config = SqliteConfig::default()
-///     .with_table("orders_outbox")
-///     .with_busy_timeout(Duration::from_secs(10))
-///     .with_synchronous(Synchronous::Full);
-/// assert!(config.validate().is_ok());
-/// assert!(SqliteConfig::default().with_table("bad name").validate().is_err());
+/// let config = SqliteConfig::builder()
+///     .table("orders_outbox")
+///     .busy_timeout(Duration::from_secs(10))
+///     .synchronous(Synchronous::Full)
+///     .build()?;
+/// assert_eq!(config.table(), "orders_outbox");
+/// assert!(SqliteConfig::builder().table("bad name").build().is_err());
+/// # Ok::<(), outbox_traits::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct SqliteConfig {
-    /// Name of the outbox table. Default [`DEFAULT_TABLE`] (`outbox`). Must be a plain SQL
-    /// identifier (checked by [`outbox_traits::validate_sql_identifier`]); index names are
-    /// derived from it.
-    pub table: String,
-    /// Limits applied to every enqueued message (payload size).
-    pub limits: Limits,
-    /// How long a connection waits for another connection's write lock. Default 5 s.
-    pub busy_timeout: Duration,
-    /// Durability of commits; see [`Synchronous`]. Default [`Synchronous::Normal`].
-    pub synchronous: Synchronous,
-    /// Delete a message's row when it is published instead of keeping it as `published` until
-    /// [`purge_published`](outbox_traits::OutboxAdmin::purge_published) removes it. Default
-    /// `false` (kept). Deleting keeps the file small with no purge job; the table then holds no
-    /// history of published messages (`counts()` reports none) and a dedup key is free again
-    /// as soon as its message is published. Declared as
-    /// [`Capabilities::deletes_published`](outbox_traits::Capabilities::deletes_published).
-    pub delete_published: bool,
+    pub(crate) table: String,
+    pub(crate) limits: Limits,
+    pub(crate) busy_timeout: Duration,
+    pub(crate) synchronous: Synchronous,
+    pub(crate) delete_published: bool,
 }
 
 impl Default for SqliteConfig {
+    /// Table `outbox`, 1 MiB payloads, 5 s busy timeout, `synchronous = NORMAL`, published rows
+    /// kept.
     fn default() -> Self {
-        Self {
-            table: DEFAULT_TABLE.to_owned(),
-            limits: Limits::default(),
-            busy_timeout: DEFAULT_BUSY_TIMEOUT,
-            synchronous: Synchronous::default(),
-            delete_published: false,
-        }
+        SqliteConfigBuilder::default().config
     }
 }
 
 impl SqliteConfig {
-    /// Use `table` as the outbox table name.
-    pub fn with_table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
+    /// A builder starting from the defaults.
+    pub fn builder() -> SqliteConfigBuilder {
+        SqliteConfigBuilder::default()
+    }
+
+    /// The table name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The payload limits enqueue enforces.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// How long a connection waits for another connection's write lock.
+    pub fn busy_timeout(&self) -> Duration {
+        self.busy_timeout
+    }
+
+    /// The durability of commits.
+    pub fn synchronous(&self) -> Synchronous {
+        self.synchronous
+    }
+
+    /// Whether completing a message deletes its row instead of marking it published
+    /// (see [`SqliteConfigBuilder::delete_published`]).
+    pub fn delete_published(&self) -> bool {
+        self.delete_published
+    }
+
+    /// The migration SQL for this table, for teams that apply migrations with their own tool.
+    /// It is idempotent; [`crate::migrate`] runs exactly this (and checks an existing table).
+    pub fn migration_sql(&self) -> String {
+        schema_sql(&self.table)
+    }
+}
+
+/// Builder of [`SqliteConfig`]; [`SqliteConfigBuilder::build`] validates everything.
+#[derive(Debug, Clone)]
+pub struct SqliteConfigBuilder {
+    config: SqliteConfig,
+}
+
+impl Default for SqliteConfigBuilder {
+    fn default() -> Self {
+        Self {
+            config: SqliteConfig {
+                table: DEFAULT_TABLE.to_owned(),
+                limits: Limits::default(),
+                busy_timeout: DEFAULT_BUSY_TIMEOUT,
+                synchronous: Synchronous::default(),
+                delete_published: false,
+            },
+        }
+    }
+}
+
+impl SqliteConfigBuilder {
+    /// Outbox table name (default [`DEFAULT_TABLE`], `outbox`). A plain SQL identifier of at
+    /// most 50 bytes (index names are derived from it).
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.config.table = table.into();
         self
     }
 
-    /// Apply these limits to enqueued messages.
-    pub fn with_limits(mut self, limits: Limits) -> Self {
-        self.limits = limits;
+    /// Payload limits enforced at enqueue (default 1 MiB).
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.config.limits = limits;
         self
     }
 
-    /// Wait this long for another connection's write lock.
-    pub fn with_busy_timeout(mut self, timeout: Duration) -> Self {
-        self.busy_timeout = timeout;
+    /// Largest accepted payload, in bytes of its JSON text.
+    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.config.limits.max_payload_bytes = bytes;
         self
     }
 
-    /// Use this durability setting.
-    pub fn with_synchronous(mut self, synchronous: Synchronous) -> Self {
-        self.synchronous = synchronous;
+    /// How long a connection waits for another connection's write lock (default 5 s).
+    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
+        self.config.busy_timeout = timeout;
         self
     }
 
-    /// Delete messages as they are published (see [`SqliteConfig::delete_published`]).
-    pub fn with_delete_published(mut self, delete: bool) -> Self {
-        self.delete_published = delete;
+    /// Durability of commits; see [`Synchronous`] (default [`Synchronous::Normal`]).
+    pub fn synchronous(mut self, synchronous: Synchronous) -> Self {
+        self.config.synchronous = synchronous;
         self
     }
 
-    /// Check every setting; [`Error::InvalidInput`] says which one to fix.
-    pub fn validate(&self) -> Result<(), Error> {
-        validate_sql_identifier("table name", &self.table)?;
+    /// Delete a message's row when it is published instead of keeping it as `published` until
+    /// [`purge_published`](outbox_traits::OutboxAdmin::purge_published) removes it (default
+    /// off: kept). Deleting keeps the file small with no purge job; the table then holds no
+    /// history of published messages (`counts()` reports none) and a dedup key is free again
+    /// as soon as its message is published. Declared as
+    /// [`Capabilities::deletes_published`](outbox_traits::Capabilities::deletes_published).
+    pub fn delete_published(mut self, delete: bool) -> Self {
+        self.config.delete_published = delete;
+        self
+    }
+
+    /// Check every setting and build the config.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] saying which setting to fix.
+    pub fn build(self) -> Result<SqliteConfig, Error> {
+        let config = self.config;
+        validate_sql_identifier("table name", &config.table)?;
         // Index names append up to 10 bytes to the table name; keep them inside the limit.
-        if self.table.len() > 50 {
+        if config.table.len() > 50 {
             return Err(Error::invalid_input(format!(
                 "table name {:?} is {} bytes long; use at most 50 bytes (index names are derived from it)",
-                self.table,
-                self.table.len()
+                config.table,
+                config.table.len()
             )));
         }
-        if self.limits.max_payload_bytes == 0 {
+        if config.limits.max_payload_bytes == 0 {
             return Err(Error::invalid_input(
                 "max_payload_bytes is 0, so no message could be enqueued; use e.g. 1 MiB",
             ));
         }
         // SQLite takes the busy timeout as a C int of milliseconds.
-        if self.busy_timeout.as_millis() > i32::MAX as u128 {
+        if config.busy_timeout.as_millis() > i32::MAX as u128 {
             return Err(Error::invalid_input(format!(
                 "busy timeout {:?} is too long; use at most {} ms",
-                self.busy_timeout,
+                config.busy_timeout,
                 i32::MAX
             )));
         }
-        Ok(())
+        Ok(config)
     }
 }
 
@@ -163,26 +227,25 @@ mod tests {
 
     #[test]
     fn validation_names_the_setting() {
-        let err = SqliteConfig::default()
-            .with_table("x;drop")
-            .validate()
-            .unwrap_err();
+        let err = SqliteConfig::builder().table("x;drop").build().unwrap_err();
         assert!(err.to_string().contains("table name"), "{err}");
-        let err = SqliteConfig::default()
-            .with_busy_timeout(Duration::from_secs(u64::MAX / 2))
-            .validate()
+        let err = SqliteConfig::builder()
+            .busy_timeout(Duration::from_secs(u64::MAX / 2))
+            .build()
             .unwrap_err();
         assert!(err.to_string().contains("busy timeout"), "{err}");
-        let err = SqliteConfig::default()
-            .with_limits(Limits {
-                max_payload_bytes: 0,
-            })
-            .validate()
+        let err = SqliteConfig::builder()
+            .max_payload_bytes(0)
+            .build()
             .unwrap_err();
         assert!(err.to_string().contains("max_payload_bytes"), "{err}");
-        assert!(SqliteConfig::default()
-            .with_table("a".repeat(51))
-            .validate()
+        assert!(SqliteConfig::builder()
+            .table("a".repeat(51))
+            .build()
             .is_err());
+        assert_eq!(
+            SqliteConfig::builder().build().ok(),
+            Some(SqliteConfig::default())
+        );
     }
 }

@@ -27,7 +27,6 @@ const STATEMENT_CACHE: usize = 64;
 /// [`Error::InvalidInput`] for a bad config or when the file's directory does not exist (SQLite
 /// creates the file, never its directory); [`Error::Unavailable`] when the file cannot be opened.
 pub fn open_connection(path: impl AsRef<Path>, config: &SqliteConfig) -> Result<Connection, Error> {
-    config.validate()?;
     let path = path.as_ref();
     check_directory(path)?;
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE

@@ -7,7 +7,7 @@ use outbox_traits::{validate_batch, Error, NewMessage};
 use crate::config::SqliteConfig;
 use crate::error::{map_err, Ctx};
 use crate::row::{from_time, id_text};
-use crate::schema::insert_sql;
+use crate::sql::insert_sql;
 
 /// Write one message in the caller's transaction: it becomes claimable when `tx` commits and
 /// never exists if `tx` rolls back.
@@ -70,7 +70,6 @@ pub fn enqueue_batch(
     config: &SqliteConfig,
     messages: &[NewMessage],
 ) -> Result<(), Error> {
-    config.validate()?;
     let rows = validate_all(config, messages)?;
     if rows.is_empty() {
         return Ok(());

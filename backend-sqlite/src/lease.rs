@@ -16,7 +16,7 @@ use outbox_traits::{Error, FailAction, Failure, LeaseToken};
 use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
 use crate::row::{duration_ms, id_text, to_time};
-use crate::schema::Sql;
+use crate::sql::Sql;
 
 /// Longest stored error text; a publisher error carrying a whole response body must not bloat
 /// the table. Cut at a character boundary.

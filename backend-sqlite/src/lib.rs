@@ -53,8 +53,9 @@
 //! # let dir = tempfile::tempdir()?;
 //! let path = dir.path().join("app.db");
 //! let config = SqliteConfig::default();
-//! // The relay's side; opening it creates the outbox table if needed.
+//! // The relay's side; migrate creates the outbox table if needed.
 //! let store = SqliteStore::open(&path, config.clone()).await?;
+//! store.migrate().await?;
 //!
 //! // The service's side: its own connection, one transaction for the order and its event.
 //! let mut conn = open_connection(&path, &config)?;
@@ -120,7 +121,8 @@
 //!
 //! # The SQL
 //!
-//! [`migrate`] runs [`schema_sql`] for the configured table (`outbox` here):
+//! [`migrate`] (and [`SqliteStore::migrate`]) runs [`SqliteConfig::migration_sql`] for the
+//! configured table (`outbox` here):
 //!
 //! ```sql
 //! CREATE TABLE IF NOT EXISTS outbox (
@@ -154,6 +156,14 @@
 //!
 //! Times are integer milliseconds since the Unix epoch (`available_at` is the due time of a
 //! pending message: its not-before time or its retry time).
+//!
+//! # Source layout
+//!
+//! The same files do the same jobs in the three SQL backends (`config.rs`, `store.rs`,
+//! `migrate.rs`, `sql.rs`, `enqueue.rs`, `claim.rs`, `lease.rs`, `admin.rs`, `row.rs`,
+//! `error.rs`), plus `connection.rs` (opening and configuring connections) and `cancel.rs`
+//! (rolling back calls whose caller went away) here; the table is in the workspace README's
+//! layout section.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod admin;
@@ -164,15 +174,18 @@ mod connection;
 mod enqueue;
 mod error;
 mod lease;
+mod migrate;
 mod row;
-mod schema;
+mod sql;
 mod store;
 
-pub use config::{SqliteConfig, Synchronous, DEFAULT_BUSY_TIMEOUT, DEFAULT_TABLE};
+pub use config::{
+    SqliteConfig, SqliteConfigBuilder, Synchronous, DEFAULT_BUSY_TIMEOUT, DEFAULT_TABLE,
+};
 pub use connection::open_connection;
 pub use enqueue::{enqueue, enqueue_batch};
 pub use error::sqlite_error;
-pub use schema::{migrate, schema_sql};
+pub use migrate::migrate;
 pub use store::SqliteStore;
 
 /// Re-exported so that callers name the same rusqlite version as this crate.

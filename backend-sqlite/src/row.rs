@@ -37,7 +37,7 @@ pub(crate) fn from_time(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
-/// Read a [`Message`] from a row whose first columns are [`crate::schema::MESSAGE_COLUMNS`].
+/// Read a [`Message`] from a row whose first columns are [`crate::sql::MESSAGE_COLUMNS`].
 pub(crate) fn message(row: &Row<'_>) -> rusqlite::Result<Message> {
     let id: String = row.get(0)?;
     let id = Uuid::parse_str(&id).map_err(|e| {

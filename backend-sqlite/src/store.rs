@@ -1,29 +1,22 @@
-//! [`SqliteStore`]: the relay's side, implementing [`OutboxStore`] and [`OutboxAdmin`].
+//! [`SqliteStore`]: the handle the relay and operators use, one connection run on Tokio's
+//! blocking pool; its trait impls are in `claim.rs` (relay side) and `admin.rs`.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
 
 use rusqlite::{Connection, Transaction, TransactionBehavior};
 
-use outbox_traits::async_trait;
-use outbox_traits::chrono::{DateTime, Utc};
-use outbox_traits::uuid::Uuid;
-use outbox_traits::{
-    Capabilities, Claim, ClaimRequest, Counts, DeadMessage, Error, Failure, LeaseToken,
-    OutboxAdmin, OutboxStore,
-};
+use outbox_traits::Error;
 
 use crate::cancel::Caller;
 use crate::config::SqliteConfig;
 use crate::connection::open_connection;
 use crate::error::{map_err, Ctx};
-use crate::lease::{same_change, Change};
-use crate::row::duration_ms;
-use crate::schema::{migrate, Sql};
-use crate::{admin, claim, lease};
+use crate::migrate::migrate;
+use crate::sql::Sql;
 
-/// The SQLite outbox store: an [`OutboxStore`] and [`OutboxAdmin`] over one file.
+/// The SQLite outbox store: an [`OutboxStore`](outbox_traits::OutboxStore) and
+/// [`OutboxAdmin`](outbox_traits::OutboxAdmin) over one file.
 ///
 /// Each handle owns one connection. Every call runs on Tokio's blocking pool
 /// ([`tokio::task::spawn_blocking`]) with that connection taken from a mutex, so the async
@@ -37,7 +30,7 @@ use crate::{admin, claim, lease};
 ///
 /// Cloning is cheap and shares the connection. Several handles (in one process or several) may
 /// use the same file: writes serialize through `BEGIN IMMEDIATE`, and claims stay exclusive
-/// ([`Capabilities::concurrent_claimers`]). One handle per process is the fastest setup: two
+/// ([`Capabilities::concurrent_claimers`](outbox_traits::Capabilities::concurrent_claimers)). One handle per process is the fastest setup: two
 /// handles in one process wait on each other through SQLite's busy handler, which sleeps.
 ///
 /// Requires a Tokio runtime (any flavour); called outside one, methods return a permanent error.
@@ -56,21 +49,20 @@ struct Inner {
 
 impl SqliteStore {
     /// Open the database at `path` (created if missing, its directory must exist) with
-    /// [`open_connection`], and create the outbox table and indexes if needed with
-    /// [`migrate`](crate::migrate()).
+    /// [`open_connection`].
+    ///
+    /// Does not create the table: call [`SqliteStore::migrate`] or apply
+    /// [`SqliteConfig::migration_sql`] with your own migration tool.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] for a bad config or a missing directory; [`Error::Unavailable`]
-    /// when the file cannot be opened; a permanent error when an existing table is not
-    /// compatible (see [`migrate`](crate::migrate())).
+    /// [`Error::InvalidInput`] for a missing directory; [`Error::Unavailable`] when the file
+    /// cannot be opened.
     pub async fn open(path: impl AsRef<Path>, config: SqliteConfig) -> Result<Self, Error> {
-        config.validate()?;
         let path = path.as_ref().to_path_buf();
         let handle = runtime(Ctx::Open)?;
         let (conn, path, config) = handle
             .spawn_blocking(move || {
                 let conn = open_connection(&path, &config)?;
-                migrate(&conn, &config)?;
                 Ok::<_, Error>((conn, path, config))
             })
             .await
@@ -88,6 +80,16 @@ impl SqliteStore {
     /// The configuration this store was opened with (pass it to [`crate::enqueue`]).
     pub fn config(&self) -> &SqliteConfig {
         &self.inner.config
+    }
+
+    /// Create the outbox table and indexes if missing, and check an existing table (see
+    /// [`crate::migrate`]). Idempotent: safe to call at every start-up.
+    ///
+    /// # Errors
+    /// As [`crate::migrate`]: a permanent error when an existing table is not compatible.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        self.blocking(Ctx::Migrate, |conn, inner, _| migrate(conn, &inner.config))
+            .await?
     }
 
     /// The database path this store was opened with.
@@ -113,6 +115,7 @@ impl SqliteStore {
     /// # async fn main() -> Result<(), Error> {
     /// # let dir = tempfile::tempdir().unwrap();
     /// let store = SqliteStore::open(dir.path().join("app.db"), SqliteConfig::default()).await?;
+    /// store.migrate().await?;
     /// store
     ///     .transaction(|tx, config| {
     ///         tx.execute_batch("CREATE TABLE IF NOT EXISTS orders (id TEXT PRIMARY KEY)")
@@ -181,7 +184,7 @@ impl SqliteStore {
     }
 
     /// Run a store operation that returns the contract's error.
-    async fn run<T, F>(&self, ctx: Ctx, f: F) -> Result<T, Error>
+    pub(crate) async fn run<T, F>(&self, ctx: Ctx, f: F) -> Result<T, Error>
     where
         F: FnOnce(&mut Connection, &Sql, &str, &Caller) -> Result<T, Error> + Send + 'static,
         T: Send + 'static,
@@ -223,101 +226,5 @@ fn join_error(ctx: Ctx, err: tokio::task::JoinError) -> Error {
             ),
             Some(Box::new(err)),
         )
-    }
-}
-
-#[async_trait]
-impl OutboxStore for SqliteStore {
-    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
-        req.validate()?;
-        let lease_ms = duration_ms(req.lease, "lease")?;
-        let (limit, policy) = (req.limit, req.head_policy);
-        self.run(Ctx::Claim, move |conn, sql, table, caller| {
-            claim::claim(conn, sql, table, limit, lease_ms, policy, caller)
-        })
-        .await
-    }
-
-    async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
-        let changes = same_change(ids, || Change::Complete);
-        self.run(Ctx::Complete, move |conn, sql, table, caller| {
-            lease::apply(conn, sql, table, Ctx::Complete, token, &changes, caller)
-        })
-        .await
-    }
-
-    async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error> {
-        let changes = lease::failures(failures)?;
-        self.run(Ctx::Fail, move |conn, sql, table, caller| {
-            lease::apply(conn, sql, table, Ctx::Fail, token, &changes, caller)
-        })
-        .await
-    }
-
-    async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
-        let lease_ms = duration_ms(lease, "lease")?;
-        self.run(Ctx::Extend, move |conn, sql, table, caller| {
-            lease::extend(conn, sql, table, token, lease_ms, caller)
-        })
-        .await
-    }
-
-    async fn release(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
-        let changes = same_change(ids, || Change::Release);
-        self.run(Ctx::Release, move |conn, sql, table, caller| {
-            lease::apply(conn, sql, table, Ctx::Release, token, &changes, caller)
-        })
-        .await
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::none()
-            .with_concurrent_claimers(true)
-            .with_deletes_published(self.inner.config.delete_published)
-    }
-}
-
-#[async_trait]
-impl OutboxAdmin for SqliteStore {
-    async fn list_dead(
-        &self,
-        after_seq: Option<i64>,
-        limit: usize,
-    ) -> Result<Vec<DeadMessage>, Error> {
-        self.run(Ctx::Admin, move |conn, sql, table, _| {
-            admin::list_dead(conn, sql, table, after_seq, limit)
-        })
-        .await
-    }
-
-    async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error> {
-        let ids = ids.to_vec();
-        self.run(Ctx::Admin, move |conn, sql, table, caller| {
-            admin::requeue(conn, sql, table, &ids, caller)
-        })
-        .await
-    }
-
-    async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error> {
-        let ids = ids.to_vec();
-        self.run(Ctx::Admin, move |conn, sql, table, caller| {
-            admin::discard(conn, sql, table, &ids, caller)
-        })
-        .await
-    }
-
-    async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
-        let older_than_ms = duration_ms(older_than, "purge age")?;
-        self.run(Ctx::Admin, move |conn, sql, table, caller| {
-            admin::purge_published(conn, sql, table, older_than_ms, batch, caller)
-        })
-        .await
-    }
-
-    async fn counts(&self) -> Result<Counts, Error> {
-        self.run(Ctx::Admin, move |conn, sql, table, _| {
-            admin::counts(conn, sql, table)
-        })
-        .await
     }
 }

@@ -38,8 +38,11 @@ impl Harness for SqliteHarness {
         let dir =
             tempfile::tempdir().map_err(|e| Error::unavailable("temp dir", e.to_string(), e))?;
         let path = dir.path().join("outbox.db");
-        let config = SqliteConfig::default().with_delete_published(self.delete_published);
+        let config = SqliteConfig::builder()
+            .delete_published(self.delete_published)
+            .build()?;
         let admin = SqliteStore::open(&path, config.clone()).await?;
+        admin.migrate().await?;
         Ok(Box::new(SqliteHarnessStore {
             _dir: dir,
             path,
@@ -90,7 +93,7 @@ impl HarnessStore for SqliteHarnessStore {
                         "UPDATE {} SET available_at = available_at - ?1, \
                          lease_until = lease_until - ?1, created_at = created_at - ?1, \
                          published_at = published_at - ?1",
-                        config.table
+                        config.table()
                     ),
                     [ms],
                 )

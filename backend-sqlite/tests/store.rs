@@ -8,11 +8,10 @@ use std::time::Duration;
 use outbox_backend_sqlite::{
     enqueue, enqueue_batch, open_connection, SqliteConfig, SqliteStore, Synchronous,
 };
-use outbox_traits::chrono::{self, Utc};
 use outbox_traits::uuid::Uuid;
 use outbox_traits::{
-    ClaimRequest, Error, FailAction, Failure, HeadPolicy, LeaseToken, Limits, NewMessage,
-    OutboxAdmin, OutboxStore,
+    ClaimRequest, Error, FailAction, Failure, HeadPolicy, Limits, NewMessage, OutboxAdmin,
+    OutboxStore,
 };
 use rusqlite::{Connection, TransactionBehavior};
 use tempfile::TempDir;
@@ -35,9 +34,11 @@ impl Db {
     }
 
     pub async fn store(&self) -> SqliteStore {
-        SqliteStore::open(&self.path, self.config.clone())
+        let store = SqliteStore::open(&self.path, self.config.clone())
             .await
-            .expect("open store")
+            .expect("open store");
+        store.migrate().await.expect("migrate");
+        store
     }
 
     fn conn(&self) -> Connection {
@@ -62,13 +63,6 @@ impl Db {
     /// Make every lease end an hour ago (as if an hour passed for the leases).
     fn expire_leases(&self) {
         self.exec("UPDATE outbox SET lease_until = lease_until - 3600000 WHERE state = 'leased'");
-    }
-
-    /// Make every waiting message due (as if its retry or not-before time passed).
-    fn make_due(&self) {
-        self.exec(
-            "UPDATE outbox SET available_at = available_at - 86400000 * 365 WHERE state = 'pending'",
-        );
     }
 
     fn state_of(&self, id: outbox_traits::uuid::Uuid) -> (String, i64) {
@@ -103,68 +97,8 @@ fn req(limit: usize) -> ClaimRequest {
     }
 }
 
-fn req_with(limit: usize, head_policy: HeadPolicy) -> ClaimRequest {
-    ClaimRequest {
-        limit,
-        lease: Duration::from_secs(60),
-        head_policy,
-    }
-}
-
 fn ids(claim: &outbox_traits::Claim) -> Vec<Uuid> {
     claim.messages.iter().map(|m| m.id).collect()
-}
-
-fn lost_ids(err: Error) -> Vec<Uuid> {
-    match err {
-        Error::LeaseLost { ids } => ids,
-        other => panic!("expected LeaseLost, got {other:?}"),
-    }
-}
-
-#[tokio::test]
-async fn committed_enqueue_is_claimable_rolled_back_never() {
-    let db = Db::new();
-    let store = db.store().await;
-    let kept = msg("k", 1).with_header("traceparent", "00-abc-def-01");
-    let dropped = msg("k", 2);
-    let mut conn = db.conn();
-    let tx = conn
-        .transaction_with_behavior(TransactionBehavior::Immediate)
-        .unwrap();
-    enqueue(&tx, &db.config, &dropped).unwrap();
-    tx.rollback().unwrap();
-    let tx = conn
-        .transaction_with_behavior(TransactionBehavior::Immediate)
-        .unwrap();
-    enqueue(&tx, &db.config, &kept).unwrap();
-    tx.commit().unwrap();
-
-    let claim = store.claim(&req(10)).await.unwrap();
-    assert_eq!(ids(&claim), vec![kept.id]);
-    let m = &claim.messages[0];
-    assert_eq!(m.payload, r#"{"key":"k","n":1}"#);
-    assert_eq!(
-        m.headers.get("traceparent").map(String::as_str),
-        Some("00-abc-def-01")
-    );
-    assert_eq!(m.partition_key.as_deref(), Some("k"));
-    assert_eq!(
-        (m.aggregate_type.as_str(), m.aggregate_id.as_str()),
-        ("test", "k")
-    );
-    assert_eq!(m.event_type, "test.event");
-    assert_eq!(m.attempts, 0);
-    let age = Utc::now() - m.created_at;
-    assert!(
-        age.num_seconds().abs() < 60,
-        "created_at from the db clock: {age}"
-    );
-    assert!(claim.lease_until > Utc::now());
-    store.complete(claim.token, &[kept.id]).await.unwrap();
-    let counts = store.counts().await.unwrap();
-    assert_eq!((counts.pending, counts.leased, counts.published), (0, 0, 1));
-    assert!(store.claim(&req(10)).await.unwrap().messages.is_empty());
 }
 
 #[tokio::test]
@@ -317,247 +251,6 @@ async fn two_handles_claiming_concurrently_never_overlap_and_keep_key_order() {
 }
 
 #[tokio::test]
-async fn a_stale_token_changes_nothing_and_names_the_messages() {
-    let db = Db::new();
-    let store = db.store().await;
-    let (m1, m2) = (msg("k", 1), unordered(2));
-    db.enqueue(&[m1.clone(), m2.clone()]);
-    let claim = store.claim(&req(10)).await.unwrap();
-    let stale = LeaseToken::new();
-
-    let lost = lost_ids(store.complete(stale, &[m1.id, m2.id]).await.unwrap_err());
-    assert_eq!(lost, vec![m1.id, m2.id]);
-    let failure = Failure {
-        id: m1.id,
-        error: "boom".into(),
-        action: FailAction::Dead,
-    };
-    assert_eq!(
-        lost_ids(store.fail(stale, &[failure]).await.unwrap_err()),
-        vec![m1.id]
-    );
-    assert_eq!(
-        lost_ids(store.release(stale, &[m2.id]).await.unwrap_err()),
-        vec![m2.id]
-    );
-    assert!(lost_ids(
-        store
-            .extend(stale, Duration::from_secs(60))
-            .await
-            .unwrap_err()
-    )
-    .is_empty());
-    assert_eq!(db.state_of(m1.id), ("leased".to_owned(), 0));
-    assert_eq!(db.state_of(m2.id), ("leased".to_owned(), 0));
-
-    // A mixed batch completes what is held and names the rest.
-    let unknown = Uuid::now_v7();
-    let lost = lost_ids(
-        store
-            .complete(claim.token, &[m1.id, unknown])
-            .await
-            .unwrap_err(),
-    );
-    assert_eq!(lost, vec![unknown]);
-    assert_eq!(db.state_of(m1.id).0, "published");
-    // Completing twice: the second time the lease is gone.
-    assert_eq!(
-        lost_ids(store.complete(claim.token, &[m1.id]).await.unwrap_err()),
-        vec![m1.id]
-    );
-    store.complete(claim.token, &[m2.id, m2.id]).await.unwrap();
-}
-
-#[tokio::test]
-async fn an_expired_lease_is_reclaimable_and_the_old_token_is_fenced() {
-    let db = Db::new();
-    let store = db.store().await;
-    let m = msg("k", 1);
-    db.enqueue(std::slice::from_ref(&m));
-    let old = store.claim(&req(10)).await.unwrap();
-    assert!(
-        store.claim(&req(10)).await.unwrap().messages.is_empty(),
-        "leased"
-    );
-    db.expire_leases();
-    // An expired lease is not revived by extend.
-    assert!(lost_ids(
-        store
-            .extend(old.token, Duration::from_secs(60))
-            .await
-            .unwrap_err()
-    )
-    .is_empty());
-    let new = store.claim(&req(10)).await.unwrap();
-    assert_eq!(ids(&new), vec![m.id]);
-    assert_ne!(new.token, old.token);
-    assert_eq!(
-        new.messages[0].attempts, 0,
-        "a claim does not count an attempt"
-    );
-    // The zombie relay wakes up: every transition with its token is refused.
-    assert_eq!(
-        lost_ids(store.complete(old.token, &[m.id]).await.unwrap_err()),
-        vec![m.id]
-    );
-    let failure = Failure {
-        id: m.id,
-        error: "late".into(),
-        action: FailAction::Retry {
-            delay: Duration::from_secs(1),
-        },
-    };
-    assert_eq!(
-        lost_ids(store.fail(old.token, &[failure]).await.unwrap_err()),
-        vec![m.id]
-    );
-    assert_eq!(
-        lost_ids(store.release(old.token, &[m.id]).await.unwrap_err()),
-        vec![m.id]
-    );
-    assert_eq!(db.state_of(m.id), ("leased".to_owned(), 0));
-    // The new holder can extend and complete.
-    let until = store
-        .extend(new.token, Duration::from_secs(600))
-        .await
-        .unwrap();
-    assert!(until > new.lease_until);
-    store.complete(new.token, &[m.id]).await.unwrap();
-    assert_eq!(db.state_of(m.id).0, "published");
-}
-
-#[tokio::test]
-async fn a_retry_holds_back_its_key_but_not_other_keys_or_unordered() {
-    let db = Db::new();
-    let store = db.store().await;
-    let (a1, a2, b1, u1) = (msg("a", 1), msg("a", 2), msg("b", 1), unordered(1));
-    db.enqueue(&[a1.clone(), a2.clone(), b1.clone(), u1.clone()]);
-    let claim = store.claim(&req(10)).await.unwrap();
-    assert_eq!(ids(&claim), vec![a1.id, a2.id, b1.id, u1.id]);
-    let retry = Failure {
-        id: a1.id,
-        error: "broker said no".into(),
-        action: FailAction::Retry {
-            delay: Duration::from_secs(3600),
-        },
-    };
-    store.fail(claim.token, &[retry]).await.unwrap();
-    store.release(claim.token, &[a2.id]).await.unwrap();
-    store.complete(claim.token, &[b1.id, u1.id]).await.unwrap();
-    let (b2, u2) = (msg("b", 2), unordered(2));
-    db.enqueue(&[b2.clone(), u2.clone()]);
-
-    let claim = store.claim(&req(10)).await.unwrap();
-    assert_eq!(
-        ids(&claim),
-        vec![b2.id, u2.id],
-        "a2 waits behind a1's retry"
-    );
-    store.complete(claim.token, &ids(&claim)).await.unwrap();
-    assert_eq!(db.state_of(a1.id), ("pending".to_owned(), 1));
-
-    db.make_due();
-    let claim = store.claim(&req(10)).await.unwrap();
-    assert_eq!(ids(&claim), vec![a1.id, a2.id]);
-    assert_eq!(claim.messages[0].attempts, 1);
-    assert_eq!(
-        claim.messages[1].attempts, 0,
-        "release does not count an attempt"
-    );
-}
-
-#[tokio::test]
-async fn a_delayed_message_waits_and_holds_back_its_key() {
-    let db = Db::new();
-    let store = db.store().await;
-    let later = msg("k", 1).not_before(Utc::now() + chrono::Duration::hours(1));
-    let next = msg("k", 2);
-    let other = msg("j", 1);
-    db.enqueue(&[later.clone(), next.clone(), other.clone()]);
-    let claim = store.claim(&req(10)).await.unwrap();
-    assert_eq!(ids(&claim), vec![other.id]);
-    db.make_due();
-    let claim = store.claim(&req(10)).await.unwrap();
-    assert_eq!(ids(&claim), vec![later.id, next.id]);
-}
-
-#[tokio::test]
-async fn a_dead_head_blocks_its_key_under_block_and_not_under_skip() {
-    let db = Db::new();
-    let store = db.store().await;
-    let (d1, d2, other) = (msg("k", 1), msg("k", 2), msg("j", 1));
-    db.enqueue(&[d1.clone(), d2.clone(), other.clone()]);
-    let claim = store.claim(&req(1)).await.unwrap();
-    assert_eq!(ids(&claim), vec![d1.id]);
-    let dead = Failure {
-        id: d1.id,
-        error: "poison".into(),
-        action: FailAction::Dead,
-    };
-    store.fail(claim.token, &[dead]).await.unwrap();
-    assert_eq!(db.state_of(d1.id), ("dead".to_owned(), 1));
-
-    let claim = store.claim(&req_with(10, HeadPolicy::Block)).await.unwrap();
-    assert_eq!(ids(&claim), vec![other.id], "k is blocked by its dead head");
-    store.release(claim.token, &ids(&claim)).await.unwrap();
-    let claim = store.claim(&req_with(10, HeadPolicy::Skip)).await.unwrap();
-    assert_eq!(
-        ids(&claim),
-        vec![d2.id, other.id],
-        "k flows past its dead head"
-    );
-    store.release(claim.token, &ids(&claim)).await.unwrap();
-
-    // Operators see it, requeue it (attempts reset), and the key flows again under Block.
-    let listed = store.list_dead(None, 10).await.unwrap();
-    assert_eq!(listed.len(), 1);
-    assert_eq!(listed[0].message.id, d1.id);
-    assert_eq!(listed[0].last_error, "poison");
-    assert_eq!(listed[0].message.attempts, 1);
-    assert!(store
-        .list_dead(Some(listed[0].message.seq), 10)
-        .await
-        .unwrap()
-        .is_empty());
-    assert_eq!(store.requeue(&[d1.id, other.id]).await.unwrap(), 1);
-    let claim = store.claim(&req_with(10, HeadPolicy::Block)).await.unwrap();
-    assert_eq!(ids(&claim), vec![d1.id, d2.id, other.id]);
-    assert_eq!(claim.messages[0].attempts, 0);
-
-    // Discard only removes dead messages, and unblocks the key.
-    let dead = Failure {
-        id: d1.id,
-        error: "poison again".into(),
-        action: FailAction::Dead,
-    };
-    store.fail(claim.token, &[dead]).await.unwrap();
-    store
-        .release(claim.token, &[d2.id, other.id])
-        .await
-        .unwrap();
-    assert_eq!(store.discard(&[d1.id, d2.id]).await.unwrap(), 1);
-    let claim = store.claim(&req_with(10, HeadPolicy::Block)).await.unwrap();
-    assert_eq!(ids(&claim), vec![d2.id, other.id]);
-}
-
-#[tokio::test]
-async fn the_limit_is_respected_in_seq_order() {
-    let db = Db::new();
-    let store = db.store().await;
-    let all: Vec<NewMessage> = (0..50).map(|n| msg(&format!("k{}", n % 5), n)).collect();
-    db.enqueue(&all);
-    let claim = store.claim(&req(7)).await.unwrap();
-    assert_eq!(
-        ids(&claim),
-        all[..7].iter().map(|m| m.id).collect::<Vec<_>>()
-    );
-    let claim = store.claim(&req(1)).await.unwrap();
-    assert!(claim.messages.is_empty(), "every key's head is leased");
-    let err = store.claim(&req(0)).await.unwrap_err();
-    assert!(matches!(err, Error::InvalidInput(_)), "{err:?}");
-}
-
-#[tokio::test]
 async fn seq_is_not_reused_after_purge_and_reopen_and_purge_keeps_unpublished() {
     let db = Db::new();
     let store = db.store().await;
@@ -707,12 +400,15 @@ async fn invalid_input_is_refused_before_anything_is_written() {
     assert!(matches!(err, Error::InvalidInput(_)), "{err:?}");
     assert!(err.to_string().contains("event type"), "{err}");
 
-    let small = db.config.clone().with_limits(Limits {
-        max_payload_bytes: 10,
-    });
+    let small = SqliteConfig::builder()
+        .limits(Limits {
+            max_payload_bytes: 10,
+        })
+        .build()
+        .unwrap();
     let err = enqueue(&tx, &small, &msg("k", 3)).unwrap_err();
     assert!(err.to_string().contains("over the limit"), "{err}");
-    let err = enqueue(&tx, &db.config.clone().with_table("no;pe"), &msg("k", 4)).unwrap_err();
+    let err = SqliteConfig::builder().table("no;pe").build().unwrap_err();
     assert!(err.to_string().contains("table name"), "{err}");
 
     // Duplicate dedup keys: within the batch, and against a stored message (then the batch's
@@ -760,9 +456,7 @@ async fn bad_paths_and_missing_tables_are_typed_errors() {
         open_connection(&missing, &db.config),
         Err(Error::InvalidInput(_))
     ));
-    let err = SqliteStore::open(&db.path, SqliteConfig::default().with_table("1bad"))
-        .await
-        .unwrap_err();
+    let err = SqliteConfig::builder().table("1bad").build().unwrap_err();
     assert!(matches!(err, Error::InvalidInput(_)), "{err:?}");
 
     // A connection to a database nobody migrated: enqueue says to run migrate.
@@ -773,6 +467,18 @@ async fn bad_paths_and_missing_tables_are_typed_errors() {
     let err = enqueue(&tx, &db.config, &msg("k", 1)).unwrap_err();
     assert!(!err.is_transient());
     assert!(err.to_string().contains("migrate"), "{err}");
+    drop(tx);
+    // Opening a store does not create the table (as on every backend): its calls say to
+    // migrate, and after `migrate()` they work.
+    let store = SqliteStore::open(&db.path, db.config.clone())
+        .await
+        .unwrap();
+    let err = store.claim(&req(1)).await.unwrap_err();
+    assert!(!err.is_transient());
+    assert!(err.to_string().contains("migrate"), "{err}");
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    assert!(store.claim(&req(1)).await.unwrap().messages.is_empty());
 }
 
 #[tokio::test]
@@ -793,7 +499,10 @@ async fn connections_are_configured_for_the_outbox() {
     assert_eq!(fk, 1);
     let full = open_connection(
         &db.path,
-        &db.config.clone().with_synchronous(Synchronous::Full),
+        &SqliteConfig::builder()
+            .synchronous(Synchronous::Full)
+            .build()
+            .unwrap(),
     )
     .unwrap();
     let sync: i64 = full
@@ -859,10 +568,10 @@ async fn fail_records_attempts_and_errors_in_one_call() {
 #[tokio::test]
 async fn a_lock_held_past_the_busy_timeout_is_a_transient_error() {
     let mut db = Db::new();
-    db.config = db
-        .config
-        .clone()
-        .with_busy_timeout(Duration::from_millis(20));
+    db.config = SqliteConfig::builder()
+        .busy_timeout(Duration::from_millis(20))
+        .build()
+        .unwrap();
     let store = db.store().await;
     db.enqueue(&[msg("k", 1)]);
     let mut holder = db.conn();
@@ -881,6 +590,7 @@ async fn an_in_memory_store_works_through_its_own_transactions() {
     let store = SqliteStore::open(":memory:", SqliteConfig::default())
         .await
         .unwrap();
+    store.migrate().await.unwrap();
     let m = msg("k", 1);
     let m2 = m.clone();
     store
@@ -891,47 +601,4 @@ async fn an_in_memory_store_works_through_its_own_transactions() {
     assert_eq!(ids(&claim), vec![m.id]);
     store.complete(claim.token, &[m.id]).await.unwrap();
     assert_eq!(store.counts().await.unwrap().published, 1);
-}
-
-#[tokio::test]
-async fn delete_published_removes_rows_frees_dedup_keys_and_still_fences() {
-    let mut db = Db::new();
-    db.config = db.config.clone().with_delete_published(true);
-    let store = db.store().await;
-    assert!(store.capabilities().deletes_published);
-    db.enqueue(&[msg("a", 1).with_dedup_key("once"), msg("b", 2)]);
-    let claim = store.claim(&req(10)).await.unwrap();
-    let claimed = ids(&claim);
-    store.complete(claim.token, &claimed[..1]).await.unwrap();
-
-    // The published row is gone; the other one is still leased.
-    let rows: i64 = db
-        .conn()
-        .query_row("SELECT COUNT(*) FROM outbox", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(rows, 1);
-    assert_eq!(db.state_of(claimed[1]).0, "leased");
-    let counts = store.counts().await.unwrap();
-    assert_eq!((counts.leased, counts.published), (1, 0));
-    // Completing the deleted message again, or with a foreign token, changes nothing.
-    let err = store
-        .complete(claim.token, &claimed[..1])
-        .await
-        .unwrap_err();
-    assert_eq!(lost_ids(err), claimed[..1]);
-    let err = store
-        .complete(LeaseToken::new(), &claimed[1..])
-        .await
-        .unwrap_err();
-    assert_eq!(lost_ids(err), claimed[1..]);
-    assert_eq!(db.state_of(claimed[1]).0, "leased");
-    // The dedup key is free again once its message was published, and purge finds nothing.
-    db.enqueue(&[msg("a", 3).with_dedup_key("once")]);
-    assert_eq!(
-        store
-            .purge_published(Duration::from_secs(0), 100)
-            .await
-            .unwrap(),
-        0
-    );
 }

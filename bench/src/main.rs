@@ -323,8 +323,12 @@ fn sqlite_single_writers(path: &Path, config: &SqliteConfig, keys: usize) -> Box
 async fn bench_sqlite(messages: usize, keys: usize) -> BoxResult<()> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("bench.sqlite");
-    let config = SqliteConfig::default().with_delete_published(delete_published());
-    let store = Arc::new(SqliteStore::open(&path, config.clone()).await?);
+    let config = SqliteConfig::builder()
+        .delete_published(delete_published())
+        .build()?;
+    let store = SqliteStore::open(&path, config.clone()).await?;
+    store.migrate().await?;
+    let store = Arc::new(store);
 
     let started = Instant::now();
     {

@@ -141,6 +141,7 @@ impl Db {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("outbox.sqlite");
         let store = SqliteStore::open(&path, SqliteConfig::default()).await?;
+        store.migrate().await?;
         Ok(Db::Sqlite {
             path,
             store,

@@ -347,11 +347,11 @@ impl Source {
     async fn sqlite() -> Source {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("outbox.sqlite");
-        let store = Arc::new(
-            SqliteStore::open(&path, SqliteConfig::default())
-                .await
-                .unwrap(),
-        );
+        let store = SqliteStore::open(&path, SqliteConfig::default())
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        let store = Arc::new(store);
         outbox::sqlite::open_connection(&path, &SqliteConfig::default())
             .unwrap()
             .execute_batch(&format!(

@@ -169,7 +169,7 @@ impl Source {
             let mut stmt = conn
                 .prepare(&format!(
                     "SELECT id, payload FROM {} ORDER BY seq",
-                    config.table
+                    config.table()
                 ))
                 .unwrap();
             let rows: Vec<(String, String)> = stmt
@@ -179,7 +179,9 @@ impl Source {
                 .unwrap();
             rows
         };
-        let store = Arc::new(SqliteStore::open(&path, config).await.unwrap());
+        let store = SqliteStore::open(&path, config).await.unwrap();
+        store.migrate().await.unwrap();
+        let store = Arc::new(store);
         Source {
             expected: expected(&committed, rows),
             rolled_back: rolled_back.iter().map(|m| m.id.to_string()).collect(),

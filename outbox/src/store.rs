@@ -72,7 +72,7 @@ enum Backend {
     #[cfg(feature = "mysql")]
     Mysql(outbox_backend_mysql::MysqlStore),
     #[cfg(feature = "sqlite")]
-    Sqlite,
+    Sqlite(outbox_backend_sqlite::SqliteStore),
     /// Only there so the enum is not empty when no backend is compiled in.
     #[allow(dead_code)]
     None,
@@ -87,13 +87,13 @@ impl OpenedStore {
             #[cfg(feature = "mysql")]
             Backend::Mysql(_) => "mysql",
             #[cfg(feature = "sqlite")]
-            Backend::Sqlite => "sqlite",
+            Backend::Sqlite(_) => "sqlite",
             Backend::None => "none",
         }
     }
 
-    /// Create the outbox table and its indexes if they do not exist (idempotent; SQLite did it
-    /// when it was opened).
+    /// Create the outbox table and its indexes if they do not exist (idempotent), with the
+    /// backend's own `migrate`.
     ///
     /// # Errors
     /// As the backend's own `migrate`: a permanent error when the role may not create them.
@@ -104,7 +104,7 @@ impl OpenedStore {
             #[cfg(feature = "mysql")]
             Backend::Mysql(store) => store.migrate().await,
             #[cfg(feature = "sqlite")]
-            Backend::Sqlite => Ok(()),
+            Backend::Sqlite(store) => store.migrate().await,
             Backend::None => Ok(()),
         }
     }
@@ -191,16 +191,15 @@ pub async fn open(url: &str, options: &StoreOptions) -> Result<OpenedStore, Erro
                      sqlite:///absolute/path.db or sqlite://relative/path.db"
                 )));
             }
-            let mut config =
-                SqliteConfig::default().with_delete_published(options.delete_published);
+            let mut config = SqliteConfig::builder().delete_published(options.delete_published);
             if let Some(table) = &options.table {
-                config = config.with_table(table.clone());
+                config = config.table(table.clone());
             }
-            let store = SqliteStore::open(path, config).await?;
+            let store = SqliteStore::open(path, config.build()?).await?;
             Ok(OpenedStore {
                 store: Arc::new(store.clone()),
-                admin: Arc::new(store),
-                backend: Backend::Sqlite,
+                admin: Arc::new(store.clone()),
+                backend: Backend::Sqlite(store),
             })
         }
         // Reached only for backends whose feature is off.

@@ -17,6 +17,7 @@ async fn open() -> (tempfile::TempDir, Arc<SqliteStore>) {
     let store = SqliteStore::open(dir.path().join("outbox.db"), SqliteConfig::default())
         .await
         .unwrap();
+    store.migrate().await.unwrap();
     (dir, Arc::new(store))
 }
 
@@ -34,7 +35,7 @@ async fn make_retries_due(store: &SqliteStore) {
             tx.execute(
                 &format!(
                     "UPDATE {} SET available_at = available_at - 3600000 WHERE state = 'pending'",
-                    config.table
+                    config.table()
                 ),
                 [],
             )
@@ -132,7 +133,7 @@ async fn a_missing_table_is_a_permanent_error_from_run_until_idle() {
     let (_dir, store) = open().await;
     store
         .transaction(|tx, config| {
-            tx.execute_batch(&format!("DROP TABLE {}", config.table))
+            tx.execute_batch(&format!("DROP TABLE {}", config.table()))
                 .map_err(sqlite_error)
         })
         .await

@@ -3,7 +3,16 @@
 //! classification of sqlx errors that does not depend on the database.
 //!
 //! The database's own error codes stay with each backend: [`map_sqlx`] hands database errors
-//! to the backend's classifier.
+//! to the backend's classifier. What else the two stores share lives here too, so that what
+//! differs between them is their dialect: the common configuration settings ([`config`]), the
+//! store's pool and configuration ([`store`]), and row helpers ([`row`]).
+
+pub mod config;
+pub mod row;
+pub mod store;
+
+pub use config::{TableSettings, DEFAULT_TABLE};
+pub use store::{SqlxStore, CONNECT_TIMEOUT};
 
 use std::str::FromStr;
 use std::time::Duration;

@@ -41,7 +41,9 @@ pub async fn run(
     let config = SqliteConfig::default();
     let written = write_orders(path, &config, orders)?;
 
-    let store = Arc::new(SqliteStore::open(path, config).await?);
+    let store = SqliteStore::open(path, config).await?;
+    store.migrate().await?;
+    let store = Arc::new(store);
     let relay = Relay::new(
         store.clone(),
         Arc::new(StdoutPublisher::to_writer(out)),

@@ -53,7 +53,9 @@ pub async fn run(db_path: &Path, orders: usize, broker_url: &str) -> Result<Summ
     let config = SqliteConfig::default();
     let written = write_orders(db_path, &config, orders)?;
 
-    let store = Arc::new(SqliteStore::open(db_path, config).await?);
+    let store = SqliteStore::open(db_path, config).await?;
+    store.migrate().await?;
+    let store = Arc::new(store);
     let relay = Relay::new(store.clone(), Arc::new(publisher), RelayConfig::default())?;
     let started = Instant::now();
     let stats = relay.run_until_idle().await?;

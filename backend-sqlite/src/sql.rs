@@ -1,12 +1,4 @@
-//! The table, its indexes, [`migrate`], and every statement the store runs, built once per table
-//! name.
-
-use rusqlite::{Connection, OptionalExtension};
-
-use outbox_traits::Error;
-
-use crate::config::SqliteConfig;
-use crate::error::{map_err, Ctx};
+//! Every statement the store runs, and the table's DDL, built once per table name.
 
 /// "Now" in integer milliseconds since the Unix epoch, from SQLite's own clock.
 ///
@@ -15,16 +7,17 @@ use crate::error::{map_err, Ctx};
 /// this expression (read once per transaction), never from the relay's `SystemTime`.
 pub(crate) const NOW_MS: &str = "CAST(ROUND(unixepoch('now', 'subsec') * 1000) AS INTEGER)";
 
-/// The DDL that [`migrate`] runs for `table`, as one SQL script.
+/// The DDL that [`crate::migrate`] runs for `table`, as one SQL script (what
+/// [`SqliteConfig::migration_sql`](crate::SqliteConfig::migration_sql) returns).
 ///
 /// Every statement is `IF NOT EXISTS`, so running it again changes nothing. `table` must
-/// already be validated (see [`SqliteConfig::validate`]); [`migrate`] does that.
+/// already be validated (a built [`SqliteConfig`](crate::SqliteConfig) is).
 ///
 /// Times are integer milliseconds since the Unix epoch, taken from SQLite's clock.
 /// `seq` is `AUTOINCREMENT` so that a value is never handed out twice, even after the newest
 /// rows are purged and the database is reopened (plain `INTEGER PRIMARY KEY` reuses the largest
 /// deleted value).
-pub fn schema_sql(table: &str) -> String {
+pub(crate) fn schema_sql(table: &str) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS {t} (
     seq           INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -63,109 +56,6 @@ CREATE INDEX IF NOT EXISTS {t}_published ON {t} (published_at) WHERE state = 'pu
         t = table,
         now = NOW_MS
     )
-}
-
-/// Columns the store needs; checked by [`migrate`] on an existing table.
-const COLUMNS: [&str; 17] = [
-    "seq",
-    "id",
-    "aggregatetype",
-    "aggregateid",
-    "type",
-    "payload",
-    "headers",
-    "partition_key",
-    "dedup_key",
-    "state",
-    "attempts",
-    "available_at",
-    "lease_token",
-    "lease_until",
-    "last_error",
-    "created_at",
-    "published_at",
-];
-
-/// Create the outbox table and its indexes if they do not exist, then check the table.
-///
-/// Idempotent: safe to run at every start, from several processes at once. The DDL is
-/// [`schema_sql`]. Runs in its own `BEGIN IMMEDIATE` transaction, or in a savepoint when `conn`
-/// is already inside a transaction (so it can be part of your own migration).
-///
-/// The check refuses an existing table that lacks a column the store uses, or whose `seq` is not
-/// `AUTOINCREMENT` (a migration tool that rebuilt the table may have dropped it; without it,
-/// purged `seq` values are handed out again).
-pub fn migrate(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
-    config.validate()?;
-    let table = config.table.as_str();
-    // Check a table that already exists before the DDL touches it, so an incompatible table
-    // gets an error that says what is wrong rather than a failed CREATE INDEX.
-    check_table(conn, table)?;
-    let ddl = schema_sql(table);
-    let script = if conn.is_autocommit() {
-        format!("BEGIN IMMEDIATE;\n{ddl}COMMIT;")
-    } else {
-        format!("SAVEPOINT outbox_migrate;\n{ddl}RELEASE outbox_migrate;")
-    };
-    if let Err(err) = conn.execute_batch(&script) {
-        // Undo a half-run script so the connection is usable; the original error matters more.
-        let undo = if script.starts_with("BEGIN") {
-            "ROLLBACK"
-        } else {
-            "ROLLBACK TO outbox_migrate; RELEASE outbox_migrate"
-        };
-        if !conn.is_autocommit() {
-            let _ = conn.execute_batch(undo);
-        }
-        return Err(map_err(err, Ctx::Migrate, table));
-    }
-    Ok(())
-}
-
-fn check_table(conn: &Connection, table: &str) -> Result<(), Error> {
-    let sql: Option<String> = conn
-        .query_row(
-            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?1",
-            [table],
-            |row| row.get(0),
-        )
-        .optional()
-        .map_err(|e| map_err(e, Ctx::Migrate, table))?;
-    let Some(sql) = sql else {
-        return Ok(()); // not created yet
-    };
-    if !sql.to_ascii_uppercase().contains("AUTOINCREMENT") {
-        return Err(Error::permanent(
-            format!(
-                "table {table:?} exists but its seq column is not AUTOINCREMENT, so purged seq \
-                 values could be reused; rebuild it with the DDL from schema_sql() and copy the rows"
-            ),
-            None,
-        ));
-    }
-    let mut stmt = conn
-        .prepare("SELECT name FROM pragma_table_info(?1)")
-        .map_err(|e| map_err(e, Ctx::Migrate, table))?;
-    let present: Vec<String> = stmt
-        .query_map([table], |row| row.get(0))
-        .and_then(|rows| rows.collect())
-        .map_err(|e| map_err(e, Ctx::Migrate, table))?;
-    let missing: Vec<&str> = COLUMNS
-        .iter()
-        .copied()
-        .filter(|c| !present.iter().any(|p| p.eq_ignore_ascii_case(c)))
-        .collect();
-    if !missing.is_empty() {
-        return Err(Error::permanent(
-            format!(
-                "table {table:?} exists but lacks column(s) {}; it was not created by this crate's \
-                 migrate(); use another table name or rebuild it with schema_sql()",
-                missing.join(", ")
-            ),
-            None,
-        ));
-    }
-    Ok(())
 }
 
 /// The columns of a [`outbox_traits::Message`], in the order [`crate::row::message`] reads them.
@@ -281,7 +171,11 @@ pub(crate) fn insert_sql(table: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use rusqlite::Connection;
+
     use super::*;
+    use crate::migrate::migrate;
+    use crate::SqliteConfig;
 
     fn migrated() -> Connection {
         let conn = Connection::open_in_memory().unwrap();
@@ -329,39 +223,5 @@ mod tests {
             .unwrap()
             .as_millis() as i64;
         assert!((now - host).abs() < 60_000, "sqlite {now} vs host {host}");
-    }
-
-    #[test]
-    fn refuses_a_table_without_autoincrement() {
-        let conn = Connection::open_in_memory().unwrap();
-        let ddl = schema_sql("outbox").replace(" AUTOINCREMENT", "");
-        conn.execute_batch(&ddl).unwrap();
-        let err = migrate(&conn, &SqliteConfig::default()).unwrap_err();
-        assert!(err.to_string().contains("AUTOINCREMENT"), "{err}");
-    }
-
-    #[test]
-    fn refuses_a_foreign_table_with_the_same_name() {
-        let conn = Connection::open_in_memory().unwrap();
-        conn.execute_batch("CREATE TABLE outbox (seq INTEGER PRIMARY KEY AUTOINCREMENT, x TEXT)")
-            .unwrap();
-        let err = migrate(&conn, &SqliteConfig::default()).unwrap_err();
-        assert!(err.to_string().contains("lacks column"), "{err}");
-    }
-
-    #[test]
-    fn migrate_inside_a_transaction_uses_a_savepoint() {
-        let mut conn = Connection::open_in_memory().unwrap();
-        let tx = conn.transaction().unwrap();
-        migrate(&tx, &SqliteConfig::default()).unwrap();
-        tx.rollback().unwrap();
-        let exists: bool = conn
-            .query_row(
-                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = 'outbox')",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
-        assert!(!exists, "the caller's rollback must undo the migration");
     }
 }

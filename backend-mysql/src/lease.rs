@@ -1,0 +1,275 @@
+//! The fenced transitions of a claimed batch: complete, fail, extend, release.
+//!
+//! Each is one short transaction: lock the listed rows still held under the token (the fence:
+//! `lease_token` and an unexpired lease, by the database's clock), change exactly those, commit,
+//! and report the ids that were not held. A transaction InnoDB rolls back as a deadlock victim
+//! runs again (a few times).
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use chrono::{DateTime, NaiveDateTime, Utc};
+use outbox_sqlx_support::row::truncate_error;
+use outbox_traits::{Error, FailAction, Failure, LeaseToken};
+use sqlx::Row;
+use uuid::Uuid;
+
+use crate::error::is_deadlock;
+use crate::row::{decode_error, micros, text};
+use crate::sql::BEGIN;
+use crate::store::{MysqlStore, DEADLOCK_RETRIES};
+
+/// [`OutboxStore::complete`](outbox_traits::OutboxStore::complete) for the store.
+pub(crate) async fn complete(
+    store: &MysqlStore,
+    token: LeaseToken,
+    ids: &[Uuid],
+) -> Result<(), Error> {
+    store
+        .transition(
+            "complete",
+            token,
+            ids,
+            &store.config().sql().complete,
+            |held| Ok(serde_json::to_string(held).unwrap_or_default()),
+        )
+        .await
+}
+
+/// [`OutboxStore::fail`](outbox_traits::OutboxStore::fail) for the store.
+pub(crate) async fn fail(
+    store: &MysqlStore,
+    token: LeaseToken,
+    failures: &[Failure],
+) -> Result<(), Error> {
+    // Refuse a bad delay before anything changes.
+    for failure in failures {
+        if let FailAction::Retry { delay } = &failure.action {
+            micros("retry delay", *delay)?;
+        }
+    }
+    let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
+    store
+        .transition("fail", token, &ids, &store.config().sql().fail, |held| {
+            failure_rows(failures, held)
+        })
+        .await
+}
+
+/// [`OutboxStore::extend`](outbox_traits::OutboxStore::extend) for the store.
+pub(crate) async fn extend(
+    store: &MysqlStore,
+    token: LeaseToken,
+    lease: Duration,
+) -> Result<DateTime<Utc>, Error> {
+    if lease.is_zero() {
+        return Err(Error::invalid_input(
+            "lease extension is 0; give the relay time to publish, e.g. 30s",
+        ));
+    }
+    let lease_us = micros("lease extension", lease)?;
+    let mut attempt = 0;
+    loop {
+        match store.try_extend(token, lease_us).await {
+            Err(e) if is_deadlock(&e) && attempt < DEADLOCK_RETRIES => attempt += 1,
+            other => return other,
+        }
+    }
+}
+
+/// [`OutboxStore::release`](outbox_traits::OutboxStore::release) for the store.
+pub(crate) async fn release(
+    store: &MysqlStore,
+    token: LeaseToken,
+    ids: &[Uuid],
+) -> Result<(), Error> {
+    store
+        .transition(
+            "release",
+            token,
+            ids,
+            &store.config().sql().release,
+            |held| Ok(serde_json::to_string(held).unwrap_or_default()),
+        )
+        .await
+}
+
+impl MysqlStore {
+    /// Run a fenced transition: lock the listed messages still held under `token`, apply
+    /// `update` to exactly those (its one parameter is `rows`' JSON for the held ids), commit,
+    /// and report the ids that were not held.
+    async fn transition(
+        &self,
+        op: &str,
+        token: LeaseToken,
+        ids: &[Uuid],
+        update: &str,
+        rows: impl Fn(&[String]) -> Result<String, Error>,
+    ) -> Result<(), Error> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let list = id_list(ids);
+        let mut attempt = 0;
+        let held = loop {
+            match self.try_transition(op, token, &list, update, &rows).await {
+                Err(e) if is_deadlock(&e) && attempt < DEADLOCK_RETRIES => attempt += 1,
+                other => break other?,
+            }
+        };
+        let held: HashSet<Uuid> = held
+            .iter()
+            .map(|id| crate::row::uuid(id, self.config().qualified_table()))
+            .collect::<Result<_, _>>()?;
+        Error::unless_held(ids, &held)
+    }
+
+    async fn try_transition(
+        &self,
+        op: &str,
+        token: LeaseToken,
+        list: &str,
+        update: &str,
+        rows: &impl Fn(&[String]) -> Result<String, Error>,
+    ) -> Result<Vec<String>, Error> {
+        let err = self.err(op);
+        let mut tx = self.pool().begin_with(BEGIN).await.map_err(&err)?;
+        let held = sqlx::query(&self.config().sql().held)
+            .bind(list)
+            .bind(token.0.hyphenated().to_string())
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(&err)?
+            .iter()
+            .map(|row| text(row, "id", self.config().qualified_table()))
+            .collect::<Result<Vec<String>, Error>>()?;
+        if !held.is_empty() {
+            // The held rows are locked until commit: no other relay or lease expiry changes
+            // them in between, so they are updated without checking the fence again.
+            sqlx::query(update)
+                .bind(rows(&held)?)
+                .execute(&mut *tx)
+                .await
+                .map_err(&err)?;
+        }
+        tx.commit().await.map_err(&err)?;
+        Ok(held)
+    }
+}
+
+impl MysqlStore {
+    async fn try_extend(&self, token: LeaseToken, lease_us: i64) -> Result<DateTime<Utc>, Error> {
+        let err = self.err("extend");
+        let token = token.0.hyphenated().to_string();
+        // Find the token's rows with a plain read, then extend them by primary key: a locking
+        // scan of the pending rows would wait for every row an open transaction is inserting.
+        let rows = sqlx::query(&self.config().sql().extend_find)
+            .bind(lease_us)
+            .bind(&token)
+            .fetch_all(self.pool())
+            .await
+            .map_err(&err)?;
+        let Some(first) = rows.first() else {
+            return Err(Error::LeaseLost { ids: Vec::new() });
+        };
+        let until: NaiveDateTime = first
+            .try_get("lease_until")
+            .map_err(|e| decode_error(e, self.config().qualified_table()))?;
+        let seqs = rows
+            .iter()
+            .map(|row| row.try_get::<i64, _>("seq"))
+            .collect::<Result<Vec<i64>, _>>()
+            .map_err(|e| decode_error(e, self.config().qualified_table()))?;
+        // The fence is checked again, row by row, in the update: a lease that expired in
+        // between is not revived.
+        let done = sqlx::query(&self.config().sql().extend)
+            .bind(serde_json::to_string(&seqs).unwrap_or_default())
+            .bind(until)
+            .bind(&token)
+            .execute(self.pool())
+            .await
+            .map_err(&err)?;
+        if done.rows_affected() == 0 {
+            return Err(Error::LeaseLost { ids: Vec::new() });
+        }
+        Ok(until.and_utc())
+    }
+}
+
+/// `ids` deduplicated and sorted, as a JSON array of strings: concurrent calls then lock the
+/// rows they share in the same order and cannot deadlock on each other.
+pub(crate) fn id_list(ids: &[Uuid]) -> String {
+    let mut ids: Vec<String> = ids.iter().map(|id| id.hyphenated().to_string()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    // A list of plain strings always serializes.
+    serde_json::to_string(&ids).unwrap_or_default()
+}
+
+/// The JSON rows of `fail`'s update for the `held` ids: the first failure given for each.
+fn failure_rows(failures: &[Failure], held: &[String]) -> Result<String, Error> {
+    let mut by_id: HashMap<String, &Failure> = HashMap::with_capacity(failures.len());
+    for failure in failures {
+        by_id
+            .entry(failure.id.hyphenated().to_string())
+            .or_insert(failure);
+    }
+    let mut rows = Vec::with_capacity(held.len());
+    for id in held {
+        let Some(failure) = by_id.get(id) else {
+            continue;
+        };
+        let (dead, delay_us) = match &failure.action {
+            FailAction::Retry { delay } => (0, micros("retry delay", *delay)?),
+            FailAction::Dead => (1, 0),
+        };
+        rows.push(serde_json::json!({
+            "id": id,
+            "error": truncate_error(&failure.error),
+            "dead": dead,
+            "delay_us": delay_us,
+        }));
+    }
+    serde_json::to_string(&rows)
+        .map_err(|e| Error::permanent(format!("fail: cannot encode the failures: {e}"), None))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn id_lists_are_sorted_and_unique() -> Result<(), serde_json::Error> {
+        let (a, b) = (Uuid::from_u128(2), Uuid::from_u128(1));
+        let list: Vec<String> = serde_json::from_str(&id_list(&[a, b, a]))?;
+        assert_eq!(list, [b.to_string(), a.to_string()]);
+        Ok(())
+    }
+
+    #[test]
+    fn failure_rows_keep_the_first_failure_of_each_held_id(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let id = Uuid::now_v7();
+        let failures = [
+            Failure {
+                id,
+                error: "first".into(),
+                action: FailAction::Retry {
+                    delay: Duration::from_millis(1500),
+                },
+            },
+            Failure {
+                id,
+                error: "second".into(),
+                action: FailAction::Dead,
+            },
+        ];
+        let rows: serde_json::Value =
+            serde_json::from_str(&failure_rows(&failures, &[id.to_string()])?)?;
+        assert_eq!(
+            rows,
+            serde_json::json!([{"id": id.to_string(), "error": "first", "dead": 0, "delay_us": 1_500_000}])
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,152 @@
+//! Creating the outbox table: idempotent DDL in one `BEGIN IMMEDIATE` transaction (or a
+//! savepoint inside the caller's), and a check that an existing table is one this crate made.
+
+use rusqlite::{Connection, OptionalExtension};
+
+use outbox_traits::Error;
+
+use crate::config::SqliteConfig;
+use crate::error::{map_err, Ctx};
+use crate::sql::schema_sql;
+
+/// Columns the store needs; checked by [`migrate`] on an existing table.
+const COLUMNS: [&str; 17] = [
+    "seq",
+    "id",
+    "aggregatetype",
+    "aggregateid",
+    "type",
+    "payload",
+    "headers",
+    "partition_key",
+    "dedup_key",
+    "state",
+    "attempts",
+    "available_at",
+    "lease_token",
+    "lease_until",
+    "last_error",
+    "created_at",
+    "published_at",
+];
+
+/// Create the outbox table and its indexes if they do not exist, then check the table
+/// ([`SqliteStore::migrate`](crate::SqliteStore::migrate) runs this on the store's connection).
+///
+/// Idempotent: safe to run at every start, from several processes at once. The DDL is
+/// [`SqliteConfig::migration_sql`]. Runs in its own `BEGIN IMMEDIATE` transaction, or in a savepoint when `conn`
+/// is already inside a transaction (so it can be part of your own migration).
+///
+/// The check refuses an existing table that lacks a column the store uses, or whose `seq` is not
+/// `AUTOINCREMENT` (a migration tool that rebuilt the table may have dropped it; without it,
+/// purged `seq` values are handed out again).
+pub fn migrate(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
+    let table = config.table.as_str();
+    // Check a table that already exists before the DDL touches it, so an incompatible table
+    // gets an error that says what is wrong rather than a failed CREATE INDEX.
+    check_table(conn, table)?;
+    let ddl = schema_sql(table);
+    let script = if conn.is_autocommit() {
+        format!("BEGIN IMMEDIATE;\n{ddl}COMMIT;")
+    } else {
+        format!("SAVEPOINT outbox_migrate;\n{ddl}RELEASE outbox_migrate;")
+    };
+    if let Err(err) = conn.execute_batch(&script) {
+        // Undo a half-run script so the connection is usable; the original error matters more.
+        let undo = if script.starts_with("BEGIN") {
+            "ROLLBACK"
+        } else {
+            "ROLLBACK TO outbox_migrate; RELEASE outbox_migrate"
+        };
+        if !conn.is_autocommit() {
+            let _ = conn.execute_batch(undo);
+        }
+        return Err(map_err(err, Ctx::Migrate, table));
+    }
+    Ok(())
+}
+
+fn check_table(conn: &Connection, table: &str) -> Result<(), Error> {
+    let sql: Option<String> = conn
+        .query_row(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?1",
+            [table],
+            |row| row.get(0),
+        )
+        .optional()
+        .map_err(|e| map_err(e, Ctx::Migrate, table))?;
+    let Some(sql) = sql else {
+        return Ok(()); // not created yet
+    };
+    if !sql.to_ascii_uppercase().contains("AUTOINCREMENT") {
+        return Err(Error::permanent(
+            format!(
+                "table {table:?} exists but its seq column is not AUTOINCREMENT, so purged seq \
+                 values could be reused; rebuild it with the DDL from SqliteConfig::migration_sql() and copy the rows"
+            ),
+            None,
+        ));
+    }
+    let mut stmt = conn
+        .prepare("SELECT name FROM pragma_table_info(?1)")
+        .map_err(|e| map_err(e, Ctx::Migrate, table))?;
+    let present: Vec<String> = stmt
+        .query_map([table], |row| row.get(0))
+        .and_then(|rows| rows.collect())
+        .map_err(|e| map_err(e, Ctx::Migrate, table))?;
+    let missing: Vec<&str> = COLUMNS
+        .iter()
+        .copied()
+        .filter(|c| !present.iter().any(|p| p.eq_ignore_ascii_case(c)))
+        .collect();
+    if !missing.is_empty() {
+        return Err(Error::permanent(
+            format!(
+                "table {table:?} exists but lacks column(s) {}; it was not created by this crate's \
+                 migrate(); use another table name or rebuild it with SqliteConfig::migration_sql()",
+                missing.join(", ")
+            ),
+            None,
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_a_table_without_autoincrement() {
+        let conn = Connection::open_in_memory().unwrap();
+        let ddl = schema_sql("outbox").replace(" AUTOINCREMENT", "");
+        conn.execute_batch(&ddl).unwrap();
+        let err = migrate(&conn, &SqliteConfig::default()).unwrap_err();
+        assert!(err.to_string().contains("AUTOINCREMENT"), "{err}");
+    }
+
+    #[test]
+    fn refuses_a_foreign_table_with_the_same_name() {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch("CREATE TABLE outbox (seq INTEGER PRIMARY KEY AUTOINCREMENT, x TEXT)")
+            .unwrap();
+        let err = migrate(&conn, &SqliteConfig::default()).unwrap_err();
+        assert!(err.to_string().contains("lacks column"), "{err}");
+    }
+
+    #[test]
+    fn migrate_inside_a_transaction_uses_a_savepoint() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        let tx = conn.transaction().unwrap();
+        migrate(&tx, &SqliteConfig::default()).unwrap();
+        tx.rollback().unwrap();
+        let exists: bool = conn
+            .query_row(
+                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = 'outbox')",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(!exists, "the caller's rollback must undo the migration");
+    }
+}
