@@ -2,6 +2,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
+#[cfg(feature = "diesel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "diesel")))]
+pub mod diesel;
 mod enqueue;
 mod error;
 mod migrate;
