@@ -18,13 +18,14 @@
 //! migration).
 
 use ::diesel::mysql::Mysql;
-use ::diesel::result::{DatabaseErrorKind, Error as DieselError};
+use ::diesel::query_builder::{AstPass, QueryFragment, QueryId};
+use ::diesel::result::{DatabaseErrorKind, Error as DieselError, QueryResult};
 use ::diesel::sql_types::{Datetime, Nullable, Text};
 use diesel_async::{AsyncMysqlConnection, RunQueryDsl};
 use outbox_traits::{Error, NewMessage};
 
 use crate::config::MysqlConfig;
-use crate::enqueue::{duplicate_entry, insert_statement, Rows};
+use crate::enqueue::{duplicate_entry, insert_statement, Row, Rows};
 use crate::error::WHAT;
 
 /// Re-exported so users name the same diesel-async version as this crate.
@@ -67,26 +68,76 @@ pub async fn enqueue_batch(
         return Ok(());
     }
     let rows = Rows::validate(config, messages)?;
-    // Boxed: the number of parameters depends on the batch.
-    let mut query =
-        ::diesel::sql_query(insert_statement(config, messages.len())).into_boxed::<Mysql>();
-    for row in rows.0 {
-        query = query
-            .bind::<Text, _>(row.id)
-            .bind::<Text, _>(row.aggregate_type)
-            .bind::<Text, _>(row.aggregate_id)
-            .bind::<Text, _>(row.event_type)
-            .bind::<Text, _>(row.payload)
-            .bind::<Text, _>(row.headers)
-            .bind::<Nullable<Text>, _>(row.partition_key)
-            .bind::<Nullable<Text>, _>(row.dedup_key)
-            .bind::<Nullable<Datetime>, _>(row.not_before);
+    InsertRows {
+        sql: insert_statement(config, messages.len()),
+        rows: rows.0,
     }
-    query
-        .execute(conn)
-        .await
-        .map_err(|err| map_insert_error(err, config, messages))?;
+    .execute(conn)
+    .await
+    .map_err(|err| map_insert_error(err, config, messages))?;
     Ok(())
+}
+
+/// Batches of up to this many messages keep their prepared statement on the connection (one
+/// statement per batch size, so at most this many per connection and table); larger ones,
+/// whose prepare costs little next to their rows, are prepared per call and closed.
+const CACHED_MAX_ROWS: usize = 32;
+
+/// The multi-row insert as a diesel query: [`insert_statement`] with each row's values bound.
+///
+/// Not `diesel::sql_query`, which diesel never caches, so every call would prepare the
+/// statement first (a second round trip). Its text is the statement's own: each `?` is written
+/// where the statement has it.
+struct InsertRows<'m> {
+    sql: String,
+    rows: Vec<Row<'m>>,
+}
+
+impl QueryId for InsertRows<'_> {
+    type QueryId = ();
+    // Cached by its text, which depends on the config and the batch size.
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl QueryFragment<Mysql> for InsertRows<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
+        if self.rows.len() > CACHED_MAX_ROWS {
+            out.unsafe_to_cache_prepared();
+        }
+        let mut pieces = self.sql.split('?');
+        let mut next = || {
+            pieces.next().ok_or_else(|| {
+                DieselError::QueryBuilderError("the insert has too few placeholders".into())
+            })
+        };
+        for row in &self.rows {
+            out.push_sql(next()?);
+            out.push_bind_param::<Text, _>(&row.id)?;
+            out.push_sql(next()?);
+            out.push_bind_param::<Text, _>(&row.aggregate_type)?;
+            out.push_sql(next()?);
+            out.push_bind_param::<Text, _>(&row.aggregate_id)?;
+            out.push_sql(next()?);
+            out.push_bind_param::<Text, _>(&row.event_type)?;
+            out.push_sql(next()?);
+            out.push_bind_param::<Text, _>(&row.payload)?;
+            out.push_sql(next()?);
+            out.push_bind_param::<Text, _>(&row.headers)?;
+            out.push_sql(next()?);
+            out.push_bind_param::<Nullable<Text>, _>(&row.partition_key)?;
+            out.push_sql(next()?);
+            out.push_bind_param::<Nullable<Text>, _>(&row.dedup_key)?;
+            out.push_sql(next()?);
+            out.push_bind_param::<Nullable<Datetime>, _>(&row.not_before)?;
+        }
+        out.push_sql(next()?);
+        if next().is_ok() {
+            return Err(DieselError::QueryBuilderError(
+                "the insert has more placeholders than values".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A duplicate on the outbox's own unique indexes becomes the sqlx path's error; the rest is
@@ -158,6 +209,27 @@ mod tests {
 
     fn database_error(kind: DatabaseErrorKind, message: &str) -> DieselError {
         DieselError::DatabaseError(kind, Box::new(message.to_owned()))
+    }
+
+    #[test]
+    fn the_query_is_the_statement_and_small_batches_are_cacheable() {
+        let config = MysqlConfig::default();
+        for n in [1, 3, CACHED_MAX_ROWS, CACHED_MAX_ROWS + 1] {
+            let messages: Vec<NewMessage> = (0..n)
+                .map(|_| NewMessage::new("a", "b", "c", serde_json::json!({})))
+                .collect();
+            let query = InsertRows {
+                sql: insert_statement(&config, n),
+                rows: Rows::validate(&config, &messages).unwrap().0,
+            };
+            let text = ::diesel::debug_query::<Mysql, _>(&query).to_string();
+            let sql = text.split(" -- binds:").next().unwrap();
+            assert_eq!(sql, insert_statement(&config, n));
+            assert_eq!(
+                query.is_safe_to_cache_prepared(&Mysql).unwrap(),
+                n <= CACHED_MAX_ROWS
+            );
+        }
     }
 
     #[test]

@@ -423,3 +423,29 @@ async fn refusals_equal_the_sqlx_path() {
     assert!(err.to_string().contains("run `migrate()`"), "{err}");
     db.drop().await;
 }
+
+#[tokio::test]
+async fn batches_of_every_size_are_written_in_order_and_twice_on_one_connection() {
+    let Some(mut db) = db().await else {
+        return;
+    };
+    // 40 is past the sizes whose statement stays prepared on the connection; 1 and 3 are
+    // within them, and the second round reuses the prepared statements.
+    for round in 0..2 {
+        for size in [1, 3, 40] {
+            let batch: Vec<NewMessage> = (0..size)
+                .map(|i| placed(&format!("r{round}-s{size}-{i}")))
+                .collect();
+            let config = &db.config;
+            db.conn
+                .transaction::<(), BoxError, _>(async |conn| {
+                    Ok(outbox_diesel::enqueue_batch(conn, config, &batch).await?)
+                })
+                .await
+                .unwrap();
+            let want: Vec<_> = batch.iter().map(|m| m.id).collect();
+            assert_eq!(db.claim_all().await, want, "round {round}, size {size}");
+        }
+    }
+    db.drop().await;
+}
