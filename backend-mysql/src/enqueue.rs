@@ -58,7 +58,7 @@ where
         return Ok(());
     }
     let rows = Rows::validate(config, messages)?;
-    let sql = config.sql().insert(messages.len());
+    let sql = insert_statement(config, messages.len());
     let mut query = sqlx::query(&sql);
     for row in rows.0 {
         query = query
@@ -79,24 +79,35 @@ where
     Ok(())
 }
 
-/// One message as the values of its row.
-struct Row<'m> {
-    id: String,
-    aggregate_type: &'m str,
-    aggregate_id: &'m str,
-    event_type: &'m str,
-    payload: String,
-    headers: String,
-    partition_key: Option<&'m str>,
-    dedup_key: Option<&'m str>,
-    not_before: Option<NaiveDateTime>,
+/// The multi-row insert of `rows` rows, the same text for both drivers (sqlx here, diesel-async
+/// in `crate::diesel`); each row's placeholders take the fields of a [`Row`] in declaration
+/// order.
+pub(crate) fn insert_statement(config: &MysqlConfig, rows: usize) -> String {
+    config.sql().insert(rows)
+}
+
+/// One message as the values of its row, in the order of its placeholders.
+pub(crate) struct Row<'m> {
+    pub(crate) id: String,
+    pub(crate) aggregate_type: &'m str,
+    pub(crate) aggregate_id: &'m str,
+    pub(crate) event_type: &'m str,
+    pub(crate) payload: String,
+    pub(crate) headers: String,
+    pub(crate) partition_key: Option<&'m str>,
+    pub(crate) dedup_key: Option<&'m str>,
+    pub(crate) not_before: Option<NaiveDateTime>,
 }
 
 /// The batch, validated.
-struct Rows<'m>(Vec<Row<'m>>);
+pub(crate) struct Rows<'m>(pub(crate) Vec<Row<'m>>);
 
 impl<'m> Rows<'m> {
-    fn validate(config: &MysqlConfig, messages: &'m [NewMessage]) -> Result<Self, Error> {
+    /// Check the batch (everything that can be checked before writing) and lay it out.
+    pub(crate) fn validate(
+        config: &MysqlConfig,
+        messages: &'m [NewMessage],
+    ) -> Result<Self, Error> {
         if messages.len() > MAX_INSERT_ROWS {
             return Err(Error::invalid_input(format!(
                 "a batch of {} messages is more than one INSERT can carry ({MAX_INSERT_ROWS}); \
@@ -157,23 +168,33 @@ fn map_insert_error(err: sqlx::Error, config: &MysqlConfig, messages: &[NewMessa
             .as_database_error()
             .map(|db| db.message().to_owned())
             .unwrap_or_default();
-        if let Some((value, index)) = parse_duplicate(&text) {
-            // MySQL 8 names the index `table.index`, MariaDB just `index`.
-            let index = index.rsplit('.').next().unwrap_or(index);
-            if index == ID_INDEX {
-                return Error::invalid_input(format!(
-                    "message id {value} was already enqueued; give every message its own id \
-                     (NewMessage::new makes a fresh one)"
-                ));
-            }
-            if index == DEDUP_INDEX {
-                return Error::DuplicateKey {
-                    key: batch_dedup_key(value, messages),
-                };
-            }
+        if let Some(mapped) = duplicate_entry(&text, messages) {
+            return mapped;
         }
     }
     map_sqlx(err, "enqueue", config.qualified_table())
+}
+
+/// The error for the server's duplicate-entry message `text` (`ER_DUP_ENTRY`) when it names
+/// one of the outbox table's own unique indexes: a reused id is [`Error::InvalidInput`], a dedup
+/// key still in the table [`Error::DuplicateKey`]. Shared by both drivers, so they report the
+/// same errors.
+pub(crate) fn duplicate_entry(text: &str, messages: &[NewMessage]) -> Option<Error> {
+    let (value, index) = parse_duplicate(text)?;
+    // MySQL 8 names the index `table.index`, MariaDB just `index`.
+    let index = index.rsplit('.').next().unwrap_or(index);
+    if index == ID_INDEX {
+        return Some(Error::invalid_input(format!(
+            "message id {value} was already enqueued; give every message its own id \
+             (NewMessage::new makes a fresh one)"
+        )));
+    }
+    if index == DEDUP_INDEX {
+        return Some(Error::DuplicateKey {
+            key: batch_dedup_key(value, messages),
+        });
+    }
+    None
 }
 
 /// `Duplicate entry 'abc' for key 'uq_dedup_key'` -> (`abc`, `uq_dedup_key`).

@@ -60,7 +60,7 @@ where
         return Ok(());
     }
     let columns = Columns::validate(config, messages)?;
-    sqlx::query(&config.sql().insert)
+    sqlx::query(insert_statement(config))
         .bind(columns.ids)
         .bind(columns.aggregate_types)
         .bind(columns.aggregate_ids)
@@ -76,21 +76,33 @@ where
     Ok(())
 }
 
-/// The batch as one array per column, for `UNNEST`.
-struct Columns {
-    ids: Vec<Uuid>,
-    aggregate_types: Vec<String>,
-    aggregate_ids: Vec<String>,
-    event_types: Vec<String>,
-    payloads: Vec<String>,
-    headers: Vec<String>,
-    partition_keys: Vec<Option<String>>,
-    dedup_keys: Vec<Option<String>>,
-    not_before: Vec<Option<DateTime<Utc>>>,
+/// The batch insert, the same text for both drivers (sqlx here, diesel-async in
+/// `crate::diesel`): `INSERT ... SELECT FROM UNNEST($1..$9)` in slice order, followed by one
+/// `pg_notify` when NOTIFY is enabled, in one statement. Built once per config.
+pub(crate) fn insert_statement(config: &PostgresConfig) -> &str {
+    &config.sql().insert
+}
+
+/// The batch as one array per column, for `UNNEST`: the parameters `$1`..`$9` of
+/// [`insert_statement`].
+pub(crate) struct Columns {
+    pub(crate) ids: Vec<Uuid>,
+    pub(crate) aggregate_types: Vec<String>,
+    pub(crate) aggregate_ids: Vec<String>,
+    pub(crate) event_types: Vec<String>,
+    pub(crate) payloads: Vec<String>,
+    pub(crate) headers: Vec<String>,
+    pub(crate) partition_keys: Vec<Option<String>>,
+    pub(crate) dedup_keys: Vec<Option<String>>,
+    pub(crate) not_before: Vec<Option<DateTime<Utc>>>,
 }
 
 impl Columns {
-    fn validate(config: &PostgresConfig, messages: &[NewMessage]) -> Result<Self, Error> {
+    /// Check the batch (everything that can be checked before writing) and lay it out.
+    pub(crate) fn validate(
+        config: &PostgresConfig,
+        messages: &[NewMessage],
+    ) -> Result<Self, Error> {
         let limits = config.limits();
         let n = messages.len();
         let mut columns = Columns {
@@ -167,37 +179,50 @@ fn json_has_nul(value: &serde_json::Value) -> bool {
 /// classified as usual.
 fn map_insert_error(err: sqlx::Error, config: &PostgresConfig, messages: &[NewMessage]) -> Error {
     if let Some(db) = err.as_database_error() {
-        let unique_violation = db.code().as_deref() == Some("23505");
-        if unique_violation && db.constraint() == Some(config.sql().pkey_constraint.as_str()) {
-            let id = db
-                .try_downcast_ref::<PgDatabaseError>()
-                .and_then(|pg| pg.detail())
-                .and_then(key_from_detail)
-                .unwrap_or_default();
-            return Error::invalid_input(format!(
-                "message id {id} was already enqueued; give every message its own id \
-                 (NewMessage::new makes a fresh one)"
-            ));
-        }
-        if unique_violation && db.constraint() == Some(config.sql().dedup_constraint.as_str()) {
+        if db.code().as_deref() == Some("23505") {
             let detail = db
                 .try_downcast_ref::<PgDatabaseError>()
-                .and_then(|pg| pg.detail())
-                .and_then(key_from_detail);
-            let key = detail
-                .or_else(|| {
-                    // Only one dedup key in the batch: it must be the one.
-                    let mut keys = messages.iter().filter_map(|m| m.dedup_key.as_ref());
-                    match (keys.next(), keys.next()) {
-                        (Some(only), None) => Some(only.clone()),
-                        _ => None,
-                    }
-                })
-                .unwrap_or_default();
-            return Error::DuplicateKey { key };
+                .and_then(|pg| pg.detail());
+            if let Some(mapped) = unique_violation(config, messages, db.constraint(), detail) {
+                return mapped;
+            }
         }
     }
     map_sqlx(err, "enqueue", config.qualified_table())
+}
+
+/// The error for a unique violation (SQLSTATE 23505) of `constraint`, whose `detail` names the
+/// key, when the constraint is the outbox table's own: a reused message id is
+/// [`Error::InvalidInput`], a dedup key still in the table [`Error::DuplicateKey`]. Shared by
+/// both drivers, so they report the same errors.
+pub(crate) fn unique_violation(
+    config: &PostgresConfig,
+    messages: &[NewMessage],
+    constraint: Option<&str>,
+    detail: Option<&str>,
+) -> Option<Error> {
+    let detail = detail.and_then(key_from_detail);
+    if constraint == Some(config.sql().pkey_constraint.as_str()) {
+        let id = detail.unwrap_or_default();
+        return Some(Error::invalid_input(format!(
+            "message id {id} was already enqueued; give every message its own id \
+             (NewMessage::new makes a fresh one)"
+        )));
+    }
+    if constraint == Some(config.sql().dedup_constraint.as_str()) {
+        let key = detail
+            .or_else(|| {
+                // Only one dedup key in the batch: it must be the one.
+                let mut keys = messages.iter().filter_map(|m| m.dedup_key.as_ref());
+                match (keys.next(), keys.next()) {
+                    (Some(only), None) => Some(only.clone()),
+                    _ => None,
+                }
+            })
+            .unwrap_or_default();
+        return Some(Error::DuplicateKey { key });
+    }
+    None
 }
 
 /// `Key (dedup_key)=(abc) already exists.` -> `abc`.

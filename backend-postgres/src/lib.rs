@@ -4,6 +4,9 @@
 mod admin;
 mod claim;
 mod config;
+#[cfg(feature = "diesel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "diesel")))]
+pub mod diesel;
 mod enqueue;
 mod error;
 mod lease;

@@ -94,15 +94,17 @@ pub fn enqueue_batch(
     }
 }
 
-/// A validated message, ready to bind.
-struct Prepared<'a> {
-    message: &'a NewMessage,
-    id: String,
-    payload: String,
-    headers: String,
+/// A validated message, ready to bind to [`insert_sql`]'s `?1`..`?9` (also by
+/// `crate::diesel`, so both drivers write the same rows).
+pub(crate) struct Prepared<'a> {
+    pub(crate) message: &'a NewMessage,
+    pub(crate) id: String,
+    pub(crate) payload: String,
+    pub(crate) headers: String,
 }
 
-fn validate_all<'a>(
+/// Check every message of the batch before anything is written.
+pub(crate) fn validate_all<'a>(
     config: &SqliteConfig,
     messages: &'a [NewMessage],
 ) -> Result<Vec<Prepared<'a>>, Error> {
@@ -143,18 +145,27 @@ fn insert_rows(conn: &Connection, table: &str, rows: &[Prepared<'_>]) -> Result<
 /// Name the unique constraint that refused the insert; anything else is classified as usual.
 fn insert_error(err: rusqlite::Error, message: &NewMessage, table: &str) -> Error {
     if err.sqlite_error_code() == Some(rusqlite::ErrorCode::ConstraintViolation) {
-        let text = err.to_string();
-        if text.contains(&format!("{table}.dedup_key")) {
-            if let Some(key) = &message.dedup_key {
-                return Error::DuplicateKey { key: key.clone() };
-            }
-        }
-        if text.contains(&format!("{table}.id")) {
-            return Error::invalid_input(format!(
-                "message id {} is already in the outbox; ids must be unique (leave the generated one)",
-                message.id
-            ));
+        if let Some(mapped) = constraint_error(&err.to_string(), message, table) {
+            return mapped;
         }
     }
     map_err(err, Ctx::Enqueue, table)
+}
+
+/// The error for SQLite's constraint message `text` (`UNIQUE constraint failed: outbox.id`) on
+/// inserting `message`, when it names one of the outbox table's unique columns. Shared by both
+/// drivers, so they report the same errors.
+pub(crate) fn constraint_error(text: &str, message: &NewMessage, table: &str) -> Option<Error> {
+    if text.contains(&format!("{table}.dedup_key")) {
+        if let Some(key) = &message.dedup_key {
+            return Some(Error::DuplicateKey { key: key.clone() });
+        }
+    }
+    if text.contains(&format!("{table}.id")) {
+        return Some(Error::invalid_input(format!(
+            "message id {} is already in the outbox; ids must be unique (leave the generated one)",
+            message.id
+        )));
+    }
+    None
 }

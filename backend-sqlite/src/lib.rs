@@ -171,6 +171,9 @@ mod cancel;
 mod claim;
 mod config;
 mod connection;
+#[cfg(feature = "diesel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "diesel")))]
+pub mod diesel;
 mod enqueue;
 mod error;
 mod lease;

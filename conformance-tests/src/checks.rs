@@ -1237,6 +1237,22 @@ impl Check {
         Check::ManyKeysBehindABlockedBacklog,
     ];
 
+    /// The checks that go through the enqueue path: transactions that commit late, roll back or
+    /// stay open, batch order, every field round-tripped, not-before times, typed refusals and
+    /// dedup keys. A backend with a second enqueue path (another driver) runs these through it
+    /// with [`enqueue_suite!`](crate::enqueue_suite): its harness opens business transactions on
+    /// that driver while relays and admin stay the backend's store.
+    pub const ENQUEUE: [Check; 8] = [
+        Check::ClaimRespectsLimit,
+        Check::NoPhantoms,
+        Check::LateCommitIsClaimed,
+        Check::PerKeyHeadOfLine,
+        Check::NotBeforeDelays,
+        Check::MessageRoundTrip,
+        Check::EnqueueRefusals,
+        Check::DedupKeyOutlivesItsMessageOnlyWhileKept,
+    ];
+
     /// Run this check against a fresh store of `harness`.
     pub async fn run(self, harness: &dyn Harness) -> Result<(), String> {
         match self {

@@ -6,6 +6,9 @@
 //! (see [`conformance_suite!`]).
 //!
 //! - [`checks`]: example-based checks, one `pub async fn` per rule, for those who pick.
+//!   [`checks::Check::ENQUEUE`] are those that go through the enqueue path: a backend with a
+//!   second one (e.g. diesel next to sqlx) runs them through it with [`enqueue_suite!`], its
+//!   relays still on the backend's store.
 //! - [`property::check_model`]: the state-machine property. Generated scenarios of business
 //!   transactions (interleaved, committed out of order, rolled back, delayed), several relays
 //!   claiming, publishing with acknowledged, transient, permanent and ambiguous outcomes,

@@ -50,9 +50,41 @@ macro_rules! conformance_suite {
     };
 }
 
+/// Expand to one `#[test]` per enqueue check ([`Check::ENQUEUE`](crate::checks::Check::ENQUEUE)),
+/// for a backend's second enqueue path, e.g. another driver's: `$harness`'s
+/// [`HarnessStore::begin`](crate::HarnessStore::begin) opens that driver's transaction and
+/// enqueues through it, while its relays and admin are the backend's own store, so what the
+/// second path writes is checked by the store's real claims.
+///
+/// ```text
+/// // tests/diesel.rs of a backend crate:
+/// outbox_conformance_tests::enqueue_suite!(optional: DieselHarness::from_env());
+/// ```
+///
+/// Same forms as [`conformance_suite!`](crate::conformance_suite); invoke it once per module.
+#[macro_export]
+macro_rules! enqueue_suite {
+    (optional: $harness:expr) => {
+        $crate::__check_tests!(@opt $harness;
+            claim_respects_limit ClaimRespectsLimit,
+            no_phantoms NoPhantoms,
+            late_commit_is_claimed LateCommitIsClaimed,
+            per_key_head_of_line PerKeyHeadOfLine,
+            not_before_delays NotBeforeDelays,
+            message_round_trip MessageRoundTrip,
+            enqueue_refusals EnqueueRefusals,
+            dedup_key_outlives_its_message_only_while_kept DedupKeyOutlivesItsMessageOnlyWhileKept,
+        );
+    };
+    ($harness:expr) => {
+        $crate::enqueue_suite!(optional: ::core::option::Option::Some($harness));
+    };
+}
+
+/// One `#[test]` per named check.
 #[doc(hidden)]
 #[macro_export]
-macro_rules! __conformance_tests {
+macro_rules! __check_tests {
     (@opt $harness:expr; $($name:ident $check:ident,)*) => {
         $(
             #[test]
@@ -66,6 +98,14 @@ macro_rules! __conformance_tests {
                 }
             }
         )*
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_tests {
+    (@opt $harness:expr; $($name:ident $check:ident,)*) => {
+        $crate::__check_tests!(@opt $harness; $($name $check,)*);
 
         #[test]
         fn model_property() {
