@@ -29,7 +29,7 @@ use crate::config::SqliteConfig;
 use crate::enqueue::{constraint_error, validate_all, Prepared};
 use crate::error::Ctx;
 use crate::row::from_time;
-use crate::schema::insert_sql;
+use crate::sql::insert_sql;
 
 /// Re-exported so users name the same diesel-async version as this crate.
 pub use diesel_async;
@@ -63,7 +63,6 @@ pub fn enqueue_batch(
     config: &SqliteConfig,
     messages: &[NewMessage],
 ) -> Result<(), Error> {
-    config.validate()?;
     let rows = validate_all(config, messages)?;
     if rows.is_empty() {
         return Ok(());
@@ -106,7 +105,7 @@ pub async fn enqueue_batch_async(
     messages: &[NewMessage],
 ) -> Result<(), Error> {
     if messages.is_empty() {
-        return config.validate();
+        return Ok(());
     }
     let (config, messages) = (config.clone(), messages.to_vec());
     let table = config.table.clone();

@@ -107,7 +107,7 @@ impl HarnessStore for DieselSqliteStore {
                         "UPDATE {} SET available_at = available_at - ?1, \
                          lease_until = lease_until - ?1, created_at = created_at - ?1, \
                          published_at = published_at - ?1",
-                        config.table
+                        config.table()
                     ),
                     [ms],
                 )
@@ -335,7 +335,10 @@ async fn refusals_equal_the_rusqlite_path() {
     assert!(db.claim_all().await.is_empty(), "half a batch was written");
 
     // Without the table: the migration hint, as on the rusqlite path.
-    let missing = SqliteConfig::default().with_table("not_migrated");
+    let missing = SqliteConfig::builder()
+        .table("not_migrated")
+        .build()
+        .unwrap();
     let err = outbox_diesel::enqueue(&mut db.conn, &missing, &placed("o-8")).unwrap_err();
     assert!(err.to_string().contains("migrate"), "{err}");
 }
