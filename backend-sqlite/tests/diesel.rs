@@ -49,6 +49,7 @@ impl Harness for DieselSqliteHarness {
         let path = dir.path().join("outbox.db");
         let config = SqliteConfig::default();
         let admin = SqliteStore::open(&path, config.clone()).await?;
+        admin.migrate().await?;
         Ok(Box::new(DieselSqliteStore {
             _dir: dir,
             path,
@@ -158,6 +159,7 @@ async fn db() -> Db {
     let path = dir.path().join("app.db");
     let config = SqliteConfig::default();
     let store = SqliteStore::open(&path, config.clone()).await.unwrap();
+    store.migrate().await.unwrap();
     let mut conn = SqliteConnection::establish(path_str(&path)).unwrap();
     conn.batch_execute(
         "PRAGMA busy_timeout = 30000;
