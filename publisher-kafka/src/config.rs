@@ -22,7 +22,7 @@ pub const DEFAULT_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_TOPIC_LEN: usize = 249;
 
 /// Query keys of a `kafka://` URL that are not librdkafka properties.
-const URL_OPTIONS: &[&str] = &["topic"];
+const URL_OPTIONS: &[&str] = &["topic", "password_file"];
 
 /// librdkafka properties without a dot in their name, accepted in a URL query as pass-through
 /// (every dotted key is passed through; these are the undotted ones worth setting on a producer).
@@ -116,7 +116,8 @@ impl KafkaConfig {
     ///
     /// - The host list becomes `bootstrap.servers`. A port is required for each host.
     /// - `user:password@` becomes `sasl.username` / `sasl.password` (set `security.protocol` and
-    ///   `sasl.mechanism` as query options too).
+    ///   `sasl.mechanism` as query options too); `password_file=PATH` reads the SASL password
+    ///   from a file instead.
     /// - `topic` is the routing template (default [`DEFAULT_TOPIC_TEMPLATE`]); write its braces
     ///   as-is or percent-encoded.
     /// - `message.timeout.ms` (or its alias `delivery.timeout.ms`) sets
@@ -171,6 +172,22 @@ impl KafkaConfig {
             let (key, value) = (key.into_owned(), value.into_owned());
             match key.as_str() {
                 "topic" => config.topic = parse_topic_template(&value)?,
+                "password_file" => {
+                    if config.properties.contains_key("sasl.password") {
+                        return Err(Error::invalid_input(format!(
+                            "Kafka URL {shown:?} has both a password and password_file; give one"
+                        )));
+                    }
+                    let text = std::fs::read_to_string(&value).map_err(|e| {
+                        Error::invalid_input(format!(
+                            "Kafka option password_file={value} cannot be read ({}); give the \
+                             path of a readable file holding the SASL password",
+                            e.kind()
+                        ))
+                    })?;
+                    let password = text.trim_end_matches(['\r', '\n']).to_owned();
+                    config.properties.insert("sasl.password".into(), password);
+                }
                 "message.timeout.ms" | "delivery.timeout.ms" => {
                     config.message_timeout = parse_timeout_ms(&key, &value)?;
                 }
