@@ -538,6 +538,39 @@ mod tests {
         }
     }
 
+    /// librdkafka refuses `security.protocol=SSL` / `SASL_SSL` and SCRAM when it is built
+    /// without OpenSSL; this build has them (rdkafka's `ssl` feature).
+    #[test]
+    fn ssl_and_sasl_scram_are_compiled_in_and_the_password_can_come_from_a_file() {
+        let dir = std::env::temp_dir().join(format!("outbox-kafka-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = dir.join("ca.pem");
+        std::fs::write(&ca, "").unwrap();
+        let password = dir.join("pw");
+        std::fs::write(&password, "s3cret\n").unwrap();
+        for mechanism in ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] {
+            let url = format!(
+                "kafka://app@h:9093?security.protocol=SASL_SSL&sasl.mechanism={mechanism}\
+                 &ssl.ca.location={}&password_file={}",
+                ca.display(),
+                password.display()
+            );
+            let c = KafkaConfig::from_url(&url).unwrap();
+            assert_eq!(c.properties["sasl.username"], "app");
+            assert_eq!(c.properties["sasl.password"], "s3cret");
+            assert!(!format!("{c:?}").contains("s3cret"));
+        }
+        for protocol in ["SSL", "SASL_PLAINTEXT"] {
+            KafkaConfig::from_url(&format!("kafka://h:9093?security.protocol={protocol}")).unwrap();
+        }
+        let both = format!("kafka://app:pw@h:9093?password_file={}", password.display());
+        assert!(KafkaConfig::from_url(&both).is_err());
+        let missing =
+            KafkaConfig::from_url("kafka://app@h:9093?password_file=/nonexistent/pw").unwrap_err();
+        assert!(missing.to_string().contains("/nonexistent/pw"), "{missing}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn refuses_bad_urls() {
         for bad in [
