@@ -176,8 +176,9 @@ fn postgres_bin() -> Option<PathBuf> {
     versions.pop().map(|(_, bin)| bin)
 }
 
-/// A private PostgreSQL that accepts only TLS connections (`hostssl` lines only) with a
-/// password, for user `postgres`, database `postgres`.
+/// A private PostgreSQL that accepts only TLS connections (`hostssl` lines only): user
+/// `postgres` with a password, user `app` with [`Pki::client_cert`] (`cert` authentication);
+/// database `postgres`.
 #[derive(Debug)]
 pub struct PrivatePostgres {
     dir: TempDir,
@@ -233,10 +234,12 @@ impl PrivatePostgres {
         let mut text = std::fs::read_to_string(&conf_path)?;
         text.push_str(&conf);
         std::fs::write(&conf_path, text)?;
-        // TCP only over TLS; the socket (for set-up) trusts.
+        // TCP only over TLS: user `app` by client certificate, the others by password; the
+        // socket (for set-up) trusts.
         std::fs::write(
             data.join("pg_hba.conf"),
-            "local all all trust\nhostssl all all 127.0.0.1/32 scram-sha-256\n",
+            "local all all trust\nhostssl all app 127.0.0.1/32 cert\n\
+             hostssl all all 127.0.0.1/32 scram-sha-256\n",
         )?;
         let server = Self {
             dir,
@@ -252,6 +255,22 @@ impl PrivatePostgres {
             .arg("-l")
             .arg(server.dir.path().join("log"))
             .args(["-w", "-t", "60", "start"]))?;
+        run(Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(server.bin.join("psql"))
+            .arg("-h")
+            .arg(server.dir.path())
+            .args([
+                "-p",
+                &port.to_string(),
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-q",
+                "-c",
+            ])
+            .arg("CREATE ROLE app LOGIN SUPERUSER"))?;
         Ok(Some(server))
     }
 
@@ -310,7 +329,8 @@ fn installed(program: &str) -> bool {
         .is_ok()
 }
 
-/// A private MariaDB with `require_secure_transport=ON`, user `app` with a password, database
+/// A private MariaDB with `require_secure_transport=ON`: user `app` with a password, user
+/// `certuser` with a client certificate signed by the [`Pki`]'s CA (`REQUIRE X509`); database
 /// `test`.
 #[derive(Debug)]
 pub struct PrivateMariadb {
@@ -379,6 +399,7 @@ impl PrivateMariadb {
             .args(["-uroot", "-e"])
             .arg(format!(
                 "CREATE USER 'app'@'%' IDENTIFIED BY '{}'; GRANT ALL ON *.* TO 'app'@'%'; \
+                 CREATE USER 'certuser'@'%' REQUIRE X509; GRANT ALL ON *.* TO 'certuser'@'%'; \
                  CREATE DATABASE test;",
                 server.password
             )))?;

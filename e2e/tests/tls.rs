@@ -119,6 +119,24 @@ async fn postgres_over_tls_with_verification_and_explained_failures() -> Result<
     let verify_ca = pg.url(TLS_HOST, &format!("sslmode=verify-ca&sslrootcert={ca}"));
     open(&verify_ca, "outbox").await?;
 
+    // User `app` logs in by client certificate (pg_hba `cert`), without a password.
+    let (cert, key) = (pki.client_cert.display(), pki.client_key.display());
+    let by_cert = format!(
+        "postgres://app@{TLS_HOST}:{}/postgres?{verify_full}&sslcert={cert}&sslkey={key}",
+        pg.port
+    );
+    open(&by_cert, "outbox").await?;
+    let no_cert = format!(
+        "postgres://app@{TLS_HOST}:{}/postgres?{verify_full}",
+        pg.port
+    );
+    assert_explained(
+        open(&no_cert, "never_written").await,
+        &format!("{TLS_HOST}:{}", pg.port),
+        "sslcert=",
+        &pg.password,
+    );
+
     let port = pg.port;
     let other = pki.other_ca.display();
     let pw = &pg.password;
@@ -187,6 +205,14 @@ async fn mariadb_over_tls_with_verification_and_explained_failures() -> Result<(
     assert_eq!(drain(&from_file).await?, MESSAGES as u64);
     let verify_ca = db.url(TLS_HOST, &format!("ssl-mode=VERIFY_CA&ssl-ca={ca}"));
     open(&verify_ca, "outbox").await?;
+
+    // User `certuser` is REQUIRE X509: it logs in with the client certificate only.
+    let (cert, key) = (pki.client_cert.display(), pki.client_key.display());
+    let by_cert = format!(
+        "mysql://certuser@{TLS_HOST}:{}/test?{verify}&ssl-cert={cert}&ssl-key={key}",
+        db.port
+    );
+    open(&by_cert, "outbox").await?;
 
     let port = db.port;
     let other = pki.other_ca.display();

@@ -73,6 +73,7 @@ pub(crate) fn fix(what: &str, url: &str, text: &str) -> Option<String> {
         "certificaterequired",
         "certificate required",
         "peer did not return a certificate",
+        "requires a valid client certificate",
     ]) {
         format!(
             "the server requires a client certificate: set {}= and {}= to the client's \
