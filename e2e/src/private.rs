@@ -11,7 +11,7 @@
 //! | [`PrivatePostgres`] | `initdb` + `pg_ctl` under `runuser -u postgres` | `ssl=on`, `hostssl`-only `pg_hba.conf` | `postgres` with a password (scram-sha-256) |
 //! | [`PrivateMariadb`] | `mariadb-install-db` + `mariadbd` | `require_secure_transport=ON` | `app` with a password |
 //! | [`PrivateRedis`] | `redis-server --port 0 --tls-port N` | TLS only; client certificate optional or required | `requirepass` |
-//! | [`PrivateNats`] | `nats-server -c conf` with JetStream | optional `tls {}` block with `verify: true` | user/password, token or NKey |
+//! | [`PrivateNats`] | `nats-server -c conf` with JetStream | optional `tls {}` block with `verify: true` | user/password, token, NKey or operator JWTs (`.creds`) |
 //!
 //! A server whose program is not installed gives `Ok(None)` after printing why the test skips,
 //! or fails when `OUTBOX_REQUIRE_SERVICES=1`.
@@ -477,6 +477,109 @@ pub enum NatsServerAuth {
     Token(String),
     /// The NKey user with this public key (`U...`).
     Nkey(String),
+    /// Decentralized JWT auth ([`nats_operator`]): the operator's JWT, and the accounts'
+    /// public keys and JWTs, preloaded into a memory resolver.
+    Operator {
+        /// The operator's JWT.
+        operator_jwt: String,
+        /// The system account's public key (`A...`), which JetStream needs.
+        system_account: String,
+        /// Each account's public key and JWT.
+        accounts: Vec<(String, String)>,
+    },
+}
+
+/// A signed NATS JWT (`ed25519-nkey`) with `claims`, issued by `issuer`.
+fn nats_jwt(issuer: &nkeys::KeyPair, claims: serde_json::Value) -> Result<String, BoxError> {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let header = b64.encode(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let body = b64.encode(serde_json::to_vec(&claims)?);
+    let signed = format!("{header}.{body}");
+    let signature = b64.encode(issuer.sign(signed.as_bytes())?);
+    Ok(format!("{signed}.{signature}"))
+}
+
+/// A fresh operator, account (with JetStream) and user: the server side, and the user's
+/// `.creds` file content (JWT and seed), as `nsc` would make them.
+pub fn nats_operator() -> Result<(NatsServerAuth, String), BoxError> {
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let system = nkeys::KeyPair::new_account();
+    let user = nkeys::KeyPair::new_user();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let claims = |iss: &nkeys::KeyPair, sub: &nkeys::KeyPair, name: &str, nats| {
+        serde_json::json!({
+            "jti": uuid::Uuid::new_v4().simple().to_string().to_uppercase(),
+            "iat": now,
+            "iss": iss.public_key(),
+            "name": name,
+            "sub": sub.public_key(),
+            "nats": nats,
+        })
+    };
+    let operator_jwt = nats_jwt(
+        &operator,
+        claims(
+            &operator,
+            &operator,
+            "op",
+            serde_json::json!({"type": "operator", "version": 2}),
+        ),
+    )?;
+    let unlimited = serde_json::json!({
+        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+        "wildcards": true, "conn": -1, "leaf": -1,
+        "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
+    });
+    let account_jwt = nats_jwt(
+        &operator,
+        claims(
+            &operator,
+            &account,
+            "acc",
+            serde_json::json!({"limits": unlimited, "type": "account", "version": 2}),
+        ),
+    )?;
+    let system_jwt = nats_jwt(
+        &operator,
+        claims(
+            &operator,
+            &system,
+            "SYS",
+            serde_json::json!({"type": "account", "version": 2}),
+        ),
+    )?;
+    let user_jwt = nats_jwt(
+        &account,
+        claims(
+            &account,
+            &user,
+            "app",
+            serde_json::json!({
+                "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1,
+                "type": "user", "version": 2,
+            }),
+        ),
+    )?;
+    let creds = format!(
+        "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+         -----BEGIN USER NKEY SEED-----\n{}\n------END USER NKEY SEED------\n",
+        user.seed()?
+    );
+    Ok((
+        NatsServerAuth::Operator {
+            operator_jwt,
+            system_account: system.public_key(),
+            accounts: vec![
+                (account.public_key(), account_jwt),
+                (system.public_key(), system_jwt),
+            ],
+        },
+        creds,
+    ))
 }
 
 /// A private `nats-server` with JetStream, optionally TLS-only with client certificates.
@@ -518,6 +621,20 @@ impl PrivateNats {
             NatsServerAuth::Token(token) => format!("authorization {{ token: \"{token}\" }}\n"),
             NatsServerAuth::Nkey(public) => {
                 format!("authorization {{ users = [ {{ nkey: {public} }} ] }}\n")
+            }
+            NatsServerAuth::Operator {
+                operator_jwt,
+                system_account,
+                accounts,
+            } => {
+                let preload: String = accounts
+                    .iter()
+                    .map(|(key, jwt)| format!("  {key}: \"{jwt}\"\n"))
+                    .collect();
+                format!(
+                    "operator: \"{operator_jwt}\"\nsystem_account: {system_account}\n\
+                     resolver: MEMORY\nresolver_preload: {{\n{preload}}}\n"
+                )
             }
         });
         let conf_path = dir.path().join("nats.conf");

@@ -14,8 +14,8 @@ use outbox::relay::{Relay, RelayConfig};
 use outbox::store::StoreOptions;
 use outbox::{Error, NewMessage, OutboxAdmin};
 use outbox_e2e::private::{
-    secret, NatsServerAuth, Pki, PrivateMariadb, PrivateNats, PrivatePostgres, PrivateRedis,
-    TLS_HOST, WRONG_HOST,
+    nats_operator, secret, NatsServerAuth, Pki, PrivateMariadb, PrivateNats, PrivatePostgres,
+    PrivateRedis, TLS_HOST, WRONG_HOST,
 };
 use outbox_e2e::BoxError;
 
@@ -466,6 +466,37 @@ async fn nats_token_and_nkey_authentication() -> Result<(), BoxError> {
         &format!("127.0.0.1:{port}"),
         "nkey_file=",
         &stranger,
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn nats_creds_file_authentication() -> Result<(), BoxError> {
+    let dir = tempfile::tempdir()?;
+    let (auth, creds) = nats_operator()?;
+    let Some(server) = PrivateNats::start(None, &auth)? else {
+        return Ok(());
+    };
+    let port = server.port;
+    let file = write_secret(dir.path(), "user.creds", &creds)?;
+    let url = format!(
+        "nats://127.0.0.1:{port}?subject=orders&stream=ORDERS&create_stream=true&creds_file={file}"
+    );
+    assert_eq!(relay_to(&url).await?, MESSAGES as u64);
+    // Another operator's user is refused, with the fix named and no seed shown.
+    let (_, stranger) = nats_operator()?;
+    let seed = stranger
+        .lines()
+        .find(|l| l.starts_with("SU"))
+        .ok_or("no seed")?
+        .to_owned();
+    let file = write_secret(dir.path(), "stranger.creds", &stranger)?;
+    let bad = format!("nats://127.0.0.1:{port}?subject=orders&creds_file={file}");
+    assert_explained(
+        connect(&bad).await,
+        &format!("127.0.0.1:{port}"),
+        "creds_file=",
+        &seed,
     );
     Ok(())
 }
