@@ -415,14 +415,15 @@ impl PrivateMariadb {
     }
 }
 
-/// A private `redis-server` that serves only TLS, with a password.
+/// A private `redis-server` that serves only TLS, with a password for the default user and
+/// for the ACL user `app`.
 #[derive(Debug)]
 pub struct PrivateRedis {
     _child: Owned,
     _dir: TempDir,
     /// Its TLS port on 127.0.0.1.
     pub port: u16,
-    /// The `requirepass` password.
+    /// The `requirepass` password, also user `app`'s.
     pub password: String,
 }
 
@@ -455,7 +456,10 @@ impl PrivateRedis {
                     if client_certs { "yes" } else { "no" },
                 ])
                 .arg("--requirepass")
-                .arg(&password),
+                .arg(&password)
+                .args(["--user", "app", "on"])
+                .arg(format!(">{password}"))
+                .args(["~*", "&*", "+@all"]),
             &log,
         )?;
         wait_port(port, Some(&mut child.0), &log)?;

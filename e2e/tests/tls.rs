@@ -274,6 +274,10 @@ async fn redis_over_tls_with_client_certificates_and_explained_failures() -> Res
     let good = format!("rediss://{TLS_HOST}:{port}?stream={stream}&{tls}&password_file={file}");
     assert_eq!(relay_to(&good).await?, MESSAGES as u64);
 
+    // An ACL user with its password from the file.
+    let acl = format!("rediss://app@{TLS_HOST}:{port}?stream={stream}&{tls}&password_file={file}");
+    connect(&acl).await?;
+
     // Read back with the client's own TLS connection.
     let client = redis::Client::build_with_tls(
         format!("rediss://:{pw}@{TLS_HOST}:{port}"),
