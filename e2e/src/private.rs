@@ -11,6 +11,7 @@
 //! | [`PrivatePostgres`] | `initdb` + `pg_ctl` under `runuser -u postgres` | `ssl=on`, `hostssl`-only `pg_hba.conf` | `postgres` with a password (scram-sha-256) |
 //! | [`PrivateMariadb`] | `mariadb-install-db` + `mariadbd` | `require_secure_transport=ON` | `app` with a password |
 //! | [`PrivateRedis`] | `redis-server --port 0 --tls-port N` | TLS only; client certificate optional or required | `requirepass` |
+//! | [`PrivateKafkaTls`] | a private Tansu behind a TLS front in the test process (Tansu 0.6 cannot serve TLS) | TLS only, verified by librdkafka | none (Tansu cannot create SASL users in memory storage) |
 //! | [`PrivateNats`] | `nats-server -c conf` with JetStream | optional `tls {}` block with `verify: true` | user/password, token, NKey or operator JWTs (`.creds`) |
 //!
 //! A server whose program is not installed gives `Ok(None)` after printing why the test skips,
@@ -19,6 +20,7 @@
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rcgen::{
@@ -652,4 +654,107 @@ impl PrivateNats {
             port,
         }))
     }
+}
+
+/// A private Tansu (Kafka) reachable only over TLS: Tansu listens in plaintext on a hidden
+/// port and advertises the TLS port, where a TLS front in this process (tokio-rustls, `pki`'s
+/// server certificate for [`TLS_HOST`]) forwards each connection to it. So librdkafka's TLS,
+/// certificate and host name checks run against a real broker.
+#[derive(Debug)]
+pub struct PrivateKafkaTls {
+    _tansu: Owned,
+    _dir: TempDir,
+    front: Option<tokio::runtime::Runtime>,
+    /// The TLS port on 127.0.0.1 (advertised as `TLS_HOST:port`).
+    pub port: u16,
+}
+
+impl PrivateKafkaTls {
+    /// Start Tansu (the binary `scripts/tansu install` puts in
+    /// `$OUTBOX_TANSU_HOME/bin`, default `~/.local/share/outbox/bin`) and the TLS front.
+    pub fn start(pki: &Pki) -> Result<Option<Self>, BoxError> {
+        let home = std::env::var_os("OUTBOX_TANSU_HOME")
+            .map(PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share/outbox"))
+            })
+            .unwrap_or_default();
+        let tansu = home.join("bin/tansu");
+        if !tansu.is_file() {
+            return missing("tansu (scripts/tansu install)");
+        }
+        let dir = tempfile::Builder::new().prefix("outbox-kafka-").tempdir()?;
+        let (inner, port) = (free_port()?, free_port()?);
+        let log = dir.path().join("log");
+        let mut child = spawn(
+            Command::new(&tansu)
+                .arg("broker")
+                .arg("--listener-url")
+                .arg(format!("tcp://127.0.0.1:{inner}"))
+                .arg("--advertised-listener-url")
+                .arg(format!("tcp://{TLS_HOST}:{port}"))
+                .args(["--storage-engine", "memory://tansu/"]),
+            &log,
+        )?;
+        wait_port(inner, Some(&mut child.0), &log)?;
+        let front = tls_front(pki, port, inner)?;
+        wait_port(port, None, &log)?;
+        Ok(Some(Self {
+            _tansu: child,
+            _dir: dir,
+            front: Some(front),
+            port,
+        }))
+    }
+}
+
+impl Drop for PrivateKafkaTls {
+    fn drop(&mut self) {
+        if let Some(front) = self.front.take() {
+            front.shutdown_background();
+        }
+    }
+}
+
+/// A runtime serving TLS on `port` with `pki`'s server certificate, forwarding each connection
+/// to `inner` in plaintext.
+fn tls_front(pki: &Pki, port: u16, inner: u16) -> Result<tokio::runtime::Runtime, BoxError> {
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use tokio_rustls::rustls::{self, ServerConfig};
+
+    let certs = CertificateDer::pem_file_iter(&pki.server_cert)?.collect::<Result<Vec<_>, _>>()?;
+    let key = PrivateKeyDer::from_pem_file(&pki.server_key)?;
+    let config =
+        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    // Bound here (not with the runtime's block_on, which may not run inside a test's runtime).
+    let listener = TcpListener::bind(("127.0.0.1", port))?;
+    listener.set_nonblocking(true)?;
+    runtime.spawn(async move {
+        let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+            return;
+        };
+        while let Ok((socket, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                // A client that fails the handshake (wrong CA, plaintext) just goes away.
+                let Ok(mut tls) = acceptor.accept(socket).await else {
+                    return;
+                };
+                if let Ok(mut upstream) = tokio::net::TcpStream::connect(("127.0.0.1", inner)).await
+                {
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut upstream).await;
+                }
+            });
+        }
+    });
+    Ok(runtime)
 }

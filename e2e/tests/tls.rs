@@ -14,8 +14,8 @@ use outbox::relay::{Relay, RelayConfig};
 use outbox::store::StoreOptions;
 use outbox::{Error, NewMessage, OutboxAdmin};
 use outbox_e2e::private::{
-    nats_operator, secret, NatsServerAuth, Pki, PrivateMariadb, PrivateNats, PrivatePostgres,
-    PrivateRedis, TLS_HOST, WRONG_HOST,
+    nats_operator, secret, NatsServerAuth, Pki, PrivateKafkaTls, PrivateMariadb, PrivateNats,
+    PrivatePostgres, PrivateRedis, TLS_HOST, WRONG_HOST,
 };
 use outbox_e2e::BoxError;
 
@@ -502,5 +502,55 @@ async fn nats_creds_file_authentication() -> Result<(), BoxError> {
         "creds_file=",
         &seed,
     );
+    Ok(())
+}
+
+/// Kafka over TLS: librdkafka (OpenSSL) checks the CA and the host name of a real broker (a
+/// private Tansu behind a TLS front, as Tansu 0.6 cannot serve TLS itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_over_tls_verified_by_librdkafka() -> Result<(), BoxError> {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::ClientConfig;
+
+    let pki = Pki::new()?;
+    let Some(kafka) = PrivateKafkaTls::start(&pki)? else {
+        return Ok(());
+    };
+    let brokers = format!("{TLS_HOST}:{}", kafka.port);
+    let ca = pki.ca.display().to_string();
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("security.protocol", "SSL")
+        .set("ssl.ca.location", &ca)
+        .create()?;
+    let options = AdminOptions::new().operation_timeout(Some(std::time::Duration::from_secs(10)));
+    for r in admin
+        .create_topics(
+            &[NewTopic::new("orders", 1, TopicReplication::Fixed(1))],
+            &options,
+        )
+        .await?
+    {
+        r.map_err(|(t, e)| format!("creating topic {t}: {e}"))?;
+    }
+    let good = format!("kafka://{brokers}?topic=orders&security.protocol=SSL&ssl.ca.location={ca}");
+    assert_eq!(relay_to(&good).await?, MESSAGES as u64);
+
+    // A CA that did not sign the certificate, and a host name it does not list: no connection.
+    let other = pki.other_ca.display();
+    for url in [
+        format!("kafka://{brokers}?topic=orders&security.protocol=SSL&ssl.ca.location={other}"),
+        format!(
+            "kafka://{WRONG_HOST}:{}?topic=orders&security.protocol=SSL&ssl.ca.location={ca}",
+            kafka.port
+        ),
+    ] {
+        let publisher = outbox::kafka::KafkaPublisher::from_url(&url)?;
+        let checked = publisher
+            .check_connection(std::time::Duration::from_secs(2))
+            .await;
+        assert!(checked.is_err(), "{url} connected");
+    }
     Ok(())
 }
