@@ -28,13 +28,17 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 use uuid::Uuid;
 
+mod secrets;
+
 /// The outbox relay: publishes committed outbox messages to a broker, and manages the outbox.
 #[derive(Debug, Parser)]
 #[command(name = "outbox-relay", version, about, long_about = None)]
 struct Cli {
     /// The outbox database: postgres://, mysql:// (or mariadb://) or sqlite:// URL.
     #[arg(long, env = "OUTBOX_STORE_URL", hide_env_values = true)]
-    store: String,
+    store: Option<String>,
+    #[command(flatten)]
+    store_file: secrets::StoreFile,
     /// The outbox table (default: outbox).
     #[arg(long, env = "OUTBOX_TABLE")]
     table: Option<String>,
@@ -111,7 +115,9 @@ enum Head {
 struct RelayArgs {
     /// The broker: stdout://, nats://, kafka:// or redis:// URL with its options.
     #[arg(long, env = "OUTBOX_BROKER_URL", hide_env_values = true)]
-    broker: String,
+    broker: Option<String>,
+    #[command(flatten)]
+    broker_file: secrets::BrokerFile,
     /// Create the outbox table first if it does not exist.
     #[arg(long)]
     migrate: bool,
@@ -199,24 +205,41 @@ async fn main() -> ExitCode {
     }
 }
 
+/// The store URL from --store or --store-file.
+fn store_url(cli: &Cli) -> Result<String, Error> {
+    secrets::url(
+        cli.store.clone(),
+        cli.store_file.store_file.as_deref(),
+        "--store",
+        "--store-file",
+    )
+}
+
 async fn execute(cli: Cli) -> Result<(), Error> {
     let options = StoreOptions {
         table: cli.table.clone(),
         schema: cli.schema.clone(),
         delete_published: cli.delete_published,
     };
+    let store = store_url(&cli)?;
     let (args, serve) = match cli.command {
         Command::Run(args) => (args, true),
         Command::Drain(args) => (args, false),
-        command => return admin(&cli.store, &options, command).await,
+        command => return admin(&store, &options, command).await,
     };
     // Listen before connecting to anything (see `Stop`).
     let stop = Stop::listen();
     // The relay settings, then the broker, are checked before the store is opened (which for
     // SQLite creates the file).
     let config = args.config()?;
-    let publisher = outbox::broker::connect(&args.broker).await?;
-    let opened = outbox::store::open(&cli.store, &options).await?;
+    let broker = secrets::url(
+        args.broker.clone(),
+        args.broker_file.broker_file.as_deref(),
+        "--broker",
+        "--broker-file",
+    )?;
+    let publisher = outbox::broker::connect(&broker).await?;
+    let opened = outbox::store::open(&store, &options).await?;
     if args.migrate {
         opened.migrate().await?;
     }
@@ -230,7 +253,7 @@ async fn execute(cli: Cli) -> Result<(), Error> {
     let relay = Relay::new(opened.store.clone(), Arc::from(publisher), config)?;
     tracing::info!(
         store = opened.name(),
-        broker = %redact_url(&args.broker),
+        broker = %redact_url(&broker),
         mode = if serve { "run" } else { "drain" },
         "relay started"
     );

@@ -8,9 +8,12 @@
 //! committed messages.
 //!
 //! The [`crash`] module and the `crash-relay` binary add crash tests with real processes: see
-//! the crate's `README.md` for the crash matrix and what each failpoint proves.
+//! the crate's `README.md` for the crash matrix and what each failpoint proves. The [`private`]
+//! module starts private servers (TLS-only, with passwords) for tests that need their own.
 
 use std::collections::{HashMap, HashSet};
+
+pub mod private;
 
 /// Errors of the readers: test support, so any error is a failure report.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -53,7 +53,7 @@ mod message;
 mod publisher;
 mod store;
 
-pub use error::{redact_url, BoxError, Error, ErrorKind};
+pub use error::{is_secret_option, redact_url, BoxError, Error, ErrorKind};
 pub use ident::validate_sql_identifier;
 pub use message::{
     validate_batch, Limits, Message, NewMessage, ValidMessage, DEFAULT_MAX_PAYLOAD_BYTES,

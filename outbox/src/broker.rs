@@ -3,9 +3,13 @@
 //! | URL | publisher | feature |
 //! |---|---|---|
 //! | `stdout://` | one JSON line per message on standard output | always |
-//! | `nats://host:4222?subject=...` | NATS JetStream | `nats` |
+//! | `nats://host:4222?subject=...` (or `tls://` for TLS) | NATS JetStream | `nats` |
 //! | `kafka://host:9092?topic=...` | Kafka (idempotent producer) | `kafka` |
-//! | `redis://host:6379?stream=...` | Redis Streams | `redis` |
+//! | `redis://host:6379?stream=...` (or `rediss://` for TLS) | Redis Streams | `redis` |
+//!
+//! TLS and credentials are URL options of each broker (CA file, client certificate, password,
+//! token, NKey or `.creds` file, SASL), documented in the README's "TLS and credentials"
+//! section and in each publisher's docs.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
@@ -59,7 +63,7 @@ pub async fn connect(url: &str) -> Result<Box<dyn Publisher>, Error> {
             Ok(Box::new(outbox_publisher_stdout::StdoutPublisher::new()))
         }
         #[cfg(feature = "nats")]
-        "nats" => {
+        "nats" | "tls" => {
             let config = outbox_publisher_nats::NatsConfig::from_url(url)?;
             Ok(Box::new(
                 outbox_publisher_nats::NatsPublisher::connect(config).await?,
@@ -70,7 +74,7 @@ pub async fn connect(url: &str) -> Result<Box<dyn Publisher>, Error> {
             url,
         )?)),
         #[cfg(feature = "redis")]
-        "redis" => {
+        "redis" | "rediss" => {
             let config = outbox_publisher_redis::RedisConfig::from_url(url)?;
             Ok(Box::new(
                 outbox_publisher_redis::RedisPublisher::connect(config).await?,
@@ -78,7 +82,11 @@ pub async fn connect(url: &str) -> Result<Box<dyn Publisher>, Error> {
         }
         // Reached only for brokers whose feature is off.
         #[allow(unreachable_patterns)]
-        "nats" | "kafka" | "redis" => not_compiled(scheme),
+        "nats" | "tls" | "kafka" | "redis" | "rediss" => not_compiled(match scheme {
+            "tls" => "nats",
+            "rediss" => "redis",
+            other => other,
+        }),
         other => Err(Error::invalid_input(format!(
             "unknown broker scheme {other:?} in {:?}; use one of: {}",
             redact_url(url),

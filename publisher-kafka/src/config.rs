@@ -22,7 +22,7 @@ pub const DEFAULT_MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_TOPIC_LEN: usize = 249;
 
 /// Query keys of a `kafka://` URL that are not librdkafka properties.
-const URL_OPTIONS: &[&str] = &["topic"];
+const URL_OPTIONS: &[&str] = &["topic", "password_file"];
 
 /// librdkafka properties without a dot in their name, accepted in a URL query as pass-through
 /// (every dotted key is passed through; these are the undotted ones worth setting on a producer).
@@ -116,7 +116,8 @@ impl KafkaConfig {
     ///
     /// - The host list becomes `bootstrap.servers`. A port is required for each host.
     /// - `user:password@` becomes `sasl.username` / `sasl.password` (set `security.protocol` and
-    ///   `sasl.mechanism` as query options too).
+    ///   `sasl.mechanism` as query options too); `password_file=PATH` reads the SASL password
+    ///   from a file instead.
     /// - `topic` is the routing template (default [`DEFAULT_TOPIC_TEMPLATE`]); write its braces
     ///   as-is or percent-encoded.
     /// - `message.timeout.ms` (or its alias `delivery.timeout.ms`) sets
@@ -171,6 +172,22 @@ impl KafkaConfig {
             let (key, value) = (key.into_owned(), value.into_owned());
             match key.as_str() {
                 "topic" => config.topic = parse_topic_template(&value)?,
+                "password_file" => {
+                    if config.properties.contains_key("sasl.password") {
+                        return Err(Error::invalid_input(format!(
+                            "Kafka URL {shown:?} has both a password and password_file; give one"
+                        )));
+                    }
+                    let text = std::fs::read_to_string(&value).map_err(|e| {
+                        Error::invalid_input(format!(
+                            "Kafka option password_file={value} cannot be read ({}); give the \
+                             path of a readable file holding the SASL password",
+                            e.kind()
+                        ))
+                    })?;
+                    let password = text.trim_end_matches(['\r', '\n']).to_owned();
+                    config.properties.insert("sasl.password".into(), password);
+                }
                 "message.timeout.ms" | "delivery.timeout.ms" => {
                     config.message_timeout = parse_timeout_ms(&key, &value)?;
                 }
@@ -519,6 +536,39 @@ mod tests {
         if let Err(err) = err {
             assert!(!err.to_string().contains("s3cret"), "{err}");
         }
+    }
+
+    /// librdkafka refuses `security.protocol=SSL` / `SASL_SSL` and SCRAM when it is built
+    /// without OpenSSL; this build has them (rdkafka's `ssl` feature).
+    #[test]
+    fn ssl_and_sasl_scram_are_compiled_in_and_the_password_can_come_from_a_file() {
+        let dir = std::env::temp_dir().join(format!("outbox-kafka-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = dir.join("ca.pem");
+        std::fs::write(&ca, "").unwrap();
+        let password = dir.join("pw");
+        std::fs::write(&password, "s3cret\n").unwrap();
+        for mechanism in ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] {
+            let url = format!(
+                "kafka://app@h:9093?security.protocol=SASL_SSL&sasl.mechanism={mechanism}\
+                 &ssl.ca.location={}&password_file={}",
+                ca.display(),
+                password.display()
+            );
+            let c = KafkaConfig::from_url(&url).unwrap();
+            assert_eq!(c.properties["sasl.username"], "app");
+            assert_eq!(c.properties["sasl.password"], "s3cret");
+            assert!(!format!("{c:?}").contains("s3cret"));
+        }
+        for protocol in ["SSL", "SASL_PLAINTEXT"] {
+            KafkaConfig::from_url(&format!("kafka://h:9093?security.protocol={protocol}")).unwrap();
+        }
+        let both = format!("kafka://app:pw@h:9093?password_file={}", password.display());
+        assert!(KafkaConfig::from_url(&both).is_err());
+        let missing =
+            KafkaConfig::from_url("kafka://app@h:9093?password_file=/nonexistent/pw").unwrap_err();
+        assert!(missing.to_string().contains("/nonexistent/pw"), "{missing}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::time::Duration;
 use outbox_routing::RoutingTemplate;
 use outbox_traits::{redact_url, Error};
 
+use crate::security::{read_secret, NatsAuth, NatsSecurity};
 use crate::subject;
 
 /// Default time to wait for a connection, an ack, or a stream API reply.
@@ -27,6 +28,14 @@ pub const URL_OPTIONS: &[&str] = &[
     "max_msg_size",
     "timeout_ms",
     "max_in_flight",
+    "tls_required",
+    "ca_file",
+    "cert_file",
+    "key_file",
+    "password_file",
+    "token_file",
+    "nkey_file",
+    "creds_file",
 ];
 
 /// The JetStream stream the publisher writes to: checked (or created) at connect time so that a
@@ -73,8 +82,9 @@ impl StreamSetup {
 /// Everything [`NatsPublisher::connect`](crate::NatsPublisher::connect) needs.
 #[derive(Debug, Clone)]
 pub struct NatsConfig {
-    /// Server URL, e.g. `nats://user:pass@127.0.0.1:4222` (credentials allowed; they never appear
-    /// in errors or logs).
+    /// Server URL, e.g. `nats://127.0.0.1:4222` or `tls://nats.example.com:4222`. Credentials
+    /// in a URL given to [`NatsConfig::from_url`] are moved to [`NatsConfig::security`]; they
+    /// never appear in errors or logs.
     pub url: String,
     /// Subject of each message.
     pub subject: RoutingTemplate,
@@ -86,6 +96,8 @@ pub struct NatsConfig {
     /// Stream to check or create at connect time; `None` checks nothing (then a subject that no
     /// stream captures fails each message as "no stream").
     pub stream: Option<StreamSetup>,
+    /// TLS and credentials.
+    pub security: NatsSecurity,
 }
 
 impl NatsConfig {
@@ -97,6 +109,7 @@ impl NatsConfig {
             timeout: DEFAULT_TIMEOUT,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             stream: None,
+            security: NatsSecurity::default(),
         };
         config.validate()?;
         Ok(config)
@@ -109,7 +122,10 @@ impl NatsConfig {
     /// - `stream`: stream name, checked at connect; `create_stream=true` creates it if missing,
     ///   capturing `stream_subjects` (comma-separated; default derived from the template), with
     ///   `duplicate_window_ms` and `max_msg_size`;
-    /// - `timeout_ms` (default 5000) and `max_in_flight` (default 1024).
+    /// - `timeout_ms` (default 5000) and `max_in_flight` (default 1024);
+    /// - TLS and credentials: `tls_required`, `ca_file`, `cert_file`, `key_file`,
+    ///   `password_file`, `token_file`, `nkey_file`, `creds_file` (see [`NatsSecurity`]); a
+    ///   `user:password@` or `token@` in the URL is taken as credentials too.
     ///
     /// An unknown option, a bad value or a missing `subject` gives [`Error::InvalidInput`] naming
     /// the valid options.
@@ -141,6 +157,12 @@ impl NatsConfig {
         let mut max_message_size = None;
         let mut timeout = DEFAULT_TIMEOUT;
         let mut max_in_flight = DEFAULT_MAX_IN_FLIGHT;
+        let mut security = NatsSecurity {
+            tls_required: parsed.scheme() == "tls",
+            ..NatsSecurity::default()
+        };
+        let mut password_file = None;
+        let mut auths = Vec::new();
         for (key, value) in parsed.query_pairs() {
             let value = value.into_owned();
             match key.as_ref() {
@@ -169,6 +191,14 @@ impl NatsConfig {
                 }
                 "timeout_ms" => timeout = Duration::from_millis(parse_num(&key, &value)?),
                 "max_in_flight" => max_in_flight = parse_num(&key, &value)?,
+                "tls_required" => security.tls_required = parse_bool(&key, &value)?,
+                "ca_file" => security.ca_file = Some(value.into()),
+                "cert_file" => security.cert_file = Some(value.into()),
+                "key_file" => security.key_file = Some(value.into()),
+                "password_file" => password_file = Some(read_secret(&key, &value)?),
+                "token_file" => auths.push(NatsAuth::Token(read_secret(&key, &value)?)),
+                "nkey_file" => auths.push(NatsAuth::NkeySeed(read_secret(&key, &value)?)),
+                "creds_file" => auths.push(NatsAuth::CredsFile(value.into())),
                 other => {
                     return Err(Error::invalid_input(format!(
                         "unknown NATS option {other:?} in {shown:?}; valid options: {}",
@@ -194,7 +224,31 @@ impl NatsConfig {
                  need stream=NAME",
             ));
         }
+        let user = percent_decode(parsed.username());
+        let password = parsed.password().map(percent_decode).or(password_file);
+        match (user.is_empty(), password) {
+            (true, None) => {}
+            (false, None) => auths.push(NatsAuth::Token(user)),
+            (false, Some(password)) => auths.push(NatsAuth::UserPassword { user, password }),
+            (true, Some(_)) => {
+                return Err(Error::invalid_input(format!(
+                    "NATS URL {shown:?} has a password but no user name; write \
+                     nats://USER@host:4222?password_file=... (or USER:PASSWORD@)"
+                )))
+            }
+        }
+        if auths.len() > 1 {
+            return Err(Error::invalid_input(format!(
+                "NATS URL {shown:?} gives more than one kind of credentials; use one of: \
+                 user:password@ (or user@ with password_file=), token@ (or token_file=), \
+                 nkey_file=, creds_file="
+            )));
+        }
+        security.auth = auths.pop().unwrap_or_default();
         let mut server = parsed.clone();
+        // The credentials are in `security`; the URL keeps none, so it can be shown.
+        let _ = server.set_username("");
+        let _ = server.set_password(None);
         server.set_query(None);
         server.set_fragment(None);
         let mut server = server.to_string();
@@ -221,6 +275,7 @@ impl NatsConfig {
             timeout,
             max_in_flight,
             stream,
+            security,
         };
         config.validate()?;
         Ok(config)
@@ -239,6 +294,7 @@ impl NatsConfig {
                 "NATS max_in_flight must be at least 1",
             ));
         }
+        self.security.validate()?;
         subject::check_template(&self.subject)?;
         if let Some(stream) = &self.stream {
             subject::check_stream_name(&stream.name)?;
@@ -258,6 +314,12 @@ impl NatsConfig {
         }
         Ok(())
     }
+}
+
+fn percent_decode(text: &str) -> String {
+    percent_encoding::percent_decode_str(text)
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 fn parse_bool(key: &str, value: &str) -> Result<bool, Error> {
@@ -290,7 +352,14 @@ mod tests {
              &max_msg_size=1000&timeout_ms=1500&max_in_flight=8",
         )
         .unwrap();
-        assert_eq!(c.url, "nats://u:p@127.0.0.1:4222");
+        assert_eq!(c.url, "nats://127.0.0.1:4222");
+        assert_eq!(
+            c.security.auth,
+            NatsAuth::UserPassword {
+                user: "u".into(),
+                password: "p".into()
+            }
+        );
         assert_eq!(c.subject.as_str(), "o.{aggregate_type}.{event_type}");
         assert_eq!(c.timeout, Duration::from_millis(1500));
         assert_eq!(c.max_in_flight, 8);
@@ -331,6 +400,42 @@ mod tests {
     fn errors_never_show_the_password() {
         let err = NatsConfig::from_url("nats://app:s3cret@h:4222?subject=a&bogus=1").unwrap_err();
         assert!(!err.to_string().contains("s3cret"), "{err}");
+    }
+
+    #[test]
+    fn tls_and_credentials_options() {
+        let dir = std::env::temp_dir().join(format!("outbox-nats-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let token = dir.join("token");
+        std::fs::write(&token, "t0ken\n").unwrap();
+        let c = NatsConfig::from_url(&format!(
+            "tls://h:4222?subject=a&token_file={}",
+            token.display()
+        ))
+        .unwrap();
+        assert!(c.security.tls_required);
+        assert_eq!(c.security.auth, NatsAuth::Token("t0ken".into()));
+        assert!(!format!("{c:?}").contains("t0ken"));
+
+        let c =
+            NatsConfig::from_url("nats://app:p%40ss@h:4222?subject=a&tls_required=true").unwrap();
+        assert_eq!(c.url, "nats://h:4222");
+        assert!(c.security.tls_required);
+        assert!(
+            matches!(c.security.auth, NatsAuth::UserPassword { ref password, .. } if password == "p@ss")
+        );
+
+        for bad in [
+            format!("nats://h:4222?subject=a&cert_file={}", token.display()),
+            "nats://h:4222?subject=a&ca_file=/nonexistent/ca.pem".to_owned(),
+            "nats://h:4222?subject=a&token_file=/nonexistent/token".to_owned(),
+            format!("nats://u:p@h:4222?subject=a&token_file={}", token.display()),
+        ] {
+            let err = NatsConfig::from_url(&bad).unwrap_err();
+            assert!(matches!(err, Error::InvalidInput(_)), "{bad}: {err}");
+            assert!(!err.to_string().contains("t0ken"), "{err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

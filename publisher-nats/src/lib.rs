@@ -69,7 +69,9 @@
 mod config;
 mod flight;
 mod publisher;
+mod security;
 mod subject;
 
 pub use config::{NatsConfig, StreamSetup, DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT, URL_OPTIONS};
 pub use publisher::NatsPublisher;
+pub use security::{NatsAuth, NatsSecurity};

@@ -33,15 +33,22 @@ impl NatsPublisher {
     pub async fn connect(config: NatsConfig) -> Result<Self, Error> {
         config.validate()?;
         let shown = redact_url(&config.url);
-        let client = async_nats::ConnectOptions::new()
+        let options = async_nats::ConnectOptions::new()
             .name("outbox-relay")
             .connection_timeout(config.timeout)
-            .request_timeout(Some(config.timeout))
+            .request_timeout(Some(config.timeout));
+        let client = config
+            .security
+            .apply(options)
+            .await?
             .connect(config.url.as_str())
             .await
             .map_err(|e| {
-                let detail = redact_url(&e.to_string());
-                let message = format!("cannot connect to {shown}: {detail}");
+                let detail = redact_url(&crate::security::one_line(&e));
+                let message = match crate::security::fix(&detail, e.kind()) {
+                    Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
+                    None => format!("cannot connect to {shown}: {detail}"),
+                };
                 match e.kind() {
                     async_nats::ConnectErrorKind::Authentication
                     | async_nats::ConnectErrorKind::AuthorizationViolation

@@ -61,6 +61,8 @@
 
 mod config;
 mod publisher;
+mod tls;
 
 pub use config::{RedisConfig, DEFAULT_TIMEOUT, URL_OPTIONS};
 pub use publisher::RedisPublisher;
+pub use tls::RedisTls;

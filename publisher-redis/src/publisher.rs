@@ -35,12 +35,7 @@ impl RedisPublisher {
     pub async fn connect(config: RedisConfig) -> Result<Self, Error> {
         config.validate()?;
         let shown = redact_url(&config.url);
-        let client = redis::Client::open(config.url.as_str()).map_err(|e| {
-            Error::invalid_input(format!(
-                "Redis URL {shown:?} is not usable: {}",
-                redact_url(&e.to_string())
-            ))
-        })?;
+        let client = config.tls.client(&config.url)?;
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(config.timeout)
             .set_response_timeout(config.timeout)
@@ -54,17 +49,26 @@ impl RedisPublisher {
         .map_err(|_| {
             Error::unavailable(
                 "redis",
-                format!("no connection to {shown} within {:?}", config.timeout),
+                if config.url.starts_with("rediss://") {
+                    format!("no connection to {shown} within {:?}", config.timeout)
+                } else {
+                    format!(
+                        "no connection to {shown} within {:?}; if the server serves only TLS, \
+                         use rediss:// (with ca_file=)",
+                        config.timeout
+                    )
+                },
                 "timed out",
             )
         })?
         .map_err(|e| {
-            let detail = redact_url(&e.to_string());
-            Error::unavailable(
-                "redis",
-                format!("cannot connect to {shown}: {detail}"),
-                detail,
-            )
+            let detail = redact_url(&crate::tls::one_line(&e));
+            let tls = config.url.starts_with("rediss://");
+            let message = match crate::tls::fix(&detail, tls) {
+                Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
+                None => format!("cannot connect to {shown}: {detail}"),
+            };
+            Error::unavailable("redis", message, detail)
         })?;
         Ok(Self { connection, config })
     }

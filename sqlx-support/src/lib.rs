@@ -2,6 +2,11 @@
 //! share: connecting with an error that names the real cause and never the password, and the
 //! classification of sqlx errors that does not depend on the database.
 //!
+//! A failed connection's error says what to fix as well as what went wrong: a TLS certificate
+//! the client does not trust, a host name the certificate does not list, a TLS-only server
+//! reached without TLS, a wrong password (see the option table in `tls.rs`, also in the
+//! backends' READMEs).
+//!
 //! The database's own error codes stay with each backend: [`map_sqlx`] hands database errors
 //! to the backend's classifier. What else the two stores share lives here too, so that what
 //! differs between them is their dialect: the common configuration settings ([`config`]), the
@@ -21,7 +26,13 @@ use outbox_traits::{redact_url, BoxError, Error, ErrorKind};
 use sqlx::pool::{Pool, PoolOptions};
 use sqlx::{ConnectOptions, Connection, Database};
 
-/// Parse `url`, connect once to check that the server answers, and return a lazy pool over
+mod password;
+mod tls;
+
+pub use password::PASSWORD_FILE;
+
+/// Parse `url` (after replacing a `password_file=PATH` option by the password the file holds),
+/// connect once to check that the server answers, and return a lazy pool over
 /// the same options whose calls wait at most `timeout` for a connection. `what` names the
 /// database in errors (`"postgres"`, `"mysql"`).
 ///
@@ -36,6 +47,8 @@ pub async fn connect_pool<DB: Database>(
     what: &str,
     timeout: Duration,
 ) -> Result<Pool<DB>, Error> {
+    let url = password::resolve(url, what)?;
+    let url = url.as_ref();
     let options = <<DB::Connection as Connection>::Options as FromStr>::from_str(url).map_err(
         |e: sqlx::Error| {
             Error::invalid_input(format!(
@@ -69,7 +82,10 @@ pub async fn connect_pool<DB: Database>(
 /// [`Error::Unavailable`] for a failed connection to `url`, with the password removed; the
 /// source is kept only for errors that cannot quote the URL.
 fn unavailable(what: &str, url: &str, e: sqlx::Error) -> Error {
-    let text = redact_url(&e.to_string());
+    let mut text = redact_url(&tls::one_line(&e));
+    if let Some(fix) = tls::fix(what, url, &text) {
+        text = format!("{text}; {fix}");
+    }
     let source: Option<BoxError> = match e {
         sqlx::Error::Configuration(_) => None,
         other => Some(Box::new(other)),

@@ -1,0 +1,760 @@
+//! Private servers for tests that need a server of their own: TLS-only, with passwords, or to be
+//! stopped (outage tests). Each one runs on a free loopback port, in a temporary directory,
+//! started by the test and stopped (by its own pid or data directory) when dropped; the shared
+//! servers are never touched.
+//!
+//! [`Pki`] makes a CA, a server certificate for [`TLS_HOST`], a client certificate and a second,
+//! unrelated CA (for "wrong CA" checks) with `rcgen`.
+//!
+//! | server | how | TLS | credentials |
+//! |---|---|---|---|
+//! | [`PrivatePostgres`] | `initdb` + `pg_ctl` under `runuser -u postgres` | `ssl=on`, `hostssl`-only `pg_hba.conf` | `postgres` with a password (scram-sha-256) |
+//! | [`PrivateMariadb`] | `mariadb-install-db` + `mariadbd` | `require_secure_transport=ON` | `app` with a password |
+//! | [`PrivateRedis`] | `redis-server --port 0 --tls-port N` | TLS only; client certificate optional or required | `requirepass` |
+//! | [`PrivateKafkaTls`] | a private Tansu behind a TLS front in the test process (Tansu 0.6 cannot serve TLS) | TLS only, verified by librdkafka | none (Tansu cannot create SASL users in memory storage) |
+//! | [`PrivateNats`] | `nats-server -c conf` with JetStream | optional `tls {}` block with `verify: true` | user/password, token, NKey or operator JWTs (`.creds`) |
+//!
+//! A server whose program is not installed gives `Ok(None)` after printing why the test skips,
+//! or fails when `OUTBOX_REQUIRE_SERVICES=1`.
+
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+use tempfile::TempDir;
+
+use crate::BoxError;
+
+/// The host name the server certificates list; it resolves to 127.0.0.1.
+pub const TLS_HOST: &str = "localhost";
+/// The same server by an address its certificate does not list (for "wrong host name" checks).
+pub const WRONG_HOST: &str = "127.0.0.1";
+
+/// How long a server may take to accept connections before its start is a failure.
+const START_GUARD: Duration = Duration::from_secs(60);
+
+/// Certificates of one test, as PEM files in a temporary directory.
+#[derive(Debug)]
+pub struct Pki {
+    _dir: TempDir,
+    /// The CA that signed the server and client certificates.
+    pub ca: PathBuf,
+    /// A CA that signed nothing here: trusting only it must fail.
+    pub other_ca: PathBuf,
+    /// The server certificate, for [`TLS_HOST`] only.
+    pub server_cert: PathBuf,
+    /// The server certificate's key.
+    pub server_key: PathBuf,
+    /// A client certificate (common name `app`).
+    pub client_cert: PathBuf,
+    /// The client certificate's key.
+    pub client_key: PathBuf,
+}
+
+fn ca_params(name: &str) -> Result<CertificateParams, BoxError> {
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    Ok(params)
+}
+
+impl Pki {
+    /// A fresh CA with a server and a client certificate, and an unrelated CA.
+    pub fn new() -> Result<Self, BoxError> {
+        let dir = tempfile::Builder::new().prefix("outbox-pki-").tempdir()?;
+        let write = |name: &str, text: String| -> Result<PathBuf, BoxError> {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text)?;
+            Ok(path)
+        };
+        let ca_key = KeyPair::generate()?;
+        let params = ca_params("outbox test CA")?;
+        let ca_cert = params.self_signed(&ca_key)?;
+        let issuer = Issuer::new(params, ca_key);
+
+        let server_key = KeyPair::generate()?;
+        let mut server = CertificateParams::new(vec![TLS_HOST.to_owned()])?;
+        server.distinguished_name.push(DnType::CommonName, TLS_HOST);
+        server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        let server_cert = server.signed_by(&server_key, &issuer)?;
+
+        let client_key = KeyPair::generate()?;
+        let mut client = CertificateParams::new(Vec::<String>::new())?;
+        client.distinguished_name.push(DnType::CommonName, "app");
+        client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        let client_cert = client.signed_by(&client_key, &issuer)?;
+
+        let other_key = KeyPair::generate()?;
+        let other_ca = ca_params("unrelated CA")?.self_signed(&other_key)?;
+
+        Ok(Self {
+            ca: write("ca.pem", ca_cert.pem())?,
+            other_ca: write("other-ca.pem", other_ca.pem())?,
+            server_cert: write("server.pem", server_cert.pem())?,
+            server_key: write("server.key", server_key.serialize_pem())?,
+            client_cert: write("client.pem", client_cert.pem())?,
+            client_key: write("client.key", client_key.serialize_pem())?,
+            _dir: dir,
+        })
+    }
+}
+
+/// A random secret for a private server (a password, a token).
+pub fn secret() -> String {
+    format!("pw-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A free loopback port (free when this returns; the server binds it right after).
+pub fn free_port() -> Result<u16, BoxError> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Wait until `port` accepts connections, or fail with the server's log once `child` exits or
+/// the start guard passes.
+fn wait_port(port: u16, child: Option<&mut Child>, log: &Path) -> Result<(), BoxError> {
+    let start = Instant::now();
+    let mut child = child;
+    loop {
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        let exited = match child.as_mut() {
+            Some(c) => c.try_wait()?.is_some(),
+            None => false,
+        };
+        if exited || start.elapsed() > START_GUARD {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            return Err(format!("server on port {port} did not start:\n{text}").into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `Ok(None)` after printing why, or an error when `OUTBOX_REQUIRE_SERVICES=1`.
+fn missing<T>(what: &str) -> Result<Option<T>, BoxError> {
+    if std::env::var("OUTBOX_REQUIRE_SERVICES").is_ok_and(|v| v == "1") {
+        return Err(format!("{what} is not installed but OUTBOX_REQUIRE_SERVICES=1").into());
+    }
+    eprintln!("skipped: {what} is not installed");
+    Ok(None)
+}
+
+fn run(command: &mut Command) -> Result<(), BoxError> {
+    let output = command.output()?;
+    if !output.status.success() {
+        return Err(format!(
+            "{command:?} failed: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// The newest installed PostgreSQL's `bin` directory.
+fn postgres_bin() -> Option<PathBuf> {
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let version = e.file_name().to_str()?.parse().ok()?;
+            let bin = e.path().join("bin");
+            bin.join("initdb").is_file().then_some((version, bin))
+        })
+        .collect();
+    versions.sort();
+    versions.pop().map(|(_, bin)| bin)
+}
+
+/// A private PostgreSQL that accepts only TLS connections (`hostssl` lines only): user
+/// `postgres` with a password, user `app` with [`Pki::client_cert`] (`cert` authentication);
+/// database `postgres`.
+#[derive(Debug)]
+pub struct PrivatePostgres {
+    dir: TempDir,
+    bin: PathBuf,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    /// The password of user `postgres`.
+    pub password: String,
+}
+
+impl PrivatePostgres {
+    /// initdb, configure TLS with `pki`'s server certificate (and its CA for client
+    /// certificates), start and wait until it accepts connections. Takes about 2 s.
+    pub fn start(pki: &Pki) -> Result<Option<Self>, BoxError> {
+        let Some(bin) = postgres_bin() else {
+            return missing("PostgreSQL (/usr/lib/postgresql/*/bin/initdb)");
+        };
+        let dir = tempfile::Builder::new().prefix("outbox-pg-").tempdir()?;
+        let data = dir.path().join("data");
+        let password = secret();
+        let pwfile = dir.path().join("pw");
+        std::fs::write(&pwfile, &password)?;
+        for (from, to) in [
+            (&pki.server_cert, "server.pem"),
+            (&pki.server_key, "server.key"),
+            (&pki.ca, "ca.pem"),
+        ] {
+            std::fs::copy(from, dir.path().join(to))?;
+        }
+        run(Command::new("chown")
+            .arg("-R")
+            .arg("postgres:")
+            .arg(dir.path()))?;
+        run(Command::new("chmod")
+            .arg("600")
+            .arg(dir.path().join("server.key")))?;
+        run(Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(bin.join("initdb"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-U", "postgres", "-E", "UTF8", "--no-sync"])
+            .args(["--auth-local=trust", "--auth-host=scram-sha-256"])
+            .arg(format!("--pwfile={}", pwfile.display())))?;
+        let port = free_port()?;
+        let d = dir.path().display();
+        let conf = format!(
+            "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{d}'\n\
+             ssl = on\nssl_cert_file = '{d}/server.pem'\nssl_key_file = '{d}/server.key'\n\
+             ssl_ca_file = '{d}/ca.pem'\nfsync = off\nmax_connections = 40\n"
+        );
+        let conf_path = data.join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf_path)?;
+        text.push_str(&conf);
+        std::fs::write(&conf_path, text)?;
+        // TCP only over TLS: user `app` by client certificate, the others by password; the
+        // socket (for set-up) trusts.
+        std::fs::write(
+            data.join("pg_hba.conf"),
+            "local all all trust\nhostssl all app 127.0.0.1/32 cert\n\
+             hostssl all all 127.0.0.1/32 scram-sha-256\n",
+        )?;
+        let server = Self {
+            dir,
+            bin,
+            port,
+            password,
+        };
+        run(Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(server.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(&data)
+            .arg("-l")
+            .arg(server.dir.path().join("log"))
+            .args(["-w", "-t", "60", "start"]))?;
+        run(Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(server.bin.join("psql"))
+            .arg("-h")
+            .arg(server.dir.path())
+            .args([
+                "-p",
+                &port.to_string(),
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-q",
+                "-c",
+            ])
+            .arg("CREATE ROLE app LOGIN SUPERUSER"))?;
+        Ok(Some(server))
+    }
+
+    /// A URL for `host` with the given query (e.g. `sslmode=verify-full&sslrootcert=...`) and
+    /// the password.
+    pub fn url(&self, host: &str, query: &str) -> String {
+        format!(
+            "postgres://postgres:{}@{host}:{}/postgres?{query}",
+            self.password, self.port
+        )
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let _ = Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(self.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(self.dir.path().join("data"))
+            .args(["-m", "immediate", "-w", "stop"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// A child process killed (by its pid) and reaped when dropped.
+#[derive(Debug)]
+struct Owned(Child);
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(command: &mut Command, log: &Path) -> Result<Owned, BoxError> {
+    let file = std::fs::File::create(log)?;
+    Ok(Owned(
+        command
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file)
+            .spawn()?,
+    ))
+}
+
+fn installed(program: &str) -> bool {
+    Command::new(program)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok()
+}
+
+/// A private MariaDB with `require_secure_transport=ON`: user `app` with a password, user
+/// `certuser` with a client certificate signed by the [`Pki`]'s CA (`REQUIRE X509`); database
+/// `test`.
+#[derive(Debug)]
+pub struct PrivateMariadb {
+    child: Owned,
+    _dir: TempDir,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    /// The password of user `app`.
+    pub password: String,
+}
+
+impl PrivateMariadb {
+    /// `mariadb-install-db`, start `mariadbd` with `pki`'s server certificate and wait until it
+    /// accepts connections; then create the user over the socket (which needs no TLS).
+    pub fn start(pki: &Pki) -> Result<Option<Self>, BoxError> {
+        let mariadbd = ["/usr/sbin/mariadbd", "/usr/sbin/mysqld"]
+            .into_iter()
+            .find(|p| Path::new(p).is_file());
+        let Some(mariadbd) = mariadbd.filter(|_| installed("mariadb-install-db")) else {
+            return missing("MariaDB (mariadbd and mariadb-install-db)");
+        };
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-mariadb-")
+            .tempdir()?;
+        let data = dir.path().join("data");
+        run(Command::new("mariadb-install-db")
+            .arg("--no-defaults")
+            .arg(format!("--datadir={}", data.display()))
+            .args([
+                "--user=root",
+                "--auth-root-authentication-method=normal",
+                "--skip-test-db",
+            ]))?;
+        let port = free_port()?;
+        let socket = dir.path().join("sock");
+        let log = dir.path().join("log");
+        let child = spawn(
+            Command::new(mariadbd)
+                .arg("--no-defaults")
+                .arg(format!("--datadir={}", data.display()))
+                .arg(format!("--socket={}", socket.display()))
+                .arg(format!("--pid-file={}", dir.path().join("pid").display()))
+                .arg(format!("--port={port}"))
+                .args([
+                    "--bind-address=127.0.0.1",
+                    "--user=root",
+                    "--skip-name-resolve",
+                ])
+                .args(["--innodb-buffer-pool-size=32M", "--innodb-log-file-size=8M"])
+                .arg(format!("--ssl-cert={}", pki.server_cert.display()))
+                .arg(format!("--ssl-key={}", pki.server_key.display()))
+                .arg(format!("--ssl-ca={}", pki.ca.display()))
+                .arg("--require-secure-transport=ON"),
+            &log,
+        )?;
+        let mut server = Self {
+            child,
+            _dir: dir,
+            port,
+            password: secret(),
+        };
+        wait_port(port, Some(&mut server.child.0), &log)?;
+        run(Command::new("mariadb")
+            .arg("--no-defaults")
+            .arg(format!("--socket={}", socket.display()))
+            .args(["-uroot", "-e"])
+            .arg(format!(
+                "CREATE USER 'app'@'%' IDENTIFIED BY '{}'; GRANT ALL ON *.* TO 'app'@'%'; \
+                 CREATE USER 'certuser'@'%' REQUIRE X509; GRANT ALL ON *.* TO 'certuser'@'%'; \
+                 CREATE DATABASE test;",
+                server.password
+            )))?;
+        Ok(Some(server))
+    }
+
+    /// A URL for `host` with the given query (e.g. `ssl-mode=VERIFY_IDENTITY&ssl-ca=...`).
+    pub fn url(&self, host: &str, query: &str) -> String {
+        format!(
+            "mysql://app:{}@{host}:{}/test?{query}",
+            self.password, self.port
+        )
+    }
+}
+
+/// A private `redis-server` that serves only TLS, with a password for the default user and
+/// for the ACL user `app`.
+#[derive(Debug)]
+pub struct PrivateRedis {
+    _child: Owned,
+    _dir: TempDir,
+    /// Its TLS port on 127.0.0.1.
+    pub port: u16,
+    /// The `requirepass` password, also user `app`'s.
+    pub password: String,
+}
+
+impl PrivateRedis {
+    /// Start it with `pki`'s server certificate; `client_certs` makes it require client
+    /// certificates signed by `pki`'s CA (`tls-auth-clients yes`).
+    pub fn start(pki: &Pki, client_certs: bool) -> Result<Option<Self>, BoxError> {
+        if !installed("redis-server") {
+            return missing("redis-server");
+        }
+        let dir = tempfile::Builder::new().prefix("outbox-redis-").tempdir()?;
+        let port = free_port()?;
+        let password = secret();
+        let log = dir.path().join("log");
+        let mut child = spawn(
+            Command::new("redis-server")
+                .args(["--port", "0", "--tls-port"])
+                .arg(port.to_string())
+                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(dir.path())
+                .arg("--tls-cert-file")
+                .arg(&pki.server_cert)
+                .arg("--tls-key-file")
+                .arg(&pki.server_key)
+                .arg("--tls-ca-cert-file")
+                .arg(&pki.ca)
+                .args([
+                    "--tls-auth-clients",
+                    if client_certs { "yes" } else { "no" },
+                ])
+                .arg("--requirepass")
+                .arg(&password)
+                .args(["--user", "app", "on"])
+                .arg(format!(">{password}"))
+                .args(["~*", "&*", "+@all"]),
+            &log,
+        )?;
+        wait_port(port, Some(&mut child.0), &log)?;
+        Ok(Some(Self {
+            _child: child,
+            _dir: dir,
+            port,
+            password,
+        }))
+    }
+}
+
+/// How a [`PrivateNats`] authenticates clients.
+#[derive(Debug, Clone)]
+pub enum NatsServerAuth {
+    /// User `app` with this password.
+    UserPassword(String),
+    /// This token.
+    Token(String),
+    /// The NKey user with this public key (`U...`).
+    Nkey(String),
+    /// Decentralized JWT auth ([`nats_operator`]): the operator's JWT, and the accounts'
+    /// public keys and JWTs, preloaded into a memory resolver.
+    Operator {
+        /// The operator's JWT.
+        operator_jwt: String,
+        /// The system account's public key (`A...`), which JetStream needs.
+        system_account: String,
+        /// Each account's public key and JWT.
+        accounts: Vec<(String, String)>,
+    },
+}
+
+/// A signed NATS JWT (`ed25519-nkey`) with `claims`, issued by `issuer`.
+fn nats_jwt(issuer: &nkeys::KeyPair, claims: serde_json::Value) -> Result<String, BoxError> {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let header = b64.encode(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let body = b64.encode(serde_json::to_vec(&claims)?);
+    let signed = format!("{header}.{body}");
+    let signature = b64.encode(issuer.sign(signed.as_bytes())?);
+    Ok(format!("{signed}.{signature}"))
+}
+
+/// A fresh operator, account (with JetStream) and user: the server side, and the user's
+/// `.creds` file content (JWT and seed), as `nsc` would make them.
+pub fn nats_operator() -> Result<(NatsServerAuth, String), BoxError> {
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let system = nkeys::KeyPair::new_account();
+    let user = nkeys::KeyPair::new_user();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let claims = |iss: &nkeys::KeyPair, sub: &nkeys::KeyPair, name: &str, nats| {
+        serde_json::json!({
+            "jti": uuid::Uuid::new_v4().simple().to_string().to_uppercase(),
+            "iat": now,
+            "iss": iss.public_key(),
+            "name": name,
+            "sub": sub.public_key(),
+            "nats": nats,
+        })
+    };
+    let operator_jwt = nats_jwt(
+        &operator,
+        claims(
+            &operator,
+            &operator,
+            "op",
+            serde_json::json!({"type": "operator", "version": 2}),
+        ),
+    )?;
+    let unlimited = serde_json::json!({
+        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+        "wildcards": true, "conn": -1, "leaf": -1,
+        "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
+    });
+    let account_jwt = nats_jwt(
+        &operator,
+        claims(
+            &operator,
+            &account,
+            "acc",
+            serde_json::json!({"limits": unlimited, "type": "account", "version": 2}),
+        ),
+    )?;
+    let system_jwt = nats_jwt(
+        &operator,
+        claims(
+            &operator,
+            &system,
+            "SYS",
+            serde_json::json!({"type": "account", "version": 2}),
+        ),
+    )?;
+    let user_jwt = nats_jwt(
+        &account,
+        claims(
+            &account,
+            &user,
+            "app",
+            serde_json::json!({
+                "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1,
+                "type": "user", "version": 2,
+            }),
+        ),
+    )?;
+    let creds = format!(
+        "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+         -----BEGIN USER NKEY SEED-----\n{}\n------END USER NKEY SEED------\n",
+        user.seed()?
+    );
+    Ok((
+        NatsServerAuth::Operator {
+            operator_jwt,
+            system_account: system.public_key(),
+            accounts: vec![
+                (account.public_key(), account_jwt),
+                (system.public_key(), system_jwt),
+            ],
+        },
+        creds,
+    ))
+}
+
+/// A private `nats-server` with JetStream, optionally TLS-only with client certificates.
+#[derive(Debug)]
+pub struct PrivateNats {
+    _child: Owned,
+    _dir: TempDir,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+}
+
+impl PrivateNats {
+    /// Start it with `auth`; with `tls`, a `tls {}` block with `pki`'s server certificate and
+    /// `verify: true` (clients must present a certificate signed by `pki`'s CA).
+    pub fn start(pki: Option<&Pki>, auth: &NatsServerAuth) -> Result<Option<Self>, BoxError> {
+        let program = ["/usr/sbin/nats-server", "nats-server"]
+            .into_iter()
+            .find(|p| installed(p));
+        let Some(program) = program else {
+            return missing("nats-server");
+        };
+        let dir = tempfile::Builder::new().prefix("outbox-nats-").tempdir()?;
+        let port = free_port()?;
+        let d = dir.path().display();
+        let mut conf =
+            format!("listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: \"{d}/js\" }}\n");
+        if let Some(pki) = pki {
+            conf.push_str(&format!(
+                "tls {{\n  cert_file: \"{}\"\n  key_file: \"{}\"\n  ca_file: \"{}\"\n  verify: true\n  timeout: 5\n}}\n",
+                pki.server_cert.display(),
+                pki.server_key.display(),
+                pki.ca.display()
+            ));
+        }
+        conf.push_str(&match auth {
+            NatsServerAuth::UserPassword(password) => format!(
+                "authorization {{ users = [ {{ user: app, password: \"{password}\" }} ] }}\n"
+            ),
+            NatsServerAuth::Token(token) => format!("authorization {{ token: \"{token}\" }}\n"),
+            NatsServerAuth::Nkey(public) => {
+                format!("authorization {{ users = [ {{ nkey: {public} }} ] }}\n")
+            }
+            NatsServerAuth::Operator {
+                operator_jwt,
+                system_account,
+                accounts,
+            } => {
+                let preload: String = accounts
+                    .iter()
+                    .map(|(key, jwt)| format!("  {key}: \"{jwt}\"\n"))
+                    .collect();
+                format!(
+                    "operator: \"{operator_jwt}\"\nsystem_account: {system_account}\n\
+                     resolver: MEMORY\nresolver_preload: {{\n{preload}}}\n"
+                )
+            }
+        });
+        let conf_path = dir.path().join("nats.conf");
+        std::fs::write(&conf_path, conf)?;
+        let log = dir.path().join("log");
+        let mut child = spawn(Command::new(program).arg("-c").arg(&conf_path), &log)?;
+        wait_port(port, Some(&mut child.0), &log)?;
+        Ok(Some(Self {
+            _child: child,
+            _dir: dir,
+            port,
+        }))
+    }
+}
+
+/// A private Tansu (Kafka) reachable only over TLS: Tansu listens in plaintext on a hidden
+/// port and advertises the TLS port, where a TLS front in this process (tokio-rustls, `pki`'s
+/// server certificate for [`TLS_HOST`]) forwards each connection to it. So librdkafka's TLS,
+/// certificate and host name checks run against a real broker.
+#[derive(Debug)]
+pub struct PrivateKafkaTls {
+    _tansu: Owned,
+    _dir: TempDir,
+    front: Option<tokio::runtime::Runtime>,
+    /// The TLS port on 127.0.0.1 (advertised as `TLS_HOST:port`).
+    pub port: u16,
+}
+
+impl PrivateKafkaTls {
+    /// Start Tansu (the binary `scripts/tansu install` puts in
+    /// `$OUTBOX_TANSU_HOME/bin`, default `~/.local/share/outbox/bin`) and the TLS front.
+    pub fn start(pki: &Pki) -> Result<Option<Self>, BoxError> {
+        let home = std::env::var_os("OUTBOX_TANSU_HOME")
+            .map(PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share/outbox"))
+            })
+            .unwrap_or_default();
+        let tansu = home.join("bin/tansu");
+        if !tansu.is_file() {
+            return missing("tansu (scripts/tansu install)");
+        }
+        let dir = tempfile::Builder::new().prefix("outbox-kafka-").tempdir()?;
+        let (inner, port) = (free_port()?, free_port()?);
+        let log = dir.path().join("log");
+        let mut child = spawn(
+            Command::new(&tansu)
+                .arg("broker")
+                .arg("--listener-url")
+                .arg(format!("tcp://127.0.0.1:{inner}"))
+                .arg("--advertised-listener-url")
+                .arg(format!("tcp://{TLS_HOST}:{port}"))
+                .args(["--storage-engine", "memory://tansu/"]),
+            &log,
+        )?;
+        wait_port(inner, Some(&mut child.0), &log)?;
+        let front = tls_front(pki, port, inner)?;
+        wait_port(port, None, &log)?;
+        Ok(Some(Self {
+            _tansu: child,
+            _dir: dir,
+            front: Some(front),
+            port,
+        }))
+    }
+}
+
+impl Drop for PrivateKafkaTls {
+    fn drop(&mut self) {
+        if let Some(front) = self.front.take() {
+            front.shutdown_background();
+        }
+    }
+}
+
+/// A runtime serving TLS on `port` with `pki`'s server certificate, forwarding each connection
+/// to `inner` in plaintext.
+fn tls_front(pki: &Pki, port: u16, inner: u16) -> Result<tokio::runtime::Runtime, BoxError> {
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use tokio_rustls::rustls::{self, ServerConfig};
+
+    let certs = CertificateDer::pem_file_iter(&pki.server_cert)?.collect::<Result<Vec<_>, _>>()?;
+    let key = PrivateKeyDer::from_pem_file(&pki.server_key)?;
+    let config =
+        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    // Bound here (not with the runtime's block_on, which may not run inside a test's runtime).
+    let listener = TcpListener::bind(("127.0.0.1", port))?;
+    listener.set_nonblocking(true)?;
+    runtime.spawn(async move {
+        let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+            return;
+        };
+        while let Ok((socket, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                // A client that fails the handshake (wrong CA, plaintext) just goes away.
+                let Ok(mut tls) = acceptor.accept(socket).await else {
+                    return;
+                };
+                if let Ok(mut upstream) = tokio::net::TcpStream::connect(("127.0.0.1", inner)).await
+                {
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut upstream).await;
+                }
+            });
+        }
+    });
+    Ok(runtime)
+}

@@ -1,0 +1,202 @@
+//! TLS and credentials of the Redis connection: the client built from the URL and the
+//! certificate files, and what to fix when connecting fails.
+//!
+//! | URL part or option | what it does |
+//! |---|---|
+//! | `rediss://host:6380` | TLS, checking the server's certificate and host name |
+//! | `ca_file=/path/ca.pem` | trust only this CA for the server's certificate (default: the system's CAs) |
+//! | `cert_file=/path/client.pem`, `key_file=/path/client.key` | present this client certificate (`tls-auth-clients yes`) |
+//! | `redis://:password@host`, `redis://user:password@host` (ACL) | `AUTH` with the password |
+//! | `password_file=/path` | the password from a file (trailing line break ignored), with the URL's user name if any |
+//!
+//! Certificate and password files are read when the URL is parsed, so a missing file is an error
+//! before anything connects. The password never appears in errors or `Debug` output.
+
+use std::path::PathBuf;
+
+use outbox_traits::Error;
+
+/// Certificate files of a `rediss://` connection.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RedisTls {
+    /// CA certificate file (PEM) to trust for the server's certificate; `None`: the system's.
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate file (PEM); needs [`RedisTls::key_file`].
+    pub cert_file: Option<PathBuf>,
+    /// Client private key file (PEM); needs [`RedisTls::cert_file`].
+    pub key_file: Option<PathBuf>,
+}
+
+impl RedisTls {
+    /// Whether any file is set.
+    pub fn is_set(&self) -> bool {
+        self.ca_file.is_some() || self.cert_file.is_some() || self.key_file.is_some()
+    }
+
+    /// Check the combination: files only with `rediss://`, a certificate with its key, and
+    /// every named file readable.
+    pub fn validate(&self, url: &str) -> Result<(), Error> {
+        if self.is_set() && !url.starts_with("rediss://") {
+            return Err(Error::invalid_input(
+                "Redis options ca_file, cert_file and key_file need TLS: write the URL as \
+                 rediss://host:port",
+            ));
+        }
+        if self.cert_file.is_some() != self.key_file.is_some() {
+            return Err(Error::invalid_input(
+                "Redis options cert_file and key_file go together: give both (the client's \
+                 certificate and its private key) or neither",
+            ));
+        }
+        for (option, path) in [
+            ("ca_file", &self.ca_file),
+            ("cert_file", &self.cert_file),
+            ("key_file", &self.key_file),
+        ] {
+            if let Some(path) = path {
+                if !path.is_file() {
+                    return Err(Error::invalid_input(format!(
+                        "Redis option {option}={} names no readable file; give the path of an \
+                         existing file",
+                        path.display()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn read(option: &str, path: &PathBuf) -> Result<Vec<u8>, Error> {
+        std::fs::read(path).map_err(|e| {
+            Error::invalid_input(format!(
+                "Redis option {option}={} cannot be read ({}); give the path of a readable file",
+                path.display(),
+                e.kind()
+            ))
+        })
+    }
+
+    /// The client for `url` with these files.
+    pub(crate) fn client(&self, url: &str) -> Result<redis::Client, Error> {
+        let client = if self.is_set() {
+            let load = |option: &str, path: &Option<PathBuf>| -> Result<Option<Vec<u8>>, Error> {
+                path.as_ref().map(|p| Self::read(option, p)).transpose()
+            };
+            let root_cert = load("ca_file", &self.ca_file)?;
+            let client_tls = match (
+                load("cert_file", &self.cert_file)?,
+                load("key_file", &self.key_file)?,
+            ) {
+                (Some(client_cert), Some(client_key)) => Some(redis::ClientTlsConfig {
+                    client_cert,
+                    client_key,
+                }),
+                _ => None,
+            };
+            redis::Client::build_with_tls(
+                url,
+                redis::TlsCertificates {
+                    client_tls,
+                    root_cert,
+                },
+            )
+        } else {
+            redis::Client::open(url)
+        };
+        client.map_err(|e| {
+            let detail = outbox_traits::redact_url(&one_line(&e));
+            Error::invalid_input(format!(
+                "Redis URL {:?} is not usable: {detail}",
+                outbox_traits::redact_url(url)
+            ))
+        })
+    }
+}
+
+/// Read the password file named by URL option `password_file`: its content without the
+/// trailing line break. The error names the path, never the content.
+pub(crate) fn read_password(path: &str) -> Result<String, Error> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Error::invalid_input(format!(
+            "Redis option password_file={path} cannot be read ({}); give the path of a \
+             readable file",
+            e.kind()
+        ))
+    })?;
+    Ok(text.trim_end_matches(['\r', '\n']).to_owned())
+}
+
+/// What to change when connecting failed with `text` (the client's message, redacted), or
+/// `None` when the message says enough (a refused connection).
+pub(crate) fn fix(text: &str, tls: bool) -> Option<&'static str> {
+    let t = text.to_ascii_lowercase();
+    let has = |needles: &[&str]| needles.iter().any(|n| t.contains(n));
+    Some(
+        if has(&[
+            "wrongpass",
+            "invalid password",
+            "noauth",
+            "invalid username-password",
+            "authentication failed",
+            "authenticationfailed",
+        ]) {
+            "check the user name and the password (in the URL, or in a file with password_file=)"
+        } else if has(&["unknownissuer", "unknown issuer", "badsignature"]) {
+            "the server's certificate is not signed by a CA this client trusts: set ca_file= to the \
+         file of the CA that signed it"
+        } else if has(&["notvalidforname", "not valid for name"]) {
+            "the server's certificate does not name the host in the URL: connect by a name the \
+         certificate lists"
+        } else if has(&["expired", "notvalidyet"]) {
+            "the server's certificate is expired or not yet valid: renew it, or check this \
+         machine's clock"
+        } else if has(&[
+            "certificaterequired",
+            "certificate required",
+            "bad certificate",
+            "badcertificate",
+        ]) {
+            "the server requires a client certificate signed by a CA it trusts: set cert_file= and \
+         key_file="
+        } else if tls
+            && has(&[
+                "corrupt",
+                "wrong version",
+                "invalidcontenttype",
+                "received corrupt message",
+                "handshake",
+            ])
+        {
+            "the TLS handshake failed: check that the port serves TLS (rediss://) and the ca_file=, \
+         cert_file= and key_file= options"
+        } else if !tls
+            && has(&[
+                "connection reset",
+                "broken pipe",
+                "unexpected end",
+                "connection closed",
+                "eof",
+                "timed out",
+            ])
+        {
+            "the server closed the connection: if it serves only TLS, use rediss:// (with ca_file=)"
+        } else {
+            return None;
+        },
+    )
+}
+
+/// `err`'s message followed by its sources' messages, on one line.
+pub(crate) fn one_line(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = cause.source();
+    }
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
