@@ -7,6 +7,7 @@ mod error;
 mod migrate;
 mod row;
 mod sql;
+mod status;
 mod store;
 mod wake;
 

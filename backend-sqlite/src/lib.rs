@@ -166,6 +166,7 @@ mod error;
 mod lease;
 mod row;
 mod schema;
+mod status;
 mod store;
 
 pub use config::{SqliteConfig, Synchronous, DEFAULT_BUSY_TIMEOUT, DEFAULT_TABLE};

@@ -178,6 +178,7 @@ impl Batch<'_> {
             }
         };
         self.rec.publish_took(started.elapsed());
+        self.rec.acked(&claim.messages, &outcomes);
         Some((outcomes, held_until))
     }
 
