@@ -102,9 +102,11 @@ pub(crate) fn status(
 }
 
 pub(crate) fn ping(conn: &Connection, table: &str) -> Result<(), Error> {
-    conn.query_row(&format!("SELECT COUNT(*) FROM (SELECT 1 FROM {table} LIMIT 1)"), [], |r| {
-        r.get::<_, i64>(0)
-    })
+    conn.query_row(
+        &format!("SELECT COUNT(*) FROM (SELECT 1 FROM {table} LIMIT 1)"),
+        [],
+        |r| r.get::<_, i64>(0),
+    )
     .map(|_| ())
     .map_err(|e| map_err(e, Ctx::Admin, table))
 }

@@ -420,7 +420,15 @@ impl Publisher for KafkaPublisher {
     fn name(&self) -> &str {
         "kafka"
     }
+
+    /// A metadata fetch, bounded by [`CHECK_TIMEOUT`].
+    async fn check(&self) -> Result<(), Error> {
+        self.check_connection(CHECK_TIMEOUT).await
+    }
 }
+
+/// How long [`Publisher::check`] waits for the cluster's metadata.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn block<'a>(blocked: &mut HashSet<&'a str>, key: Option<&'a str>) {
     if let Some(k) = key {

@@ -60,8 +60,7 @@ pub const CALL_BUCKETS: &[f64] = &[
 /// Histogram buckets (seconds) for [`COMMIT_TO_ACK_SECONDS`]: 5 ms to 1 h (a backlog drains
 /// for minutes).
 pub const COMMIT_TO_ACK_BUCKETS: &[f64] = &[
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
-    3600.0,
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
 ];
 /// Histogram buckets for [`BATCH_SIZE`] (messages).
 pub const BATCH_SIZE_BUCKETS: &[f64] = &[
@@ -216,7 +215,9 @@ impl Recorder {
         let now = Utc::now();
         let h = histogram!(COMMIT_TO_ACK_SECONDS, PUBLISHER_LABEL => self.publisher.clone());
         for (message, _) in batch.iter().zip(outcomes).filter(|(_, o)| o.is_acked()) {
-            let took = (now - message.created_at).num_microseconds().unwrap_or(i64::MAX);
+            let took = (now - message.created_at)
+                .num_microseconds()
+                .unwrap_or(i64::MAX);
             // A host clock behind the database's gives a negative span: count it as 0.
             h.record(took.max(0) as f64 / 1e6);
         }
