@@ -103,4 +103,12 @@ impl OutboxAdmin for MysqlStore {
             dead: get("dead")?,
         })
     }
+
+    async fn status(&self, blocked_limit: usize) -> Result<outbox_traits::StoreStatus, Error> {
+        crate::status::status(self, blocked_limit).await
+    }
+
+    async fn ping(&self) -> Result<(), Error> {
+        crate::status::ping(self).await
+    }
 }

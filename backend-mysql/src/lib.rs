@@ -9,6 +9,7 @@ mod error;
 mod migrate;
 mod row;
 mod sql;
+mod status;
 mod store;
 
 pub use config::{MysqlConfig, MysqlConfigBuilder, DEFAULT_TABLE};

@@ -448,6 +448,29 @@ async fn status_matches_the_rows_of_postgres() -> TestResult {
     Ok(())
 }
 
+#[tokio::test]
+async fn status_matches_the_rows_of_mariadb() -> TestResult {
+    let Some(url) = service_url("OUTBOX_TEST_MYSQL_URL") else {
+        return Ok(());
+    };
+    let table = format!("ops_{}", unique_suffix());
+    let config = outbox::mysql::MysqlConfig::builder()
+        .table(table.clone())
+        .build()?;
+    let pool = sqlx::MySqlPool::connect(&url).await?;
+    let store = outbox::mysql::MysqlStore::new(pool.clone(), config.clone());
+    store.migrate().await?;
+    let messages = scenario_messages();
+    outbox::mysql::enqueue_batch(&pool, &config, &messages).await?;
+    let ids: Vec<Uuid> = messages.iter().map(|m| m.id).collect();
+    settle(&store, &ids).await?;
+    check_status(&["--store", &url, "--table", &table], &ids).await?;
+    sqlx::query(&format!("DROP TABLE `{table}`"))
+        .execute(&pool)
+        .await?;
+    Ok(())
+}
+
 /// `dead list` filters by key and event type; bulk requeue by key and discard of all; bulk
 /// commands off a terminal need `--yes`.
 #[tokio::test]
