@@ -9,13 +9,20 @@ use sqlx::Row;
 use crate::error::map_sqlx;
 use crate::PostgresStore;
 
+/// How many of the oldest unpublished rows the status reads from the table itself, for what
+/// the claim index cannot say (leases, retries). Leases and retries live there: claims take
+/// the oldest rows. A lease or a retrying head further back (a claim past a long blocked
+/// backlog) is counted as pending and not listed.
+pub const STATUS_WINDOW: i64 = 100_000;
+
 /// The status statement for `table` (`"schema"."table"`, validated and quoted).
 ///
-/// - pending/leased: the pending rows, through the claim index (`state = 'pending'`);
-/// - dead: the dead index;
-/// - oldest: the first pending row by `seq`, one index probe;
-/// - blocked keys: dead rows and pending rows waiting for a retry that are their key's first
-///   unfinished row (one probe of the per-key index each);
+/// - unpublished (pending or leased): a count over the claim index (`state = 'pending'`),
+///   index-only, so it costs a fraction of a microsecond per backlog row and nothing per
+///   published row;
+/// - leased, and heads waiting for a retry: the oldest [`STATUS_WINDOW`] unpublished rows;
+/// - dead: the dead index; dead heads: one probe of the per-key index per dead row;
+/// - oldest: the first unpublished row by `seq`, one index probe;
 /// - last minute: published rows of the last minute, through the published index.
 fn statement(table: &str, delete_published: bool) -> String {
     let last_minute = if delete_published {
@@ -27,37 +34,39 @@ fn statement(table: &str, delete_published: bool) -> String {
         )
     };
     format!(
-        "WITH blocked AS MATERIALIZED (
-            SELECT b.partition_key COLLATE \"default\" AS partition_key, b.id, b.seq,
-                   CASE WHEN b.state = 'dead' THEN 'dead' ELSE 'retrying' END AS head_state,
-                   b.attempts, b.last_error
-            FROM {table} b
-            WHERE b.partition_key IS NOT NULL
-              AND (b.state = 'dead'
-                   OR (b.state = 'pending' AND b.attempts > 0 AND b.lease_token IS NULL
-                       AND b.available_at > now()))
-              AND NOT EXISTS (
-                  SELECT 1 FROM {table} e
-                  WHERE e.partition_key = b.partition_key AND e.state IN ('pending', 'dead')
-                    AND e.seq < b.seq)
+        "WITH win AS MATERIALIZED (
+            SELECT w.id, w.seq, w.partition_key, w.lease_token, w.attempts, w.available_at
+            FROM {table} w WHERE w.state = 'pending' ORDER BY w.seq LIMIT {STATUS_WINDOW}
         ),
-        p AS (
-            SELECT count(*) FILTER (WHERE lease_token IS NULL) AS pending,
-                   count(*) FILTER (WHERE lease_token IS NOT NULL) AS leased
-            FROM {table} WHERE state = 'pending'
+        candidates AS (
+            SELECT d.id, d.seq, d.partition_key FROM {table} d
+            WHERE d.state = 'dead' AND d.partition_key IS NOT NULL
+            UNION ALL
+            SELECT r.id, r.seq, r.partition_key FROM win r
+            WHERE r.partition_key IS NOT NULL AND r.attempts > 0 AND r.lease_token IS NULL
+              AND r.available_at > now()
+        ),
+        blocked AS MATERIALIZED (
+            SELECT c.id, c.seq FROM candidates c
+            WHERE NOT EXISTS (
+                SELECT 1 FROM {table} e
+                WHERE e.partition_key = c.partition_key AND e.state IN ('pending', 'dead')
+                  AND e.seq < c.seq)
         )
-        SELECT p.pending, p.leased,
+        SELECT (SELECT count(*) FROM {table} WHERE state = 'pending') AS unpublished,
+               (SELECT count(*) FROM win WHERE lease_token IS NOT NULL) AS leased,
                (SELECT count(*) FROM {table} WHERE state = 'dead') AS dead,
                (SELECT extract(epoch FROM now() - created_at)::float8 FROM {table}
                  WHERE state = 'pending' ORDER BY seq LIMIT 1) AS oldest,
                (SELECT count(*) FROM blocked) AS blocked_keys,
                (SELECT coalesce(json_agg(json_build_object(
-                        'partition_key', x.partition_key, 'head_id', x.id, 'head_seq', x.seq,
-                        'head_state', x.head_state, 'attempts', x.attempts,
-                        'last_error', x.last_error) ORDER BY x.seq), '[]'::json)
-                  FROM (SELECT * FROM blocked ORDER BY seq LIMIT $1) x)::text AS blocked,
-               {last_minute} AS last_minute
-        FROM p"
+                        'partition_key', m.partition_key, 'head_id', m.id, 'head_seq', m.seq,
+                        'head_state', CASE WHEN m.state = 'dead' THEN 'dead' ELSE 'retrying' END,
+                        'attempts', m.attempts, 'last_error', m.last_error) ORDER BY m.seq),
+                        '[]'::json)
+                  FROM (SELECT b.id FROM blocked b ORDER BY b.seq LIMIT $1) x
+                  JOIN {table} m ON m.id = x.id)::text AS blocked,
+               {last_minute} AS last_minute"
     )
 }
 
@@ -82,9 +91,10 @@ pub(crate) async fn status(store: &PostgresStore, limit: usize) -> Result<StoreS
         )
     })?;
     let last_minute: Option<i64> = row.try_get("last_minute").map_err(err)?;
+    let leased = count("leased")?;
     Ok(StoreStatus {
-        pending: count("pending")?,
-        leased: count("leased")?,
+        pending: count("unpublished")?.saturating_sub(leased),
+        leased,
         dead: count("dead")?,
         oldest_pending_age_seconds: row
             .try_get::<Option<f64>, _>("oldest")
