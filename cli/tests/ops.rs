@@ -59,6 +59,23 @@ async fn until_status(addr: &str, path: &str, code: u16) -> Result<String, BoxEr
         .map_err(|_| format!("{path} never answered {code}"))?)
 }
 
+/// Poll `/metrics` until it contains `needle` (the gauge loop's next round); the body.
+async fn until_metrics(addr: &str, needle: &str) -> Result<String, BoxError> {
+    let poll = async {
+        loop {
+            if let Ok((200, body)) = get(addr, "/metrics").await {
+                if body.contains(needle) {
+                    return body;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    Ok(tokio::time::timeout(GUARD, poll)
+        .await
+        .map_err(|_| format!("/metrics never showed {needle}"))?)
+}
+
 /// Poll until something listens on `port` (a server starting up).
 async fn until_port(port: u16) -> TestResult {
     let poll = async {
@@ -139,14 +156,7 @@ async fn readiness_follows_a_private_nats_server() -> TestResult {
     assert_eq!(get(&addr, "/nothing").await?.0, 404);
     assert_eq!(get(&addr, "/health").await?.0, 404);
     // The gauge loop runs every 100 ms: wait for its first figures.
-    let metrics = loop {
-        let (code, body) = get(&addr, "/metrics").await?;
-        assert_eq!(code, 200);
-        if body.contains("outbox_broker_up 1") {
-            break body;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let metrics = until_metrics(&addr, "outbox_broker_up 1").await?;
     assert!(metrics.contains("outbox_store_up 1"), "{metrics}");
     assert!(metrics.contains("outbox_pending_messages 0"), "{metrics}");
     assert!(metrics.contains("outbox_blocked_keys 0"), "{metrics}");
@@ -156,10 +166,7 @@ async fn readiness_follows_a_private_nats_server() -> TestResult {
     let not_ready: Value = serde_json::from_str(&body)?;
     assert_eq!(not_ready["store"], "ok", "{body}");
     assert_ne!(not_ready["broker"], "ok", "{body}");
-    assert!(get(&addr, "/metrics")
-        .await?
-        .1
-        .contains("outbox_broker_up 0"));
+    until_metrics(&addr, "outbox_broker_up 0").await?;
 
     let mut nats = start_nats(nats_port, &dir.path().join("js"))?;
     until_status(&addr, "/health/ready", 200).await?;
