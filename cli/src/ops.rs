@@ -335,7 +335,7 @@ pub async fn purge_all(
 }
 
 /// The progress of `drain`: the backlog at the start, and how much of it is gone, read from the
-/// store's bounded status query every second until `finished`.
+/// store's bounded status query until `finished`.
 pub async fn drain_progress(
     admin: Arc<dyn OutboxAdmin>,
     mut finished: tokio::sync::oneshot::Receiver<()>,
@@ -346,7 +346,8 @@ pub async fn drain_progress(
     };
     let total = backlog(&start);
     let mut progress = Progress::new("drained", Some(total));
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    // Each update is a status query: once a second for a bar, once per summary line otherwise.
+    let mut tick = tokio::time::interval(progress.update_every());
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {

@@ -50,6 +50,15 @@ impl Progress {
         }
     }
 
+    /// How often it is worth updating: often for a bar, once per line interval otherwise.
+    pub fn update_every(&self) -> Duration {
+        if self.bar.is_some() {
+            Duration::from_secs(1)
+        } else {
+            LINE_EVERY
+        }
+    }
+
     /// Set how many are done so far.
     pub fn set(&mut self, done: u64) {
         self.done = done;
