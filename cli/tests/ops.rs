@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox::sqlite::{SqliteConfig, SqliteStore};
-use outbox::{ClaimRequest, FailAction, Failure, HeadPolicy, NewMessage, OutboxAdmin, OutboxStore};
+use outbox::{
+    ClaimRequest, FailAction, Failure, HeadPolicy, NewMessage, OutboxAdmin, OutboxStore, Publisher,
+};
 use outbox_conformance_tests::env::{service_url, services_required};
 use outbox_e2e::unique_suffix;
 use serde_json::Value;
@@ -764,5 +766,50 @@ async fn prints_shell_completions() -> TestResult {
         assert!(script.contains("outbox-relay"), "{shell}");
         assert!(script.contains("requeue"), "{shell}");
     }
+    Ok(())
+}
+
+/// `Publisher::check` (readiness, `outbox_broker_up`) against the real Redis and Kafka, and a
+/// private Redis that is stopped: an error naming it, within the publisher's timeout.
+#[tokio::test]
+async fn broker_checks_of_redis_and_kafka() -> TestResult {
+    if let Some(url) = service_url("OUTBOX_TEST_REDIS_URL") {
+        let publisher = outbox::broker::connect(&format!("{url}?stream=ops")).await?;
+        publisher.check().await?;
+    }
+    if let Some(brokers) = service_url("OUTBOX_TEST_KAFKA_BROKERS") {
+        let publisher = outbox::broker::connect(&format!("kafka://{brokers}?topic=ops")).await?;
+        publisher.check().await?;
+    }
+    if !installed("/usr/bin/redis-server", "redis-server") {
+        return Ok(());
+    }
+    let port = free_port()?;
+    let mut redis = std::process::Command::new("/usr/bin/redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+        ])
+        .args(["--appendonly", "no"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    until_port(port).await?;
+    let publisher = outbox::broker::connect(&format!(
+        "redis://127.0.0.1:{port}?stream=ops&timeout_ms=1000"
+    ))
+    .await?;
+    publisher.check().await?;
+    stop(&mut redis)?;
+    let err = publisher
+        .check()
+        .await
+        .err()
+        .ok_or("check passed with Redis stopped")?;
+    assert!(err.to_string().contains("redis"), "{err}");
     Ok(())
 }
