@@ -52,9 +52,10 @@ pub struct SettingsArgs {
     /// The Postgres schema of the table (default: public).
     #[arg(long, env = "OUTBOX_SCHEMA", global = true)]
     pub schema: Option<String>,
-    /// Delete messages once published instead of marking them published.
+    /// Delete messages once published instead of marking them published
+    /// (`--delete-published`, or `--delete-published=false` over a file's `true`).
     #[arg(long, env = "OUTBOX_DELETE_PUBLISHED", global = true, num_args = 0..=1,
-          default_missing_value = "true",
+          require_equals = true, default_missing_value = "true",
           value_parser = clap::builder::BoolishValueParser::new())]
     pub delete_published: Option<bool>,
     /// The broker: stdout://, nats://, kafka:// or redis:// URL with its options.

@@ -679,6 +679,16 @@ log_format = "json"
         text.lines().skip(1).collect::<Vec<_>>()
     );
 
+    // A switch before the subcommand does not take it for its value; `=false` beats the file.
+    let out = output(command(["--delete-published", "config"])).await?;
+    assert!(String::from_utf8(out.stdout)?.contains("delete_published = true"));
+    let switched = dir.path().join("switched.toml");
+    std::fs::write(&switched, "delete_published = true\n")?;
+    let mut cmd = command(["config", "--delete-published=false"]);
+    cmd.env("OUTBOX_CONFIG", &switched);
+    let out = output(cmd).await?;
+    assert!(String::from_utf8(out.stdout)?.contains("delete_published = false"));
+
     // Global flags before or after the subcommand; OUTBOX_CONFIG names the file.
     let mut cmd = command(["--lease", "1m", "config"]);
     cmd.env("OUTBOX_CONFIG", &file);
