@@ -127,6 +127,11 @@ async fn alert_rules_and_dashboard_queries_evaluate_on_a_real_prometheus() -> Te
         .arg(&rules)
         .output()?;
     assert!(checked.status.success(), "promtool: {checked:?}");
+    let checked = std::process::Command::new(PROMTOOL)
+        .args(["check", "config"])
+        .arg(repo().join("deploy/prometheus/scrape.yml"))
+        .output()?;
+    assert!(checked.status.success(), "promtool: {checked:?}");
 
     // A relay with messages to publish, so its histograms have series.
     let dir = tempfile::tempdir()?;
