@@ -86,4 +86,12 @@ impl OutboxAdmin for PostgresStore {
             .map_err(self.err("counts"))?;
         counts(&row, self.err("counts"))
     }
+
+    async fn status(&self, blocked_limit: usize) -> Result<outbox_traits::StoreStatus, Error> {
+        crate::status::status(self, blocked_limit).await
+    }
+
+    async fn ping(&self) -> Result<(), Error> {
+        crate::status::ping(self).await
+    }
 }

@@ -13,6 +13,7 @@ mod lease;
 mod migrate;
 mod row;
 mod sql;
+mod status;
 mod store;
 mod wake;
 

@@ -58,6 +58,21 @@ impl OutboxAdmin for SqliteStore {
         })
         .await
     }
+
+    async fn status(&self, blocked_limit: usize) -> Result<outbox_traits::StoreStatus, Error> {
+        let keeps_published = !self.config().delete_published();
+        self.run(Ctx::Admin, move |conn, sql, table, _| {
+            crate::status::status(conn, sql, table, blocked_limit, keeps_published)
+        })
+        .await
+    }
+
+    async fn ping(&self) -> Result<(), Error> {
+        self.run(Ctx::Admin, move |conn, _, table, _| {
+            crate::status::ping(conn, table)
+        })
+        .await
+    }
 }
 
 fn err(table: &str) -> impl Fn(rusqlite::Error) -> Error + '_ {

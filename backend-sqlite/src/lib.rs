@@ -180,6 +180,7 @@ mod lease;
 mod migrate;
 mod row;
 mod sql;
+mod status;
 mod store;
 
 pub use config::{

@@ -2,52 +2,49 @@
 //!
 //! ```text
 //! outbox-relay --store postgres://app@db/app run --broker 'nats://nats:4222?subject=orders.{event_type}&stream=ORDERS'
-//! outbox-relay --store postgres://app@db/app counts
-//! outbox-relay --store postgres://app@db/app dead list
+//! outbox-relay --config /etc/outbox-relay.toml status
+//! outbox-relay dead list --key order-42
 //! ```
 //!
-//! The store and the broker are URLs (`OUTBOX_STORE_URL`, `OUTBOX_BROKER_URL`), so moving from
-//! one broker to another is a change of configuration. `run` relays until SIGTERM or Ctrl-C,
-//! then shuts down gracefully; `drain` relays until nothing is left to claim and exits. Logs and
-//! the relay's closing stats (one JSON line) go to standard error (`RUST_LOG`, default `info`),
-//! out of the way of a `stdout://` broker's messages; the other commands print their results
-//! (counts, dead letters) to standard output as JSON lines. Exit status: 0 on success, 1 when a command fails, 2 for bad
-//! arguments.
+//! Every setting is a flag, an environment variable (`OUTBOX_STORE_URL`, `OUTBOX_BROKER_URL`,
+//! ...) or a key of a TOML file (`--config`, `OUTBOX_CONFIG`), in that order of precedence, and
+//! flags are accepted before or after the subcommand; `outbox-relay config` prints the
+//! effective settings with secrets masked. `run` relays until SIGTERM or Ctrl-C, then shuts
+//! down gracefully; `drain` relays until nothing is left to claim and exits. With
+//! `--metrics-addr`, both serve `/metrics`, `/health/live` and `/health/ready`. Logs (text or
+//! JSON, target `outbox_relay_cli` for this program) and the relay's closing stats go to
+//! standard error, out of the way of a `stdout://` broker's messages; command results go to
+//! standard output. Exit status: 0 on success, 1 when a command fails, 2 for bad arguments.
 
-use std::io::IsTerminal;
-use std::net::SocketAddr;
+mod http;
+mod ops;
+mod progress;
+mod secrets;
+mod settings;
+
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use metrics_exporter_prometheus::PrometheusBuilder;
-use outbox::relay::{Relay, RelayConfig};
-use outbox::store::StoreOptions;
-use outbox::{redact_url, Error, HeadPolicy, OutboxAdmin};
-use serde_json::{json, Value};
-use std::sync::Arc;
+use clap::{CommandFactory, Parser, Subcommand};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use outbox::relay::metric_names::HISTOGRAM_BUCKETS;
+use outbox::relay::Relay;
+use outbox::{redact_url, Error, OutboxAdmin, Publisher};
+use serde_json::json;
 use uuid::Uuid;
 
-mod secrets;
+use settings::{Effective, LogFormat, SettingsArgs};
+
+/// The tracing target of this program's own logs (the engine logs under `outbox_relay`).
+pub const TARGET: &str = "outbox_relay_cli";
 
 /// The outbox relay: publishes committed outbox messages to a broker, and manages the outbox.
 #[derive(Debug, Parser)]
 #[command(name = "outbox-relay", version, about, long_about = None)]
 struct Cli {
-    /// The outbox database: postgres://, mysql:// (or mariadb://) or sqlite:// URL.
-    #[arg(long, env = "OUTBOX_STORE_URL", hide_env_values = true)]
-    store: Option<String>,
     #[command(flatten)]
-    store_file: secrets::StoreFile,
-    /// The outbox table (default: outbox).
-    #[arg(long, env = "OUTBOX_TABLE")]
-    table: Option<String>,
-    /// The Postgres schema of the table (default: public).
-    #[arg(long, env = "OUTBOX_SCHEMA")]
-    schema: Option<String>,
-    /// Delete messages once published instead of marking them published.
-    #[arg(long, env = "OUTBOX_DELETE_PUBLISHED", value_parser = clap::builder::BoolishValueParser::new())]
-    delete_published: bool,
+    settings: SettingsArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -55,14 +52,36 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Relay until SIGTERM or Ctrl-C, then finish in-flight batches and exit.
-    Run(RelayArgs),
+    Run {
+        /// Create the outbox table first if it does not exist.
+        #[arg(long)]
+        migrate: bool,
+    },
     /// Relay until nothing is left to claim (messages waiting for a retry are not waited for);
     /// SIGTERM or Ctrl-C stops it early, gracefully.
-    Drain(RelayArgs),
+    Drain {
+        /// Create the outbox table first if it does not exist.
+        #[arg(long)]
+        migrate: bool,
+    },
     /// Create the outbox table and indexes if they do not exist.
     Migrate,
-    /// Print how many messages are pending, leased, published and dead.
-    Counts,
+    /// Print how many messages are pending, leased, published and dead (one JSON line).
+    Counts {
+        /// JSON (the only format; accepted for symmetry with the other commands).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Pending, leased and dead messages, the oldest pending age, blocked keys with their head
+    /// message, and the last minute's throughput.
+    Status {
+        /// One JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+        /// Most blocked keys to list.
+        #[arg(long, default_value_t = 20)]
+        keys: usize,
+    },
     /// List, requeue or discard dead-lettered messages.
     #[command(subcommand)]
     Dead(DeadCommand),
@@ -75,11 +94,38 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         batch: usize,
     },
+    /// Print the effective configuration (flags > environment > file > defaults) as TOML,
+    /// secrets masked.
+    Config,
+    /// Print a shell completion script: `outbox-relay completions bash > /etc/bash_completion.d/outbox-relay`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+/// Which dead messages a bulk command takes.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Select {
+    /// Message ids.
+    pub ids: Vec<Uuid>,
+    /// Every dead message of this partition key.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Every dead message of this event type.
+    #[arg(long)]
+    pub event_type: Option<String>,
+    /// Every dead message.
+    #[arg(long)]
+    pub all: bool,
+    /// Do not ask for confirmation of a bulk change (required off a terminal).
+    #[arg(long, short = 'y')]
+    pub yes: bool,
 }
 
 #[derive(Debug, Subcommand)]
 enum DeadCommand {
-    /// Print dead messages, oldest first, one JSON object per line.
+    /// Print dead messages, oldest first, as a table (or JSON lines with --json).
     List {
         /// Only messages after this seq (for paging).
         #[arg(long)]
@@ -87,114 +133,35 @@ enum DeadCommand {
         /// Most messages to print.
         #[arg(long, default_value_t = 100)]
         limit: usize,
+        /// Only messages of this partition key.
+        #[arg(long)]
+        key: Option<String>,
+        /// Only messages of this event type.
+        #[arg(long)]
+        event_type: Option<String>,
+        /// One JSON object per line instead of the table.
+        #[arg(long)]
+        json: bool,
     },
-    /// Make dead messages pending again, with their attempts reset.
-    Requeue {
-        /// Message ids.
-        #[arg(required = true)]
-        ids: Vec<Uuid>,
-    },
-    /// Delete dead messages.
-    Discard {
-        /// Message ids.
-        #[arg(required = true)]
-        ids: Vec<Uuid>,
-    },
-}
-
-/// What a dead head message does to its key's later messages.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Head {
-    /// Later messages of the key wait until the dead one is requeued or discarded.
-    Block,
-    /// Later messages of the key go on.
-    Skip,
-}
-
-#[derive(Debug, Args)]
-struct RelayArgs {
-    /// The broker: stdout://, nats://, kafka:// or redis:// URL with its options.
-    #[arg(long, env = "OUTBOX_BROKER_URL", hide_env_values = true)]
-    broker: Option<String>,
-    #[command(flatten)]
-    broker_file: secrets::BrokerFile,
-    /// Create the outbox table first if it does not exist.
-    #[arg(long)]
-    migrate: bool,
-    /// Most messages per claim and publish.
-    #[arg(long, env = "OUTBOX_BATCH_SIZE")]
-    batch_size: Option<usize>,
-    /// Batches in flight at once.
-    #[arg(long, env = "OUTBOX_CONCURRENCY")]
-    concurrency: Option<usize>,
-    /// How long a claim is held before another relay may take it over, e.g. 30s.
-    #[arg(long, env = "OUTBOX_LEASE", value_parser = humantime::parse_duration)]
-    lease: Option<Duration>,
-    /// Attempts after which a failing message is dead-lettered.
-    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS")]
-    max_attempts: Option<u32>,
-    /// What a dead message does to the later messages of its key.
-    #[arg(long, env = "OUTBOX_HEAD_POLICY", value_enum)]
-    head_policy: Option<Head>,
-    /// Longest wait between claims when idle, e.g. 1s.
-    #[arg(long, env = "OUTBOX_POLL_MAX", value_parser = humantime::parse_duration)]
-    poll_max: Option<Duration>,
-    /// How long a stop waits for in-flight batches, e.g. 10s.
-    #[arg(long, env = "OUTBOX_SHUTDOWN_DEADLINE", value_parser = humantime::parse_duration)]
-    shutdown_deadline: Option<Duration>,
-    /// Serve the relay's metrics for Prometheus on this address (any path), e.g. 0.0.0.0:9000.
-    #[arg(long, env = "OUTBOX_METRICS_ADDR")]
-    metrics_addr: Option<SocketAddr>,
-    /// Delete published messages older than this (e.g. 7d): in `run` at start and then every
-    /// `--purge-every`, in `drain` once after draining. Off by default.
-    #[arg(long, env = "OUTBOX_PURGE_OLDER_THAN", value_parser = humantime::parse_duration)]
-    purge_older_than: Option<Duration>,
-    /// How often `run` purges (with `--purge-older-than`).
-    #[arg(long, env = "OUTBOX_PURGE_EVERY", default_value = "1m",
-          value_parser = humantime::parse_duration)]
-    purge_every: Duration,
-}
-
-impl RelayArgs {
-    fn config(&self) -> Result<RelayConfig, Error> {
-        let defaults = RelayConfig::default();
-        let config = RelayConfig {
-            batch_size: self.batch_size.unwrap_or(defaults.batch_size),
-            concurrency: self.concurrency.unwrap_or(defaults.concurrency),
-            lease: self.lease.unwrap_or(defaults.lease),
-            max_attempts: self.max_attempts.unwrap_or(defaults.max_attempts),
-            head_policy: match self.head_policy {
-                Some(Head::Block) => HeadPolicy::Block,
-                Some(Head::Skip) => HeadPolicy::Skip,
-                None => defaults.head_policy,
-            },
-            poll_max: self.poll_max.unwrap_or(defaults.poll_max),
-            shutdown_deadline: self.shutdown_deadline.unwrap_or(defaults.shutdown_deadline),
-            ..defaults
-        };
-        config.validate()?;
-        if self.purge_every.is_zero() {
-            return Err(Error::invalid_input(
-                "--purge-every is 0; it must be a positive interval (default 1m)",
-            ));
-        }
-        Ok(config)
-    }
+    /// Make dead messages pending again, with their attempts reset: by id, `--key`,
+    /// `--event-type` or `--all`.
+    Requeue(Select),
+    /// Delete dead messages: by id, `--key`, `--event-type` or `--all`.
+    Discard(Select),
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        // Colours only on a terminal: not in log files, journald or container logs.
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
-    match execute(cli).await {
+    let effective = match cli.settings.resolve() {
+        Ok(effective) => effective,
+        Err(e) => {
+            eprintln!("outbox-relay: {}", redact_url(&e.to_string()));
+            return ExitCode::from(2);
+        }
+    };
+    init_logs(&effective);
+    match execute(cli.command, effective).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // Errors of this crate's stores and brokers never carry a password; the redaction is
@@ -205,139 +172,223 @@ async fn main() -> ExitCode {
     }
 }
 
-/// The store URL from --store or --store-file.
-fn store_url(cli: &Cli) -> Result<String, Error> {
-    secrets::url(
-        cli.store.clone(),
-        cli.store_file.store_file.as_deref(),
-        "--store",
-        "--store-file",
-    )
+fn init_logs(effective: &Effective) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_new(&effective.log).unwrap_or_else(|e| {
+        eprintln!(
+            "outbox-relay: log filter {:?} is not valid ({e}); using {:?}",
+            effective.log,
+            settings::DEFAULT_LOG
+        );
+        tracing_subscriber::EnvFilter::new(settings::DEFAULT_LOG)
+    });
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter);
+    // `try_init` also routes the `log` records of sqlx and rdkafka through tracing.
+    let _ = match effective.log_format {
+        // Colours only on a terminal: not in log files, journald or container logs.
+        LogFormat::Text => builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init(),
+    };
 }
 
-async fn execute(cli: Cli) -> Result<(), Error> {
-    let options = StoreOptions {
-        table: cli.table.clone(),
-        schema: cli.schema.clone(),
-        delete_published: cli.delete_published,
+async fn execute(command: Command, effective: Effective) -> Result<(), Error> {
+    let serve = match command {
+        Command::Run { migrate } => (true, migrate),
+        Command::Drain { migrate } => (false, migrate),
+        Command::Config => {
+            print!("{}", effective.to_masked_toml());
+            return Ok(());
+        }
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "outbox-relay",
+                &mut std::io::stdout(),
+            );
+            return Ok(());
+        }
+        command => return admin(&effective, command).await,
     };
-    let store = store_url(&cli)?;
-    let (args, serve) = match cli.command {
-        Command::Run(args) => (args, true),
-        Command::Drain(args) => (args, false),
-        command => return admin(&store, &options, command).await,
-    };
+    relay(&effective, serve).await
+}
+
+/// The exporter, with the relay's histograms given their buckets.
+fn metrics_recorder() -> Result<PrometheusHandle, Error> {
+    let mut builder = PrometheusBuilder::new();
+    for (name, buckets) in HISTOGRAM_BUCKETS {
+        builder = builder
+            .set_buckets_for_metric(Matcher::Full((*name).to_owned()), buckets)
+            .map_err(|e| Error::invalid_input(format!("metric buckets of {name}: {e}")))?;
+    }
+    builder
+        .install_recorder()
+        .map_err(|e| Error::invalid_input(format!("cannot install the metrics recorder: {e}")))
+}
+
+async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<(), Error> {
     // Listen before connecting to anything (see `Stop`).
     let stop = Stop::listen();
     // The relay settings, then the broker, are checked before the store is opened (which for
     // SQLite creates the file).
-    let config = args.config()?;
-    let broker = secrets::url(
-        args.broker.clone(),
-        args.broker_file.broker_file.as_deref(),
-        "--broker",
-        "--broker-file",
-    )?;
-    let publisher = outbox::broker::connect(&broker).await?;
-    let opened = outbox::store::open(&store, &options).await?;
-    if args.migrate {
+    let store_url = effective.store()?;
+    let broker_url = effective.broker()?;
+    effective.check_relay()?;
+    let publisher: Arc<dyn Publisher> = Arc::from(outbox::broker::connect(broker_url).await?);
+    let opened = outbox::store::open(store_url, &effective.options).await?;
+    if migrate {
         opened.migrate().await?;
     }
-    if let Some(addr) = args.metrics_addr {
-        PrometheusBuilder::new()
-            .with_http_listener(addr)
-            .install()
-            .map_err(|e| Error::invalid_input(format!("cannot serve metrics on {addr}: {e}")))?;
+    let mut tasks = Vec::new();
+    if let Some(addr) = effective.metrics_addr {
+        let handle = metrics_recorder()?;
+        let heartbeat = http::Heartbeat::new(effective.gauges_every * 3 + effective.ready_timeout);
+        heartbeat.beat();
+        let probe = http::Probe {
+            admin: opened.admin.clone(),
+            publisher: publisher.clone(),
+            timeout: effective.ready_timeout,
+            metrics: handle,
+            heartbeat,
+        };
+        tasks.push(http::serve(addr, probe.clone()).await?);
+        tasks.push(tokio::spawn(gauges(probe, effective.gauges_every)));
     }
     // Registers the metrics' descriptions with the exporter installed above.
-    let relay = Relay::new(opened.store.clone(), Arc::from(publisher), config)?;
+    let relay = Relay::new(opened.store.clone(), publisher, effective.relay.clone())?;
     tracing::info!(
+        target: TARGET,
         store = opened.name(),
-        broker = %redact_url(&broker),
+        broker = %settings::mask_url(broker_url),
         mode = if serve { "run" } else { "drain" },
         "relay started"
     );
+    let purge_age = effective.purge_older_than;
     let stats = if serve {
-        let purger = args.purge_older_than.map(|age| {
-            let mut tick = tokio::time::interval(args.purge_every);
+        if let Some(age) = purge_age {
+            let mut tick = tokio::time::interval(effective.purge_every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let admin = opened.admin.clone();
-            tokio::spawn(async move {
+            tasks.push(tokio::spawn(async move {
                 loop {
                     tick.tick().await;
-                    match purge_all(admin.as_ref(), age, PURGE_BATCH).await {
+                    match ops::purge_all(admin.as_ref(), age, PURGE_BATCH, None).await {
                         Ok(0) => {}
-                        Ok(n) => tracing::info!(purged = n, "purged published messages"),
+                        Ok(n) => {
+                            tracing::info!(target: TARGET, purged = n, "purged published messages")
+                        }
                         Err(e) => tracing::warn!(
+                            target: TARGET,
                             error = %e,
                             "purge failed; retrying at the next interval"
                         ),
                     }
                 }
-            })
-        });
-        let stats = relay.run(stop.requested()).await;
-        if let Some(purger) = purger {
-            purger.abort();
+            }));
         }
-        stats?
+        relay.run(stop.requested()).await
     } else {
-        let stats = relay.run_until_idle_or(stop.requested()).await?;
-        // One pass; a failure fails the command (a job runner then sees it).
-        if let Some(age) = args.purge_older_than {
-            let n = purge_all(opened.admin.as_ref(), age, PURGE_BATCH).await?;
-            tracing::info!(purged = n, "purged published messages");
-        }
+        let (done, finished) = tokio::sync::oneshot::channel();
+        let watch = tokio::spawn(ops::drain_progress(opened.admin.clone(), finished));
+        let stats = relay.run_until_idle_or(stop.requested()).await;
+        let _ = done.send(());
+        let _ = watch.await;
         stats
     };
+    for task in &tasks {
+        task.abort();
+    }
+    let stats = stats?;
+    // One pass after draining; a failure fails the command (a job runner then sees it).
+    if let (false, Some(age)) = (serve, purge_age) {
+        let n = ops::purge_all(opened.admin.as_ref(), age, PURGE_BATCH, None).await?;
+        tracing::info!(target: TARGET, purged = n, "purged published messages");
+    }
     // A summary, on standard error: standard output may be carrying the messages themselves
     // (stdout://).
     eprintln!("{}", json!(stats));
     Ok(())
 }
 
+/// Refresh the store gauges and the up gauges, and beat the heartbeat, every `every`.
+async fn gauges(probe: http::Probe, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        probe.heartbeat.beat();
+        probe.metrics.run_upkeep();
+        let status = tokio::time::timeout(probe.timeout * 5, probe.admin.status(0)).await;
+        let store_up = match status {
+            Ok(Ok(status)) => {
+                outbox::relay::record_status(&status);
+                true
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(target: TARGET, error = %redact_url(&e.to_string()), "store status query failed");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(target: TARGET, "store status query timed out");
+                false
+            }
+        };
+        let broker_up = matches!(
+            tokio::time::timeout(probe.timeout, probe.publisher.check()).await,
+            Ok(Ok(()))
+        );
+        outbox::relay::record_up(broker_up, store_up);
+    }
+}
+
 /// The operator's commands.
-async fn admin(store: &str, options: &StoreOptions, command: Command) -> Result<(), Error> {
-    let opened = outbox::store::open(store, options).await?;
+async fn admin(effective: &Effective, command: Command) -> Result<(), Error> {
+    let opened = outbox::store::open(effective.store()?, &effective.options).await?;
+    let admin: &dyn OutboxAdmin = opened.admin.as_ref();
     match command {
-        Command::Run(_) | Command::Drain(_) => Ok(()),
         Command::Migrate => {
             opened.migrate().await?;
-            print(&json!({"migrated": opened.name()}));
+            ops::print(&json!({"migrated": opened.name()}));
             Ok(())
         }
-        Command::Counts => {
-            let counts = opened.admin.counts().await?;
-            print(&json!(counts));
+        Command::Counts { json: _ } => {
+            let counts = admin.counts().await?;
+            ops::print(&json!(counts));
             Ok(())
         }
-        Command::Dead(DeadCommand::List { after, limit }) => {
-            for dead in opened.admin.list_dead(after, limit).await? {
-                let mut line = json!(dead.message);
-                // The payload is JSON text: print it as JSON, not as a quoted string.
-                if let Ok(payload) = serde_json::from_str::<Value>(&dead.message.payload) {
-                    line["payload"] = payload;
-                }
-                line["last_error"] = json!(dead.last_error);
-                print(&line);
-            }
-            Ok(())
+        Command::Status { json, keys } => ops::status(admin, json, keys).await,
+        Command::Dead(DeadCommand::List {
+            after,
+            limit,
+            key,
+            event_type,
+            json,
+        }) => ops::dead_list(admin, after, limit, key, event_type, json).await,
+        Command::Dead(DeadCommand::Requeue(select)) => {
+            ops::dead_bulk(admin, &select, ops::Bulk::Requeue).await
         }
-        Command::Dead(DeadCommand::Requeue { ids }) => {
-            let n = opened.admin.requeue(&ids).await?;
-            print(&json!({"requeued": n}));
-            Ok(())
-        }
-        Command::Dead(DeadCommand::Discard { ids }) => {
-            let n = opened.admin.discard(&ids).await?;
-            print(&json!({"discarded": n}));
-            Ok(())
+        Command::Dead(DeadCommand::Discard(select)) => {
+            ops::dead_bulk(admin, &select, ops::Bulk::Discard).await
         }
         Command::Purge { older_than, batch } => {
-            let purged = purge_all(opened.admin.as_ref(), older_than, batch).await?;
-            print(&json!({"purged": purged}));
+            let mut progress = progress::Progress::new("purged", None);
+            let purged = ops::purge_all(admin, older_than, batch, Some(&mut progress)).await?;
+            progress.finish();
+            ops::print(&json!({"purged": purged}));
             Ok(())
         }
+        Command::Run { .. }
+        | Command::Drain { .. }
+        | Command::Config
+        | Command::Completions { .. } => Ok(()),
     }
 }
 
@@ -362,7 +413,7 @@ impl Stop {
             let listen = |kind: SignalKind, name: &str| match signal(kind) {
                 Ok(s) => Some(s),
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot listen for {name}");
+                    tracing::warn!(target: TARGET, error = %e, "cannot listen for {name}");
                     None
                 }
             };
@@ -396,25 +447,9 @@ impl Stop {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
         }
-        tracing::info!("stop requested: finishing in-flight batches");
+        tracing::info!(target: TARGET, "stop requested: finishing in-flight batches");
     }
 }
 
 /// Messages per delete statement of the relay's own purges.
 const PURGE_BATCH: usize = 1000;
-
-/// Delete published messages older than `age`, `batch` per statement, until none is left.
-async fn purge_all(admin: &dyn OutboxAdmin, age: Duration, batch: usize) -> Result<u64, Error> {
-    let mut purged = 0;
-    loop {
-        let n = admin.purge_published(age, batch).await?;
-        purged += n;
-        if n < u64::try_from(batch).unwrap_or(u64::MAX) {
-            return Ok(purged);
-        }
-    }
-}
-
-fn print(value: &Value) {
-    println!("{value}");
-}

@@ -150,7 +150,7 @@ async fn lists_requeues_and_discards_dead_letters() -> TestResult {
     }
     let store = format!("sqlite://{}", path.display());
 
-    let dead = json_lines(&["--store", &store, "dead", "list"]).await?;
+    let dead = json_lines(&["--store", &store, "dead", "list", "--json"]).await?;
     assert_eq!(dead.len(), 2, "{dead:?}");
     assert_eq!(dead[0]["id"], ids[0].to_string());
     assert_eq!(dead[0]["last_error"], format!("rejected {}", ids[0]));
@@ -161,6 +161,7 @@ async fn lists_requeues_and_discards_dead_letters() -> TestResult {
         &store,
         "dead",
         "list",
+        "--json",
         "--after",
         &dead[0]["seq"].to_string(),
     ])

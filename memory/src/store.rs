@@ -7,8 +7,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_traits::{
-    Capabilities, Claim, ClaimRequest, Counts, DeadMessage, Error, FailAction, Failure, HeadPolicy,
-    LeaseToken, Limits, Message, NewMessage, OutboxAdmin, OutboxStore, WakeSource,
+    BlockedKey, Capabilities, Claim, ClaimRequest, Counts, DeadMessage, Error, FailAction, Failure,
+    HeadPolicy, LeaseToken, Limits, Message, NewMessage, OutboxAdmin, OutboxStore, StoreStatus,
+    WakeSource,
 };
 use tokio::sync::watch;
 use uuid::Uuid;
@@ -663,6 +664,65 @@ impl OutboxAdmin for MemoryStore {
             }
         }
         Ok(counts)
+    }
+
+    async fn status(&self, blocked_limit: usize) -> Result<StoreStatus, Error> {
+        let now = self.now();
+        let state = self.state();
+        let mut status = StoreStatus {
+            blocked_keys: Some(0),
+            published_last_minute: (!self.inner.deletes_published).then_some(0),
+            ..StoreStatus::default()
+        };
+        let mut heads: BTreeMap<&str, &Row> = BTreeMap::new();
+        for row in state.rows.values().filter(|row| row.tx.is_none()) {
+            match row.state {
+                RowState::Pending => status.pending += 1,
+                RowState::Leased { .. } => status.leased += 1,
+                RowState::Published { at } => {
+                    if now - at < chrono::Duration::minutes(1) {
+                        if let Some(n) = status.published_last_minute.as_mut() {
+                            *n += 1;
+                        }
+                    }
+                    continue;
+                }
+                RowState::Dead => status.dead += 1,
+            }
+            if !matches!(row.state, RowState::Dead) && status.oldest_pending_age_seconds.is_none() {
+                let age = (now - row.message.created_at)
+                    .num_microseconds()
+                    .unwrap_or(0);
+                status.oldest_pending_age_seconds = Some(age.max(0) as f64 / 1e6);
+            }
+            if let Some(key) = row.message.partition_key.as_deref() {
+                // Rows are visited in seq order: the first one of a key is its head.
+                heads.entry(key).or_insert(row);
+            }
+        }
+        let mut blocked: Vec<BlockedKey> = heads
+            .into_iter()
+            .filter_map(|(key, row)| {
+                let head_state = match row.state {
+                    RowState::Dead => "dead",
+                    RowState::Pending if row.message.attempts > 0 && row.due > now => "retrying",
+                    _ => return None,
+                };
+                Some(BlockedKey {
+                    partition_key: key.to_owned(),
+                    head_id: row.message.id,
+                    head_seq: row.message.seq,
+                    head_state: head_state.to_owned(),
+                    attempts: row.message.attempts,
+                    last_error: row.last_error.clone(),
+                })
+            })
+            .collect();
+        blocked.sort_by_key(|b| b.head_seq);
+        status.blocked_keys = Some(blocked.len() as u64);
+        blocked.truncate(blocked_limit);
+        status.blocked = blocked;
+        Ok(status)
     }
 }
 

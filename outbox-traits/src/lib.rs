@@ -61,8 +61,8 @@ pub use message::{
 };
 pub use publisher::{PublishOutcome, Publisher};
 pub use store::{
-    Capabilities, Claim, ClaimRequest, Counts, DeadMessage, FailAction, Failure, HeadPolicy,
-    LeaseToken, OutboxAdmin, OutboxStore, WakeSource,
+    BlockedKey, Capabilities, Claim, ClaimRequest, Counts, DeadMessage, FailAction, Failure,
+    HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, StoreStatus, WakeSource,
 };
 
 /// Re-exported so backends and users name the same versions.

@@ -78,6 +78,19 @@ pub trait Publisher: Send + Sync {
 
     /// A short name for logs and metrics, e.g. `nats` or `kafka`.
     fn name(&self) -> &str;
+
+    /// Whether the broker is reachable now, for readiness probes and the `broker up` gauge.
+    ///
+    /// # Behavior
+    /// - SHOULD be cheap (a connection state, a ping, a metadata fetch) and publish nothing.
+    /// - MUST return within the publisher's own timeout; callers also bound it with theirs.
+    /// - Returns [`Error::Unavailable`](crate::Error::Unavailable) (or another error) when
+    ///   the broker cannot be reached; the message never contains credentials.
+    ///
+    /// The default says `Ok`: a publisher with nothing to check (e.g. standard output).
+    async fn check(&self) -> Result<(), crate::Error> {
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -87,6 +100,9 @@ impl<T: Publisher + ?Sized> Publisher for &T {
     }
     fn name(&self) -> &str {
         (**self).name()
+    }
+    async fn check(&self) -> Result<(), crate::Error> {
+        (**self).check().await
     }
 }
 
@@ -98,6 +114,9 @@ impl<T: Publisher + ?Sized> Publisher for Arc<T> {
     fn name(&self) -> &str {
         (**self).name()
     }
+    async fn check(&self) -> Result<(), crate::Error> {
+        (**self).check().await
+    }
 }
 
 #[async_trait]
@@ -107,5 +126,8 @@ impl<T: Publisher + ?Sized> Publisher for Box<T> {
     }
     fn name(&self) -> &str {
         (**self).name()
+    }
+    async fn check(&self) -> Result<(), crate::Error> {
+        (**self).check().await
     }
 }

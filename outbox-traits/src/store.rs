@@ -284,6 +284,49 @@ pub struct Counts {
     pub dead: u64,
 }
 
+/// A partition key held back by its first unfinished message (its *head*): a dead head (under
+/// [`HeadPolicy::Block`]) or a head that failed and waits for its next attempt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockedKey {
+    /// The partition key.
+    pub partition_key: String,
+    /// The head message's id.
+    pub head_id: Uuid,
+    /// The head message's `seq`.
+    pub head_seq: i64,
+    /// `dead` or `retrying`.
+    pub head_state: String,
+    /// Attempts counted on the head message.
+    pub attempts: u32,
+    /// The head message's last error, if any.
+    pub last_error: Option<String>,
+}
+
+/// What an operator (and the relay's gauges) want to know about a store at a glance.
+///
+/// Made by [`OutboxAdmin::status`]; every figure comes from one bounded query, with ages by
+/// the database's clock.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct StoreStatus {
+    /// Messages waiting to be published and not leased.
+    pub pending: u64,
+    /// Messages leased to a relay.
+    pub leased: u64,
+    /// Dead-lettered messages.
+    pub dead: u64,
+    /// Age (database clock) of the oldest unpublished, not dead message, in seconds; `None`
+    /// when there is none or the store does not report it.
+    pub oldest_pending_age_seconds: Option<f64>,
+    /// Keys held back by a dead or retrying head message; `None` when the store does not
+    /// report it.
+    pub blocked_keys: Option<u64>,
+    /// Up to the requested number of blocked keys with their head message, oldest first.
+    pub blocked: Vec<BlockedKey>,
+    /// Messages published in the last minute (database clock), when the store keeps
+    /// published messages and reports it; a running relay's throughput.
+    pub published_last_minute: Option<u64>,
+}
+
 /// Operator functions: dead letters, purge and counts.
 ///
 /// Not needed by the relay loop itself; the conformance suite, the CLI and operators use them.
@@ -324,6 +367,34 @@ pub trait OutboxAdmin: Send + Sync {
     /// for a store that deletes them ([`Capabilities::deletes_published`]), and none that
     /// [`OutboxAdmin::purge_published`] deleted.
     async fn counts(&self) -> Result<Counts, Error>;
+
+    /// Pending, leased and dead counts, the oldest pending message's age, blocked keys (at most
+    /// `blocked_limit` listed) and the last minute's publications.
+    ///
+    /// # Behavior
+    /// - SHOULD cost one round trip whose cost grows with the unpublished and dead rows, never
+    ///   with the published history (relays call it periodically for their gauges).
+    /// - Ages and the last minute use the database's clock.
+    ///
+    /// The default is built from [`OutboxAdmin::counts`] and leaves the age, the blocked keys
+    /// and the throughput unreported (`None`).
+    async fn status(&self, blocked_limit: usize) -> Result<StoreStatus, Error> {
+        let _ = blocked_limit;
+        let counts = self.counts().await?;
+        Ok(StoreStatus {
+            pending: counts.pending,
+            leased: counts.leased,
+            dead: counts.dead,
+            ..StoreStatus::default()
+        })
+    }
+
+    /// A cheap query proving the store answers (readiness probes, the `store up` gauge).
+    ///
+    /// The default lists at most one dead letter.
+    async fn ping(&self) -> Result<(), Error> {
+        self.list_dead(None, 1).await.map(|_| ())
+    }
 }
 
 macro_rules! forward_store {
@@ -369,6 +440,12 @@ macro_rules! forward_store {
             }
             async fn counts(&self) -> Result<Counts, Error> {
                 (**self).counts().await
+            }
+            async fn status(&self, blocked_limit: usize) -> Result<StoreStatus, Error> {
+                (**self).status(blocked_limit).await
+            }
+            async fn ping(&self) -> Result<(), Error> {
+                (**self).ping().await
             }
         }
     )*};

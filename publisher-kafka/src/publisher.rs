@@ -419,7 +419,15 @@ impl Publisher for KafkaPublisher {
     fn name(&self) -> &str {
         "kafka"
     }
+
+    /// A metadata fetch, bounded by [`CHECK_TIMEOUT`].
+    async fn check(&self) -> Result<(), Error> {
+        self.check_connection(CHECK_TIMEOUT).await
+    }
 }
+
+/// How long [`Publisher::check`] waits for the cluster's metadata.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
 
 fn next_pending(slots: &[Slotted], from: usize) -> Option<usize> {
     (from..slots.len()).find(|&i| matches!(slots[i], Slotted::Pending(_)))

@@ -262,4 +262,19 @@ impl Publisher for NatsPublisher {
     fn name(&self) -> &str {
         "nats"
     }
+
+    /// Connected when the client's connection state says so (no round trip).
+    async fn check(&self) -> Result<(), Error> {
+        match self.client.connection_state() {
+            State::Connected => Ok(()),
+            state => Err(Error::Unavailable {
+                what: "nats".into(),
+                message: format!(
+                    "not connected to NATS at {} ({state:?})",
+                    redact_url(&self.config.url)
+                ),
+                source: None,
+            }),
+        }
+    }
 }

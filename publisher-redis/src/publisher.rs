@@ -225,4 +225,28 @@ impl Publisher for RedisPublisher {
     fn name(&self) -> &str {
         "redis"
     }
+
+    /// A `PING` within the publisher's timeout.
+    async fn check(&self) -> Result<(), Error> {
+        let mut connection = self.connection.clone();
+        let ping = redis::cmd("PING");
+        let shown = redact_url(&self.config.url);
+        match tokio::time::timeout(self.config.timeout, connection.req_packed_command(&ping)).await
+        {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(Error::unavailable(
+                "redis",
+                format!("PING to {shown} failed: {}", redact_url(&e.to_string())),
+                e,
+            )),
+            Err(_) => Err(Error::Unavailable {
+                what: "redis".into(),
+                message: format!(
+                    "no PING reply from {shown} within {:?}",
+                    self.config.timeout
+                ),
+                source: None,
+            }),
+        }
+    }
 }

@@ -141,6 +141,7 @@ impl Batch<'_> {
             }
         };
         self.rec.publish_took(started.elapsed());
+        self.rec.acked(&claim.messages, &outcomes);
         Some((outcomes, keeper.held_until()))
     }
 

@@ -121,7 +121,7 @@ pub use handle::RelayHandle;
 pub use notifier::Notifier;
 pub use run_loop::RELEASE_GRACE;
 pub use stats::RelayStats;
-pub use telemetry::describe_metrics;
+pub use telemetry::{describe_metrics, record_status, record_up};
 
 /// Names of the metrics the relay records, and of their label.
 pub mod metric_names {
@@ -129,5 +129,10 @@ pub mod metric_names {
         BATCH_SIZE, CLAIMED_TOTAL, CLAIM_SECONDS, DEAD_TOTAL, LEASE_LOST_TOTAL,
         ORDER_VIOLATIONS_TOTAL, PUBLISHED_TOTAL, PUBLISHER_LABEL, PUBLISH_SECONDS, RELEASED_TOTAL,
         RETRIED_TOTAL, STORE_ERRORS_TOTAL,
+    };
+    pub use crate::telemetry::{
+        BATCH_SIZE_BUCKETS, BLOCKED_KEYS, BROKER_UP, CALL_BUCKETS, COMMIT_TO_ACK_BUCKETS,
+        COMMIT_TO_ACK_SECONDS, DEAD_MESSAGES, HISTOGRAM_BUCKETS, LEASED_MESSAGES,
+        OLDEST_PENDING_AGE_SECONDS, PENDING_MESSAGES, STORE_UP,
     };
 }

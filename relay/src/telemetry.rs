@@ -4,7 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
+};
+use outbox_traits::chrono::Utc;
+use outbox_traits::{Message, PublishOutcome, StoreStatus};
 
 use crate::stats::{Counter, StatsCell};
 
@@ -30,6 +34,65 @@ pub const CLAIM_SECONDS: &str = "outbox_claim_seconds";
 pub const PUBLISH_SECONDS: &str = "outbox_publish_seconds";
 /// Messages per non-empty claim.
 pub const BATCH_SIZE: &str = "outbox_batch_size";
+/// Time from a message's creation (its transaction, by the database's clock) to the broker's
+/// acknowledgement (by the relay host's clock), per acknowledged message.
+pub const COMMIT_TO_ACK_SECONDS: &str = "outbox_commit_to_ack_seconds";
+/// Gauge: messages waiting to be published, not leased.
+pub const PENDING_MESSAGES: &str = "outbox_pending_messages";
+/// Gauge: messages leased to a relay.
+pub const LEASED_MESSAGES: &str = "outbox_leased_messages";
+/// Gauge: dead-lettered messages.
+pub const DEAD_MESSAGES: &str = "outbox_dead_messages";
+/// Gauge: age of the oldest unpublished, not dead message (database clock); 0 when none.
+pub const OLDEST_PENDING_AGE_SECONDS: &str = "outbox_oldest_pending_age_seconds";
+/// Gauge: partition keys held back by a dead or retrying head message.
+pub const BLOCKED_KEYS: &str = "outbox_blocked_keys";
+/// Gauge: 1 when the last broker check succeeded, else 0.
+pub const BROKER_UP: &str = "outbox_broker_up";
+/// Gauge: 1 when the last store query succeeded, else 0.
+pub const STORE_UP: &str = "outbox_store_up";
+
+/// Histogram buckets (seconds) for store and broker calls ([`CLAIM_SECONDS`],
+/// [`PUBLISH_SECONDS`]): 1 ms to 30 s.
+pub const CALL_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+/// Histogram buckets (seconds) for [`COMMIT_TO_ACK_SECONDS`]: 5 ms to 1 h (a backlog drains
+/// for minutes).
+pub const COMMIT_TO_ACK_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+];
+/// Histogram buckets for [`BATCH_SIZE`] (messages).
+pub const BATCH_SIZE_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0,
+];
+
+/// The histograms of the relay with the buckets fit for each, for an exporter's
+/// configuration (e.g. `PrometheusBuilder::set_buckets_for_metric`).
+pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
+    (CLAIM_SECONDS, CALL_BUCKETS),
+    (PUBLISH_SECONDS, CALL_BUCKETS),
+    (COMMIT_TO_ACK_SECONDS, COMMIT_TO_ACK_BUCKETS),
+    (BATCH_SIZE, BATCH_SIZE_BUCKETS),
+];
+
+/// Set the store gauges from a [`StoreStatus`] (the `outbox-relay` program does it
+/// periodically). Figures a store does not report are left as they were.
+pub fn record_status(status: &StoreStatus) {
+    gauge!(PENDING_MESSAGES).set(status.pending as f64);
+    gauge!(LEASED_MESSAGES).set(status.leased as f64);
+    gauge!(DEAD_MESSAGES).set(status.dead as f64);
+    gauge!(OLDEST_PENDING_AGE_SECONDS).set(status.oldest_pending_age_seconds.unwrap_or(0.0));
+    if let Some(blocked) = status.blocked_keys {
+        gauge!(BLOCKED_KEYS).set(blocked as f64);
+    }
+}
+
+/// Set the [`BROKER_UP`] and [`STORE_UP`] gauges.
+pub fn record_up(broker_up: bool, store_up: bool) {
+    gauge!(BROKER_UP).set(if broker_up { 1.0 } else { 0.0 });
+    gauge!(STORE_UP).set(if store_up { 1.0 } else { 0.0 });
+}
 /// The label carrying [`Publisher::name`](outbox_traits::Publisher::name) on every metric.
 pub const PUBLISHER_LABEL: &str = "publisher";
 
@@ -69,6 +132,30 @@ pub fn describe_metrics() {
     describe_histogram!(CLAIM_SECONDS, Unit::Seconds, "Duration of claim calls.");
     describe_histogram!(PUBLISH_SECONDS, Unit::Seconds, "Duration of publish calls.");
     describe_histogram!(BATCH_SIZE, Unit::Count, "Messages per non-empty claim.");
+    describe_histogram!(
+        COMMIT_TO_ACK_SECONDS,
+        Unit::Seconds,
+        "Time from a message's creation to the broker's acknowledgement."
+    );
+    describe_gauge!(
+        PENDING_MESSAGES,
+        Unit::Count,
+        "Messages waiting to be published, not leased."
+    );
+    describe_gauge!(LEASED_MESSAGES, Unit::Count, "Messages leased to a relay.");
+    describe_gauge!(DEAD_MESSAGES, Unit::Count, "Dead-lettered messages.");
+    describe_gauge!(
+        OLDEST_PENDING_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest unpublished message (database clock)."
+    );
+    describe_gauge!(
+        BLOCKED_KEYS,
+        Unit::Count,
+        "Partition keys held back by a dead or retrying head message."
+    );
+    describe_gauge!(BROKER_UP, "1 when the last broker check succeeded.");
+    describe_gauge!(STORE_UP, "1 when the last store query succeeded.");
 }
 
 /// Counts into both the run's [`StatsCell`] and the metrics facade, labelled by publisher.
@@ -121,6 +208,19 @@ impl Recorder {
     pub(crate) fn publish_took(&self, took: Duration) {
         histogram!(PUBLISH_SECONDS, PUBLISHER_LABEL => self.publisher.clone())
             .record(took.as_secs_f64());
+    }
+
+    /// Record commit-to-acknowledgement latency of the acknowledged messages of a batch.
+    pub(crate) fn acked(&self, batch: &[Message], outcomes: &[PublishOutcome]) {
+        let now = Utc::now();
+        let h = histogram!(COMMIT_TO_ACK_SECONDS, PUBLISHER_LABEL => self.publisher.clone());
+        for (message, _) in batch.iter().zip(outcomes).filter(|(_, o)| o.is_acked()) {
+            let took = (now - message.created_at)
+                .num_microseconds()
+                .unwrap_or(i64::MAX);
+            // A host clock behind the database's gives a negative span: count it as 0.
+            h.record(took.max(0) as f64 / 1e6);
+        }
     }
 
     pub(crate) fn batch_size(&self, size: usize) {

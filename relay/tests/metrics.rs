@@ -87,6 +87,11 @@ fn counters_and_histograms_match_the_stats_and_carry_the_publisher_label() {
         histograms.get(m::PUBLISH_SECONDS).copied(),
         Some(stats.batches as usize)
     );
+    // One commit-to-ack sample per acknowledged message.
+    assert_eq!(
+        histograms.get(m::COMMIT_TO_ACK_SECONDS).copied(),
+        Some(stats.published as usize)
+    );
     // Every claim is timed, the empty final one included.
     assert!(histograms.get(m::CLAIM_SECONDS).copied().unwrap_or(0) > stats.batches as usize);
 }

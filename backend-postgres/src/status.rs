@@ -1,0 +1,116 @@
+//! [`OutboxAdmin::status`](outbox_traits::OutboxAdmin::status) and `ping` for Postgres: one
+//! statement whose cost grows with the unpublished and dead rows (read through the partial
+//! indexes), never with the published history.
+
+use outbox_traits::{BlockedKey, Error, StoreStatus};
+use sqlx::postgres::PgRow;
+use sqlx::Row;
+
+use crate::error::map_sqlx;
+use crate::PostgresStore;
+
+/// How many of the oldest unpublished rows the status reads from the table itself, for what
+/// the claim index cannot say (leases, retries). Leases and retries live there: claims take
+/// the oldest rows. A lease or a retrying head further back (a claim past a long blocked
+/// backlog) is counted as pending and not listed.
+pub const STATUS_WINDOW: i64 = 100_000;
+
+/// The status statement for `table` (`"schema"."table"`, validated and quoted).
+///
+/// - unpublished (pending or leased): a count over the claim index (`state = 'pending'`),
+///   index-only, so it costs a fraction of a microsecond per backlog row and nothing per
+///   published row;
+/// - leased, and heads waiting for a retry: the oldest [`STATUS_WINDOW`] unpublished rows;
+/// - dead: the dead index; dead heads: one probe of the per-key index per dead row;
+/// - oldest: the first unpublished row by `seq`, one index probe;
+/// - last minute: published rows of the last minute, through the published index.
+fn statement(table: &str, delete_published: bool) -> String {
+    let last_minute = if delete_published {
+        "NULL::bigint".to_owned()
+    } else {
+        format!(
+            "(SELECT count(*) FROM {table} WHERE state = 'published' \
+               AND published_at > now() - interval '1 minute')"
+        )
+    };
+    format!(
+        "WITH win AS MATERIALIZED (
+            SELECT w.id, w.seq, w.partition_key, w.lease_token, w.attempts, w.available_at
+            FROM {table} w WHERE w.state = 'pending' ORDER BY w.seq LIMIT {STATUS_WINDOW}
+        ),
+        candidates AS (
+            SELECT d.id, d.seq, d.partition_key FROM {table} d
+            WHERE d.state = 'dead' AND d.partition_key IS NOT NULL
+            UNION ALL
+            SELECT r.id, r.seq, r.partition_key FROM win r
+            WHERE r.partition_key IS NOT NULL AND r.attempts > 0 AND r.lease_token IS NULL
+              AND r.available_at > now()
+        ),
+        blocked AS MATERIALIZED (
+            SELECT c.id, c.seq FROM candidates c
+            WHERE NOT EXISTS (
+                SELECT 1 FROM {table} e
+                WHERE e.partition_key = c.partition_key AND e.state IN ('pending', 'dead')
+                  AND e.seq < c.seq)
+        )
+        SELECT (SELECT count(*) FROM {table} WHERE state = 'pending') AS unpublished,
+               (SELECT count(*) FROM win WHERE lease_token IS NOT NULL) AS leased,
+               (SELECT count(*) FROM {table} WHERE state = 'dead') AS dead,
+               (SELECT extract(epoch FROM now() - created_at)::float8 FROM {table}
+                 WHERE state = 'pending' ORDER BY seq LIMIT 1) AS oldest,
+               (SELECT count(*) FROM blocked) AS blocked_keys,
+               (SELECT coalesce(json_agg(json_build_object(
+                        'partition_key', m.partition_key, 'head_id', m.id, 'head_seq', m.seq,
+                        'head_state', CASE WHEN m.state = 'dead' THEN 'dead' ELSE 'retrying' END,
+                        'attempts', m.attempts, 'last_error', m.last_error) ORDER BY m.seq),
+                        '[]'::json)
+                  FROM (SELECT b.id FROM blocked b ORDER BY b.seq LIMIT $1) x
+                  JOIN {table} m ON m.id = x.id)::text AS blocked,
+               {last_minute} AS last_minute"
+    )
+}
+
+pub(crate) async fn status(store: &PostgresStore, limit: usize) -> Result<StoreStatus, Error> {
+    let config = store.config();
+    let table = config.qualified_table();
+    let err = |e| map_sqlx(e, "status", table);
+    let row: PgRow = sqlx::query(&statement(table, config.delete_published()))
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .fetch_one(store.pool())
+        .await
+        .map_err(err)?;
+    let count = |name: &str| -> Result<u64, Error> {
+        let n: i64 = row.try_get(name).map_err(err)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    };
+    let blocked_text: String = row.try_get("blocked").map_err(err)?;
+    let blocked: Vec<BlockedKey> = serde_json::from_str(&blocked_text).map_err(|e| {
+        Error::permanent(
+            format!("status of {table}: unreadable blocked keys: {e}"),
+            None,
+        )
+    })?;
+    let last_minute: Option<i64> = row.try_get("last_minute").map_err(err)?;
+    let leased = count("leased")?;
+    Ok(StoreStatus {
+        pending: count("unpublished")?.saturating_sub(leased),
+        leased,
+        dead: count("dead")?,
+        oldest_pending_age_seconds: row
+            .try_get::<Option<f64>, _>("oldest")
+            .map_err(err)?
+            .map(|age| age.max(0.0)),
+        blocked_keys: Some(count("blocked_keys")?),
+        blocked,
+        published_last_minute: last_minute.map(|n| u64::try_from(n).unwrap_or(0)),
+    })
+}
+
+pub(crate) async fn ping(store: &PostgresStore) -> Result<(), Error> {
+    let table = store.config().qualified_table();
+    sqlx::query(&format!("SELECT 1 FROM {table} LIMIT 0"))
+        .execute(store.pool())
+        .await
+        .map_err(|e| map_sqlx(e, "ping", table))?;
+    Ok(())
+}

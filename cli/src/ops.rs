@@ -1,0 +1,365 @@
+//! The operator's commands: status, dead letters, purge, and the progress of drain.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox::{DeadMessage, Error, OutboxAdmin, StoreStatus};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::progress::Progress;
+use crate::Select;
+
+/// Dead messages read per page (and changed per statement) by the bulk commands.
+const PAGE: usize = 500;
+
+/// Print one JSON value on its own line.
+pub fn print(value: &Value) {
+    println!("{value}");
+}
+
+fn age(seconds: f64) -> String {
+    let whole = Duration::from_secs(seconds.max(0.0) as u64);
+    if whole.is_zero() {
+        format!("{seconds:.1}s")
+    } else {
+        humantime::format_duration(whole).to_string()
+    }
+}
+
+/// Shorten `text` to `max` characters for a table cell.
+fn cell(text: &str, max: usize) -> String {
+    let one_line = text.replace(['\n', '\r', '\t'], " ");
+    if one_line.chars().count() <= max {
+        one_line
+    } else {
+        let mut cut: String = one_line.chars().take(max.saturating_sub(1)).collect();
+        cut.push('…');
+        cut
+    }
+}
+
+/// Print rows as a table with a header, columns padded to their widest cell.
+fn table(header: &[&str], rows: &[Vec<String>]) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, c) in widths.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let mut out = String::new();
+        for (i, (c, w)) in cells.iter().zip(&widths).enumerate() {
+            if i + 1 == cells.len() {
+                out.push_str(c);
+            } else {
+                out.push_str(&format!("{c:<w$}  "));
+            }
+        }
+        println!("{}", out.trim_end());
+    };
+    line(header.iter().map(|h| (*h).to_owned()).collect());
+    for row in rows {
+        line(row.clone());
+    }
+}
+
+/// `outbox-relay status`.
+pub async fn status(admin: &dyn OutboxAdmin, as_json: bool, keys: usize) -> Result<(), Error> {
+    let status = admin.status(keys).await?;
+    if as_json {
+        let mut value = json!(status);
+        value["relay_running"] = json!(status.published_last_minute.map(|n| n > 0));
+        print(&value);
+        return Ok(());
+    }
+    print_status(&status);
+    Ok(())
+}
+
+fn print_status(s: &StoreStatus) {
+    let unknown = || "unknown".to_owned();
+    let rows = vec![
+        vec!["pending".to_owned(), s.pending.to_string()],
+        vec!["leased".to_owned(), s.leased.to_string()],
+        vec!["dead".to_owned(), s.dead.to_string()],
+        vec![
+            "oldest pending age".to_owned(),
+            s.oldest_pending_age_seconds
+                .map(age)
+                .unwrap_or_else(|| "-".to_owned()),
+        ],
+        vec![
+            "blocked keys".to_owned(),
+            s.blocked_keys
+                .map(|n| n.to_string())
+                .unwrap_or_else(unknown),
+        ],
+        vec![
+            "throughput (last minute)".to_owned(),
+            match s.published_last_minute {
+                Some(0) => "0 msg/s (no relay publishing)".to_owned(),
+                Some(n) => format!("{:.1} msg/s ({n} published)", n as f64 / 60.0),
+                None => unknown(),
+            },
+        ],
+    ];
+    table(&["STATE", "VALUE"], &rows);
+    if !s.blocked.is_empty() {
+        println!();
+        let rows: Vec<Vec<String>> = s
+            .blocked
+            .iter()
+            .map(|b| {
+                vec![
+                    cell(&b.partition_key, 40),
+                    b.head_id.to_string(),
+                    b.head_seq.to_string(),
+                    b.head_state.clone(),
+                    b.attempts.to_string(),
+                    cell(b.last_error.as_deref().unwrap_or(""), 60),
+                ]
+            })
+            .collect();
+        table(
+            &[
+                "BLOCKED KEY",
+                "HEAD ID",
+                "SEQ",
+                "STATE",
+                "ATTEMPTS",
+                "LAST ERROR",
+            ],
+            &rows,
+        );
+    }
+}
+
+fn matches(dead: &DeadMessage, key: Option<&str>, event_type: Option<&str>) -> bool {
+    key.is_none_or(|k| dead.message.partition_key.as_deref() == Some(k))
+        && event_type.is_none_or(|t| dead.message.event_type == t)
+}
+
+/// Dead messages after `after` matching the filters, at most `limit`, a page at a time.
+async fn find_dead(
+    admin: &dyn OutboxAdmin,
+    mut after: Option<i64>,
+    limit: usize,
+    key: Option<&str>,
+    event_type: Option<&str>,
+) -> Result<Vec<DeadMessage>, Error> {
+    let mut found = Vec::new();
+    while found.len() < limit {
+        let page = admin.list_dead(after, PAGE).await?;
+        let Some(last) = page.last() else { break };
+        after = Some(last.message.seq);
+        let full = page.len() == PAGE;
+        found.extend(
+            page.into_iter()
+                .filter(|d| matches(d, key, event_type))
+                .take(limit - found.len()),
+        );
+        if !full {
+            break;
+        }
+    }
+    Ok(found)
+}
+
+fn dead_json(dead: &DeadMessage) -> Value {
+    let mut line = json!(dead.message);
+    // The payload is JSON text: print it as JSON, not as a quoted string.
+    if let Ok(payload) = serde_json::from_str::<Value>(&dead.message.payload) {
+        line["payload"] = payload;
+    }
+    line["last_error"] = json!(dead.last_error);
+    line
+}
+
+/// `outbox-relay dead list`.
+pub async fn dead_list(
+    admin: &dyn OutboxAdmin,
+    after: Option<i64>,
+    limit: usize,
+    key: Option<String>,
+    event_type: Option<String>,
+    as_json: bool,
+) -> Result<(), Error> {
+    let dead = find_dead(admin, after, limit, key.as_deref(), event_type.as_deref()).await?;
+    if as_json {
+        for d in &dead {
+            print(&dead_json(d));
+        }
+        return Ok(());
+    }
+    let rows: Vec<Vec<String>> = dead
+        .iter()
+        .map(|d| {
+            let m = &d.message;
+            vec![
+                m.seq.to_string(),
+                m.id.to_string(),
+                cell(m.partition_key.as_deref().unwrap_or("-"), 30),
+                cell(&m.event_type, 30),
+                m.attempts.to_string(),
+                cell(&d.last_error, 60),
+            ]
+        })
+        .collect();
+    table(
+        &["SEQ", "ID", "KEY", "EVENT TYPE", "ATTEMPTS", "LAST ERROR"],
+        &rows,
+    );
+    Ok(())
+}
+
+/// What a bulk dead-letter command does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bulk {
+    /// Make them pending again.
+    Requeue,
+    /// Delete them.
+    Discard,
+}
+
+impl Bulk {
+    fn verb(self) -> &'static str {
+        match self {
+            Bulk::Requeue => "requeue",
+            Bulk::Discard => "discard",
+        }
+    }
+
+    fn done(self) -> &'static str {
+        match self {
+            Bulk::Requeue => "requeued",
+            Bulk::Discard => "discarded",
+        }
+    }
+
+    async fn apply(self, admin: &dyn OutboxAdmin, ids: &[Uuid]) -> Result<u64, Error> {
+        match self {
+            Bulk::Requeue => admin.requeue(ids).await,
+            Bulk::Discard => admin.discard(ids).await,
+        }
+    }
+}
+
+/// Ask on the terminal; off a terminal, refuse (a script must say `--yes`).
+fn confirm(question: &str) -> Result<bool, Error> {
+    if !std::io::stdin().is_terminal() {
+        return Err(Error::invalid_input(format!(
+            "{question}: refusing to ask off a terminal; add --yes to go ahead"
+        )));
+    }
+    eprint!("{question} [y/N] ");
+    let _ = std::io::stderr().flush();
+    let mut answer = String::new();
+    std::io::stdin()
+        .lock()
+        .read_line(&mut answer)
+        .map_err(|e| Error::invalid_input(format!("cannot read the answer: {e}")))?;
+    Ok(matches!(answer.trim(), "y" | "Y" | "yes" | "YES" | "Yes"))
+}
+
+/// `outbox-relay dead requeue|discard`.
+pub async fn dead_bulk(admin: &dyn OutboxAdmin, select: &Select, bulk: Bulk) -> Result<(), Error> {
+    let filtered = select.key.is_some() || select.event_type.is_some();
+    let bulk_wanted = filtered || select.all;
+    if select.ids.is_empty() && !bulk_wanted {
+        return Err(Error::invalid_input(format!(
+            "nothing to {}: give message ids, --key KEY, --event-type TYPE or --all",
+            bulk.verb()
+        )));
+    }
+    if !select.ids.is_empty() && bulk_wanted {
+        return Err(Error::invalid_input(
+            "give either message ids or --key/--event-type/--all, not both",
+        ));
+    }
+    if select.all && filtered {
+        return Err(Error::invalid_input(
+            "--all takes every dead message; drop it to filter by --key or --event-type",
+        ));
+    }
+    if !bulk_wanted {
+        let n = bulk.apply(admin, &select.ids).await?;
+        print(&json!({ bulk.done(): n }));
+        return Ok(());
+    }
+    let found = find_dead(
+        admin,
+        None,
+        usize::MAX,
+        select.key.as_deref(),
+        select.event_type.as_deref(),
+    )
+    .await?;
+    let ids: Vec<Uuid> = found.iter().map(|d| d.message.id).collect();
+    if !ids.is_empty() && !select.yes {
+        let question = format!("{} {} dead message(s)?", bulk.verb(), ids.len());
+        if !confirm(&question)? {
+            return Err(Error::invalid_input(format!("{} cancelled", bulk.verb())));
+        }
+    }
+    let mut progress = Progress::new(bulk.done(), Some(ids.len() as u64));
+    let mut n = 0;
+    for chunk in ids.chunks(PAGE) {
+        n += bulk.apply(admin, chunk).await?;
+        progress.set(n);
+    }
+    progress.finish();
+    print(&json!({ bulk.done(): n }));
+    Ok(())
+}
+
+/// Delete published messages older than `age`, `batch` per statement, until none is left.
+pub async fn purge_all(
+    admin: &dyn OutboxAdmin,
+    age: Duration,
+    batch: usize,
+    mut progress: Option<&mut Progress>,
+) -> Result<u64, Error> {
+    let mut purged = 0;
+    loop {
+        let n = admin.purge_published(age, batch).await?;
+        purged += n;
+        if let Some(p) = progress.as_deref_mut() {
+            p.set(purged);
+        }
+        if n < u64::try_from(batch).unwrap_or(u64::MAX) {
+            return Ok(purged);
+        }
+    }
+}
+
+/// The progress of `drain`: the backlog at the start, and how much of it is gone, read from the
+/// store's bounded status query until `finished`.
+pub async fn drain_progress(
+    admin: Arc<dyn OutboxAdmin>,
+    mut finished: tokio::sync::oneshot::Receiver<()>,
+) {
+    let backlog = |s: &StoreStatus| s.pending + s.leased;
+    let Ok(start) = admin.status(0).await else {
+        return;
+    };
+    let total = backlog(&start);
+    let mut progress = Progress::new("drained", Some(total));
+    // Each update is a status query: once a second for a bar, once per summary line otherwise.
+    let mut tick = tokio::time::interval(progress.update_every());
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = &mut finished => break,
+            _ = tick.tick() => {}
+        }
+        if let Ok(now) = admin.status(0).await {
+            progress.set(total.saturating_sub(backlog(&now)));
+        }
+    }
+    if let Ok(now) = admin.status(0).await {
+        progress.set(total.saturating_sub(backlog(&now)));
+    }
+    progress.finish();
+}

@@ -1,0 +1,496 @@
+//! Every setting of the program, from four sources: flags > environment > configuration file >
+//! defaults.
+//!
+//! Flags and environment variables are read by clap into [`SettingsArgs`] (a flag wins over its
+//! variable); what they leave unset is taken from the TOML file (`--config` / `OUTBOX_CONFIG`),
+//! then from the defaults. [`Effective`] is the result, which `outbox-relay config` prints with
+//! its secrets masked.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use outbox::relay::RelayConfig;
+use outbox::store::StoreOptions;
+
+use crate::secrets::pick;
+use outbox::{Error, HeadPolicy};
+use serde::{Deserialize, Serialize};
+
+/// What a dead head message does to its key's later messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Head {
+    /// Later messages of the key wait until the dead one is requeued or discarded.
+    Block,
+    /// Later messages of the key go on.
+    Skip,
+}
+
+/// The format of the log lines on standard error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line (timestamp, level, target, fields).
+    Json,
+}
+
+/// The settings as flags and environment variables. Every one is global: accepted before or
+/// after the subcommand.
+#[derive(Debug, Default, Clone, Args)]
+pub struct SettingsArgs {
+    /// A TOML file holding any of these settings (keys as the flags, with `_`: `batch_size`).
+    #[arg(long, env = "OUTBOX_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+    /// The outbox database: postgres://, mysql:// (or mariadb://) or sqlite:// URL.
+    #[arg(long, env = "OUTBOX_STORE_URL", hide_env_values = true, global = true)]
+    pub store: Option<String>,
+    /// Read the store URL from this file (a mounted secret) instead of --store.
+    #[arg(
+        long,
+        env = "OUTBOX_STORE_URL_FILE",
+        value_name = "PATH",
+        global = true
+    )]
+    pub store_file: Option<PathBuf>,
+    /// The outbox table (default: outbox).
+    #[arg(long, env = "OUTBOX_TABLE", global = true)]
+    pub table: Option<String>,
+    /// The Postgres schema of the table (default: public).
+    #[arg(long, env = "OUTBOX_SCHEMA", global = true)]
+    pub schema: Option<String>,
+    /// Delete messages once published instead of marking them published
+    /// (`--delete-published`, or `--delete-published=false` over a file's `true`).
+    #[arg(long, env = "OUTBOX_DELETE_PUBLISHED", global = true, num_args = 0..=1,
+          require_equals = true, default_missing_value = "true",
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub delete_published: Option<bool>,
+    /// The broker: stdout://, nats://, kafka:// or redis:// URL with its options.
+    #[arg(long, env = "OUTBOX_BROKER_URL", hide_env_values = true, global = true)]
+    pub broker: Option<String>,
+    /// Read the broker URL from this file (a mounted secret) instead of --broker.
+    #[arg(
+        long,
+        env = "OUTBOX_BROKER_URL_FILE",
+        value_name = "PATH",
+        global = true
+    )]
+    pub broker_file: Option<PathBuf>,
+    /// Most messages per claim and publish (default 100).
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", global = true)]
+    pub batch_size: Option<usize>,
+    /// Batches in flight at once.
+    #[arg(long, env = "OUTBOX_CONCURRENCY", global = true)]
+    pub concurrency: Option<usize>,
+    /// How long a claim is held before another relay may take it over, e.g. 30s.
+    #[arg(long, env = "OUTBOX_LEASE", global = true, value_parser = humantime::parse_duration)]
+    pub lease: Option<Duration>,
+    /// Attempts after which a failing message is dead-lettered.
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", global = true)]
+    pub max_attempts: Option<u32>,
+    /// What a dead message does to the later messages of its key.
+    #[arg(long, env = "OUTBOX_HEAD_POLICY", value_enum, global = true)]
+    pub head_policy: Option<Head>,
+    /// Longest wait between claims when idle, e.g. 1s.
+    #[arg(long, env = "OUTBOX_POLL_MAX", global = true, value_parser = humantime::parse_duration)]
+    pub poll_max: Option<Duration>,
+    /// How long a stop waits for in-flight batches, e.g. 10s.
+    #[arg(long, env = "OUTBOX_SHUTDOWN_DEADLINE", global = true,
+          value_parser = humantime::parse_duration)]
+    pub shutdown_deadline: Option<Duration>,
+    /// Serve /metrics, /health/live and /health/ready on this address, e.g. 0.0.0.0:9000.
+    #[arg(long, env = "OUTBOX_METRICS_ADDR", global = true)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Delete published messages older than this (e.g. 7d): in `run` at start and then every
+    /// `--purge-every`, in `drain` once after draining. Off by default.
+    #[arg(long, env = "OUTBOX_PURGE_OLDER_THAN", global = true,
+          value_parser = humantime::parse_duration)]
+    pub purge_older_than: Option<Duration>,
+    /// How often `run` purges (with `--purge-older-than`; default 1m).
+    #[arg(long, env = "OUTBOX_PURGE_EVERY", global = true,
+          value_parser = humantime::parse_duration)]
+    pub purge_every: Option<Duration>,
+    /// How often `run` refreshes the store gauges and the broker check (default 15s).
+    #[arg(long, env = "OUTBOX_GAUGES_EVERY", global = true,
+          value_parser = humantime::parse_duration)]
+    pub gauges_every: Option<Duration>,
+    /// How long /health/ready waits for the store and the broker (default 2s).
+    #[arg(long, env = "OUTBOX_READY_TIMEOUT", global = true,
+          value_parser = humantime::parse_duration)]
+    pub ready_timeout: Option<Duration>,
+    /// Log lines as text or JSON (default text).
+    #[arg(long, env = "OUTBOX_LOG_FORMAT", value_enum, global = true)]
+    pub log_format: Option<LogFormat>,
+    /// Which logs to show, as `RUST_LOG` (default: info, sqlx and librdkafka at warn).
+    #[arg(long, env = "RUST_LOG", global = true)]
+    pub log: Option<String>,
+}
+
+/// The configuration file: the same settings, durations as text (`30s`, `7d`).
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileSettings {
+    store: Option<String>,
+    store_file: Option<PathBuf>,
+    table: Option<String>,
+    schema: Option<String>,
+    delete_published: Option<bool>,
+    broker: Option<String>,
+    broker_file: Option<PathBuf>,
+    batch_size: Option<usize>,
+    concurrency: Option<usize>,
+    lease: Option<String>,
+    max_attempts: Option<u32>,
+    head_policy: Option<Head>,
+    poll_max: Option<String>,
+    shutdown_deadline: Option<String>,
+    metrics_addr: Option<String>,
+    purge_older_than: Option<String>,
+    purge_every: Option<String>,
+    gauges_every: Option<String>,
+    ready_timeout: Option<String>,
+    log_format: Option<LogFormat>,
+    log: Option<String>,
+}
+
+/// The settings in effect.
+#[derive(Debug, Clone)]
+pub struct Effective {
+    /// The configuration file read, if any.
+    pub config: Option<PathBuf>,
+    /// Store URL.
+    pub store: Option<String>,
+    /// Table, schema and published-message handling.
+    pub options: StoreOptions,
+    /// Broker URL.
+    pub broker: Option<String>,
+    /// The relay engine's settings.
+    pub relay: RelayConfig,
+    /// Where to serve metrics and health.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Age of published messages to purge.
+    pub purge_older_than: Option<Duration>,
+    /// Purge interval.
+    pub purge_every: Duration,
+    /// Gauge refresh interval.
+    pub gauges_every: Duration,
+    /// Readiness check timeout.
+    pub ready_timeout: Duration,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// Log filter.
+    pub log: String,
+}
+
+/// The log filter when none is given: the program and the engine at info, the drivers quieter
+/// (sqlx logs every statement at info; librdkafka's chatter is for debugging).
+pub const DEFAULT_LOG: &str = "info,sqlx=warn,rdkafka=warn,librdkafka=warn";
+
+fn duration(key: &str, value: Option<String>) -> Result<Option<Duration>, Error> {
+    value
+        .map(|text| {
+            humantime::parse_duration(&text).map_err(|e| {
+                Error::invalid_input(format!(
+                    "configuration key `{key}` = {text:?} is not a duration ({e}); write e.g. \
+                     \"30s\", \"5m\" or \"7d\""
+                ))
+            })
+        })
+        .transpose()
+}
+
+fn read_file(path: &Path) -> Result<FileSettings, Error> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Error::invalid_input(format!(
+            "cannot read the configuration file {}: {e}",
+            path.display()
+        ))
+    })?;
+    toml::from_str(&text).map_err(|e| {
+        // toml's message quotes the offending line, which may hold a URL with a password.
+        Error::invalid_input(format!(
+            "configuration file {}: {}",
+            path.display(),
+            outbox::redact_url(&e.to_string())
+        ))
+    })
+}
+
+impl SettingsArgs {
+    /// Merge with the configuration file and the defaults, and check the result.
+    pub fn resolve(&self) -> Result<Effective, Error> {
+        let file = match &self.config {
+            Some(path) => read_file(path)?,
+            None => FileSettings::default(),
+        };
+        let defaults = RelayConfig::default();
+        let metrics_addr = match (&self.metrics_addr, &file.metrics_addr) {
+            (Some(addr), _) => Some(*addr),
+            (None, Some(text)) => Some(text.parse().map_err(|e| {
+                Error::invalid_input(format!(
+                    "configuration key `metrics_addr` = {text:?} is not an address ({e}); write \
+                     e.g. \"0.0.0.0:9000\""
+                ))
+            })?),
+            (None, None) => None,
+        };
+        let head = self.head_policy.or(file.head_policy);
+        let relay = RelayConfig {
+            batch_size: self
+                .batch_size
+                .or(file.batch_size)
+                .unwrap_or(defaults.batch_size),
+            concurrency: self
+                .concurrency
+                .or(file.concurrency)
+                .unwrap_or(defaults.concurrency),
+            lease: self
+                .lease
+                .or(duration("lease", file.lease)?)
+                .unwrap_or(defaults.lease),
+            max_attempts: self
+                .max_attempts
+                .or(file.max_attempts)
+                .unwrap_or(defaults.max_attempts),
+            head_policy: match head {
+                Some(Head::Block) => HeadPolicy::Block,
+                Some(Head::Skip) => HeadPolicy::Skip,
+                None => defaults.head_policy,
+            },
+            poll_max: self
+                .poll_max
+                .or(duration("poll_max", file.poll_max)?)
+                .unwrap_or(defaults.poll_max),
+            shutdown_deadline: self
+                .shutdown_deadline
+                .or(duration("shutdown_deadline", file.shutdown_deadline)?)
+                .unwrap_or(defaults.shutdown_deadline),
+            ..defaults
+        };
+        let effective = Effective {
+            config: self.config.clone(),
+            store: pick(
+                self.store.clone(),
+                self.store_file.as_deref(),
+                "--store",
+                "--store-file",
+            )?
+            .or(pick(
+                file.store,
+                file.store_file.as_deref(),
+                "store",
+                "store_file",
+            )?),
+            options: StoreOptions {
+                table: self.table.clone().or(file.table),
+                schema: self.schema.clone().or(file.schema),
+                delete_published: self
+                    .delete_published
+                    .or(file.delete_published)
+                    .unwrap_or(false),
+            },
+            broker: pick(
+                self.broker.clone(),
+                self.broker_file.as_deref(),
+                "--broker",
+                "--broker-file",
+            )?
+            .or(pick(
+                file.broker,
+                file.broker_file.as_deref(),
+                "broker",
+                "broker_file",
+            )?),
+            relay,
+            metrics_addr,
+            purge_older_than: self
+                .purge_older_than
+                .or(duration("purge_older_than", file.purge_older_than)?),
+            purge_every: self
+                .purge_every
+                .or(duration("purge_every", file.purge_every)?)
+                .unwrap_or(Duration::from_secs(60)),
+            gauges_every: self
+                .gauges_every
+                .or(duration("gauges_every", file.gauges_every)?)
+                .unwrap_or(Duration::from_secs(15)),
+            ready_timeout: self
+                .ready_timeout
+                .or(duration("ready_timeout", file.ready_timeout)?)
+                .unwrap_or(Duration::from_secs(2)),
+            log_format: self
+                .log_format
+                .or(file.log_format)
+                .unwrap_or(LogFormat::Text),
+            log: self
+                .log
+                .clone()
+                .or(file.log)
+                .unwrap_or_else(|| DEFAULT_LOG.to_owned()),
+        };
+        Ok(effective)
+    }
+}
+
+impl Effective {
+    /// The store URL, or an error saying how to give it.
+    pub fn store(&self) -> Result<&str, Error> {
+        self.store.as_deref().ok_or_else(|| {
+            Error::invalid_input(
+                "no store: give --store URL, OUTBOX_STORE_URL, --store-file PATH (OUTBOX_STORE_URL_FILE) \
+                 or `store` in the configuration file (--config)",
+            )
+        })
+    }
+
+    /// The broker URL, or an error saying how to give it.
+    pub fn broker(&self) -> Result<&str, Error> {
+        self.broker.as_deref().ok_or_else(|| {
+            Error::invalid_input(
+                "no broker: give --broker URL, OUTBOX_BROKER_URL, --broker-file PATH \
+                 (OUTBOX_BROKER_URL_FILE) or `broker` in the configuration file (--config)",
+            )
+        })
+    }
+
+    /// Check what `run` and `drain` need beyond the URLs.
+    pub fn check_relay(&self) -> Result<(), Error> {
+        self.relay.validate()?;
+        for (name, value) in [
+            ("--purge-every", self.purge_every),
+            ("--gauges-every", self.gauges_every),
+            ("--ready-timeout", self.ready_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(Error::invalid_input(format!(
+                    "{name} is 0; it must be a positive interval"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The effective configuration as a TOML document that `--config` accepts, secrets masked.
+    pub fn to_masked_toml(&self) -> String {
+        let d = |d: Duration| humantime::format_duration(d).to_string();
+        let mut table = toml::Table::new();
+        let mut put = |key: &str, value: toml::Value| {
+            table.insert(key.to_owned(), value);
+        };
+        if let Some(store) = &self.store {
+            put("store", mask_url(store).into());
+        }
+        if let Some(table) = &self.options.table {
+            put("table", table.clone().into());
+        }
+        if let Some(schema) = &self.options.schema {
+            put("schema", schema.clone().into());
+        }
+        put("delete_published", self.options.delete_published.into());
+        if let Some(broker) = &self.broker {
+            put("broker", mask_url(broker).into());
+        }
+        let r = &self.relay;
+        put(
+            "batch_size",
+            i64::try_from(r.batch_size).unwrap_or(i64::MAX).into(),
+        );
+        put(
+            "concurrency",
+            i64::try_from(r.concurrency).unwrap_or(i64::MAX).into(),
+        );
+        put("lease", d(r.lease).into());
+        put("max_attempts", i64::from(r.max_attempts).into());
+        put(
+            "head_policy",
+            match r.head_policy {
+                HeadPolicy::Skip => "skip",
+                _ => "block",
+            }
+            .into(),
+        );
+        put("poll_max", d(r.poll_max).into());
+        put("shutdown_deadline", d(r.shutdown_deadline).into());
+        if let Some(addr) = self.metrics_addr {
+            put("metrics_addr", addr.to_string().into());
+        }
+        if let Some(age) = self.purge_older_than {
+            put("purge_older_than", d(age).into());
+        }
+        put("purge_every", d(self.purge_every).into());
+        put("gauges_every", d(self.gauges_every).into());
+        put("ready_timeout", d(self.ready_timeout).into());
+        put(
+            "log_format",
+            match self.log_format {
+                LogFormat::Text => "text",
+                LogFormat::Json => "json",
+            }
+            .into(),
+        );
+        put("log", self.log.clone().into());
+        let source = match &self.config {
+            Some(path) => format!("# flags > environment > {} > defaults\n", path.display()),
+            None => "# flags > environment > defaults (no --config file)\n".to_owned(),
+        };
+        source + &toml::to_string(&table).unwrap_or_default()
+    }
+}
+
+/// Query options whose values are secrets, by a part of their name.
+const SECRET_WORDS: &[&str] = &["password", "secret", "token", "credential", "private"];
+
+/// A URL with its secrets replaced by `***`: the password, a NATS token or user name standing
+/// alone before `@` (`nats://TOKEN@host`), and query options named like a secret
+/// (`sasl.password=`, `token=`, ...).
+pub fn mask_url(text: &str) -> String {
+    let redacted = outbox::redact_url(text);
+    let Ok(mut url) = url::Url::parse(&redacted) else {
+        return redacted;
+    };
+    if url.scheme() == "nats" && !url.username().is_empty() && url.password().is_none() {
+        let _ = url.set_username("***");
+    }
+    let pairs: Vec<(String, String)> = url
+        .query_pairs()
+        .map(|(k, v)| {
+            let lower = k.to_ascii_lowercase();
+            let secret = SECRET_WORDS.iter().any(|w| lower.contains(w));
+            (
+                k.into_owned(),
+                if secret {
+                    "***".to_owned()
+                } else {
+                    v.into_owned()
+                },
+            )
+        })
+        .collect();
+    if !pairs.is_empty() {
+        url.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    // Url percent-encodes the braces of subject templates; show them as written.
+    url.to_string()
+        .replace("%7B", "{")
+        .replace("%7D", "}")
+        .replace("%2A%2A%2A", "***")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_of_urls_are_masked() {
+        let masked = mask_url("kafka://u:pw@h:9092?topic=t&sasl.password=hunter2&acks=all");
+        assert!(!masked.contains("pw@"), "{masked}");
+        assert!(!masked.contains("hunter2"), "{masked}");
+        assert!(masked.contains("acks=all"), "{masked}");
+        let masked = mask_url("nats://s3cr3ttoken@127.0.0.1:4222?subject=a.{event_type}");
+        assert!(!masked.contains("s3cr3ttoken"), "{masked}");
+        assert!(masked.contains("subject=a.{event_type}"), "{masked}");
+    }
+}
