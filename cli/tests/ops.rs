@@ -141,6 +141,7 @@ async fn readiness_follows_a_private_nats_server() -> TestResult {
     until_port(nats_port).await?;
     let relay = relay_process([
         "run",
+        "--migrate",
         "--store",
         &store,
         "--broker",
