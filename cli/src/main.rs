@@ -67,8 +67,8 @@ enum Command {
         /// Age of the published messages to delete, e.g. 7d, 12h.
         #[arg(long, value_parser = humantime::parse_duration)]
         older_than: Duration,
-        /// Messages per delete statement.
-        #[arg(long, default_value_t = 1000)]
+        /// Messages per delete statement (at least 1).
+        #[arg(long, default_value_t = 1000, value_parser = positive_usize)]
         batch: usize,
     },
 }
@@ -80,8 +80,8 @@ enum DeadCommand {
         /// Only messages after this seq (for paging).
         #[arg(long)]
         after: Option<i64>,
-        /// Most messages to print.
-        #[arg(long, default_value_t = 100)]
+        /// Most messages to print (at least 1).
+        #[arg(long, default_value_t = 100, value_parser = positive_usize)]
         limit: usize,
     },
     /// Make dead messages pending again, with their attempts reset.
@@ -374,6 +374,16 @@ impl Stop {
             std::future::pending::<()>().await;
         }
         tracing::info!("stop requested: finishing in-flight batches");
+    }
+}
+
+/// A count that must be at least 1 (`purge --batch 0` would never finish, `dead list
+/// --limit 0` would print nothing).
+fn positive_usize(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1, not 0".to_owned()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{e}; expected a whole number of at least 1")),
     }
 }
 

@@ -185,7 +185,37 @@ async fn lists_requeues_and_discards_dead_letters() -> TestResult {
 async fn bad_urls_and_settings_fail_with_a_clear_message_and_no_password() -> TestResult {
     let dir = tempfile::tempdir()?;
     let store = format!("sqlite://{}", dir.path().join("outbox.sqlite").display());
-    let cases: [(&[&str], i32, &str); 6] = [
+    let cases: [(&[&str], i32, &str); 9] = [
+        (
+            &[
+                "--store",
+                &store,
+                "purge",
+                "--older-than",
+                "1d",
+                "--batch",
+                "0",
+            ],
+            2,
+            "must be at least 1",
+        ),
+        (
+            &[
+                "--store",
+                &store,
+                "purge",
+                "--older-than",
+                "1d",
+                "--batch=-1",
+            ],
+            2,
+            "expected a whole number of at least 1",
+        ),
+        (
+            &["--store", &store, "dead", "list", "--limit", "0"],
+            2,
+            "must be at least 1",
+        ),
         (
             &["--store", "amqp://guest:secret@localhost/", "counts"],
             1,
