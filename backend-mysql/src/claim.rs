@@ -158,7 +158,17 @@ async fn try_claim(
         }
     }
     let token = LeaseToken::new();
+    let mut lease_until = lease_until;
     if !chosen.is_empty() {
+        // The lease runs from now, when the rows are leased, not from the first statement:
+        // the order check and the look past may have taken a while (observed up to ~220 ms
+        // under load), and a lease shorter than asked lets another relay take the rows over
+        // early. (The first statement's lease end still serves an empty claim.)
+        lease_until = sqlx::query_scalar(&sql.lease_end)
+            .bind(lease_us)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(&err)?;
         let seqs: Vec<i64> = chosen.iter().map(|m| m.seq).collect();
         let leased = sqlx::query(&sql.lease)
             .bind(serde_json::to_string(&seqs).unwrap_or_default())

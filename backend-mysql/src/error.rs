@@ -64,8 +64,8 @@ fn classify(
         // ER_NO_SUCH_TABLE, ER_BAD_FIELD_ERROR, ER_BAD_DB_ERROR
         1146 | 1054 | 1049 => Error::permanent(
             format!(
-                "{what}; the outbox table is missing or outdated: run `migrate()` or apply \
-                 `MysqlConfig::migration_sql()`"
+                "{what}; the outbox table is missing or outdated: run `outbox-relay migrate` (or \
+                 call `MysqlStore::migrate()`, or apply `MysqlConfig::migration_sql()`)"
             ),
             Some(source),
         ),
@@ -126,7 +126,10 @@ mod tests {
     #[test]
     fn server_errors_are_classified() {
         let missing = classify_number(1146, "42S02");
-        assert!(missing.to_string().contains("run `migrate()`"), "{missing}");
+        assert!(
+            missing.to_string().contains("run `outbox-relay migrate`"),
+            "{missing}"
+        );
         assert_eq!(missing.kind(), ErrorKind::Permanent);
         for transient in [1213, 1205, 1969, 3024] {
             assert!(

@@ -98,6 +98,9 @@ pub(crate) struct Sql {
     pub past_rows_block: String,
     /// The same, dead messages ignored for ordering.
     pub past_rows_skip: String,
+    /// The lease end of a claim's rows, read just before they are leased (not when the claim
+    /// began: the look-past statements in between would shorten the lease).
+    pub lease_end: String,
     /// Lease the chosen rows.
     pub lease: String,
     /// Lock the listed rows still held under a token.
@@ -340,6 +343,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             past_unordered,
             past_rows_block: past_rows(true),
             past_rows_skip: past_rows(false),
+            lease_end: "SELECT UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND".to_owned(),
             lease: format!(
                 "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
                  STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq

@@ -420,7 +420,10 @@ async fn refusals_equal_the_sqlx_path() {
         .await
         .map_err(outbox_error)
         .unwrap_err();
-    assert!(err.to_string().contains("run `migrate()`"), "{err}");
+    assert!(
+        err.to_string().contains("run `outbox-relay migrate`"),
+        "{err}"
+    );
     db.drop().await;
 }
 

@@ -166,8 +166,8 @@ fn classify(err: DieselError, op: &str, table: &str) -> Error {
         }
         Some((_, text)) if text.ends_with("does not exist") => Error::permanent(
             format!(
-                "{message}; the outbox table is missing or outdated: run `migrate()` or apply \
-                 `PostgresConfig::migration_sql()`"
+                "{message}; the outbox table is missing or outdated: run `outbox-relay migrate` (or \
+                 call `PostgresStore::migrate()`, or apply `PostgresConfig::migration_sql()`)"
             ),
             Some(Box::new(err)),
         ),
@@ -234,7 +234,10 @@ mod tests {
             "t",
         );
         assert_eq!(missing.kind(), ErrorKind::Permanent);
-        assert!(missing.to_string().contains("run `migrate()`"), "{missing}");
+        assert!(
+            missing.to_string().contains("run `outbox-relay migrate`"),
+            "{missing}"
+        );
         let other = classify(DieselError::NotFound, "enqueue", "t");
         assert_eq!(other.kind(), ErrorKind::Permanent);
     }

@@ -27,7 +27,8 @@ fn classify_sqlstate(code: &str, op: &str, table: &str, text: String, source: Bo
         "42P01" | "3F000" | "42703" | "42704" => Error::permanent(
             format!(
                 "{op} on {table} failed: {text} (SQLSTATE {code}); the outbox table is missing \
-                 or outdated: run `migrate()` or apply `PostgresConfig::migration_sql()`"
+                 or outdated: run `outbox-relay migrate` (or call \
+                 `PostgresStore::migrate()`, or apply `PostgresConfig::migration_sql()`)"
             ),
             Some(source),
         ),
@@ -73,7 +74,9 @@ mod tests {
 
     #[test]
     fn sqlstates_are_classified() {
-        assert!(classify("42P01").to_string().contains("run `migrate()`"));
+        assert!(classify("42P01")
+            .to_string()
+            .contains("run `outbox-relay migrate`"));
         assert_eq!(classify("42P01").kind(), ErrorKind::Permanent);
         for transient in ["40001", "40P01", "55P03", "57014"] {
             assert!(classify(transient).is_transient(), "{transient}");

@@ -169,8 +169,9 @@ fn classify(err: DieselError, table: &str) -> Error {
     if text.contains("no such table") {
         return Error::permanent(
             format!(
-                "sqlite: {what}: {text}; run outbox_backend_sqlite::migrate() for table \
-                 {table:?} first (SqliteStore::open does it)"
+                "sqlite: {what}: {text}; run `outbox-relay migrate` for table \
+                 {table:?} first (or call `outbox_backend_sqlite::migrate()`; `SqliteStore::open` \
+                 does it)"
             ),
             Some(Box::new(err)),
         );

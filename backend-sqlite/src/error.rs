@@ -68,8 +68,8 @@ pub(crate) fn map_err(err: rusqlite::Error, ctx: Ctx, table: &str) -> Error {
         ) => Error::unavailable("sqlite", format!("{what}: {text}"), err),
         _ if text.contains("no such table") || text.contains("no such index") => Error::permanent(
             format!(
-                "sqlite: {what}: {text}; run outbox_backend_sqlite::migrate() for table {table:?} \
-                 first (SqliteStore::open does it)"
+                "sqlite: {what}: {text}; run `outbox-relay migrate` for table {table:?} \
+                 first (or call `outbox_backend_sqlite::migrate()`; `SqliteStore::open` does it)"
             ),
             Some(Box::new(err)),
         ),
@@ -106,6 +106,9 @@ mod tests {
             "outbox",
         );
         assert_eq!(missing.kind(), ErrorKind::Permanent);
-        assert!(missing.to_string().contains("migrate"), "{missing}");
+        assert!(
+            missing.to_string().contains("run `outbox-relay migrate`"),
+            "{missing}"
+        );
     }
 }

@@ -90,8 +90,8 @@ enum Command {
         /// Age of the published messages to delete, e.g. 7d, 12h.
         #[arg(long, value_parser = humantime::parse_duration)]
         older_than: Duration,
-        /// Messages per delete statement.
-        #[arg(long, default_value_t = 1000)]
+        /// Messages per delete statement (at least 1).
+        #[arg(long, default_value_t = 1000, value_parser = positive_usize)]
         batch: usize,
     },
     /// Print the effective configuration (flags > environment > file > defaults) as TOML,
@@ -130,8 +130,8 @@ enum DeadCommand {
         /// Only messages after this seq (for paging).
         #[arg(long)]
         after: Option<i64>,
-        /// Most messages to print.
-        #[arg(long, default_value_t = 100)]
+        /// Most messages to print (at least 1).
+        #[arg(long, default_value_t = 100, value_parser = positive_usize)]
         limit: usize,
         /// Only messages of this partition key.
         #[arg(long)]
@@ -448,6 +448,16 @@ impl Stop {
             std::future::pending::<()>().await;
         }
         tracing::info!(target: TARGET, "stop requested: finishing in-flight batches");
+    }
+}
+
+/// A count that must be at least 1 (`purge --batch 0` would never finish, `dead list
+/// --limit 0` would print nothing).
+fn positive_usize(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1, not 0".to_owned()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{e}; expected a whole number of at least 1")),
     }
 }
 

@@ -186,7 +186,37 @@ async fn lists_requeues_and_discards_dead_letters() -> TestResult {
 async fn bad_urls_and_settings_fail_with_a_clear_message_and_no_password() -> TestResult {
     let dir = tempfile::tempdir()?;
     let store = format!("sqlite://{}", dir.path().join("outbox.sqlite").display());
-    let cases: [(&[&str], i32, &str); 6] = [
+    let cases: [(&[&str], i32, &str); 9] = [
+        (
+            &[
+                "--store",
+                &store,
+                "purge",
+                "--older-than",
+                "1d",
+                "--batch",
+                "0",
+            ],
+            2,
+            "must be at least 1",
+        ),
+        (
+            &[
+                "--store",
+                &store,
+                "purge",
+                "--older-than",
+                "1d",
+                "--batch=-1",
+            ],
+            2,
+            "expected a whole number of at least 1",
+        ),
+        (
+            &["--store", &store, "dead", "list", "--limit", "0"],
+            2,
+            "must be at least 1",
+        ),
         (
             &["--store", "amqp://guest:secret@localhost/", "counts"],
             1,
@@ -265,6 +295,39 @@ async fn bad_urls_and_settings_fail_with_a_clear_message_and_no_password() -> Te
         );
     }
     // A relay setting is refused before anything is opened: no database file was created.
+    assert!(!dir.path().join("outbox.sqlite").exists());
+    Ok(())
+}
+
+#[cfg(feature = "kafka")]
+/// An unreachable Kafka at start-up fails like NATS and Redis do: a non-zero exit with one
+/// clear error line, and librdkafka's own retries do not flood the log.
+#[tokio::test]
+async fn an_unreachable_kafka_fails_fast_with_one_clear_line() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let store = format!("sqlite://{}", dir.path().join("outbox.sqlite").display());
+    // Port 1 on loopback: nothing listens there, every connection is refused.
+    let out = run(&[
+        "--store",
+        &store,
+        "drain",
+        "--broker",
+        "kafka://127.0.0.1:1?topic=orders",
+    ])
+    .await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let errors: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("no metadata from brokers 127.0.0.1:1"))
+        .collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    let librdkafka = stderr.lines().filter(|l| l.contains("librdkafka")).count();
+    assert!(
+        librdkafka <= 5,
+        "{librdkafka} librdkafka lines in one connect timeout:\n{stderr}"
+    );
+    // The broker is checked before the store is opened.
     assert!(!dir.path().join("outbox.sqlite").exists());
     Ok(())
 }

@@ -728,6 +728,16 @@ pub async fn purge_is_bounded(harness: &dyn Harness) -> Result<(), String> {
         "purge deleted {n} messages published less than its age ago"
     );
     f.advance(170).await?;
+    // A batch of 0 could never make progress (a caller purging until it gets less than its
+    // batch would loop forever): refused, with nothing deleted (the next purge finds all 3).
+    match f.admin.purge_published(age, 0).await {
+        Err(Error::InvalidInput(_)) => {}
+        other => {
+            return Err(format!(
+                "purge with batch 0 returned {other:?}, expected InvalidInput"
+            ))
+        }
+    }
     let n = f
         .admin
         .purge_published(age, 2)

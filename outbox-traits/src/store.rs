@@ -361,6 +361,10 @@ pub trait OutboxAdmin: Send + Sync {
     ///   purged ids, since new ids are fresh UUID v7 values.
     /// - A store that deletes messages as they are published
     ///   ([`Capabilities::deletes_published`]) has none to purge and returns 0.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when `batch` is 0 (it could never make progress), before
+    /// anything is read or deleted.
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error>;
 
     /// Count messages by state. `published` counts the published messages still held: none

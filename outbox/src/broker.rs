@@ -33,6 +33,10 @@ pub const SCHEMES: &[(&str, &str)] = &[
     ("redis", "feature `redis`"),
 ];
 
+/// How long [`connect`] waits for a `kafka://` broker to answer before it gives up.
+#[cfg(feature = "kafka")]
+pub const KAFKA_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 fn choices() -> String {
     schemes::choices(SCHEMES)
 }
@@ -70,9 +74,14 @@ pub async fn connect(url: &str) -> Result<Box<dyn Publisher>, Error> {
             ))
         }
         #[cfg(feature = "kafka")]
-        "kafka" => Ok(Box::new(outbox_publisher_kafka::KafkaPublisher::from_url(
-            url,
-        )?)),
+        "kafka" => {
+            let publisher = outbox_publisher_kafka::KafkaPublisher::from_url(url)?;
+            // librdkafka connects lazily and retries forever; ask for the cluster's metadata
+            // so that an unreachable Kafka fails here, with one clear error, as NATS and
+            // Redis do.
+            publisher.check_connection(KAFKA_CONNECT_TIMEOUT).await?;
+            Ok(Box::new(publisher))
+        }
         #[cfg(feature = "redis")]
         "redis" | "rediss" => {
             let config = outbox_publisher_redis::RedisConfig::from_url(url)?;

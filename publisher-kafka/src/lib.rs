@@ -80,6 +80,7 @@
 //! broker does; keep the relay's lease longer than that.
 
 mod config;
+mod log_limit;
 mod publisher;
 
 pub use config::{KafkaConfig, DEFAULT_MESSAGE_TIMEOUT, DEFAULT_TOPIC_TEMPLATE};

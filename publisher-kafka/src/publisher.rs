@@ -14,6 +14,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use tokio::time::Instant;
 
 use crate::config::{check_topic_name, is_topic_char, KafkaConfig};
+use crate::log_limit::LIBRDKAFKA_LOG;
 
 /// Extra time, beyond the message timeout, that `publish` waits for delivery reports before it
 /// calls the rest ambiguous. librdkafka reports every message within the message timeout (an
@@ -236,25 +237,36 @@ struct LogContext;
 
 impl ClientContext for LogContext {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        // Rate limited: an unreachable broker makes librdkafka repeat itself many times a second.
+        let Some(dropped) = LIBRDKAFKA_LOG.admit(std::time::Instant::now()) else {
+            return;
+        };
         match level {
             RDKafkaLogLevel::Emerg
             | RDKafkaLogLevel::Alert
             | RDKafkaLogLevel::Critical
             | RDKafkaLogLevel::Error => {
-                tracing::error!(target: "librdkafka", "{fac} {log_message}")
+                tracing::error!(target: "librdkafka", dropped, "{fac} {log_message}")
             }
-            RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", "{fac} {log_message}"),
+            RDKafkaLogLevel::Warning => {
+                tracing::warn!(target: "librdkafka", dropped, "{fac} {log_message}")
+            }
             RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
-                tracing::info!(target: "librdkafka", "{fac} {log_message}")
+                tracing::info!(target: "librdkafka", dropped, "{fac} {log_message}")
             }
-            RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", "{fac} {log_message}"),
+            RDKafkaLogLevel::Debug => {
+                tracing::debug!(target: "librdkafka", dropped, "{fac} {log_message}")
+            }
         }
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
         // Connection errors repeat while a broker is down; each message's outcome carries what
-        // matters to the relay, so these are warnings, not errors.
-        tracing::warn!(target: "librdkafka", error = %error, "{reason}");
+        // matters to the relay, so these are warnings, not errors (and rate limited).
+        let Some(dropped) = LIBRDKAFKA_LOG.admit(std::time::Instant::now()) else {
+            return;
+        };
+        tracing::warn!(target: "librdkafka", error = %error, dropped, "{reason}");
     }
 }
 
