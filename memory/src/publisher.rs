@@ -1,11 +1,12 @@
 //! A publisher that records what it is asked to publish, with scripted outcomes.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use outbox_routing::attempt_in_key_order;
-use outbox_traits::{Message, PublishOutcome, Publisher};
+use outbox_traits::{Error, Message, PublishOutcome, Publisher};
 use tokio::sync::watch;
 use uuid::Uuid;
 
@@ -47,6 +48,8 @@ pub struct RecordingPublisher {
     log: Arc<Mutex<Log>>,
     outcome: Arc<Mutex<Option<OutcomeFn>>>,
     published: watch::Sender<usize>,
+    down: Arc<AtomicBool>,
+    checks: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for RecordingPublisher {
@@ -70,7 +73,22 @@ impl RecordingPublisher {
             log: Arc::default(),
             outcome: Arc::default(),
             published: watch::Sender::new(0),
+            down: Arc::default(),
+            checks: Arc::default(),
         }
+    }
+
+    /// Act as if the broker were down (`true`) or back (`false`): while down, every message of
+    /// a publish fails transiently (its key's later messages are not attempted), unscripted or
+    /// not, and [`Publisher::check`] returns [`Error::Unavailable`].
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+
+    /// How many times [`Publisher::check`] was called (the relay's probes while the broker is
+    /// down).
+    pub fn checks(&self) -> u64 {
+        self.checks.load(Ordering::SeqCst)
     }
 
     /// Report `outcome` for the next publish of message `id` (queued: call it twice to script
@@ -161,18 +179,21 @@ impl Publisher for RecordingPublisher {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .clone();
+        let down = self.down.load(Ordering::SeqCst);
         let (outcomes, published) = {
             let mut log = self.lock();
             log.calls += 1;
             let call = log.calls;
             let outcomes = attempt_in_key_order(batch, |message| {
-                let scripted = log
-                    .scripted
-                    .get_mut(&message.id)
-                    .and_then(VecDeque::pop_front);
-                let outcome = scripted
-                    .or_else(|| decide.as_ref().map(|f| f(message)))
-                    .unwrap_or(PublishOutcome::Acked);
+                let outcome = if down {
+                    PublishOutcome::transient("connection refused: the broker is down")
+                } else {
+                    log.scripted
+                        .get_mut(&message.id)
+                        .and_then(VecDeque::pop_front)
+                        .or_else(|| decide.as_ref().map(|f| f(message)))
+                        .unwrap_or(PublishOutcome::Acked)
+                };
                 let delivery = if reached_broker(&outcome) {
                     let n = log.delivered_per_id.entry(message.id).or_insert(0);
                     *n += 1;
@@ -201,5 +222,17 @@ impl Publisher for RecordingPublisher {
 
     fn name(&self) -> &str {
         "recording"
+    }
+
+    async fn check(&self) -> Result<(), Error> {
+        self.checks.fetch_add(1, Ordering::SeqCst);
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Error::Unavailable {
+                what: "recording".into(),
+                message: "the broker is down".into(),
+                source: None,
+            });
+        }
+        Ok(())
     }
 }

@@ -6,14 +6,15 @@ use std::panic::AssertUnwindSafe;
 use std::pin::pin;
 
 use futures::future::{BoxFuture, FutureExt};
-use outbox_traits::{Claim, Error, FailAction, Failure, LeaseToken};
+use outbox_traits::{Claim, Error, FailAction, Failure, LeaseToken, Message};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{error, warn};
 use uuid::Uuid;
 
 use crate::lease::LeaseKeeper;
-use crate::outcome::{settle, FailPolicy};
+use crate::outage::{broker_down, looks_down};
+use crate::outcome::{settle, FailPolicy, Settlement};
 use crate::shared::Shared;
 use crate::stats::Counter;
 use crate::telemetry::Recorder;
@@ -25,6 +26,37 @@ pub(crate) async fn abandoned(rx: &mut watch::Receiver<bool>) {
     if !signalled {
         // The loop is gone, so this batch is being dropped anyway.
         pending::<()>().await;
+    }
+}
+
+/// How a batch ended.
+pub(crate) struct BatchEnd {
+    /// A permanent store error that stopped it.
+    pub(crate) fatal: Option<Error>,
+    /// The broker was found down (why): the batch was released without counting attempts.
+    pub(crate) broker_down: Option<String>,
+}
+
+impl BatchEnd {
+    fn fatal(fatal: Option<Error>) -> Self {
+        Self {
+            fatal,
+            broker_down: None,
+        }
+    }
+}
+
+/// Log each dead-lettered failure at WARN with its message's id, key, attempts and reason.
+fn log_dead<'f>(failures: impl Iterator<Item = &'f Failure>, messages: &[Message]) {
+    for f in failures.filter(|f| f.action == FailAction::Dead) {
+        let msg = messages.iter().find(|m| m.id == f.id);
+        warn!(
+            id = %f.id,
+            key = msg.and_then(|m| m.partition_key.as_deref()).unwrap_or("(none)"),
+            attempts = msg.map_or(0, |m| m.attempts.saturating_add(1)),
+            reason = %f.error,
+            "message dead-lettered"
+        );
     }
 }
 
@@ -48,25 +80,43 @@ pub(crate) struct Batch<'a> {
 }
 
 impl Batch<'_> {
-    /// Publish and settle one claim. Returns a permanent store error, if one stopped it.
-    pub(crate) async fn run(mut self, claim: Claim, claimed_at: Instant) -> Option<Error> {
+    /// Publish and settle one claim. Returns a permanent store error, if one stopped it, and
+    /// whether the broker was found down.
+    pub(crate) async fn run(mut self, claim: Claim, claimed_at: Instant) -> BatchEnd {
         let token = claim.token;
         let Some((outcomes, lease_end)) = self.publish(&claim, claimed_at).await else {
             let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
             warn!(%token, messages = ids.len(), "shutdown deadline passed during publish; releasing the batch");
-            return self
-                .release(token, &ids, Instant::now() + self.shared.config.lease)
-                .await;
+            let lease_end = Instant::now() + self.shared.config.lease;
+            return BatchEnd::fatal(self.release(token, &ids, lease_end).await);
         };
+        if looks_down(&outcomes) {
+            if let Some(reason) = broker_down(self.shared.publisher.as_ref()).await {
+                // Nothing was refused: the broker could not be reached. Counting an attempt
+                // would dead-letter messages over an outage, so they go back untouched.
+                let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
+                let fatal = self.release(token, &ids, lease_end).await;
+                return BatchEnd {
+                    fatal,
+                    broker_down: Some(reason),
+                };
+            }
+        }
         let policy = FailPolicy {
             max_attempts: self.shared.config.max_attempts,
             backoff: self.shared.config.backoff,
         };
         let plan = settle(&claim.messages, outcomes, &policy, &mut rand::rng());
+        self.report_bugs(&plan, claim.messages.len());
+        BatchEnd::fatal(self.apply(token, &plan, &claim.messages, lease_end).await)
+    }
+
+    /// Log (and count) what the settle plan says the publisher got wrong.
+    fn report_bugs(&self, plan: &Settlement, expected: usize) {
         if let Some(got) = plan.wrong_outcome_count {
             error!(
                 publisher = %self.shared.publisher_name,
-                expected = claim.messages.len(),
+                expected,
                 got,
                 "publisher bug: wrong number of outcomes; retrying the whole batch as ambiguous"
             );
@@ -89,12 +139,22 @@ impl Batch<'_> {
                  their key; retrying them as ambiguous"
             );
         }
+    }
+
+    /// Apply the settle plan: one bulk store call per kind of transition.
+    async fn apply(
+        &self,
+        token: LeaseToken,
+        plan: &Settlement,
+        messages: &[Message],
+        lease_end: Instant,
+    ) -> Option<Error> {
         let mut fatal = None;
         if !plan.complete.is_empty() {
             fatal = fatal.or(self.complete(token, &plan.complete, lease_end).await);
         }
         if !plan.fail.is_empty() {
-            fatal = fatal.or(self.fail(token, &plan.fail, lease_end).await);
+            fatal = fatal.or(self.fail(token, &plan.fail, messages, lease_end).await);
         }
         if !plan.release.is_empty() {
             fatal = fatal.or(self.release(token, &plan.release, lease_end).await);
@@ -157,6 +217,7 @@ impl Batch<'_> {
         &self,
         token: LeaseToken,
         failures: &[Failure],
+        messages: &[Message],
         lease_end: Instant,
     ) -> Option<Error> {
         let store = &self.shared.store;
@@ -168,6 +229,7 @@ impl Batch<'_> {
         };
         match result {
             CallResult::Done => {
+                log_dead(failures.iter(), messages);
                 let dead = dead_count(&mut failures.iter());
                 self.rec.add(Counter::Dead, dead);
                 self.rec.add(Counter::Retried, failures.len() as u64 - dead);
@@ -176,6 +238,7 @@ impl Batch<'_> {
             CallResult::LeaseLost(lost) => {
                 let held: Vec<&Failure> =
                     failures.iter().filter(|f| !lost.contains(&f.id)).collect();
+                log_dead(held.iter().copied(), messages);
                 let dead = dead_count(&mut held.iter().copied());
                 self.rec.add(Counter::Dead, dead);
                 self.rec.add(Counter::Retried, held.len() as u64 - dead);

@@ -64,8 +64,15 @@
 //!   counts it ([`RelayStats::lease_lost`]) and carries on.
 //! - **Outages.** Store errors never end a running relay: it backs off
 //!   ([`RelayConfig::store_backoff`]) and tries again; a failed `complete`, `fail` or `release`
-//!   is retried while the lease lasts. Only [`Relay::run_until_idle`] (and
-//!   [`Relay::run_until_idle_or`]) returns an error, and only a permanent one.
+//!   is retried while the lease lasts. A batch with nothing acknowledged and nothing refused
+//!   for good asks [`Publisher::check`](outbox_traits::Publisher::check); if the broker is
+//!   down, the batch is released without counting an attempt, the relay stops claiming and
+//!   probes the broker (back-off from 100 ms, capped at 1 s; `outbox_broker_probes_total`)
+//!   and resumes when a probe succeeds. Each outage of the broker or the store is logged once at
+//!   WARN when it starts and once at INFO (with its length) when it ends, and sets the
+//!   `outbox_broker_up` / `outbox_store_up` gauge. A broker or store outage therefore never
+//!   dead-letters a message. Only [`Relay::run_until_idle`] (and
+//!   [`Relay::run_until_idle_or`]) returns an error: a permanent one, or the broker being down.
 //! - **Idle polling and wake-ups.** After an empty claim the relay waits
 //!   [`RelayConfig::poll_min`], doubling on each further empty claim up to
 //!   [`RelayConfig::poll_max`]; after a full claim it claims again at once. A [`Notifier`] or the
@@ -105,6 +112,7 @@ mod engine;
 mod handle;
 mod lease;
 mod notifier;
+mod outage;
 mod outcome;
 mod pacing;
 mod run_loop;
@@ -131,8 +139,8 @@ pub mod metric_names {
         RETRIED_TOTAL, STORE_ERRORS_TOTAL,
     };
     pub use crate::telemetry::{
-        BATCH_SIZE_BUCKETS, BLOCKED_KEYS, BROKER_UP, CALL_BUCKETS, COMMIT_TO_ACK_BUCKETS,
-        COMMIT_TO_ACK_SECONDS, DEAD_MESSAGES, HISTOGRAM_BUCKETS, LEASED_MESSAGES,
-        OLDEST_PENDING_AGE_SECONDS, PENDING_MESSAGES, STORE_UP,
+        BATCH_SIZE_BUCKETS, BLOCKED_KEYS, BROKER_PROBES_TOTAL, BROKER_UP, CALL_BUCKETS,
+        COMMIT_TO_ACK_BUCKETS, COMMIT_TO_ACK_SECONDS, DEAD_MESSAGES, HISTOGRAM_BUCKETS,
+        LEASED_MESSAGES, OLDEST_PENDING_AGE_SECONDS, PENDING_MESSAGES, STORE_UP,
     };
 }

@@ -16,10 +16,11 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use outbox_traits::{Claim, ClaimRequest, Error, LeaseToken, WakeSource};
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tracing::{error, info, info_span, warn, Instrument};
+use tracing::{debug, error, info, info_span, warn, Instrument};
 use uuid::Uuid;
 
-use crate::batch::Batch;
+use crate::batch::{Batch, BatchEnd};
+use crate::outage::{broker_down, drain_error, Availability, Broker};
 use crate::pacing::{earliest, Pacing};
 use crate::shared::Shared;
 use crate::stats::Counter;
@@ -48,9 +49,11 @@ enum Event {
     },
     Settled {
         token: LeaseToken,
-        fatal: Option<Error>,
+        end: BatchEnd,
     },
     Subscribed(Result<Option<Box<dyn WakeSource>>, Error>),
+    /// A probe of the broker came back: `None` if it answered, else why not.
+    Probed(Option<String>),
 }
 
 /// The loop shared by every way of running a relay, until `stop` resolves with the shutdown
@@ -91,6 +94,10 @@ struct RunLoop<'a> {
     wake: Wake,
     stopping: Stopping,
     in_flight: HashSet<LeaseToken>,
+    /// Whether the broker is down (then no claims, only probes).
+    broker: Broker,
+    /// Whether the store is down (claims fail with transient errors).
+    store: Availability,
     /// Drain mode: a permanent store error that ends the run once in-flight batches are done.
     fatal: Option<Error>,
 }
@@ -114,6 +121,8 @@ impl<'a> RunLoop<'a> {
                 abandon_rx,
             },
             in_flight: HashSet::new(),
+            broker: Broker::new(),
+            store: Availability::new("store"),
             fatal: None,
         }
     }
@@ -133,6 +142,9 @@ impl<'a> RunLoop<'a> {
             let listening = self.listening();
             if listening && self.wake.start_subscribing(now) {
                 self.subscribe();
+            }
+            if listening && self.broker.probe_at().is_some_and(|at| at <= now) {
+                self.probe();
             }
             let may_claim = self.may_claim();
             if may_claim && self.pacing.claim_at().is_none_or(|at| at <= now) {
@@ -166,6 +178,7 @@ impl<'a> RunLoop<'a> {
         self.stopping.deadline.is_none()
             && self.fatal.is_none()
             && !self.pacing.claiming()
+            && !self.broker.is_down()
             && self.in_flight.len() < self.shared.config.concurrency
             && (self.serve || !self.pacing.quiet())
     }
@@ -182,6 +195,11 @@ impl<'a> RunLoop<'a> {
             },
             if listening {
                 self.wake.resubscribe_at()
+            } else {
+                None
+            },
+            if listening {
+                self.broker.probe_at()
             } else {
                 None
             },
@@ -249,11 +267,41 @@ impl<'a> RunLoop<'a> {
         }));
     }
 
+    /// Transition (outage): probe the broker that is down.
+    fn probe(&mut self) {
+        self.broker.probing();
+        self.rec.probed();
+        let shared = self.shared;
+        self.events.push(Box::pin(async move {
+            Event::Probed(broker_down(shared.publisher.as_ref()).await)
+        }));
+    }
+
+    /// Transition (outage): a probe came back; claim at once if the broker is back.
+    fn probed(&mut self, down: Option<String>) {
+        if self.broker.probed(down) {
+            self.rec.broker_up(true);
+            self.pacing.woken_up();
+        }
+    }
+
+    /// Transition (outage): a batch found the broker down. Serving, the loop stops claiming
+    /// and probes; draining, it ends with the outage as its error.
+    fn broker_went_down(&mut self, reason: &str) {
+        if self.broker.went_down(reason) {
+            self.rec.broker_up(false);
+        }
+        if !self.serve && self.fatal.is_none() {
+            self.fatal = Some(drain_error(&self.shared.publisher_name, reason));
+        }
+    }
+
     /// Dispatch an event of the loop's own futures to its transition.
     fn on_event(&mut self, event: Event) {
         match event {
             Event::Claimed { result, started } => self.claimed(result, started),
-            Event::Settled { token, fatal } => self.settled(token, fatal),
+            Event::Settled { token, end } => self.settled(token, end),
+            Event::Probed(down) => self.probed(down),
             Event::Subscribed(result) => self
                 .wake
                 .subscribed(result, &self.shared.config.store_backoff),
@@ -264,6 +312,9 @@ impl<'a> RunLoop<'a> {
     fn claimed(&mut self, result: Result<Claim, Error>, started: Instant) {
         self.rec.claim_took(started.elapsed());
         let overlapped_settle = self.pacing.claim_returned();
+        if result.is_ok() && self.store.came_back() {
+            self.rec.store_up(true);
+        }
         match result {
             Ok(claim) if claim.messages.is_empty() => self.pacing.found_nothing(overlapped_settle),
             Ok(claim) => {
@@ -285,7 +336,10 @@ impl<'a> RunLoop<'a> {
         }
         let pause = self.pacing.back_off(&self.shared.config.store_backoff);
         if e.is_transient() {
-            warn!(error = %e, retry_in = ?pause, "claim failed; backing off");
+            if self.store.went_down(&e.to_string()) {
+                self.rec.store_up(false);
+            }
+            debug!(error = %e, retry_in = ?pause, "claim failed; backing off");
         } else {
             error!(error = %e, retry_in = ?pause, "claim failed with a permanent error; backing off");
         }
@@ -317,15 +371,19 @@ impl<'a> RunLoop<'a> {
             self.events.push(Box::pin(
                 async move {
                     let fatal = batch.release(token, &ids, lease_end).await;
-                    Event::Settled { token, fatal }
+                    let end = BatchEnd {
+                        fatal,
+                        broker_down: None,
+                    };
+                    Event::Settled { token, end }
                 }
                 .instrument(span),
             ));
         } else {
             self.events.push(Box::pin(
                 async move {
-                    let fatal = batch.run(claim, started).await;
-                    Event::Settled { token, fatal }
+                    let end = batch.run(claim, started).await;
+                    Event::Settled { token, end }
                 }
                 .instrument(span),
             ));
@@ -334,10 +392,13 @@ impl<'a> RunLoop<'a> {
 
     /// Transition (settle): a batch finished. A permanent store error from it pauses claims
     /// (serve mode) or ends a drain.
-    fn settled(&mut self, token: LeaseToken, fatal: Option<Error>) {
+    fn settled(&mut self, token: LeaseToken, end: BatchEnd) {
         self.in_flight.remove(&token);
         self.pacing.settled();
-        if let Some(e) = fatal {
+        if let Some(reason) = end.broker_down {
+            self.broker_went_down(&reason);
+        }
+        if let Some(e) = end.fatal {
             if self.serve {
                 self.pacing.back_off(&self.shared.config.store_backoff);
             } else if self.fatal.is_none() {

@@ -51,6 +51,9 @@ pub const BLOCKED_KEYS: &str = "outbox_blocked_keys";
 pub const BROKER_UP: &str = "outbox_broker_up";
 /// Gauge: 1 when the last store query succeeded, else 0.
 pub const STORE_UP: &str = "outbox_store_up";
+/// Probes of a broker that is down ([`Publisher::check`](outbox_traits::Publisher::check)
+/// calls while the relay waits for it to come back).
+pub const BROKER_PROBES_TOTAL: &str = "outbox_broker_probes_total";
 
 /// Histogram buckets (seconds) for store and broker calls ([`CLAIM_SECONDS`],
 /// [`PUBLISH_SECONDS`]): 1 ms to 30 s.
@@ -156,6 +159,11 @@ pub fn describe_metrics() {
     );
     describe_gauge!(BROKER_UP, "1 when the last broker check succeeded.");
     describe_gauge!(STORE_UP, "1 when the last store query succeeded.");
+    describe_counter!(
+        BROKER_PROBES_TOTAL,
+        Unit::Count,
+        "Checks of a broker that is down, while the relay waits for it to come back."
+    );
 }
 
 /// Counts into both the run's [`StatsCell`] and the metrics facade, labelled by publisher.
@@ -221,6 +229,21 @@ impl Recorder {
             // A host clock behind the database's gives a negative span: count it as 0.
             h.record(took.max(0) as f64 / 1e6);
         }
+    }
+
+    /// The relay found the broker down (`false`) or back (`true`).
+    pub(crate) fn broker_up(&self, up: bool) {
+        gauge!(BROKER_UP).set(if up { 1.0 } else { 0.0 });
+    }
+
+    /// The relay found the store down (`false`) or back (`true`).
+    pub(crate) fn store_up(&self, up: bool) {
+        gauge!(STORE_UP).set(if up { 1.0 } else { 0.0 });
+    }
+
+    /// A probe of a broker that is down.
+    pub(crate) fn probed(&self) {
+        counter!(BROKER_PROBES_TOTAL, PUBLISHER_LABEL => self.publisher.clone()).increment(1);
     }
 
     pub(crate) fn batch_size(&self, size: usize) {
