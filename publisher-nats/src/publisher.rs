@@ -36,7 +36,8 @@ impl NatsPublisher {
         let options = async_nats::ConnectOptions::new()
             .name("outbox-relay")
             .connection_timeout(config.timeout)
-            .request_timeout(Some(config.timeout));
+            .request_timeout(Some(config.timeout))
+            .reconnect_delay_callback(reconnect_delay);
         let client = config
             .security
             .apply(options)
@@ -276,5 +277,31 @@ impl Publisher for NatsPublisher {
                 source: None,
             }),
         }
+    }
+}
+
+/// The pause before reconnect attempt `attempts` (1-based): at once, then doubling from 2 ms up
+/// to 1 s (the client's default caps at 4 s), so that publishing resumes within about a second
+/// of the server's return after an outage of any length.
+fn reconnect_delay(attempts: usize) -> std::time::Duration {
+    let exp = u32::try_from(attempts.saturating_sub(1)).unwrap_or(u32::MAX);
+    if exp == 0 {
+        return std::time::Duration::ZERO;
+    }
+    std::time::Duration::from_millis(2_u64.saturating_pow(exp).min(1000))
+}
+
+#[cfg(test)]
+mod reconnect_tests {
+    use super::reconnect_delay;
+    use std::time::Duration;
+
+    #[test]
+    fn reconnects_back_off_to_a_cap_of_one_second() {
+        assert_eq!(reconnect_delay(1), Duration::ZERO);
+        assert_eq!(reconnect_delay(2), Duration::from_millis(2));
+        assert_eq!(reconnect_delay(5), Duration::from_millis(16));
+        assert_eq!(reconnect_delay(11), Duration::from_secs(1));
+        assert_eq!(reconnect_delay(usize::MAX), Duration::from_secs(1));
     }
 }

@@ -1,0 +1,217 @@
+//! A broker outage against a real `outbox-relay run --max-attempts 2`: a PRIVATE nats-server
+//! (free port, temporary JetStream directory; never the shared one) is stopped for 60 s while
+//! messages keep being written, then started again. Nothing may be dead-lettered or lost, the
+//! relay must resume by itself, and its probes of the broker must stay bounded (about one a
+//! second at most). The 60 s is the outage being tested, not a wait for a retry; every other wait
+//! polls for an event.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use outbox::sqlite::{SqliteConfig, SqliteStore};
+use outbox::OutboxAdmin;
+use outbox_conformance_tests::env::services_required;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+mod common;
+use common::{message, relay_process, sigterm, BoxError, GUARD};
+
+type TestResult = Result<(), BoxError>;
+
+const NATS: &str = "/usr/sbin/nats-server";
+/// The outage the issue describes.
+const OUTAGE: Duration = Duration::from_secs(60);
+/// Messages written before and during the outage.
+const BEFORE: usize = 100;
+const DURING: usize = 100;
+
+fn free_port() -> Result<u16, BoxError> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Our own private nats-server, stopped (by its child handle, never by name) when dropped.
+struct Nats(std::process::Child);
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_nats(port: u16, dir: &Path) -> Result<Nats, BoxError> {
+    Ok(Nats(
+        std::process::Command::new(NATS)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    ))
+}
+
+/// Poll until something listens on `port` (a server starting up).
+async fn until_port(port: u16) -> TestResult {
+    let poll = async {
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(GUARD, poll)
+        .await
+        .map_err(|_| format!("nothing listens on port {port}"))?;
+    Ok(())
+}
+
+/// The relay's `/metrics` text.
+async fn metrics(addr: &str) -> Result<String, BoxError> {
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut text = String::new();
+    conn.read_to_string(&mut text).await?;
+    Ok(text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b)
+        .unwrap_or("")
+        .to_owned())
+}
+
+/// The value of metric `name` (summed over its labels), 0 when absent.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Write messages `range` into the SQLite outbox in one transaction.
+fn enqueue(path: &Path, range: std::ops::Range<usize>) -> TestResult {
+    let config = SqliteConfig::default();
+    let mut conn = outbox::sqlite::open_connection(path, &config)?;
+    outbox::sqlite::migrate(&conn, &config)?;
+    let messages: Vec<_> = range.map(|n| message(n, 7)).collect();
+    let tx = conn.transaction()?;
+    outbox::sqlite::enqueue_batch(&tx, &config, &messages)?;
+    tx.commit()?;
+    Ok(())
+}
+
+/// Poll the store's counts until `published` messages are published.
+async fn until_published(store: &SqliteStore, published: u64) -> TestResult {
+    let poll = async {
+        loop {
+            if let Ok(c) = store.counts().await {
+                if c.published >= published {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(GUARD, poll)
+        .await
+        .map_err(|_| format!("{published} messages were not published in time"))?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_minute_long_nats_outage_dead_letters_nothing_and_loses_nothing() -> TestResult {
+    if !Path::new(NATS).exists() {
+        assert!(!services_required(), "nats-server ({NATS}) is needed");
+        eprintln!("skipped: nats-server is not installed at {NATS}");
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let port = free_port()?;
+    let js = dir.path().join("js");
+    let nats = start_nats(port, &js)?;
+    until_port(port).await?;
+    let path = dir.path().join("outbox.sqlite");
+    enqueue(&path, 0..BEFORE)?;
+    let store = SqliteStore::open(&path, SqliteConfig::default()).await?;
+    let url = format!("nats://127.0.0.1:{port}");
+    let broker = format!("{url}?subject=outage.{{event_type}}&stream=OUTAGE&create_stream=true");
+    let addr = format!("127.0.0.1:{}", free_port()?);
+    let sqlite = format!("sqlite://{}", path.display());
+    let relay = relay_process([
+        "run",
+        "--store",
+        &sqlite,
+        "--broker",
+        &broker,
+        "--max-attempts",
+        "2",
+        "--metrics-addr",
+        &addr,
+    ])?;
+    until_published(&store, BEFORE as u64).await?;
+
+    // Mid-stream: the broker goes away while more messages are written.
+    drop(nats);
+    enqueue(&path, BEFORE..BEFORE + DURING)?;
+    tokio::time::sleep(OUTAGE).await;
+    let during = metrics(&addr).await?;
+    let counts = store.counts().await?;
+    assert_eq!(
+        counts.dead, 0,
+        "dead-lettered during the outage: {counts:?}"
+    );
+    assert_eq!(metric(&during, "outbox_broker_up"), 0.0, "{during}");
+    let probes = metric(&during, "outbox_broker_probes_total");
+    // Back-off from 100 ms capped at 1 s (± 20 %): about 50-70 probes in a minute.
+    assert!(
+        (1.0..=80.0).contains(&probes),
+        "{probes} probes during a {OUTAGE:?} outage"
+    );
+
+    let nats = start_nats(port, &js)?;
+    until_published(&store, (BEFORE + DURING) as u64).await?;
+    let after = metrics(&addr).await?;
+    assert_eq!(metric(&after, "outbox_dead_total"), 0.0, "{after}");
+    assert_eq!(metric(&after, "outbox_broker_up"), 1.0, "{after}");
+    let counts = store.counts().await?;
+    assert_eq!(
+        (counts.published, counts.dead),
+        ((BEFORE + DURING) as u64, 0)
+    );
+
+    sigterm(&relay).await?;
+    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
+    assert!(out.status.success(), "{out:?}");
+    let log = String::from_utf8_lossy(&out.stderr);
+    let down: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("broker is down"))
+        .collect();
+    let back: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("broker is back after"))
+        .collect();
+    assert_eq!(down.len(), 1, "one WARN when the broker went down:\n{log}");
+    assert!(down[0].contains("WARN"), "{}", down[0]);
+    assert_eq!(back.len(), 1, "one INFO when it came back:\n{log}");
+    assert!(back[0].contains("INFO"), "{}", back[0]);
+    assert!(!log.contains("dead-lettered"), "{log}");
+    eprintln!("{probes} probes; {}\n{}", down[0], back[0]);
+
+    // Every message is in the stream exactly once (JetStream drops a republished id).
+    let client = async_nats::connect(&url).await?;
+    let mut stream = async_nats::jetstream::new(client)
+        .get_stream("OUTAGE")
+        .await?;
+    assert_eq!(
+        stream.info().await?.state.messages,
+        (BEFORE + DURING) as u64
+    );
+    drop(nats);
+    Ok(())
+}
