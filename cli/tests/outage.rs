@@ -215,3 +215,176 @@ async fn a_minute_long_nats_outage_dead_letters_nothing_and_loses_nothing() -> T
     drop(nats);
     Ok(())
 }
+
+/// The PostgreSQL binaries of the newest installed major version.
+fn pg_bin() -> Option<std::path::PathBuf> {
+    let mut versions: Vec<std::path::PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+        .filter(|p| p.join("initdb").exists())
+        .collect();
+    versions.sort();
+    versions.pop()
+}
+
+/// A private Postgres cluster in a temporary directory, run as user `postgres`; stopped on
+/// drop. Never the shared server.
+struct PrivatePostgres {
+    bin: std::path::PathBuf,
+    data: String,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl PrivatePostgres {
+    fn as_postgres(&self, tool: &str, args: &[&str]) -> TestResult {
+        let status = std::process::Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(self.bin.join(tool))
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()?;
+        if !status.success() {
+            return Err(format!("{tool} {args:?} failed: {status}").into());
+        }
+        Ok(())
+    }
+
+    fn init(bin: std::path::PathBuf) -> Result<Self, BoxError> {
+        let dir = tempfile::tempdir()?;
+        std::process::Command::new("chown")
+            .args(["-R", "postgres"])
+            .arg(dir.path())
+            .status()?;
+        let pg = Self {
+            bin,
+            data: dir.path().join("data").display().to_string(),
+            port: free_port()?,
+            _dir: dir,
+        };
+        pg.as_postgres(
+            "initdb",
+            &["-D", &pg.data, "--auth=trust", "-U", "postgres"],
+        )?;
+        pg.start()?;
+        Ok(pg)
+    }
+
+    fn start(&self) -> TestResult {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1",
+            self.port, self.data
+        );
+        let log = format!("{}/../log", self.data);
+        let args = ["start", "-w", "-D", &self.data, "-l", &log, "-o", &options];
+        self.as_postgres("pg_ctl", &args)
+    }
+
+    fn stop(&self) -> TestResult {
+        self.as_postgres(
+            "pg_ctl",
+            &["stop", "-w", "-m", "immediate", "-D", &self.data],
+        )
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+/// Poll the Postgres store's counts until `published` messages are published.
+async fn until_pg_published(store: &outbox::postgres::PostgresStore, published: u64) -> TestResult {
+    let poll = async {
+        loop {
+            if let Ok(c) = store.counts().await {
+                if c.published >= published {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(GUARD, poll)
+        .await
+        .map_err(|_| format!("{published} messages were not published in time"))?;
+    Ok(())
+}
+
+/// A private Postgres stopped (immediate shutdown) for 10 s mid-stream under `outbox-relay run
+/// --max-attempts 2` and started again: nothing dead, nothing lost, one WARN and one INFO.
+#[tokio::test]
+async fn a_postgres_restart_mid_stream_dead_letters_nothing_and_loses_nothing() -> TestResult {
+    let (Some(bin), true) = (pg_bin(), Path::new(NATS).exists()) else {
+        assert!(
+            !services_required(),
+            "PostgreSQL binaries and nats-server are needed"
+        );
+        eprintln!("skipped: no PostgreSQL binaries under /usr/lib/postgresql or no {NATS}");
+        return Ok(());
+    };
+    let pg = PrivatePostgres::init(bin)?;
+    let dir = tempfile::tempdir()?;
+    let port = free_port()?;
+    let _nats = start_nats(port, &dir.path().join("js"))?;
+    until_port(port).await?;
+    let config = outbox::postgres::PostgresConfig::default();
+    let pool = sqlx::PgPool::connect(&pg.url()).await?;
+    let store = outbox::postgres::PostgresStore::new(pool.clone(), config.clone());
+    store.migrate().await?;
+    let batch = |range: std::ops::Range<usize>| range.map(|n| message(n, 7)).collect::<Vec<_>>();
+    outbox::postgres::enqueue_batch(&pool, &config, &batch(0..BEFORE)).await?;
+    let url = format!("nats://127.0.0.1:{port}");
+    let broker = format!("{url}?subject=pgout.{{event_type}}&stream=PGOUT&create_stream=true");
+    let relay = relay_process([
+        "run",
+        "--store",
+        &pg.url(),
+        "--broker",
+        &broker,
+        "--max-attempts",
+        "2",
+        "--lease",
+        "3s",
+    ])?;
+    until_pg_published(&store, BEFORE as u64).await?;
+
+    pg.stop()?;
+    // The outage under test (not a wait for a retry to come due).
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    pg.start()?;
+    outbox::postgres::enqueue_batch(&pool, &config, &batch(BEFORE..BEFORE + DURING)).await?;
+    until_pg_published(&store, (BEFORE + DURING) as u64).await?;
+    let counts = store.counts().await?;
+    assert_eq!(
+        (counts.published, counts.dead),
+        ((BEFORE + DURING) as u64, 0)
+    );
+
+    sigterm(&relay).await?;
+    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
+    assert!(out.status.success(), "{out:?}");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(!log.contains("dead-lettered"), "{log}");
+    let down = log.lines().filter(|l| l.contains("store is down")).count();
+    let back = log
+        .lines()
+        .filter(|l| l.contains("store is back after"))
+        .count();
+    assert_eq!((down, back), (1, 1), "one WARN and one INFO:\n{log}");
+    let client = async_nats::connect(&url).await?;
+    let mut stream = async_nats::jetstream::new(client)
+        .get_stream("PGOUT")
+        .await?;
+    assert_eq!(
+        stream.info().await?.state.messages,
+        (BEFORE + DURING) as u64
+    );
+    Ok(())
+}
