@@ -1,5 +1,6 @@
 //! The relay loop: keeps up to `concurrency` batches in flight, paces claims (adaptive polling,
-//! wake-ups), backs off on store outages and shuts down gracefully.
+//! wake-ups), backs off on store outages, stops claiming while the broker is down (probing it
+//! back, see [`crate::outage`]) and shuts down gracefully.
 //!
 //! [`RunLoop`] holds the loop's state; each turn of [`RunLoop::run`] checks the shutdown
 //! deadline, starts a subscription or a claim if one is due, then waits for the first of: an
@@ -390,8 +391,9 @@ impl<'a> RunLoop<'a> {
         }
     }
 
-    /// Transition (settle): a batch finished. A permanent store error from it pauses claims
-    /// (serve mode) or ends a drain.
+    /// Transition (settle): a batch finished. A broker it found down stops the claims (see
+    /// [`RunLoop::broker_went_down`]); a permanent store error from it pauses claims (serve
+    /// mode) or ends a drain.
     fn settled(&mut self, token: LeaseToken, end: BatchEnd) {
         self.in_flight.remove(&token);
         self.pacing.settled();
