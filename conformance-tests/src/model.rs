@@ -133,6 +133,10 @@ struct Msg {
     published_at: Option<u64>,
     /// Model time before which it is not due (0 when not delayed).
     not_before: u64,
+    /// Delayed and still uncommitted when the clock moved: a harness that shifts stored
+    /// timestamps cannot shift an uncommitted row's, one with a movable clock moves it, so when
+    /// it is due is unknown. Completeness then neither requires it nor anything behind it.
+    due_unknown: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -434,6 +438,7 @@ impl<'a> Runner<'a> {
             ever_dead: false,
             published_at: None,
             not_before,
+            due_unknown: false,
         });
         Ok(message)
     }
@@ -600,6 +605,8 @@ impl<'a> Runner<'a> {
                 claim: serial,
                 until,
             };
+            // From here on its due time comes from committed, shifted timestamps.
+            self.msgs[i].due_unknown = false;
         }
         let n = ids.len();
         if n == 0 {
@@ -670,7 +677,7 @@ impl<'a> Runner<'a> {
     fn required_by_claim(&self, limit: usize) -> Vec<usize> {
         let now = self.now;
         let claimable = |m: &Msg| match m.status {
-            Status::Pending => m.due <= now,
+            Status::Pending => m.due <= now && !m.due_unknown,
             Status::Leased { until, .. } => until <= now,
             _ => false,
         };
@@ -1232,6 +1239,11 @@ impl<'a> Runner<'a> {
             .await
             .map_err(|e| store_error("advance_time", &e))?;
         self.now += a.duration().as_secs();
+        for m in &mut self.msgs {
+            if matches!(m.status, Status::Open(_)) && m.not_before > 0 {
+                m.due_unknown = true;
+            }
+        }
         Ok(())
     }
 
