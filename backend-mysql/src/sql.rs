@@ -383,7 +383,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             // No index on lease_token (a claim would write it): the token's rows are found by
             // scanning the pending rows; extend is called rarely, once per long publish.
             extend_find: format!(
-                "SELECT seq, lease_until + INTERVAL ? MICROSECOND AS lease_until
+                "SELECT seq, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND AS lease_until
                  FROM {t} FORCE INDEX (ix_claim)
                  WHERE state = 'pending' AND lease_token = ? AND lease_until > UTC_TIMESTAMP(6)"
             ),
