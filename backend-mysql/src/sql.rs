@@ -194,15 +194,16 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
    -- reads a bounded stretch however long a blocked backlog is; when it comes back short from
    -- a full window, the look-past statements take the heads past it.
    AND c.seq <= ?
-   -- Skip keys whose first pending row is not claimable (leased to another relay, waiting
-   -- for a retry, not yet due) or, under Block, that have a dead row before this one, so
-   -- that a blocked key's backlog cannot fill the LIMIT and starve every other key. These
-   -- subqueries are plain reads: they neither lock nor skip locked rows.
+   -- Skip rows behind an earlier pending row of their key that is not claimable (leased to
+   -- another relay, waiting for a retry, not yet due; anywhere in the key's backlog, not
+   -- only its first row) or, under Block, behind a dead row, so that a blocked key's backlog
+   -- cannot fill the LIMIT and starve every other key. These subqueries are plain reads:
+   -- they neither lock nor skip locked rows.
    AND (c.partition_key IS NULL OR (
-            (SELECT {claimable_h}
-             FROM {t} h FORCE INDEX (ix_key)
+            NOT EXISTS (
+             SELECT 1 FROM {t} h FORCE INDEX (ix_key)
              WHERE h.partition_key = c.partition_key AND h.state = 'pending'
-             ORDER BY h.seq LIMIT 1){no_dead_before}))
+               AND h.seq < c.seq AND NOT ({claimable_h})){no_dead_before}))
  ORDER BY c.seq
  LIMIT ?
  -- Rows locked by a concurrent claim or transition are skipped; the order check then holds

@@ -257,17 +257,20 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
         ) AS is_head
         OFFSET 0
     ) first
-    -- For a row behind its key's head: whether that head is claimable. Read only for such
-    -- rows (the WHERE on is_head becomes a per-row one-time filter), and a LATERAL join so the
-    -- planner can memoize it per key: a blocked key's backlog then costs one probe.
+    -- For a row behind its key's head: whether every earlier row of its key is claimable
+    -- (not only the head: a key blocked in the middle of its backlog must not fill the LIMIT
+    -- with rows the prefix check below drops, hiding other keys' claimable rows). Read only
+    -- for such rows (the WHERE on is_head becomes a per-row one-time filter); the probe stops
+    -- at the key's first unclaimable row, and a claim reads at most the window's rows.
     LEFT JOIN LATERAL (
-        SELECT h.state = 'pending' AND h.available_at <= now()
-               AND (h.lease_until IS NULL OR h.lease_until <= now()) AS claimable
-        FROM {t} h
+        SELECT NOT EXISTS (
+            SELECT 1 FROM {t} h
+            WHERE h.partition_key = c.partition_key AND h.state IN {ordered_states}
+              AND h.seq < c.seq
+              AND NOT (h.state = 'pending' AND h.available_at <= now()
+                       AND (h.lease_until IS NULL OR h.lease_until <= now()))
+        ) AS claimable
         WHERE NOT first.is_head
-          AND h.partition_key = c.partition_key AND h.state IN {ordered_states}
-        ORDER BY h.seq
-        LIMIT 1
     ) head ON true
     -- Due, and not leased or with an expired lease (reclaimed: the old token loses its fence).
     WHERE c.available_at <= now()

@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_traits::chrono::{self, DateTime, Utc};
 use outbox_traits::{
     Claim, ClaimRequest, Error, FailAction, Failure, HeadPolicy, LeaseToken, Message, NewMessage,
     OutboxAdmin, OutboxStore,
@@ -132,6 +133,10 @@ struct Msg {
     published_at: Option<u64>,
     /// Model time before which it is not due (0 when not delayed).
     not_before: u64,
+    /// Delayed and still uncommitted when the clock moved: a harness that shifts stored
+    /// timestamps cannot shift an uncommitted row's, one with a movable clock moves it, so when
+    /// it is due is unknown. Completeness then neither requires it nor anything behind it.
+    due_unknown: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -433,6 +438,7 @@ impl<'a> Runner<'a> {
             ever_dead: false,
             published_at: None,
             not_before,
+            due_unknown: false,
         });
         Ok(message)
     }
@@ -558,13 +564,25 @@ impl<'a> Runner<'a> {
             lease: LEASE,
             head_policy: self.policy,
         };
+        let before = self.store_now().await?;
         let claim = handle
             .claim(&req)
             .await
             .map_err(|e| store_error("claim", &e))?;
+        let after = self.store_now().await?;
         let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
         self.note(format!("got {}", self.labels(&ids)));
         self.check_claim(&claim, limit)?;
+        self.check_complete(&ids, limit)?;
+        if !ids.is_empty() {
+            check_lease_end(
+                "claim",
+                "Claim::lease_until",
+                claim.lease_until,
+                before,
+                after,
+            )?;
+        }
         self.coverage.held_back += self.held_back_count(&ids) as u64;
         let serial = self.next_claim;
         self.next_claim += 1;
@@ -587,6 +605,8 @@ impl<'a> Runner<'a> {
                 claim: serial,
                 until,
             };
+            // From here on its due time comes from committed, shifted timestamps.
+            self.msgs[i].due_unknown = false;
         }
         let n = ids.len();
         if n == 0 {
@@ -601,6 +621,107 @@ impl<'a> Runner<'a> {
             delivered: Vec::new(),
         });
         Ok(n)
+    }
+
+    /// The store's clock ([`HarnessStore::now`]).
+    async fn store_now(&self) -> Result<DateTime<Utc>, Violation> {
+        self.store.now().await.map_err(|e| store_error("now", &e))
+    }
+
+    /// Completeness: a claim that came back with fewer than `limit` messages returned every
+    /// message the contract requires of it (see [`required_by_claim`](Self::required_by_claim)).
+    fn check_complete(&self, claimed: &[Uuid], limit: usize) -> Result<(), Violation> {
+        if claimed.len() >= limit {
+            return Ok(());
+        }
+        let missing: Vec<Uuid> = self
+            .required_by_claim(limit)
+            .into_iter()
+            .map(|i| self.msgs[i].id)
+            .filter(|id| !claimed.contains(id))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let i = self.by_id[&missing[0]];
+        let key_note = match self.msgs[i].key {
+            Some(k) => format!("nothing earlier of key k{k} holds it back"),
+            None => "it is unordered".to_string(),
+        };
+        Err(violation(
+            "claim completeness",
+            format!(
+                "claim with limit {limit} returned {} message(s) but left out {}, which it had to return: {} is {} and {key_note}",
+                claimed.len(),
+                self.labels(&missing),
+                self.msgs[i].label,
+                describe(self.msgs[i].status, self.now),
+            ),
+        ))
+    }
+
+    /// The messages a claim of `limit` must return when it returns fewer than `limit`, by the
+    /// model's knowledge of what is claimable (the completeness invariant of the guide):
+    ///
+    /// - a message is *eligible* when it is committed, pending and due (or leased with an
+    ///   expired lease), and every earlier message of its key that holds the key back
+    ///   (pending, leased, or dead under [`HeadPolicy::Block`]) is eligible too;
+    /// - a *head* is an eligible message with no earlier eligible message of its key, or an
+    ///   eligible unordered message;
+    /// - the *minimal window* is the first `limit` committed unpublished messages (pending,
+    ///   leased or dead) in `seq` order.
+    ///
+    /// Required: every head, and every eligible message within the minimal window. A store that
+    /// reads a bounded stretch of the backlog may leave out a key's later eligible messages
+    /// past its window, but not heads, and its window is at least `limit` rows long.
+    fn required_by_claim(&self, limit: usize) -> Vec<usize> {
+        let now = self.now;
+        let claimable = |m: &Msg| match m.status {
+            Status::Pending => m.due <= now && !m.due_unknown,
+            Status::Leased { until, .. } => until <= now,
+            _ => false,
+        };
+        let holds_back = |m: &Msg| match m.status {
+            Status::Pending | Status::Leased { .. } => true,
+            Status::Dead => self.policy == HeadPolicy::Block,
+            _ => false,
+        };
+        let mut blocked = [false; KEYS as usize];
+        let mut seen_eligible = [false; KEYS as usize];
+        let mut window_left = limit;
+        let mut required = Vec::new();
+        for (i, m) in self.msgs.iter().enumerate() {
+            let in_window = window_left > 0
+                && matches!(
+                    m.status,
+                    Status::Pending | Status::Leased { .. } | Status::Dead
+                );
+            if in_window {
+                window_left -= 1;
+            }
+            match m.key {
+                None => {
+                    if claimable(m) {
+                        required.push(i);
+                    }
+                }
+                Some(k) => {
+                    let k = usize::from(k);
+                    if blocked[k] {
+                        continue;
+                    }
+                    if claimable(m) {
+                        if !seen_eligible[k] || in_window {
+                            required.push(i);
+                        }
+                        seen_eligible[k] = true;
+                    } else if holds_back(m) {
+                        blocked[k] = true;
+                    }
+                }
+            }
+        }
+        required
     }
 
     /// Due messages a claim did not return because an earlier message of their key holds them
@@ -1058,9 +1179,12 @@ impl<'a> Runner<'a> {
             .map(|id| self.by_id[id])
             .filter(|&i| self.held_by(i, claim))
             .collect();
+        let before = self.store_now().await?;
         let result = handle.extend(token, LEASE).await;
+        let after = self.store_now().await?;
         match (result, held.is_empty()) {
-            (Ok(_), false) => {
+            (Ok(end), false) => {
+                check_lease_end("extend", "the lease end extend returned", end, before, after)?;
                 let until = self.now + LEASE.as_secs();
                 for i in held {
                     self.msgs[i].status = Status::Leased { claim, until };
@@ -1115,6 +1239,11 @@ impl<'a> Runner<'a> {
             .await
             .map_err(|e| store_error("advance_time", &e))?;
         self.now += a.duration().as_secs();
+        for m in &mut self.msgs {
+            if matches!(m.status, Status::Open(_)) && m.not_before > 0 {
+                m.due_unknown = true;
+            }
+        }
         Ok(())
     }
 
@@ -1377,6 +1506,40 @@ impl<'a> Runner<'a> {
         }
         self.check_counts().await
     }
+}
+
+/// How far a lease end read back from the store may lie outside `[before, after] + LEASE`,
+/// where `before` and `after` are [`HarnessStore::now`] just before and just after the call:
+/// one second covers a clock read at a coarser precision than the lease end (whole
+/// milliseconds or seconds) and rounding of the lease to the column's precision. A lease end
+/// taken from the old lease end, from the wrong clock, or with the wrong duration is off by
+/// at least a time step of the property (70 s or more).
+const LEASE_TOLERANCE: Duration = Duration::from_secs(1);
+
+/// Lease arithmetic: a lease end a store returned is its database's now + [`LEASE`], within
+/// [`LEASE_TOLERANCE`].
+fn check_lease_end(
+    call: &str,
+    what: &str,
+    end: DateTime<Utc>,
+    before: DateTime<Utc>,
+    after: DateTime<Utc>,
+) -> Result<(), Violation> {
+    let lease = chrono::Duration::from_std(LEASE).unwrap_or(chrono::Duration::MAX);
+    let tol = chrono::Duration::from_std(LEASE_TOLERANCE).unwrap_or(chrono::Duration::MAX);
+    let low = before + lease - tol;
+    let high = after + lease + tol;
+    if end < low || end > high {
+        return Err(violation(
+            "lease arithmetic",
+            format!(
+                "{call}: {what} is {end}, expected the store's now + {LEASE:?} = between {} and {} (store now {before} before the call, {after} after; tolerance {LEASE_TOLERANCE:?})",
+                before + lease,
+                after + lease,
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn describe(status: Status, now: u64) -> String {

@@ -330,7 +330,7 @@ fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         5 => (
             0..TX_SLOTS,
-            prop::collection::vec(message, 1..=3),
+            prop::collection::vec(message.clone(), 1..=3),
             prop_oneof![
                 2 => Just(TxEnd::Open),
                 3 => Just(TxEnd::Commit),
@@ -338,6 +338,23 @@ fn step() -> impl Strategy<Value = Step> {
             ]
         )
             .prop_map(|(tx, messages, end)| Step::Enqueue { tx, messages, end }),
+        // A long backlog of one key (its head delayed half the time, so that it blocks the
+        // key), then a few messages of any key: with a small claim limit, the ones after the
+        // backlog lie just past a store's bounded window, behind blocked rows.
+        2 => (
+            0..TX_SLOTS,
+            0..KEYS,
+            4usize..=12,
+            any::<bool>(),
+            prop::collection::vec(message.clone(), 1..=3)
+        )
+            .prop_map(|(tx, key, len, delayed_head, tail)| {
+                let mut messages: Vec<MsgSpec> = (0..len)
+                    .map(|n| MsgSpec { key: Some(key), delayed: delayed_head && n == 0 })
+                    .collect();
+                messages.extend(tail);
+                Step::Enqueue { tx, messages, end: TxEnd::Commit }
+            }),
         3 => (0..TX_SLOTS).prop_map(|tx| Step::Commit { tx }),
         1 => (0..TX_SLOTS).prop_map(|tx| Step::Rollback { tx }),
         2 => (0..RELAYS, 1u8..=4).prop_map(|(relay, limit)| Step::Claim { relay, limit }),

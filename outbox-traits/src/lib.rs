@@ -41,7 +41,31 @@
 //!
 //!    It expands to one test per check plus the model and engine properties: interleaved
 //!    transactions, relays, crashes and lease expiries, checked for no loss, no phantom, per-key
-//!    order, fencing, exact attempts and accounting. Run it with `PROPTEST_CASES=1000` as CI
+//!    order, fencing, exact attempts and accounting, and also:
+//!    - **Claim completeness.** A claim that returns fewer than its limit must return every
+//!      message the contract requires of it. A message is *eligible* when it is committed,
+//!      pending and due (or leased with an expired lease) and every earlier message of its key
+//!      that holds the key back (pending, leased, or dead under [`HeadPolicy::Block`]) is
+//!      eligible too. Required are: every *head* (an eligible message with no earlier eligible
+//!      message of its key, and every eligible unordered message), and every eligible message
+//!      among the first `limit` unpublished messages in `seq` order. That is the bounded-window
+//!      allowance: a store reading a bounded stretch of the backlog (at least `limit` rows)
+//!      may leave out a key's later eligible messages past it, never a head. So a claim that
+//!      skips claimable rows, or lets rows of a key blocked in the middle of its backlog take
+//!      its limit, fails. The generator writes long one-key backlogs (their first message
+//!      often delayed, so blocking) followed by other keys' and unordered messages, which then
+//!      lie just past a small claim's window.
+//!    - **Lease arithmetic.** [`Claim::lease_until`] (of a non-empty claim) and the lease end
+//!      [`OutboxStore::extend`] returns must be the database's now + the lease, with now read
+//!      through the harness's `HarnessStore::now` just before and just after the call, within
+//!      one second (clock and column precision). Stored lease and retry times are checked
+//!      through behaviour: completeness requires a message to be claimable again once its
+//!      lease or retry delay has passed by the model's clock, and eligibility forbids it
+//!      before, so a lease or retry time computed from the wrong base or unit fails. A
+//!      harness whose store has its own clock must return that clock from `now`.
+//!
+//!    `scripts/mutants` in the repository plants realistic bugs in the three SQL backends
+//!    one at a time and requires the suite to catch each. Run it with `PROPTEST_CASES=1000` as CI
 //!    does. For a backend that needs a server, `conformance_suite!(optional: ...)` takes an
 //!    `Option` and skips when it is `None`. The repository's `examples/custom-backend` follows
 //!    these seven steps: a store written from scratch whose whole test file is that one line.

@@ -197,7 +197,11 @@ pub trait OutboxStore: Send + Sync {
     /// - MUST NOT let a blocked key's backlog, however long, hide the claimable messages behind
     ///   it: a claim still returns other keys' first messages and unordered messages (a store
     ///   that reads a bounded stretch of the backlog may return only each key's first message
-    ///   past it, and so fewer than `req.limit`).
+    ///   past it, and so fewer than `req.limit`). A claim that returns fewer than `req.limit`
+    ///   returns every claimable message no earlier message of its key holds back, and every
+    ///   claimable message among the first `req.limit` unpublished rows in `seq` order (the
+    ///   stretch read is at least that long); rows of a key held back anywhere in its backlog,
+    ///   not only at its first row, must not take the place of such messages.
     /// - SHOULD return messages in `seq` order; MUST keep each key's messages in `seq` order.
     /// - MUST NOT count an attempt: attempts are counted by [`OutboxStore::fail`].
     /// - SHOULD cost one round trip and use an index that stays small as history grows.
