@@ -63,12 +63,7 @@ impl OutboxAdmin for PostgresStore {
     }
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
-        if batch == 0 {
-            return Err(Error::invalid_input(
-                "purge batch is 0; it must be at least 1 (a batch of 0 deletes nothing, so a \
-                 loop calling purge until it returns less than its batch would never end)",
-            ));
-        }
+        outbox_traits::validate_purge_batch(batch)?;
         // Nothing was published more than a century ago.
         let Ok(age_us) = micros("purge age", older_than) else {
             return Ok(0);

@@ -174,12 +174,7 @@ pub(crate) fn purge_published(
     batch: usize,
     caller: &Caller,
 ) -> Result<u64, Error> {
-    if batch == 0 {
-        return Err(Error::invalid_input(
-            "purge batch is 0; it must be at least 1 (a batch of 0 deletes nothing, so a \
-             loop calling purge until it returns less than its batch would never end)",
-        ));
-    }
+    outbox_traits::validate_purge_batch(batch)?;
     let tx = conn
         .transaction_with_behavior(TransactionBehavior::Immediate)
         .map_err(err(table))?;

@@ -634,12 +634,7 @@ impl OutboxAdmin for MemoryStore {
     }
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
-        if batch == 0 {
-            return Err(Error::invalid_input(
-                "purge batch is 0; it must be at least 1 (a batch of 0 deletes nothing, so a \
-                 loop calling purge until it returns less than its batch would never end)",
-            ));
-        }
+        outbox_traits::validate_purge_batch(batch)?;
         let now = self.now();
         let cutoff = now
             .checked_sub_signed(to_chrono(older_than, "purge age")?)

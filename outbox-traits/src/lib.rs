@@ -85,8 +85,8 @@ pub use message::{
 };
 pub use publisher::{PublishOutcome, Publisher};
 pub use store::{
-    BlockedKey, Capabilities, Claim, ClaimRequest, Counts, DeadMessage, FailAction, Failure,
-    HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, StoreStatus, WakeSource,
+    validate_purge_batch, BlockedKey, Capabilities, Claim, ClaimRequest, Counts, DeadMessage,
+    FailAction, Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, StoreStatus, WakeSource,
 };
 
 /// Re-exported so backends and users name the same versions.

@@ -76,6 +76,25 @@ impl ClaimRequest {
     }
 }
 
+/// Refuse a purge batch no store can serve: 0, which deletes nothing, so a loop calling
+/// [`OutboxAdmin::purge_published`] until it returns less than its batch would never end.
+///
+/// Stores call this first in `purge_published`, so every backend words the error alike.
+///
+/// ```
+/// assert!(outbox_traits::validate_purge_batch(0).is_err());
+/// assert!(outbox_traits::validate_purge_batch(1000).is_ok());
+/// ```
+pub fn validate_purge_batch(batch: usize) -> Result<(), Error> {
+    if batch == 0 {
+        return Err(Error::invalid_input(
+            "purge batch is 0; it must be at least 1 (a batch of 0 deletes nothing, so a \
+             loop calling purge until it returns less than its batch would never end)",
+        ));
+    }
+    Ok(())
+}
+
 /// The result of [`OutboxStore::claim`]: messages leased under one token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Claim {

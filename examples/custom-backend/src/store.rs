@@ -429,12 +429,7 @@ impl OutboxAdmin for VecStore {
     }
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
-        if batch == 0 {
-            return Err(Error::invalid_input(
-                "purge batch is 0; it must be at least 1 (a batch of 0 deletes nothing, so a \
-                 loop calling purge until it returns less than its batch would never end)",
-            ));
-        }
+        outbox_traits::validate_purge_batch(batch)?;
         let mut state = lock(&self.state);
         let cutoff = chrono::Duration::from_std(older_than)
             .ok()
