@@ -125,7 +125,13 @@ impl KafkaPublisher {
             Ok(Some(Ok(()))) => Ok(()),
             Ok(Some(Err(e))) => Err(Error::unavailable(
                 "kafka",
-                format!("no metadata from brokers {brokers} within {timeout:?}: {e}"),
+                format!(
+                    "no metadata from brokers {brokers} within {timeout:?}: {e}; check that the \
+                     brokers are up and reachable, and with TLS or SASL that security.protocol \
+                     matches the listener, ssl.ca.location holds the CA that signed the \
+                     brokers' certificates (which must name the host connected to) and the SASL \
+                     user and password are right (librdkafka's warnings say which)"
+                ),
                 e,
             )),
             Ok(None) => Err(Error::Unavailable {
