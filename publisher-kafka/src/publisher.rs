@@ -130,7 +130,7 @@ impl KafkaPublisher {
                      brokers are up and reachable, and with TLS or SASL that security.protocol \
                      matches the listener, ssl.ca.location holds the CA that signed the \
                      brokers' certificates (which must name the host connected to) and the SASL \
-                     user and password are right (librdkafka's warnings say which)"
+                     user and password are right (the Kafka client's warnings say which)"
                 ),
                 e,
             )),
