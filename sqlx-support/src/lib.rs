@@ -13,6 +13,8 @@
 //! store's pool and configuration ([`store`]), and row helpers ([`row`]).
 
 pub mod config;
+#[cfg(feature = "diesel")]
+pub mod diesel;
 pub mod row;
 pub mod store;
 
