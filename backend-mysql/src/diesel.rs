@@ -19,9 +19,10 @@
 
 use ::diesel::mysql::Mysql;
 use ::diesel::query_builder::{AstPass, QueryFragment, QueryId};
-use ::diesel::result::{DatabaseErrorKind, Error as DieselError, QueryResult};
+use ::diesel::result::{Error as DieselError, QueryResult};
 use ::diesel::sql_types::{Datetime, Nullable, Text};
 use diesel_async::{AsyncMysqlConnection, RunQueryDsl};
+use outbox_sqlx_support::diesel::{classify_insert, DieselDialect};
 use outbox_traits::{Error, NewMessage};
 
 use crate::config::MysqlConfig;
@@ -140,71 +141,42 @@ impl QueryFragment<Mysql> for InsertRows<'_> {
     }
 }
 
+/// What MariaDB says in the messages diesel-async passes on (no error number).
+const DIALECT: DieselDialect = DieselDialect {
+    what: WHAT,
+    store: "MysqlStore",
+    config: "MysqlConfig",
+    // diesel-async passes mysql_async's client-side errors (a lost connection) as text.
+    unavailable: |text| text.starts_with("Input/output error") || text.starts_with("Driver error"),
+    transient: |text| {
+        text.starts_with("Deadlock found")
+            || text.starts_with("Lock wait timeout exceeded")
+            || text.starts_with("Query execution was interrupted")
+    },
+    missing: |text| {
+        (text.starts_with("Table '") && text.ends_with("doesn't exist"))
+            || text.starts_with("Unknown column")
+    },
+};
+
 /// A duplicate on the outbox's own unique indexes becomes the sqlx path's error; the rest is
 /// classified.
 fn map_insert_error(err: DieselError, config: &MysqlConfig, messages: &[NewMessage]) -> Error {
-    if let DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, info) = &err {
-        if let Some(mapped) = duplicate_entry(info.message(), messages) {
-            return mapped;
-        }
-    }
-    classify(err, "enqueue", config.qualified_table())
+    classify_insert(err, config.qualified_table(), &DIALECT, |info| {
+        duplicate_entry(info.message(), messages)
+    })
 }
 
 /// Map a diesel error from operation `op` on `table` to the contract's error.
+#[cfg(test)]
 fn classify(err: DieselError, op: &str, table: &str) -> Error {
-    let message = format!("{op} on {table} failed: {err}");
-    let kind = match &err {
-        DieselError::DatabaseError(kind, info) => Some((kind, info.message())),
-        _ => None,
-    };
-    let unavailable = |err: DieselError, message: String| Error::Unavailable {
-        what: WHAT.to_owned(),
-        message,
-        source: Some(Box::new(err)),
-    };
-    match kind {
-        Some((
-            DatabaseErrorKind::UnableToSendCommand
-            | DatabaseErrorKind::ClosedConnection
-            | DatabaseErrorKind::ReadOnlyTransaction,
-            _,
-        )) => unavailable(err, message),
-        // diesel-async passes mysql_async's client-side errors (a lost connection) as text.
-        Some((_, text))
-            if text.starts_with("Input/output error") || text.starts_with("Driver error") =>
-        {
-            unavailable(err, message)
-        }
-        Some((DatabaseErrorKind::SerializationFailure, _)) => {
-            Error::transient(format!("{message}; retry later"), Some(Box::new(err)))
-        }
-        Some((_, text))
-            if text.starts_with("Deadlock found")
-                || text.starts_with("Lock wait timeout exceeded")
-                || text.starts_with("Query execution was interrupted") =>
-        {
-            Error::transient(format!("{message}; retry later"), Some(Box::new(err)))
-        }
-        Some((_, text))
-            if (text.starts_with("Table '") && text.ends_with("doesn't exist"))
-                || text.starts_with("Unknown column") =>
-        {
-            Error::permanent(
-                format!(
-                    "{message}; the outbox table is missing or outdated: run `outbox-relay migrate` \
-                     (or call `MysqlStore::migrate()`, or apply `MysqlConfig::migration_sql()`)"
-                ),
-                Some(Box::new(err)),
-            )
-        }
-        _ => Error::permanent(message, Some(Box::new(err))),
-    }
+    outbox_sqlx_support::diesel::classify(err, op, table, &DIALECT)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ::diesel::result::DatabaseErrorKind;
     use outbox_traits::ErrorKind;
 
     fn database_error(kind: DatabaseErrorKind, message: &str) -> DieselError {

@@ -12,13 +12,14 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{advance, random_table, URL_VAR};
+use common::harness::{self, err, pool};
+use common::{random_table, URL_VAR};
 use outbox_backend_mysql::{enqueue_batch, MysqlConfig, MysqlStore};
 use outbox_conformance_tests::env::service_url;
 use outbox_conformance_tests::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
-use outbox_traits::chrono::{DateTime, NaiveDateTime, Utc};
+use outbox_traits::chrono::{DateTime, Utc};
 use outbox_traits::{async_trait, Error, NewMessage, OutboxAdmin, OutboxStore};
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
 use sqlx::{MySql, Transaction};
 use tokio::sync::OnceCell;
 
@@ -46,17 +47,6 @@ impl MysqlHarness {
             ..self
         }
     }
-}
-
-fn pool(options: &MySqlConnectOptions, max: u32) -> MySqlPool {
-    MySqlPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_lazy_with(options.clone())
-}
-
-fn err(e: sqlx::Error) -> Error {
-    Error::transient(format!("harness: {e}"), None)
 }
 
 #[async_trait]
@@ -122,26 +112,15 @@ impl HarnessStore for MysqlHarnessStore {
 
     /// Shift every stored time back by `by`: to the store, `by` has passed.
     async fn advance_time(&self, by: Duration) -> Result<(), Error> {
-        advance(self.store.pool(), self.store.config().qualified_table(), by)
-            .await
-            .map_err(err)
+        harness::advance_time(&self.store, by).await
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, Error> {
-        let now: NaiveDateTime = sqlx::query_scalar("SELECT UTC_TIMESTAMP(6)")
-            .fetch_one(self.store.pool())
-            .await
-            .map_err(err)?;
-        Ok(now.and_utc())
+        harness::now(&self.store).await
     }
 
     async fn teardown(self: Box<Self>) -> Result<(), Error> {
-        let sql = format!("DROP TABLE {}", self.store.config().qualified_table());
-        sqlx::query(&sql)
-            .execute(self.store.pool())
-            .await
-            .map_err(err)?;
-        Ok(())
+        harness::teardown(&self.store).await
     }
 }
 

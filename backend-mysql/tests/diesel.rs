@@ -3,10 +3,14 @@
 //! on diesel-async and relays on the sqlx store; a business row and its outbox row commit and
 //! roll back together; bad input gets the sqlx path's errors. Each test has its own tables.
 
+mod common;
+
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::harness::{self, err as harness_err};
+use common::{random_table, URL_VAR};
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncMysqlConnection, RunQueryDsl, TransactionManager,
@@ -14,28 +18,18 @@ use diesel_async::{
 use outbox_backend_mysql::{diesel as outbox_diesel, MysqlConfig, MysqlStore};
 use outbox_conformance_tests::env::service_url;
 use outbox_conformance_tests::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
-use outbox_traits::chrono::{DateTime, NaiveDateTime, Utc};
+use outbox_traits::chrono::{DateTime, Utc};
 use outbox_traits::{
     async_trait, ClaimRequest, Error, HeadPolicy, NewMessage, OutboxAdmin, OutboxStore,
 };
 use serde_json::json;
-use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
-
-const URL_VAR: &str = "OUTBOX_TEST_MYSQL_URL";
+use sqlx::mysql::MySqlConnectOptions;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The outbox error a diesel transaction's closure returned.
 fn outbox_error(err: BoxError) -> Error {
     *err.downcast::<Error>().expect("an outbox error")
-}
-
-fn random_table() -> String {
-    format!("outbox_diesel_{:016x}", rand::random::<u64>())
-}
-
-fn harness_err(e: impl std::fmt::Display) -> Error {
-    Error::transient(format!("harness: {e}"), None)
 }
 
 /// Fresh stores whose business transactions run on diesel-async.
@@ -53,11 +47,7 @@ impl DieselMysqlHarness {
 }
 
 fn sqlx_store(options: &MySqlConnectOptions, max: u32, config: MysqlConfig) -> MysqlStore {
-    let pool = MySqlPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_lazy_with(options.clone());
-    MysqlStore::new(pool, config)
+    MysqlStore::new(harness::pool(options, max), config)
 }
 
 #[async_trait]
@@ -119,44 +109,15 @@ impl HarnessStore for DieselMysqlStore {
     }
 
     async fn advance_time(&self, by: Duration) -> Result<(), Error> {
-        let micros = i64::try_from(by.as_micros()).map_err(harness_err)?;
-        let mut tx = self
-            .store
-            .pool()
-            .begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")
-            .await
-            .map_err(harness_err)?;
-        sqlx::query(&format!(
-            "UPDATE {} SET available_at = available_at - INTERVAL ? MICROSECOND,
-                           lease_until = lease_until - INTERVAL ? MICROSECOND,
-                           created_at = created_at - INTERVAL ? MICROSECOND,
-                           published_at = published_at - INTERVAL ? MICROSECOND",
-            self.store.config().qualified_table()
-        ))
-        .bind(micros)
-        .bind(micros)
-        .bind(micros)
-        .bind(micros)
-        .execute(&mut *tx)
-        .await
-        .map_err(harness_err)?;
-        tx.commit().await.map_err(harness_err)
+        harness::advance_time(&self.store, by).await
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, Error> {
-        let now: NaiveDateTime = sqlx::query_scalar("SELECT UTC_TIMESTAMP(6)")
-            .fetch_one(self.store.pool())
-            .await
-            .map_err(harness_err)?;
-        Ok(now.and_utc())
+        harness::now(&self.store).await
     }
 
     async fn teardown(self: Box<Self>) -> Result<(), Error> {
-        let sql = format!("DROP TABLE {}", self.store.config().qualified_table());
-        sqlx::query(&sql)
-            .execute(self.store.pool())
-            .await
-            .map_err(harness_err)?;
+        harness::teardown(&self.store).await?;
         self.store.pool().close().await;
         Ok(())
     }

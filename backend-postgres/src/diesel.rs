@@ -19,9 +19,10 @@
 
 use ::diesel::pg::Pg;
 use ::diesel::query_builder::{AstPass, QueryFragment, QueryId};
-use ::diesel::result::{DatabaseErrorKind, Error as DieselError, QueryResult};
+use ::diesel::result::{Error as DieselError, QueryResult};
 use ::diesel::sql_types::{Array, Nullable, Text, Timestamptz, Uuid};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use outbox_sqlx_support::diesel::{classify_insert, DieselDialect};
 use outbox_traits::{Error, NewMessage};
 
 use crate::config::PostgresConfig;
@@ -123,61 +124,38 @@ impl QueryFragment<Pg> for InsertBatch<'_> {
     }
 }
 
+/// What Postgres says in the messages diesel-async passes on (no SQLSTATE).
+const DIALECT: DieselDialect = DieselDialect {
+    what: WHAT,
+    store: "PostgresStore",
+    config: "PostgresConfig",
+    // diesel-async reports a lost connection as `UnableToSendCommand`, which is classified
+    // without reading the message.
+    unavailable: |_| false,
+    transient: |text| {
+        text.contains("deadlock detected") || text.starts_with("canceling statement due to")
+    },
+    missing: |text| text.ends_with("does not exist"),
+};
+
 /// A unique violation of the outbox's own constraints becomes the sqlx path's error; the rest
 /// is classified.
 fn map_insert_error(err: DieselError, config: &PostgresConfig, messages: &[NewMessage]) -> Error {
-    if let DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, info) = &err {
-        if let Some(mapped) =
-            unique_violation(config, messages, info.constraint_name(), info.details())
-        {
-            return mapped;
-        }
-    }
-    classify(err, "enqueue", config.qualified_table())
+    classify_insert(err, config.qualified_table(), &DIALECT, |info| {
+        unique_violation(config, messages, info.constraint_name(), info.details())
+    })
 }
 
 /// Map a diesel error from operation `op` on `table` to the contract's error.
+#[cfg(test)]
 fn classify(err: DieselError, op: &str, table: &str) -> Error {
-    let message = format!("{op} on {table} failed: {err}");
-    let kind = match &err {
-        DieselError::DatabaseError(kind, info) => Some((kind, info.message())),
-        _ => None,
-    };
-    match kind {
-        // No SQLSTATE: diesel-async reports a lost connection as `UnableToSendCommand`.
-        Some((
-            DatabaseErrorKind::UnableToSendCommand
-            | DatabaseErrorKind::ClosedConnection
-            | DatabaseErrorKind::ReadOnlyTransaction,
-            _,
-        )) => Error::Unavailable {
-            what: WHAT.to_owned(),
-            message,
-            source: Some(Box::new(err)),
-        },
-        Some((DatabaseErrorKind::SerializationFailure, _)) => {
-            Error::transient(format!("{message}; retry later"), Some(Box::new(err)))
-        }
-        Some((_, text))
-            if text.contains("deadlock detected")
-                || text.starts_with("canceling statement due to") =>
-        {
-            Error::transient(format!("{message}; retry later"), Some(Box::new(err)))
-        }
-        Some((_, text)) if text.ends_with("does not exist") => Error::permanent(
-            format!(
-                "{message}; the outbox table is missing or outdated: run `outbox-relay migrate` (or \
-                 call `PostgresStore::migrate()`, or apply `PostgresConfig::migration_sql()`)"
-            ),
-            Some(Box::new(err)),
-        ),
-        _ => Error::permanent(message, Some(Box::new(err))),
-    }
+    outbox_sqlx_support::diesel::classify(err, op, table, &DIALECT)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ::diesel::result::DatabaseErrorKind;
     use outbox_traits::ErrorKind;
 
     fn database_error(kind: DatabaseErrorKind, message: &str) -> DieselError {

@@ -7,13 +7,14 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::harness::{self, err, pool};
 use common::{random_schema, URL_VAR};
 use outbox_backend_postgres::{enqueue_batch, PostgresConfig, PostgresStore};
 use outbox_conformance_tests::env::service_url;
 use outbox_conformance_tests::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
 use outbox_traits::chrono::{DateTime, Utc};
 use outbox_traits::{async_trait, Error, NewMessage, OutboxAdmin, OutboxStore};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::PgConnectOptions;
 use sqlx::{Postgres, Transaction};
 
 /// Each fresh store is a new schema on the server named by `OUTBOX_TEST_POSTGRES_URL`.
@@ -38,17 +39,6 @@ impl PgHarness {
             ..self
         }
     }
-}
-
-fn pool(options: &PgConnectOptions, max: u32) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_lazy_with(options.clone())
-}
-
-fn err(e: sqlx::Error) -> Error {
-    Error::transient(format!("harness: {e}"), None)
 }
 
 #[async_trait]
@@ -112,38 +102,15 @@ impl HarnessStore for PgHarnessStore {
 
     /// Shift every stored time back by `by`: to the store, `by` has passed.
     async fn advance_time(&self, by: Duration) -> Result<(), Error> {
-        let sql = format!(
-            "UPDATE {} SET available_at = available_at - $1::bigint * interval '1 microsecond',
-                           lease_until = lease_until - $1::bigint * interval '1 microsecond',
-                           created_at = created_at - $1::bigint * interval '1 microsecond',
-                           published_at = published_at - $1::bigint * interval '1 microsecond'",
-            self.store.config().qualified_table()
-        );
-        let micros = i64::try_from(by.as_micros())
-            .map_err(|_| Error::invalid_input("advance_time: duration too long"))?;
-        sqlx::query(&sql)
-            .bind(micros)
-            .execute(self.store.pool())
-            .await
-            .map_err(err)?;
-        Ok(())
+        harness::advance_time(&self.store, by).await
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, Error> {
-        sqlx::query_scalar("SELECT now()")
-            .fetch_one(self.store.pool())
-            .await
-            .map_err(err)
+        harness::now(&self.store).await
     }
 
     async fn teardown(self: Box<Self>) -> Result<(), Error> {
-        let sql = format!("DROP SCHEMA \"{}\" CASCADE", self.store.config().schema());
-        sqlx::query(&sql)
-            .execute(self.store.pool())
-            .await
-            .map_err(err)?;
-        self.store.pool().close().await;
-        Ok(())
+        harness::teardown(&self.store).await
     }
 }
 

@@ -4,10 +4,14 @@
 //! row commit and roll back together; bad input gets the sqlx path's errors; NOTIFY wakes
 //! listeners. Each test has its own schema.
 
+mod common;
+
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::harness::{self, err as harness_err};
+use common::{random_schema, URL_VAR};
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, TransactionManager,
@@ -20,23 +24,13 @@ use outbox_traits::{
     async_trait, ClaimRequest, Error, HeadPolicy, NewMessage, OutboxAdmin, OutboxStore,
 };
 use serde_json::json;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
-
-const URL_VAR: &str = "OUTBOX_TEST_POSTGRES_URL";
+use sqlx::postgres::{PgConnectOptions, PgListener};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The outbox error a diesel transaction's closure returned.
 fn outbox_error(err: BoxError) -> Error {
     *err.downcast::<Error>().expect("an outbox error")
-}
-
-fn random_schema() -> String {
-    format!("outbox_diesel_{:016x}", rand::random::<u64>())
-}
-
-fn harness_err(e: impl std::fmt::Display) -> Error {
-    Error::transient(format!("harness: {e}"), None)
 }
 
 /// Fresh stores whose business transactions run on diesel-async.
@@ -54,11 +48,7 @@ impl DieselPgHarness {
 }
 
 fn sqlx_store(options: &PgConnectOptions, max: u32, config: PostgresConfig) -> PostgresStore {
-    let pool = PgPoolOptions::new()
-        .max_connections(max)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_lazy_with(options.clone());
-    PostgresStore::new(pool, config)
+    PostgresStore::new(harness::pool(options, max), config)
 }
 
 #[async_trait]
@@ -119,38 +109,17 @@ impl HarnessStore for DieselPgStore {
         }))
     }
 
+    /// Shift every stored time back by `by`: to the store, `by` has passed.
     async fn advance_time(&self, by: Duration) -> Result<(), Error> {
-        let sql = format!(
-            "UPDATE {} SET available_at = available_at - $1::bigint * interval '1 microsecond',
-                           lease_until = lease_until - $1::bigint * interval '1 microsecond',
-                           created_at = created_at - $1::bigint * interval '1 microsecond',
-                           published_at = published_at - $1::bigint * interval '1 microsecond'",
-            self.store.config().qualified_table()
-        );
-        let micros = i64::try_from(by.as_micros()).map_err(harness_err)?;
-        sqlx::query(&sql)
-            .bind(micros)
-            .execute(self.store.pool())
-            .await
-            .map_err(harness_err)?;
-        Ok(())
+        harness::advance_time(&self.store, by).await
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, Error> {
-        sqlx::query_scalar("SELECT now()")
-            .fetch_one(self.store.pool())
-            .await
-            .map_err(harness_err)
+        harness::now(&self.store).await
     }
 
     async fn teardown(self: Box<Self>) -> Result<(), Error> {
-        let sql = format!("DROP SCHEMA \"{}\" CASCADE", self.store.config().schema());
-        sqlx::query(&sql)
-            .execute(self.store.pool())
-            .await
-            .map_err(harness_err)?;
-        self.store.pool().close().await;
-        Ok(())
+        harness::teardown(&self.store).await
     }
 }
 

@@ -75,6 +75,7 @@ mod error;
 mod ident;
 mod message;
 mod publisher;
+mod secret;
 mod store;
 
 pub use error::{is_secret_option, redact_url, BoxError, Error, ErrorKind};
@@ -84,6 +85,7 @@ pub use message::{
     TRACEPARENT_HEADER,
 };
 pub use publisher::{PublishOutcome, Publisher};
+pub use secret::{error_chain_line, read_secret_file};
 pub use store::{
     validate_purge_batch, BlockedKey, Capabilities, Claim, ClaimRequest, Counts, DeadMessage,
     FailAction, Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, StoreStatus, WakeSource,

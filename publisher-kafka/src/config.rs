@@ -5,7 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use outbox_routing::RoutingTemplate;
-use outbox_traits::Error;
+use outbox_traits::{read_secret_file, Error};
 use rdkafka::ClientConfig;
 
 /// Topic template used when none is given: one topic per aggregate type.
@@ -178,14 +178,7 @@ impl KafkaConfig {
                             "Kafka URL {shown:?} has both a password and password_file; give one"
                         )));
                     }
-                    let text = std::fs::read_to_string(&value).map_err(|e| {
-                        Error::invalid_input(format!(
-                            "Kafka option password_file={value} cannot be read ({}); give the \
-                             path of a readable file holding the SASL password",
-                            e.kind()
-                        ))
-                    })?;
-                    let password = text.trim_end_matches(['\r', '\n']).to_owned();
+                    let password = read_secret_file("Kafka", "password_file", &value)?;
                     config.properties.insert("sasl.password".into(), password);
                 }
                 "message.timeout.ms" | "delivery.timeout.ms" => {

@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 use outbox_routing::RoutingTemplate;
-use outbox_traits::{redact_url, Error};
+use outbox_traits::{read_secret_file, redact_url, Error};
 
-use crate::security::{read_secret, NatsAuth, NatsSecurity};
+use crate::security::{NatsAuth, NatsSecurity};
 use crate::subject;
 
 /// Default time to wait for a connection, an ack, or a stream API reply.
@@ -195,9 +195,13 @@ impl NatsConfig {
                 "ca_file" => security.ca_file = Some(value.into()),
                 "cert_file" => security.cert_file = Some(value.into()),
                 "key_file" => security.key_file = Some(value.into()),
-                "password_file" => password_file = Some(read_secret(&key, &value)?),
-                "token_file" => auths.push(NatsAuth::Token(read_secret(&key, &value)?)),
-                "nkey_file" => auths.push(NatsAuth::NkeySeed(read_secret(&key, &value)?)),
+                "password_file" => password_file = Some(read_secret_file("NATS", &key, &value)?),
+                "token_file" => {
+                    auths.push(NatsAuth::Token(read_secret_file("NATS", &key, &value)?))
+                }
+                "nkey_file" => {
+                    auths.push(NatsAuth::NkeySeed(read_secret_file("NATS", &key, &value)?))
+                }
                 "creds_file" => auths.push(NatsAuth::CredsFile(value.into())),
                 other => {
                     return Err(Error::invalid_input(format!(

@@ -45,7 +45,7 @@ impl NatsPublisher {
             .connect(config.url.as_str())
             .await
             .map_err(|e| {
-                let detail = redact_url(&crate::security::one_line(&e));
+                let detail = redact_url(&outbox_traits::error_chain_line(&e));
                 let message = match crate::security::fix(&detail, e.kind()) {
                     Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
                     None => format!("cannot connect to {shown}: {detail}"),

@@ -152,24 +152,6 @@ impl NatsSecurity {
     }
 }
 
-/// Read a secret from the file named by URL option `option`: its content without the trailing
-/// line break. The error names the option and the path, never the content.
-pub(crate) fn read_secret(option: &str, path: &str) -> Result<String, Error> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        Error::invalid_input(format!(
-            "NATS option {option}={path} cannot be read ({}); give the path of a readable file",
-            e.kind()
-        ))
-    })?;
-    let secret = text.trim_end_matches(['\r', '\n']).to_owned();
-    if secret.is_empty() {
-        return Err(Error::invalid_input(format!(
-            "NATS option {option}={path} names an empty file"
-        )));
-    }
-    Ok(secret)
-}
-
 /// What to change when connecting failed with `text` (the client's message), or `None` when
 /// the message says enough (a refused connection).
 pub(crate) fn fix(text: &str, kind: async_nats::ConnectErrorKind) -> Option<&'static str> {
@@ -209,19 +191,4 @@ pub(crate) fn fix(text: &str, kind: async_nats::ConnectErrorKind) -> Option<&'st
         }
         _ => return None,
     })
-}
-
-/// `err`'s message followed by its sources' messages, on one line.
-pub(crate) fn one_line(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let more = cause.to_string();
-        if !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        source = cause.source();
-    }
-    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }

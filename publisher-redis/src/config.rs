@@ -3,9 +3,9 @@
 use std::time::Duration;
 
 use outbox_routing::RoutingTemplate;
-use outbox_traits::{redact_url, Error};
+use outbox_traits::{read_secret_file, redact_url, Error};
 
-use crate::tls::{read_password, RedisTls};
+use crate::tls::RedisTls;
 
 /// Default connection and reply timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -113,7 +113,9 @@ impl RedisConfig {
                 "ca_file" => tls.ca_file = Some(value.into_owned().into()),
                 "cert_file" => tls.cert_file = Some(value.into_owned().into()),
                 "key_file" => tls.key_file = Some(value.into_owned().into()),
-                "password_file" => password = Some(read_password(&value)?),
+                "password_file" => {
+                    password = Some(read_secret_file("Redis", "password_file", &value)?)
+                }
                 other => {
                     return Err(Error::invalid_input(format!(
                         "unknown Redis option {other:?} in {shown:?}; valid options: {}",

@@ -62,7 +62,7 @@ impl RedisPublisher {
             )
         })?
         .map_err(|e| {
-            let detail = redact_url(&crate::tls::one_line(&e));
+            let detail = redact_url(&outbox_traits::error_chain_line(&e));
             let tls = config.url.starts_with("rediss://");
             let message = match crate::tls::fix(&detail, tls) {
                 Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),

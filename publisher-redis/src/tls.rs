@@ -104,26 +104,13 @@ impl RedisTls {
             redis::Client::open(url)
         };
         client.map_err(|e| {
-            let detail = outbox_traits::redact_url(&one_line(&e));
+            let detail = outbox_traits::redact_url(&outbox_traits::error_chain_line(&e));
             Error::invalid_input(format!(
                 "Redis URL {:?} is not usable: {detail}",
                 outbox_traits::redact_url(url)
             ))
         })
     }
-}
-
-/// Read the password file named by URL option `password_file`: its content without the
-/// trailing line break. The error names the path, never the content.
-pub(crate) fn read_password(path: &str) -> Result<String, Error> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        Error::invalid_input(format!(
-            "Redis option password_file={path} cannot be read ({}); give the path of a \
-             readable file",
-            e.kind()
-        ))
-    })?;
-    Ok(text.trim_end_matches(['\r', '\n']).to_owned())
 }
 
 /// What to change when connecting failed with `text` (the client's message, redacted), or
@@ -184,19 +171,4 @@ pub(crate) fn fix(text: &str, tls: bool) -> Option<&'static str> {
             return None;
         },
     )
-}
-
-/// `err`'s message followed by its sources' messages, on one line.
-pub(crate) fn one_line(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let more = cause.to_string();
-        if !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        source = cause.source();
-    }
-    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }

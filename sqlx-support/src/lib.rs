@@ -13,6 +13,8 @@
 //! store's pool and configuration ([`store`]), and row helpers ([`row`]).
 
 pub mod config;
+#[cfg(feature = "diesel")]
+pub mod diesel;
 pub mod row;
 pub mod store;
 
@@ -82,7 +84,7 @@ pub async fn connect_pool<DB: Database>(
 /// [`Error::Unavailable`] for a failed connection to `url`, with the password removed; the
 /// source is kept only for errors that cannot quote the URL.
 fn unavailable(what: &str, url: &str, e: sqlx::Error) -> Error {
-    let mut text = redact_url(&tls::one_line(&e));
+    let mut text = redact_url(&outbox_traits::error_chain_line(&e));
     if let Some(fix) = tls::fix(what, url, &text) {
         text = format!("{text}; {fix}");
     }

@@ -3,7 +3,7 @@
 
 use std::borrow::Cow;
 
-use outbox_traits::{redact_url, Error};
+use outbox_traits::{read_secret_file, redact_url, Error};
 
 /// The URL option naming the password file.
 pub const PASSWORD_FILE: &str = "password_file";
@@ -38,20 +38,13 @@ pub(crate) fn resolve<'a>(url: &'a str, what: &str) -> Result<Cow<'a, str>, Erro
             "{what} URL {shown:?} has both a password and {PASSWORD_FILE}=; give one"
         )));
     }
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        Error::invalid_input(format!(
-            "{what} option {PASSWORD_FILE}={path} cannot be read ({}); give the path of a \
-             readable file holding the password",
-            e.kind()
-        ))
-    })?;
-    let password = text.trim_end_matches(['\r', '\n']);
+    let password = read_secret_file(what, PASSWORD_FILE, &path)?;
     if others.is_empty() {
         parsed.set_query(None);
     } else {
         parsed.query_pairs_mut().clear().extend_pairs(others);
     }
-    parsed.set_password(Some(password)).map_err(|()| {
+    parsed.set_password(Some(&password)).map_err(|()| {
         Error::invalid_input(format!(
             "{what} URL {shown:?} cannot take a password (it names no host)"
         ))

@@ -133,21 +133,6 @@ pub(crate) fn fix(what: &str, url: &str, text: &str) -> Option<String> {
     Some(fix)
 }
 
-/// `err`'s message followed by its sources' messages, on one line.
-pub(crate) fn one_line(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let more = cause.to_string();
-        if !text.contains(&more) {
-            text.push_str(": ");
-            text.push_str(&more);
-        }
-        source = cause.source();
-    }
-    text.split_whitespace().collect::<Vec<_>>().join(" ")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,7 +177,7 @@ mod tests {
     fn one_line_joins_the_sources_without_repeating_them() {
         let inner = std::io::Error::other("invalid peer certificate: UnknownIssuer");
         let outer = sqlx::Error::Io(inner);
-        let text = one_line(&outer);
+        let text = outbox_traits::error_chain_line(&outer);
         assert_eq!(text.matches("UnknownIssuer").count(), 1, "{text}");
         assert!(!text.contains('\n'));
     }

@@ -143,3 +143,50 @@ pub fn names(claim: &Claim) -> Vec<String> {
 pub fn ids(claim: &Claim) -> Vec<uuid::Uuid> {
     claim.messages.iter().map(|m| m.id).collect()
 }
+
+/// The sqlx side of a conformance-suite harness store, shared by `conformance.rs` (business
+/// transactions on sqlx) and `diesel.rs` (on diesel-async): pools, time control, teardown.
+pub mod harness {
+    use std::time::Duration;
+
+    use outbox_backend_mysql::MysqlStore;
+    use outbox_traits::chrono::{DateTime, NaiveDateTime, Utc};
+    use outbox_traits::Error;
+    use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+
+    /// A lazy pool of at most `max` connections.
+    pub fn pool(options: &MySqlConnectOptions, max: u32) -> MySqlPool {
+        MySqlPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_lazy_with(options.clone())
+    }
+
+    /// A harness statement failed.
+    pub fn err(e: impl std::fmt::Display) -> Error {
+        Error::transient(format!("harness: {e}"), None)
+    }
+
+    /// Shift every stored time of `store`'s table back by `by`: to the store, `by` has passed.
+    pub async fn advance_time(store: &MysqlStore, by: Duration) -> Result<(), Error> {
+        super::advance(store.pool(), store.config().qualified_table(), by)
+            .await
+            .map_err(err)
+    }
+
+    /// The database's clock.
+    pub async fn now(store: &MysqlStore) -> Result<DateTime<Utc>, Error> {
+        let now: NaiveDateTime = sqlx::query_scalar("SELECT UTC_TIMESTAMP(6)")
+            .fetch_one(store.pool())
+            .await
+            .map_err(err)?;
+        Ok(now.and_utc())
+    }
+
+    /// Drop `store`'s table (its pool stays open: the conformance harness shares one).
+    pub async fn teardown(store: &MysqlStore) -> Result<(), Error> {
+        let sql = format!("DROP TABLE {}", store.config().qualified_table());
+        sqlx::query(&sql).execute(store.pool()).await.map_err(err)?;
+        Ok(())
+    }
+}

@@ -140,3 +140,62 @@ pub fn names(claim: &Claim) -> Vec<String> {
 pub fn ids(claim: &Claim) -> Vec<uuid::Uuid> {
     claim.messages.iter().map(|m| m.id).collect()
 }
+
+/// The sqlx side of a conformance-suite harness store, shared by `conformance.rs` (business
+/// transactions on sqlx) and `diesel.rs` (on diesel-async): pools, time control, teardown.
+pub mod harness {
+    use std::time::Duration;
+
+    use outbox_backend_postgres::PostgresStore;
+    use outbox_traits::chrono::{DateTime, Utc};
+    use outbox_traits::Error;
+    use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+
+    /// A lazy pool of at most `max` connections.
+    pub fn pool(options: &PgConnectOptions, max: u32) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_lazy_with(options.clone())
+    }
+
+    /// A harness statement failed.
+    pub fn err(e: impl std::fmt::Display) -> Error {
+        Error::transient(format!("harness: {e}"), None)
+    }
+
+    /// Shift every stored time of `store`'s table back by `by`: to the store, `by` has passed.
+    pub async fn advance_time(store: &PostgresStore, by: Duration) -> Result<(), Error> {
+        let sql = format!(
+            "UPDATE {} SET available_at = available_at - $1::bigint * interval '1 microsecond',
+                           lease_until = lease_until - $1::bigint * interval '1 microsecond',
+                           created_at = created_at - $1::bigint * interval '1 microsecond',
+                           published_at = published_at - $1::bigint * interval '1 microsecond'",
+            store.config().qualified_table()
+        );
+        let micros = i64::try_from(by.as_micros())
+            .map_err(|_| Error::invalid_input("advance_time: duration too long"))?;
+        sqlx::query(&sql)
+            .bind(micros)
+            .execute(store.pool())
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
+    /// The database's clock.
+    pub async fn now(store: &PostgresStore) -> Result<DateTime<Utc>, Error> {
+        sqlx::query_scalar("SELECT now()")
+            .fetch_one(store.pool())
+            .await
+            .map_err(err)
+    }
+
+    /// Drop `store`'s schema and close its pool.
+    pub async fn teardown(store: &PostgresStore) -> Result<(), Error> {
+        let sql = format!("DROP SCHEMA \"{}\" CASCADE", store.config().schema());
+        sqlx::query(&sql).execute(store.pool()).await.map_err(err)?;
+        store.pool().close().await;
+        Ok(())
+    }
+}
