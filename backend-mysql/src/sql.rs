@@ -103,6 +103,9 @@ pub(crate) struct Sql {
     pub lease_end: String,
     /// Lease the chosen rows.
     pub lease: String,
+    /// Dead-letter undecodable rows of a claim (locked by it) by `seq`: a JSON list of
+    /// `{"seq": .., "reason": ..}`.
+    pub quarantine: String,
     /// Lock the listed rows still held under a token.
     pub held: String,
     pub complete: String,
@@ -348,6 +351,15 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                 "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
                  STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
                  SET m.lease_token = ?, m.lease_until = ?"
+            ),
+            quarantine: format!(
+                "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (
+                     seq BIGINT PATH '$.seq',
+                     reason LONGTEXT PATH '$.reason')) j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
+                 SET m.state = 'dead', m.last_error = j.reason, m.lease_token = NULL,
+                     m.lease_until = NULL
+                 WHERE m.state = 'pending'"
             ),
             held,
             // The held rows are locked by the transition, so the delete needs no fence.

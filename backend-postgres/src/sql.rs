@@ -43,6 +43,9 @@ pub(crate) struct Sql {
     pub complete: String,
     pub fail: String,
     pub release: String,
+    /// Dead-letter undecodable rows of a claim by `seq`: `$1` the claim's token, `$2` the
+    /// seqs, `$3` the reasons.
+    pub quarantine: String,
     pub extend: String,
     pub list_dead: String,
     pub requeue: String,
@@ -484,6 +487,12 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#
                 "UPDATE {t} SET available_at = now(), lease_token = NULL, lease_until = NULL
                  WHERE id = ANY($2) AND {fence}
                  RETURNING id"
+            ),
+            quarantine: format!(
+                "UPDATE {t} m
+                 SET state = 'dead', last_error = q.reason, lease_token = NULL, lease_until = NULL
+                 FROM UNNEST($2::bigint[], $3::text[]) AS q(seq, reason)
+                 WHERE m.seq = q.seq AND m.lease_token = $1 AND m.state = 'pending'"
             ),
             fail: format!(
                 "UPDATE {t} m

@@ -73,6 +73,10 @@ pub(crate) struct Sql {
     pub(crate) any_dead: String,
     pub(crate) first_dead_of_key: String,
     pub(crate) lease: String,
+    /// Dead-letter an undecodable row just leased by a claim: `?1` seq, `?2` reason.
+    pub(crate) quarantine: String,
+    /// Give back a row just leased by a claim that waits behind an undecodable one: `?1` seq.
+    pub(crate) unlease: String,
     pub(crate) complete: String,
     pub(crate) fail_retry: String,
     pub(crate) fail_dead: String,
@@ -108,6 +112,14 @@ impl Sql {
             lease: format!(
                 "UPDATE {t} SET state = 'leased', lease_token = ?1, lease_until = ?2 \
                  WHERE seq = ?3 RETURNING {MESSAGE_COLUMNS}"
+            ),
+            quarantine: format!(
+                "UPDATE {t} SET state = 'dead', last_error = ?2, lease_token = NULL, \
+                 lease_until = NULL WHERE seq = ?1"
+            ),
+            unlease: format!(
+                "UPDATE {t} SET state = 'pending', lease_token = NULL, lease_until = NULL \
+                 WHERE seq = ?1"
             ),
             complete: if delete_published {
                 format!("DELETE FROM {t} WHERE {FENCE}")

@@ -51,6 +51,7 @@ mod error;
 mod ident;
 mod message;
 mod publisher;
+pub mod quarantine;
 mod store;
 
 pub use error::{is_secret_option, redact_url, BoxError, Error, ErrorKind};

@@ -1,0 +1,112 @@
+//! Rows that cannot become a [`Message`](crate::Message): a store's claim meets them (a row
+//! written by hand or by another tool with an id that is not a UUID, headers that are not a JSON
+//! object of strings, a payload that is not text, ...). Such a row must not stop the other rows:
+//! the store dead-letters it on its own, by `seq`, with a [`Poison::reason`] that names the
+//! column and what is wrong with its value, and hands out the rest of the claim. Under
+//! [`HeadPolicy::Block`] its key's later rows wait behind it like behind any dead head
+//! ([`held_back`]).
+//!
+//! The helpers here are shared by the stores so that every backend words reasons the same way.
+
+use std::collections::BTreeMap;
+use std::fmt::Display;
+
+use uuid::Uuid;
+
+use crate::HeadPolicy;
+
+/// Longest quoted value in a reason; longer values are cut (at a character boundary) and marked.
+const MAX_VALUE_CHARS: usize = 120;
+
+/// A claimed row that does not decode: dead-lettered by `seq` instead of being handed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Poison {
+    /// The row's `seq`.
+    pub seq: i64,
+    /// The row's partition key, when it could be read.
+    pub partition_key: Option<String>,
+    /// Why: the column and the value's problem, as stored in `last_error`.
+    pub reason: String,
+}
+
+/// The reason for a row whose `column` holds `value` (`None`: the value could not even be read
+/// as text) with `problem`.
+pub fn reason(column: &str, value: Option<&str>, problem: impl Display) -> String {
+    let value = match value {
+        Some(value) => {
+            let mut shown: String = value.chars().take(MAX_VALUE_CHARS).collect();
+            if shown.len() < value.len() {
+                shown.push('…');
+            }
+            format!(" value {shown:?}")
+        }
+        None => String::new(),
+    };
+    format!("undecodable row: column {column}{value}: {problem}; dead-lettered without publishing")
+}
+
+/// Stored headers as a map, or the reason they are refused (valid JSON that is not an object of
+/// strings included).
+pub fn headers(text: &str) -> Result<BTreeMap<String, String>, String> {
+    serde_json::from_str(text).map_err(|e| {
+        reason(
+            "headers",
+            Some(text),
+            format!("not a JSON object of strings ({e})"),
+        )
+    })
+}
+
+/// A stored id as a UUID, or the reason it is refused.
+pub fn id(text: &str) -> Result<Uuid, String> {
+    Uuid::parse_str(text).map_err(|e| reason("id", Some(text), format!("not a UUID ({e})")))
+}
+
+/// Whether a claimed message at `seq` with `key` must wait behind a poisoned row of the same
+/// claim: under [`HeadPolicy::Block`], when an earlier poisoned row has the same key. (A
+/// poisoned row whose key could not be read holds back nothing.)
+pub fn held_back(poisoned: &[Poison], policy: HeadPolicy, seq: i64, key: Option<&str>) -> bool {
+    let Some(key) = key else {
+        return false;
+    };
+    policy == HeadPolicy::Block
+        && poisoned
+            .iter()
+            .any(|p| p.seq < seq && p.partition_key.as_deref() == Some(key))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_name_the_column_and_the_problem() {
+        let err = headers(r#"{"n":1}"#).unwrap_err();
+        assert!(err.contains("column headers"), "{err}");
+        assert!(err.contains(r#"{\"n\":1}"#), "{err}");
+        assert!(err.contains("not a JSON object of strings"), "{err}");
+        assert!(headers("[1]").is_err());
+        assert_eq!(headers(r#"{"a":"b"}"#).unwrap()["a"], "b");
+        let err = id("nope").unwrap_err();
+        assert!(
+            err.contains("column id value \"nope\": not a UUID"),
+            "{err}"
+        );
+        let long = "x".repeat(1000);
+        assert!(reason("payload", Some(&long), "bad").len() < 300);
+    }
+
+    #[test]
+    fn only_block_holds_later_rows_of_the_key() {
+        let p = [Poison {
+            seq: 5,
+            partition_key: Some("k".into()),
+            reason: String::new(),
+        }];
+        assert!(held_back(&p, HeadPolicy::Block, 6, Some("k")));
+        assert!(!held_back(&p, HeadPolicy::Block, 4, Some("k")));
+        assert!(!held_back(&p, HeadPolicy::Block, 6, Some("j")));
+        assert!(!held_back(&p, HeadPolicy::Block, 6, None));
+        assert!(!held_back(&p, HeadPolicy::Skip, 6, Some("k")));
+    }
+}
