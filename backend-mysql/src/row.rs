@@ -33,14 +33,6 @@ pub(crate) fn uuid(text: &str, table: &str) -> Result<Uuid, Error> {
     Uuid::parse_str(text).map_err(|e| decode_error(format!("id {text:?}: {e}"), table))
 }
 
-/// A [`Message`] from a row holding the message columns (claim and list queries).
-pub(crate) fn message(row: &MySqlRow, table: &str) -> Result<Message, Error> {
-    match decode(row, table)? {
-        Ok(message) => Ok(message),
-        Err(poison) => Err(decode_error(poison.reason, table)),
-    }
-}
-
 /// A [`Message`] from a row holding the message columns, or the [`Poison`] saying which column
 /// does not decode and why. `Err` only when not even the row's `seq` can be read.
 pub(crate) fn decode(row: &MySqlRow, table: &str) -> Result<Result<Message, Poison>, Error> {

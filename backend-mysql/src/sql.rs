@@ -47,6 +47,9 @@ pub(crate) const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; 
 const ID_LIST: &str =
     "JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(36) CHARACTER SET ascii COLLATE ascii_bin PATH '$'))";
 
+/// A JSON array of seqs, as a table of one `seq` column.
+const SEQ_LIST: &str = "JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$'))";
+
 /// A row is claimable (pending, due, and not leased or with an expired lease) as seen through
 /// alias `a`.
 fn claimable(a: &str) -> String {
@@ -117,6 +120,10 @@ pub(crate) struct Sql {
     pub list_dead: String,
     pub requeue: String,
     pub discard: String,
+    /// `requeue` by seq (a JSON array of seqs).
+    pub requeue_seqs: String,
+    /// `discard` by seq (a JSON array of seqs).
+    pub discard_seqs: String,
     /// The seqs of the next purge batch.
     pub purge_pick: String,
     pub purge: String,
@@ -426,6 +433,18 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             discard: format!(
                 "DELETE m FROM {ID_LIST} j
                  STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+                 WHERE m.state = 'dead'"
+            ),
+            requeue_seqs: format!(
+                "UPDATE {SEQ_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
+                 SET m.state = 'pending', m.attempts = 0, m.available_at = UTC_TIMESTAMP(6),
+                     m.lease_token = NULL, m.lease_until = NULL
+                 WHERE m.state = 'dead'"
+            ),
+            discard_seqs: format!(
+                "DELETE m FROM {SEQ_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
                  WHERE m.state = 'dead'"
             ),
             // MariaDB's single-table DELETE takes no index hint and would sort every published

@@ -9,14 +9,6 @@ use sqlx::postgres::PgRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-/// A [`Message`] from a row holding the message columns (claim and list queries).
-pub(crate) fn message(row: &PgRow, table: &str) -> Result<Message, Error> {
-    match decode(row, table)? {
-        Ok(message) => Ok(message),
-        Err(poison) => Err(decode_error(poison.reason, table)),
-    }
-}
-
 /// A [`Message`] from a row holding the message columns, or the [`Poison`] saying which column
 /// does not decode and why. `Err` only when not even the row's `seq` can be read.
 pub(crate) fn decode(row: &PgRow, table: &str) -> Result<Result<Message, Poison>, Error> {

@@ -50,6 +50,10 @@ pub(crate) struct Sql {
     pub list_dead: String,
     pub requeue: String,
     pub discard: String,
+    /// `requeue` by seq (`$1` the seqs).
+    pub requeue_seqs: String,
+    /// `discard` by seq (`$1` the seqs).
+    pub discard_seqs: String,
     pub purge: String,
     pub counts: String,
 }
@@ -86,7 +90,7 @@ fn channel_name(schema: &str, table: &str) -> String {
     format!("{}.{hash}", &prefix[..keep.min(prefix.len())])
 }
 
-/// Columns read back for a [`outbox_traits::Message`], in the order `row::message` expects.
+/// Columns read back for a [`outbox_traits::Message`], in the order `row::decode` expects.
 ///
 /// `partition_key` is read with the database's default collation whatever the column's is, so a
 /// statement prepared before the README's `ALTER ... COLLATE "C"` keeps its result type; else
@@ -97,7 +101,7 @@ const MESSAGE_COLUMNS: &str =
      headers::text AS headers, partition_key COLLATE \"default\" AS partition_key, dedup_key, \
      attempts, created_at";
 
-/// What a claim returns for each leased row (`m`), in the order `row::message` reads by name.
+/// What a claim returns for each leased row (`m`), in the order `row::decode` reads by name.
 /// `partition_key` with the default collation: see [`MESSAGE_COLUMNS`].
 const CLAIM_RETURNING: &str =
     "m.id, m.seq, m.aggregatetype, m.aggregateid, m.type, m.payload::text AS payload, \
@@ -530,6 +534,12 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#
                  WHERE state = 'dead' AND id = ANY($1)"
             ),
             discard: format!("DELETE FROM {t} WHERE state = 'dead' AND id = ANY($1)"),
+            requeue_seqs: format!(
+                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = now(), \
+                 lease_token = NULL, lease_until = NULL
+                 WHERE state = 'dead' AND seq = ANY($1)"
+            ),
+            discard_seqs: format!("DELETE FROM {t} WHERE state = 'dead' AND seq = ANY($1)"),
             // The ctid list bounds the batch; a DELETE with a LIMIT needs that subquery, and
             // ctids are stable here because published rows are never updated.
             purge: format!(

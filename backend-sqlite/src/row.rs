@@ -38,18 +38,6 @@ pub(crate) fn from_time(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
-/// Read a [`Message`] from a row whose first columns are [`crate::sql::MESSAGE_COLUMNS`]; a
-/// row that does not decode is an error naming the column and the value's problem.
-pub(crate) fn message(row: &Row<'_>) -> rusqlite::Result<Message> {
-    decode(row)?.map_err(|poison| {
-        rusqlite::Error::FromSqlConversionFailure(
-            0,
-            rusqlite::types::Type::Text,
-            poison.reason.into(),
-        )
-    })
-}
-
 /// A [`Message`] from a row whose first columns are [`crate::sql::MESSAGE_COLUMNS`], or the
 /// [`Poison`] naming the first column that does not decode. `Err` only when not even the
 /// row's `seq` can be read.

@@ -58,7 +58,7 @@ CREATE INDEX IF NOT EXISTS {t}_published ON {t} (published_at) WHERE state = 'pu
     )
 }
 
-/// The columns of a [`outbox_traits::Message`], in the order [`crate::row::message`] reads them.
+/// The columns of a [`outbox_traits::Message`], in the order [`crate::row::decode`] reads them.
 pub(crate) const MESSAGE_COLUMNS: &str = "id, seq, aggregatetype, aggregateid, type, payload, \
      headers, partition_key, dedup_key, attempts, created_at";
 
@@ -85,6 +85,10 @@ pub(crate) struct Sql {
     pub(crate) list_dead: String,
     pub(crate) requeue: String,
     pub(crate) discard: String,
+    /// [`Sql::requeue`] by seq.
+    pub(crate) requeue_seq: String,
+    /// [`Sql::discard`] by seq.
+    pub(crate) discard_seq: String,
     pub(crate) purge: String,
     pub(crate) counts: String,
 }
@@ -154,6 +158,11 @@ impl Sql {
                  WHERE id = ?1 AND state = 'dead'"
             ),
             discard: format!("DELETE FROM {t} WHERE id = ?1 AND state = 'dead'"),
+            requeue_seq: format!(
+                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = ?2 \
+                 WHERE seq = ?1 AND state = 'dead'"
+            ),
+            discard_seq: format!("DELETE FROM {t} WHERE seq = ?1 AND state = 'dead'"),
             purge: format!(
                 "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} INDEXED BY {t}_published \
                  WHERE state = 'published' AND published_at < ?1 ORDER BY published_at LIMIT ?2)"

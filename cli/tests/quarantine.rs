@@ -2,7 +2,9 @@
 //! headers that are valid JSON but not an object of strings, a payload that is not text),
 //! interleaved with good rows and relayed by `outbox-relay drain` into NATS JetStream: every
 //! good row is published, every bad one is dead with a reason naming its column, and under the
-//! default head policy (`block`) a good row behind a bad one of its key waits.
+//! default head policy (`block`) a good row behind a bad one of its key waits. `dead list`
+//! shows the bad rows (ids that are not UUIDs as stored) and `dead requeue|discard --seq` act
+//! on them.
 
 use outbox::NewMessage;
 use outbox_conformance_tests::env::service_url;
@@ -62,6 +64,7 @@ async fn check(
     good: &[Vec<NewMessage>],
     dead: Vec<(i64, String)>,
     expected: &[(&str, &str)],
+    raw_id: Option<&str>,
 ) -> TestResult {
     let want: Vec<String> = good.iter().flatten().map(|m| m.id.to_string()).collect();
     assert_eq!(published, want, "every good row published once, in order");
@@ -79,6 +82,53 @@ async fn check(
             "pending": 1, "leased": 0, "published": want.len(), "dead": expected.len()
         })],
         "the good row behind the bad ones of its key waits; nothing else changed"
+    );
+
+    // Operators see every quarantined row, ids that are not UUIDs included, and act by seq.
+    let listed = json_lines(&[store_args, &["dead", "list", "--json"]].concat()).await?;
+    let seqs: Vec<i64> = listed.iter().filter_map(|d| d["seq"].as_i64()).collect();
+    assert_eq!(
+        seqs,
+        dead.iter().map(|(seq, _)| *seq).collect::<Vec<_>>(),
+        "{listed:?}"
+    );
+    for (d, (_, reason)) in listed.iter().zip(&dead) {
+        assert_eq!(d["last_error"].as_str(), Some(reason.as_str()));
+        assert!(d["id"].as_str().is_some_and(|id| !id.is_empty()), "{d}");
+    }
+    if let Some(raw_id) = raw_id {
+        assert_eq!(listed[0]["id"], raw_id, "the stored id is shown as it is");
+    }
+    let seq = |n: usize| seqs[n].to_string();
+    let requeued =
+        json_lines(&[store_args, &["dead", "requeue", "--seq", &seq(0)]].concat()).await?;
+    assert_eq!(requeued, [serde_json::json!({"requeued": 1})]);
+    let discarded = json_lines(
+        &[
+            store_args,
+            &[
+                "dead",
+                "discard",
+                "--seq",
+                &seq(0),
+                "--seq",
+                &seq(1),
+                "--seq",
+                &seq(2),
+            ],
+        ]
+        .concat(),
+    )
+    .await?;
+    assert_eq!(
+        discarded,
+        [serde_json::json!({"discarded": 2})],
+        "the requeued row is no longer dead"
+    );
+    let counts = json_lines(&[store_args, &["counts"]].concat()).await?;
+    assert_eq!(
+        counts,
+        [serde_json::json!({"pending": 2, "leased": 0, "published": want.len(), "dead": 0})]
     );
     Ok(())
 }
@@ -130,7 +180,7 @@ async fn postgres_quarantines_rows_with_bad_headers() -> TestResult {
         ("headers", "[1]"),
         ("headers", r#"\"text\""#),
     ];
-    check(&store_args, published, &good, dead, &expected).await?;
+    check(&store_args, published, &good, dead, &expected, None).await?;
     sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .execute(&pool)
         .await?;
@@ -186,7 +236,15 @@ async fn mariadb_quarantines_rows_with_bad_ids_and_headers() -> TestResult {
         ("headers", r#"{\"n\": 1}"#),
         ("headers", "[1]"),
     ];
-    check(&store_args, published, &good, dead, &expected).await?;
+    check(
+        &store_args,
+        published,
+        &good,
+        dead,
+        &expected,
+        Some("not-a-uuid"),
+    )
+    .await?;
     sqlx::query(&format!("DROP TABLE `{table}`"))
         .execute(&pool)
         .await?;
@@ -238,6 +296,6 @@ async fn sqlite_quarantines_rows_with_bad_ids_headers_and_payloads() -> TestResu
         ("headers", "not json"),
         ("payload", "payload"),
     ];
-    check(&store_args, published, &good, dead, &expected).await?;
+    check(&store_args, published, &good, dead, &expected, Some("42")).await?;
     Ok(())
 }

@@ -11,9 +11,10 @@
 use std::collections::BTreeMap;
 use std::fmt::Display;
 
+use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::HeadPolicy;
+use crate::{HeadPolicy, Message};
 
 /// Longest quoted value in a reason; longer values are cut (at a character boundary) and marked.
 const MAX_VALUE_CHARS: usize = 120;
@@ -73,6 +74,38 @@ pub fn held_back(poisoned: &[Poison], policy: HeadPolicy, seq: i64, key: Option<
         && poisoned
             .iter()
             .any(|p| p.seq < seq && p.partition_key.as_deref() == Some(key))
+}
+
+/// A dead row that does not decode, shown as well as it can be for operators: the message with
+/// every column that reads as text (`text` returns a column's text, `None` when it has none),
+/// the others empty, and the stored id when it is not a UUID (the message's id is then nil).
+pub fn lenient(
+    seq: i64,
+    text: impl Fn(&str) -> Option<String>,
+    attempts: Option<u32>,
+    created_at: Option<DateTime<Utc>>,
+) -> (Message, Option<String>) {
+    let raw_id = text("id").unwrap_or_default();
+    let (id, raw_id) = match Uuid::parse_str(&raw_id) {
+        Ok(id) => (id, None),
+        Err(_) => (Uuid::nil(), Some(raw_id)),
+    };
+    let message = Message {
+        id,
+        seq,
+        aggregate_type: text("aggregatetype").unwrap_or_default(),
+        aggregate_id: text("aggregateid").unwrap_or_default(),
+        event_type: text("type").unwrap_or_default(),
+        payload: text("payload").unwrap_or_default(),
+        headers: text("headers")
+            .and_then(|h| headers(&h).ok())
+            .unwrap_or_default(),
+        partition_key: text("partition_key"),
+        dedup_key: text("dedup_key"),
+        attempts: attempts.unwrap_or(0),
+        created_at: created_at.unwrap_or(DateTime::UNIX_EPOCH),
+    };
+    (message, raw_id)
 }
 
 #[cfg(test)]
