@@ -183,7 +183,13 @@ CREATE TABLE IF NOT EXISTS {t} (
     CONSTRAINT "{pkey_constraint}" PRIMARY KEY (id),
     -- 'leased' is no longer written; it stays allowed so tables made by earlier versions and
     -- new ones have the same constraint.
-    CONSTRAINT "{state_check}" CHECK (state IN ('pending', 'leased', 'published', 'dead'))
+    CONSTRAINT "{state_check}" CHECK (state IN ('pending', 'leased', 'published', 'dead')),
+    -- Headers are a JSON object of strings: a row written by plain SQL with anything else is
+    -- refused here rather than quarantined by the relay (tables made before this check keep
+    -- their rows; the relay dead-letters a bad one, see the README).
+    CONSTRAINT "{headers_check}" CHECK (
+        jsonb_typeof(headers) = 'object'
+        AND NOT jsonb_path_exists(headers, '$.* ? (@.type() != "string")'))
 )
 -- Spare space on every page, so that the new row version written by a claim, extend, release
 -- or retry fits on the row's own page: a HOT update, with no index writes.
@@ -213,6 +219,7 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     WHERE state = 'published';
 "#,
             state_check = derived_name(table, "state_check"),
+            headers_check = derived_name(table, "headers_check"),
         );
 
         let insert_rows = format!(

@@ -21,12 +21,16 @@ pub(crate) fn schema_sql(table: &str) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS {t} (
     seq           INTEGER PRIMARY KEY AUTOINCREMENT,
-    id            TEXT    NOT NULL UNIQUE,
+    -- Ids, payloads and headers are checked so that a row written by plain SQL cannot hold
+    -- what the relay cannot read (tables made before these checks keep their rows; the relay
+    -- dead-letters a bad one, see the README).
+    id            TEXT    NOT NULL UNIQUE CHECK (typeof(id) = 'text' AND length(id) = 36),
     aggregatetype TEXT    NOT NULL,
     aggregateid   TEXT    NOT NULL,
     type          TEXT    NOT NULL,
-    payload       TEXT    NOT NULL,
-    headers       TEXT    NOT NULL DEFAULT '{{}}',
+    payload       TEXT    NOT NULL CHECK (typeof(payload) = 'text'),
+    headers       TEXT    NOT NULL DEFAULT '{{}}'
+                  CHECK (json_valid(headers) AND json_type(headers) = 'object'),
     partition_key TEXT,
     dedup_key     TEXT    UNIQUE,
     state         TEXT    NOT NULL DEFAULT 'pending'

@@ -152,20 +152,43 @@ async fn postgres_quarantines_rows_with_bad_headers() -> TestResult {
     let pool = sqlx::PgPool::connect(&pg_url).await?;
     // The id column is a uuid and state has a CHECK: headers are what plain SQL can get wrong.
     let bad = [r#"{"n": 1}"#, "[1]", r#""text""#];
+    let insert_bad = format!(
+        "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload, headers, \
+         partition_key) VALUES (gen_random_uuid(), 'order', 'o', 'order.placed', '{{}}', \
+         $1::jsonb, $2)"
+    );
+    // A new table refuses such headers...
+    for headers in bad {
+        let refused = sqlx::query(&insert_bad)
+            .bind(headers)
+            .bind(POISONED_KEY)
+            .execute(&pool)
+            .await
+            .expect_err("a new table refuses headers that are not an object of strings");
+        assert!(refused.to_string().contains("headers_check"), "{refused}");
+    }
+    // ...a table made before the check does not: drop it to stand for one.
+    let constraint: String = sqlx::query_scalar(&format!(
+        "SELECT conname::text FROM pg_constraint WHERE conrelid = '{table}'::regclass \
+         AND conname::text LIKE '%headers_check%'"
+    ))
+    .fetch_one(&pool)
+    .await?;
+    sqlx::query(&format!(
+        "ALTER TABLE {table} DROP CONSTRAINT \"{constraint}\""
+    ))
+    .execute(&pool)
+    .await?;
     let (good, held) = good_rows();
     for (group, headers) in good.iter().zip(bad) {
         let mut tx = pool.begin().await?;
         outbox::postgres::enqueue_batch(&mut *tx, &config, group).await?;
         tx.commit().await?;
-        sqlx::query(&format!(
-            "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload, headers, \
-             partition_key) VALUES (gen_random_uuid(), 'order', 'o', 'order.placed', '{{}}', \
-             $1::jsonb, $2)"
-        ))
-        .bind(headers)
-        .bind(POISONED_KEY)
-        .execute(&pool)
-        .await?;
+        sqlx::query(&insert_bad)
+            .bind(headers)
+            .bind(POISONED_KEY)
+            .execute(&pool)
+            .await?;
     }
     outbox::postgres::enqueue_batch(&pool, &config, std::slice::from_ref(&held)).await?;
 
@@ -208,14 +231,29 @@ async fn mariadb_quarantines_rows_with_bad_ids_and_headers() -> TestResult {
         (&*Uuid::new_v4().to_string(), r#"{"n": 1}"#),
         (&*Uuid::new_v4().to_string(), "[1]"),
     ];
+    let insert = "INSERT INTO `{table}` (id, aggregatetype, aggregateid, type, payload, headers, \
+                  partition_key) VALUES (?, 'order', 'o', 'order.placed', '{}', ?, ?)"
+        .replace("{table}", &table);
+    // A new table refuses such ids and headers that are not objects (MariaDB cannot check
+    // that an object's values are strings: the relay quarantines `{"n": 1}`)...
+    for (id, headers) in [bad[0], bad[2]] {
+        let refused = sqlx::query(&insert)
+            .bind(id)
+            .bind(headers)
+            .bind(POISONED_KEY)
+            .execute(&pool)
+            .await
+            .expect_err("a new table refuses ids that are not UUIDs and headers not objects");
+        assert!(refused.to_string().contains("CONSTRAINT"), "{refused}");
+    }
+    // ...a table made before the checks does not: skip them to stand for one.
     let (good, held) = good_rows();
     for (group, (id, headers)) in good.iter().zip(bad) {
         let mut tx = pool.begin().await?;
         outbox::mysql::enqueue_batch(&mut *tx, &config, group).await?;
         tx.commit().await?;
         sqlx::query(&format!(
-            "INSERT INTO `{table}` (id, aggregatetype, aggregateid, type, payload, headers, \
-             partition_key) VALUES (?, 'order', 'o', 'order.placed', '{{}}', ?, ?)"
+            "SET STATEMENT check_constraint_checks = 0 FOR {insert}"
         ))
         .bind(id)
         .bind(headers)
@@ -269,18 +307,27 @@ async fn sqlite_quarantines_rows_with_bad_ids_headers_and_payloads() -> TestResu
         "'b1d6c1e0-0000-4000-8000-000000000001', 'order', 'o', 'order.placed', '{}', 'not json'",
         "'b1d6c1e0-0000-4000-8000-000000000002', 'order', 'o', 'order.placed', X'FF00', '{}'",
     ];
+    let insert = |values: &str| {
+        format!(
+            "INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers, \
+             partition_key) VALUES ({values}, '{POISONED_KEY}')"
+        )
+    };
+    // A new table refuses such rows...
+    for values in bad {
+        let refused = conn
+            .execute(&insert(values), [])
+            .expect_err("a new table refuses what the relay cannot read");
+        assert!(refused.to_string().contains("CHECK"), "{refused}");
+    }
+    // ...a table made before the checks does not: skip them to stand for one.
+    conn.execute_batch("PRAGMA ignore_check_constraints = ON")?;
     let (good, held) = good_rows();
     for (group, values) in good.iter().zip(bad) {
         let tx = conn.transaction()?;
         outbox::sqlite::enqueue_batch(&tx, &config, group)?;
         tx.commit()?;
-        conn.execute(
-            &format!(
-                "INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers, \
-                 partition_key) VALUES ({values}, '{POISONED_KEY}')"
-            ),
-            [],
-        )?;
+        conn.execute(&insert(values), [])?;
     }
     let tx = conn.transaction()?;
     outbox::sqlite::enqueue_batch(&tx, &config, std::slice::from_ref(&held))?;
