@@ -1,4 +1,4 @@
-//! Rows that cannot become a [`Message`](crate::Message): a store's claim meets them (a row
+//! Rows that cannot become a [`Message`]: a store's claim meets them (a row
 //! written by hand or by another tool with an id that is not a UUID, headers that are not a JSON
 //! object of strings, a payload that is not text, ...). Such a row must not stop the other rows:
 //! the store dead-letters it on its own, by `seq`, with a [`Poison::reason`] that names the
