@@ -4,13 +4,15 @@ use std::time::Duration;
 
 use outbox_traits::{async_trait, Counts, DeadMessage, Error, OutboxAdmin};
 use sqlx::mysql::MySqlRow;
+use sqlx::Row;
 use uuid::Uuid;
 
 use outbox_sqlx_support::row::counts;
 
 use crate::lease::id_list;
-use crate::row::{message, micros, text};
+use crate::row::{decode, micros, text};
 use crate::store::MysqlStore;
+use outbox_traits::quarantine;
 
 #[async_trait]
 impl OutboxAdmin for MysqlStore {
@@ -31,9 +33,28 @@ impl OutboxAdmin for MysqlStore {
         let table = self.config().qualified_table();
         rows.iter()
             .map(|row| {
+                let (message, raw_id) = match decode(row, table)? {
+                    Ok(message) => (message, None),
+                    // A quarantined row: shown as well as it reads.
+                    Err(poison) => quarantine::lenient(
+                        poison.seq,
+                        |column| {
+                            row.try_get_unchecked::<Option<String>, _>(column)
+                                .ok()
+                                .flatten()
+                        },
+                        row.try_get::<i32, _>("attempts")
+                            .ok()
+                            .and_then(|n| u32::try_from(n).ok()),
+                        row.try_get::<chrono::NaiveDateTime, _>("created_at")
+                            .ok()
+                            .map(|t| t.and_utc()),
+                    ),
+                };
                 Ok(DeadMessage {
-                    message: message(row, table)?,
+                    message,
                     last_error: text(row, "last_error", table)?,
+                    raw_id,
                 })
             })
             .collect()
@@ -61,6 +82,16 @@ impl OutboxAdmin for MysqlStore {
             .await
             .map_err(self.err("discard"))?;
         Ok(done.rows_affected())
+    }
+
+    async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        self.by_seq(&self.config().sql().requeue_seqs, seqs, "requeue")
+            .await
+    }
+
+    async fn discard_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        self.by_seq(&self.config().sql().discard_seqs, seqs, "discard")
+            .await
     }
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
@@ -100,5 +131,20 @@ impl OutboxAdmin for MysqlStore {
 
     async fn ping(&self) -> Result<(), Error> {
         crate::status::ping(self).await
+    }
+}
+
+impl MysqlStore {
+    /// Run `statement` on the dead rows among `seqs` (bound as a JSON array).
+    async fn by_seq(&self, statement: &str, seqs: &[i64], what: &str) -> Result<u64, Error> {
+        if seqs.is_empty() {
+            return Ok(0);
+        }
+        let done = sqlx::query(statement)
+            .bind(serde_json::to_string(seqs).unwrap_or_default())
+            .execute(self.pool())
+            .await
+            .map_err(self.err(what))?;
+        Ok(done.rows_affected())
     }
 }

@@ -41,9 +41,11 @@ use uuid::Uuid;
 
 use crate::error::is_deadlock;
 use crate::lease;
-use crate::row::{decode_error, message, micros};
+use crate::row::{decode, decode_error, micros};
 use crate::sql::BEGIN;
 use crate::store::{MysqlStore, DEADLOCK_RETRIES};
+use outbox_sqlx_support::row::truncate_error;
+use outbox_traits::quarantine::{held_back, Poison};
 
 #[async_trait]
 impl OutboxStore for MysqlStore {
@@ -121,6 +123,7 @@ async fn try_claim(
         .map_err(&err)?;
     let mut lease_until = None;
     let mut candidates = Vec::with_capacity(rows.len());
+    let mut poisoned = Vec::new();
     for row in &rows {
         // The extra row holds only the lease end; message rows have none.
         match row
@@ -128,9 +131,15 @@ async fn try_claim(
             .map_err(|e| decode_error(e, table))?
         {
             Some(until) => lease_until = Some(until),
-            None => candidates.push(message(row, table)?),
+            None => match decode(row, table)? {
+                Ok(message) => candidates.push(message),
+                Err(poison) => poisoned.push(poison),
+            },
         }
     }
+    // Rows that cannot become messages are dead-lettered on their own before the order check,
+    // which then sees them as dead heads.
+    quarantine(&mut tx, store, &poisoned).await?;
     let lease_until = lease_until
         .ok_or_else(|| Error::permanent(format!("claim on {table} returned no lease end"), None))?;
     candidates.sort_by_key(|m| m.seq);
@@ -150,13 +159,24 @@ async fn try_claim(
     let mut chosen = keep_key_order(&mut tx, order_sql, candidates, table).await?;
     let got = u64::try_from(chosen.len()).unwrap_or(u64::MAX);
     if let (true, Some(bound)) = (got < limit, bound) {
-        let more = look_past(&mut tx, store, head_policy, limit - got, window, bound).await?;
+        let more = look_past(
+            &mut tx,
+            store,
+            head_policy,
+            limit - got,
+            window,
+            bound,
+            &mut poisoned,
+        )
+        .await?;
         if !more.is_empty() {
             chosen.extend(more);
             chosen.sort_by_key(|m| m.seq);
             chosen.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
         }
     }
+    // Under Block a key's later rows wait behind its undecodable (now dead) row.
+    chosen.retain(|m| !held_back(&poisoned, head_policy, m.seq, m.partition_key.as_deref()));
     let token = LeaseToken::new();
     let mut lease_until = lease_until;
     if !chosen.is_empty() {
@@ -215,6 +235,7 @@ async fn look_past(
     rest: u64,
     window: u64,
     bound: i64,
+    poisoned: &mut Vec<Poison>,
 ) -> Result<Vec<Message>, Error> {
     let sql = store.config().sql();
     let table = store.config().qualified_table();
@@ -264,7 +285,49 @@ async fn look_past(
             .await
             .map_err(&err)?;
     }
-    rows.iter().map(|row| message(row, table)).collect()
+    let mut messages = Vec::with_capacity(rows.len());
+    let mut found = Vec::new();
+    for row in &rows {
+        match decode(row, table)? {
+            Ok(message) => messages.push(message),
+            Err(poison) => found.push(poison),
+        }
+    }
+    quarantine(tx, store, &found).await?;
+    poisoned.extend(found);
+    Ok(messages)
+}
+
+/// Dead-letter a claim's undecodable rows (locked by its transaction) by `seq`, each with its
+/// reason, in one statement.
+async fn quarantine(
+    tx: &mut Transaction<'static, MySql>,
+    store: &MysqlStore,
+    poisoned: &[Poison],
+) -> Result<(), Error> {
+    if poisoned.is_empty() {
+        return Ok(());
+    }
+    let table = store.config().qualified_table();
+    let list: Vec<serde_json::Value> = poisoned
+        .iter()
+        .map(|p| serde_json::json!({ "seq": p.seq, "reason": truncate_error(&p.reason) }))
+        .collect();
+    sqlx::query(&store.config().sql().quarantine)
+        .bind(serde_json::Value::Array(list).to_string())
+        .execute(&mut **tx)
+        .await
+        .map_err(store.err("claim"))?;
+    for poison in poisoned {
+        tracing::warn!(
+            table = %table,
+            seq = poison.seq,
+            partition_key = poison.partition_key.as_deref().unwrap_or(""),
+            reason = %poison.reason,
+            "outbox row does not decode; dead-lettered"
+        );
+    }
+    Ok(())
 }
 
 /// The candidates that keep per-key order: unordered ones, and keyed ones that come before

@@ -1,9 +1,8 @@
 //! Decoding rows into the contract's types (durations in microseconds and the helpers shared
 //! with Postgres are in `outbox_sqlx_support::row`).
 
-use std::collections::BTreeMap;
-
-use chrono::{DateTime, NaiveDateTime, Utc};
+use chrono::NaiveDateTime;
+use outbox_traits::quarantine::{self, Poison};
 use outbox_traits::{Error, Message};
 use sqlx::mysql::MySqlRow;
 use sqlx::Row;
@@ -29,35 +28,54 @@ pub(crate) fn optional_text(
         .map_err(|e| decode_error(e, table))
 }
 
-/// A `DATETIME(6)` column, which holds UTC.
-pub(crate) fn utc(row: &MySqlRow, column: &str, table: &str) -> Result<DateTime<Utc>, Error> {
-    let naive: NaiveDateTime = row.try_get(column).map_err(|e| decode_error(e, table))?;
-    Ok(naive.and_utc())
-}
-
 /// A message id stored as text.
 pub(crate) fn uuid(text: &str, table: &str) -> Result<Uuid, Error> {
     Uuid::parse_str(text).map_err(|e| decode_error(format!("id {text:?}: {e}"), table))
 }
 
-/// A [`Message`] from a row holding the message columns (claim and list queries).
-pub(crate) fn message(row: &MySqlRow, table: &str) -> Result<Message, Error> {
-    let get = |e: sqlx::Error| decode_error(e, table);
-    let headers = text(row, "headers", table)?;
-    let headers: BTreeMap<String, String> =
-        serde_json::from_str(&headers).map_err(|e| decode_error(e, table))?;
-    let attempts: i32 = row.try_get("attempts").map_err(get)?;
+/// A [`Message`] from a row holding the message columns, or the [`Poison`] saying which column
+/// does not decode and why. `Err` only when not even the row's `seq` can be read.
+pub(crate) fn decode(row: &MySqlRow, table: &str) -> Result<Result<Message, Poison>, Error> {
+    let seq: i64 = row.try_get("seq").map_err(|e| decode_error(e, table))?;
+    let partition_key = row
+        .try_get_unchecked::<Option<String>, _>("partition_key")
+        .ok()
+        .flatten();
+    Ok(fields(row, seq).map_err(|reason| Poison {
+        seq,
+        partition_key,
+        reason,
+    }))
+}
+
+/// The message columns, or the reason naming the first one that does not decode.
+fn fields(row: &MySqlRow, seq: i64) -> Result<Message, String> {
+    let reason = |column: &str, e: sqlx::Error| quarantine::reason(column, None, e);
+    let text = |column: &str| {
+        row.try_get_unchecked::<String, _>(column)
+            .map_err(|e| reason(column, e))
+    };
+    let optional_text = |column: &str| {
+        row.try_get_unchecked::<Option<String>, _>(column)
+            .map_err(|e| reason(column, e))
+    };
+    let headers = quarantine::headers(&text("headers")?)?;
+    let attempts: i32 = row.try_get("attempts").map_err(|e| reason("attempts", e))?;
+    let created_at: NaiveDateTime = row
+        .try_get("created_at")
+        .map_err(|e| reason("created_at", e))?;
     Ok(Message {
-        id: uuid(&text(row, "id", table)?, table)?,
-        seq: row.try_get("seq").map_err(get)?,
-        aggregate_type: text(row, "aggregatetype", table)?,
-        aggregate_id: text(row, "aggregateid", table)?,
-        event_type: text(row, "type", table)?,
-        payload: text(row, "payload", table)?,
+        id: quarantine::id(&text("id")?)?,
+        seq,
+        aggregate_type: text("aggregatetype")?,
+        aggregate_id: text("aggregateid")?,
+        event_type: text("type")?,
+        payload: text("payload")?,
         headers,
-        partition_key: optional_text(row, "partition_key", table)?,
-        dedup_key: optional_text(row, "dedup_key", table)?,
-        attempts: u32::try_from(attempts).map_err(|e| decode_error(e, table))?,
-        created_at: utc(row, "created_at", table)?,
+        partition_key: optional_text("partition_key")?,
+        dedup_key: optional_text("dedup_key")?,
+        attempts: u32::try_from(attempts)
+            .map_err(|e| quarantine::reason("attempts", Some(&attempts.to_string()), e))?,
+        created_at: created_at.and_utc(),
     })
 }

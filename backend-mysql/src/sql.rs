@@ -47,6 +47,9 @@ pub(crate) const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; 
 const ID_LIST: &str =
     "JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(36) CHARACTER SET ascii COLLATE ascii_bin PATH '$'))";
 
+/// A JSON array of seqs, as a table of one `seq` column.
+const SEQ_LIST: &str = "JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$'))";
+
 /// A row is claimable (pending, due, and not leased or with an expired lease) as seen through
 /// alias `a`.
 fn claimable(a: &str) -> String {
@@ -103,6 +106,9 @@ pub(crate) struct Sql {
     pub lease_end: String,
     /// Lease the chosen rows.
     pub lease: String,
+    /// Dead-letter undecodable rows of a claim (locked by it) by `seq`: a JSON list of
+    /// `{"seq": .., "reason": ..}`.
+    pub quarantine: String,
     /// Lock the listed rows still held under a token.
     pub held: String,
     pub complete: String,
@@ -114,6 +120,10 @@ pub(crate) struct Sql {
     pub list_dead: String,
     pub requeue: String,
     pub discard: String,
+    /// `requeue` by seq (a JSON array of seqs).
+    pub requeue_seqs: String,
+    /// `discard` by seq (a JSON array of seqs).
+    pub discard_seqs: String,
     /// The seqs of the next purge batch.
     pub purge_pick: String,
     pub purge: String,
@@ -132,14 +142,19 @@ impl Sql {
         let migrate = format!(
             r#"{create_database}CREATE TABLE IF NOT EXISTS {t} (
     -- Debezium outbox event router columns: id, aggregatetype, aggregateid, type, payload.
-    id             CHAR(36) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+    -- Ids and headers are checked so that a row written by plain SQL cannot hold what the
+    -- relay cannot read (tables made before these checks keep their rows; the relay
+    -- dead-letters a bad one, see the README).
+    id             CHAR(36) CHARACTER SET ascii COLLATE ascii_bin NOT NULL
+                   CHECK (id REGEXP '^[0-9a-fA-F]{{8}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{12}}$'),
     aggregatetype  VARCHAR({MAX_KEY_CHARS}) NOT NULL,
     aggregateid    VARCHAR({MAX_KEY_CHARS}) NOT NULL,
     type           VARCHAR({MAX_KEY_CHARS}) NOT NULL,
     payload        LONGTEXT NOT NULL CHECK (JSON_VALID(payload)),
     -- Relay columns.
     seq            BIGINT NOT NULL AUTO_INCREMENT,
-    headers        LONGTEXT NOT NULL DEFAULT ('{{}}') CHECK (JSON_VALID(headers)),
+    headers        LONGTEXT NOT NULL DEFAULT ('{{}}')
+                   CHECK (JSON_VALID(headers) AND JSON_TYPE(headers) = 'OBJECT'),
     partition_key  VARCHAR({MAX_KEY_CHARS}),
     dedup_key      VARCHAR({MAX_KEY_CHARS}),
     state          ENUM('pending', 'published', 'dead') NOT NULL DEFAULT 'pending',
@@ -350,6 +365,19 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
                  SET m.lease_token = ?, m.lease_until = ?"
             ),
+            // MariaDB checks a row's CHECK constraints on every UPDATE: a row that got past
+            // them (written with `check_constraint_checks` off) could not be dead-lettered.
+            // Only state, error and lease change here, so the checks are skipped.
+            quarantine: format!(
+                "SET STATEMENT check_constraint_checks = 0 FOR
+                 UPDATE JSON_TABLE(?, '$[*]' COLUMNS (
+                     seq BIGINT PATH '$.seq',
+                     reason LONGTEXT PATH '$.reason')) j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
+                 SET m.state = 'dead', m.last_error = j.reason, m.lease_token = NULL,
+                     m.lease_until = NULL
+                 WHERE m.state = 'pending'"
+            ),
             held,
             // The held rows are locked by the transition, so the delete needs no fence.
             complete: if delete_published {
@@ -415,6 +443,20 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             discard: format!(
                 "DELETE m FROM {ID_LIST} j
                  STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+                 WHERE m.state = 'dead'"
+            ),
+            // Checks skipped as for `quarantine`: a requeued row keeps its values.
+            requeue_seqs: format!(
+                "SET STATEMENT check_constraint_checks = 0 FOR
+                 UPDATE {SEQ_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
+                 SET m.state = 'pending', m.attempts = 0, m.available_at = UTC_TIMESTAMP(6),
+                     m.lease_token = NULL, m.lease_until = NULL
+                 WHERE m.state = 'dead'"
+            ),
+            discard_seqs: format!(
+                "DELETE m FROM {SEQ_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
                  WHERE m.state = 'dead'"
             ),
             // MariaDB's single-table DELETE takes no index hint and would sort every published

@@ -8,8 +8,9 @@ use sqlx::postgres::PgRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-use crate::row::message;
+use crate::row::decode;
 use crate::store::PostgresStore;
+use outbox_traits::quarantine;
 
 #[async_trait]
 impl OutboxAdmin for PostgresStore {
@@ -30,9 +31,25 @@ impl OutboxAdmin for PostgresStore {
         let table = self.config().qualified_table();
         rows.iter()
             .map(|row| {
+                let (message, raw_id) = match decode(row, table)? {
+                    Ok(message) => (message, None),
+                    // A quarantined row: shown as well as it reads.
+                    Err(poison) => quarantine::lenient(
+                        poison.seq,
+                        |column| match column {
+                            "id" => row.try_get::<Uuid, _>(column).ok().map(|id| id.to_string()),
+                            _ => row.try_get::<Option<String>, _>(column).ok().flatten(),
+                        },
+                        row.try_get::<i32, _>("attempts")
+                            .ok()
+                            .and_then(|n| u32::try_from(n).ok()),
+                        row.try_get("created_at").ok(),
+                    ),
+                };
                 Ok(DeadMessage {
-                    message: message(row, table)?,
+                    message,
                     last_error: row.try_get("last_error").map_err(self.err("list_dead"))?,
+                    raw_id,
                 })
             })
             .collect()
@@ -60,6 +77,16 @@ impl OutboxAdmin for PostgresStore {
             .await
             .map_err(self.err("discard"))?;
         Ok(done.rows_affected())
+    }
+
+    async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        self.by_seq(&self.config().sql().requeue_seqs, seqs, "requeue")
+            .await
+    }
+
+    async fn discard_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        self.by_seq(&self.config().sql().discard_seqs, seqs, "discard")
+            .await
     }
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
@@ -91,5 +118,20 @@ impl OutboxAdmin for PostgresStore {
 
     async fn ping(&self) -> Result<(), Error> {
         crate::status::ping(self).await
+    }
+}
+
+impl PostgresStore {
+    /// Run `statement` on the dead rows among `seqs`.
+    async fn by_seq(&self, statement: &str, seqs: &[i64], what: &str) -> Result<u64, Error> {
+        if seqs.is_empty() {
+            return Ok(0);
+        }
+        let done = sqlx::query(statement)
+            .bind(seqs)
+            .execute(self.pool())
+            .await
+            .map_err(self.err(what))?;
+        Ok(done.rows_affected())
     }
 }

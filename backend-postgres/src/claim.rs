@@ -4,10 +4,11 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_sqlx_support::row::micros;
+use outbox_sqlx_support::row::{micros, truncate_error};
+use outbox_traits::quarantine::held_back;
 use outbox_traits::{
     async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, HeadPolicy, LeaseToken,
-    OutboxStore, WakeSource,
+    Message, OutboxStore, WakeSource,
 };
 use sqlx::postgres::PgRow;
 use sqlx::Row;
@@ -15,7 +16,7 @@ use uuid::Uuid;
 
 use crate::error::map_sqlx;
 use crate::lease;
-use crate::row::message;
+use crate::row::decode;
 use crate::store::PostgresStore;
 use crate::wake::PgWakeSource;
 
@@ -86,7 +87,9 @@ impl OutboxStore for PostgresStore {
             self.config().qualified_table().to_owned(),
         );
         let max = req.limit;
-        let rows = tokio::spawn(async move {
+        let policy = req.head_policy;
+        let (quarantine, release) = (all.quarantine.clone(), all.release.clone());
+        let (lease_until, mut messages) = tokio::spawn(async move {
             let err = |e| map_sqlx(e, "claim", &table);
             let mut tx = pool.begin().await.map_err(err)?;
             sqlx::query(CLAIM_PLAN)
@@ -116,14 +119,78 @@ impl OutboxStore for PostgresStore {
             }
             // More messages than the limit is impossible by the SQL (LIMITs inside MATERIALIZED
             // CTEs, the second statement asked for the rest only); if it ever happens, lease
-            // nothing and let the caller refuse the claim loudly.
+            // nothing and refuse loudly rather than hand out more than asked.
             let leased = messages_in(&rows);
             if leased > max {
                 tx.rollback().await.map_err(err)?;
-            } else {
-                tx.commit().await.map_err(err)?;
+                return Err(Error::permanent(
+                    format!(
+                        "claim on {table} leased {leased} messages, more than the limit of \
+                         {max}; this is a bug in outbox-backend-postgres, please report it"
+                    ),
+                    None,
+                ));
             }
-            Ok::<_, Error>(rows)
+            // Every row of the first statement carries the lease end (the second one's rows,
+            // after them, do not).
+            let lease_until = match rows.first() {
+                Some(row) => Some(
+                    row.try_get::<DateTime<Utc>, _>("lease_until")
+                        .map_err(err)?,
+                ),
+                None => None,
+            };
+            let mut messages = Vec::with_capacity(rows.len());
+            let mut poisoned = Vec::new();
+            for row in &rows {
+                // The single row of an empty claim carries only the lease end.
+                if row.try_get::<Option<Uuid>, _>("id").map_err(err)?.is_some() {
+                    match decode(row, &table)? {
+                        Ok(message) => messages.push(message),
+                        Err(poison) => poisoned.push(poison),
+                    }
+                }
+            }
+            if !poisoned.is_empty() {
+                // Rows that cannot become messages are dead-lettered on their own, in this
+                // transaction; under Block their keys' later rows of this claim wait behind
+                // them like behind any dead head.
+                poisoned.sort_by_key(|p| p.seq);
+                let seqs: Vec<i64> = poisoned.iter().map(|p| p.seq).collect();
+                let reasons: Vec<&str> =
+                    poisoned.iter().map(|p| truncate_error(&p.reason)).collect();
+                sqlx::query(&quarantine)
+                    .bind(token.0)
+                    .bind(&seqs)
+                    .bind(&reasons)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(err)?;
+                let (held, kept): (Vec<Message>, Vec<Message>) = messages
+                    .into_iter()
+                    .partition(|m| held_back(&poisoned, policy, m.seq, m.partition_key.as_deref()));
+                messages = kept;
+                if !held.is_empty() {
+                    let ids: Vec<Uuid> = held.iter().map(|m| m.id).collect();
+                    sqlx::query(&release)
+                        .bind(token.0)
+                        .bind(&ids)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(err)?;
+                }
+                for poison in &poisoned {
+                    tracing::warn!(
+                        table = %table,
+                        seq = poison.seq,
+                        partition_key = poison.partition_key.as_deref().unwrap_or(""),
+                        reason = %poison.reason,
+                        "outbox row does not decode; dead-lettered"
+                    );
+                }
+            }
+            tx.commit().await.map_err(err)?;
+            Ok::<_, Error>((lease_until, messages))
         })
         .await
         .map_err(|e| {
@@ -136,40 +203,6 @@ impl OutboxStore for PostgresStore {
             )
         })??;
         let table = self.config().qualified_table();
-        // Every row of the first statement carries the lease end (the second one's rows, after
-        // them, do not).
-        let lease_until = match rows.first() {
-            Some(row) => Some(
-                row.try_get::<DateTime<Utc>, _>("lease_until")
-                    .map_err(self.err("claim"))?,
-            ),
-            None => None,
-        };
-        let mut messages = Vec::with_capacity(rows.len());
-        for row in &rows {
-            // The single row of an empty claim carries only the lease end.
-            if row
-                .try_get::<Option<Uuid>, _>("id")
-                .map_err(self.err("claim"))?
-                .is_some()
-            {
-                messages.push(message(row, table)?);
-            }
-        }
-        if messages.len() > req.limit {
-            // The SQL makes this impossible (LIMIT inside a MATERIALIZED CTE); if it ever
-            // happens, refuse loudly rather than hand out more than asked (the transaction
-            // above was rolled back: nothing is leased).
-            return Err(Error::permanent(
-                format!(
-                    "claim on {table} leased {} messages, more than the limit of {}; \
-                     this is a bug in outbox-backend-postgres, please report it",
-                    messages.len(),
-                    req.limit
-                ),
-                None,
-            ));
-        }
         // Heads found past the window may be older than rows of the window that committed
         // late; hand the batch out in seq order all the same.
         messages.sort_by_key(|m| m.seq);

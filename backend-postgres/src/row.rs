@@ -1,33 +1,58 @@
 //! Decoding rows into the contract's types (durations in microseconds and the helpers shared
 //! with MariaDB are in `outbox_sqlx_support::row`).
 
-use std::collections::BTreeMap;
-
 use chrono::{DateTime, Utc};
 use outbox_sqlx_support::row::decode_error;
+use outbox_traits::quarantine::{self, Poison};
 use outbox_traits::{Error, Message};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-/// A [`Message`] from a row holding the message columns (claim and list queries).
-pub(crate) fn message(row: &PgRow, table: &str) -> Result<Message, Error> {
-    let get = |e: sqlx::Error| decode_error(e, table);
-    let headers: String = row.try_get("headers").map_err(get)?;
-    let headers: BTreeMap<String, String> =
-        serde_json::from_str(&headers).map_err(|e| decode_error(e, table))?;
-    let attempts: i32 = row.try_get("attempts").map_err(get)?;
+/// A [`Message`] from a row holding the message columns, or the [`Poison`] saying which column
+/// does not decode and why. `Err` only when not even the row's `seq` can be read.
+pub(crate) fn decode(row: &PgRow, table: &str) -> Result<Result<Message, Poison>, Error> {
+    let seq: i64 = row.try_get("seq").map_err(|e| decode_error(e, table))?;
+    let partition_key: Result<Option<String>, _> = row.try_get("partition_key");
+    let poison = |reason: String| Poison {
+        seq,
+        partition_key: partition_key.as_ref().ok().cloned().flatten(),
+        reason,
+    };
+    match fields(row, seq) {
+        Ok(message) => Ok(Ok(message)),
+        Err(reason) => Ok(Err(poison(reason))),
+    }
+}
+
+/// The message columns, or the reason naming the first one that does not decode.
+fn fields(row: &PgRow, seq: i64) -> Result<Message, String> {
+    fn get<'r, T>(row: &'r PgRow, column: &str) -> Result<T, String>
+    where
+        T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+    {
+        row.try_get(column).map_err(|e| {
+            let raw = row
+                .try_get_unchecked::<Option<String>, _>(column)
+                .ok()
+                .flatten();
+            quarantine::reason(column, raw.as_deref(), e)
+        })
+    }
+    let headers: String = get(row, "headers")?;
+    let attempts: i32 = get(row, "attempts")?;
     Ok(Message {
-        id: row.try_get::<Uuid, _>("id").map_err(get)?,
-        seq: row.try_get("seq").map_err(get)?,
-        aggregate_type: row.try_get("aggregatetype").map_err(get)?,
-        aggregate_id: row.try_get("aggregateid").map_err(get)?,
-        event_type: row.try_get("type").map_err(get)?,
-        payload: row.try_get("payload").map_err(get)?,
-        headers,
-        partition_key: row.try_get("partition_key").map_err(get)?,
-        dedup_key: row.try_get("dedup_key").map_err(get)?,
-        attempts: u32::try_from(attempts).map_err(|e| decode_error(e, table))?,
-        created_at: row.try_get::<DateTime<Utc>, _>("created_at").map_err(get)?,
+        id: get::<Uuid>(row, "id")?,
+        seq,
+        aggregate_type: get(row, "aggregatetype")?,
+        aggregate_id: get(row, "aggregateid")?,
+        event_type: get(row, "type")?,
+        payload: get(row, "payload")?,
+        headers: quarantine::headers(&headers)?,
+        partition_key: get(row, "partition_key")?,
+        dedup_key: get(row, "dedup_key")?,
+        attempts: u32::try_from(attempts)
+            .map_err(|e| quarantine::reason("attempts", Some(&attempts.to_string()), e))?,
+        created_at: get::<DateTime<Utc>>(row, "created_at")?,
     })
 }

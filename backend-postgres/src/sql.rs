@@ -43,10 +43,17 @@ pub(crate) struct Sql {
     pub complete: String,
     pub fail: String,
     pub release: String,
+    /// Dead-letter undecodable rows of a claim by `seq`: `$1` the claim's token, `$2` the
+    /// seqs, `$3` the reasons.
+    pub quarantine: String,
     pub extend: String,
     pub list_dead: String,
     pub requeue: String,
     pub discard: String,
+    /// `requeue` by seq (`$1` the seqs).
+    pub requeue_seqs: String,
+    /// `discard` by seq (`$1` the seqs).
+    pub discard_seqs: String,
     pub purge: String,
     pub counts: String,
 }
@@ -83,7 +90,7 @@ fn channel_name(schema: &str, table: &str) -> String {
     format!("{}.{hash}", &prefix[..keep.min(prefix.len())])
 }
 
-/// Columns read back for a [`outbox_traits::Message`], in the order `row::message` expects.
+/// Columns read back for a [`outbox_traits::Message`], in the order `row::decode` expects.
 ///
 /// `partition_key` is read with the database's default collation whatever the column's is, so a
 /// statement prepared before the README's `ALTER ... COLLATE "C"` keeps its result type; else
@@ -94,7 +101,7 @@ const MESSAGE_COLUMNS: &str =
      headers::text AS headers, partition_key COLLATE \"default\" AS partition_key, dedup_key, \
      attempts, created_at";
 
-/// What a claim returns for each leased row (`m`), in the order `row::message` reads by name.
+/// What a claim returns for each leased row (`m`), in the order `row::decode` reads by name.
 /// `partition_key` with the default collation: see [`MESSAGE_COLUMNS`].
 const CLAIM_RETURNING: &str =
     "m.id, m.seq, m.aggregatetype, m.aggregateid, m.type, m.payload::text AS payload, \
@@ -176,7 +183,13 @@ CREATE TABLE IF NOT EXISTS {t} (
     CONSTRAINT "{pkey_constraint}" PRIMARY KEY (id),
     -- 'leased' is no longer written; it stays allowed so tables made by earlier versions and
     -- new ones have the same constraint.
-    CONSTRAINT "{state_check}" CHECK (state IN ('pending', 'leased', 'published', 'dead'))
+    CONSTRAINT "{state_check}" CHECK (state IN ('pending', 'leased', 'published', 'dead')),
+    -- Headers are a JSON object of strings: a row written by plain SQL with anything else is
+    -- refused here rather than quarantined by the relay (tables made before this check keep
+    -- their rows; the relay dead-letters a bad one, see the README).
+    CONSTRAINT "{headers_check}" CHECK (
+        jsonb_typeof(headers) = 'object'
+        AND NOT jsonb_path_exists(headers, '$.* ? (@.type() != "string")'))
 )
 -- Spare space on every page, so that the new row version written by a claim, extend, release
 -- or retry fits on the row's own page: a HOT update, with no index writes.
@@ -206,6 +219,7 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     WHERE state = 'published';
 "#,
             state_check = derived_name(table, "state_check"),
+            headers_check = derived_name(table, "headers_check"),
         );
 
         let insert_rows = format!(
@@ -488,6 +502,12 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#
                  WHERE id = ANY($2) AND {fence}
                  RETURNING id"
             ),
+            quarantine: format!(
+                "UPDATE {t} m
+                 SET state = 'dead', last_error = q.reason, lease_token = NULL, lease_until = NULL
+                 FROM UNNEST($2::bigint[], $3::text[]) AS q(seq, reason)
+                 WHERE m.seq = q.seq AND m.lease_token = $1 AND m.state = 'pending'"
+            ),
             fail: format!(
                 "UPDATE {t} m
                  SET attempts = m.attempts + 1,
@@ -524,6 +544,12 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#
                  WHERE state = 'dead' AND id = ANY($1)"
             ),
             discard: format!("DELETE FROM {t} WHERE state = 'dead' AND id = ANY($1)"),
+            requeue_seqs: format!(
+                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = now(), \
+                 lease_token = NULL, lease_until = NULL
+                 WHERE state = 'dead' AND seq = ANY($1)"
+            ),
+            discard_seqs: format!("DELETE FROM {t} WHERE state = 'dead' AND seq = ANY($1)"),
             // The ctid list bounds the batch; a DELETE with a LIMIT needs that subquery, and
             // ctids are stable here because published rows are never updated.
             purge: format!(

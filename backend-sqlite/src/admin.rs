@@ -1,5 +1,6 @@
 //! The operator's side of the store ([`OutboxAdmin`]): dead letters, purge, counts.
 
+use rusqlite::types::{Value, ValueRef};
 use rusqlite::{params, Connection, TransactionBehavior};
 
 use std::time::Duration;
@@ -11,9 +12,10 @@ use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
 use crate::lease::db_now;
 use crate::row::duration_ms;
-use crate::row::{id_text, message};
+use crate::row::{decode, id_text, to_time};
 use crate::sql::Sql;
 use crate::store::SqliteStore;
+use outbox_traits::quarantine;
 
 #[async_trait]
 impl OutboxAdmin for SqliteStore {
@@ -40,6 +42,22 @@ impl OutboxAdmin for SqliteStore {
         let ids = ids.to_vec();
         self.run(Ctx::Admin, move |conn, sql, table, caller| {
             discard(conn, sql, table, &ids, caller)
+        })
+        .await
+    }
+
+    async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        let seqs = seqs.to_vec();
+        self.run(Ctx::Admin, move |conn, sql, table, caller| {
+            requeue_seqs(conn, sql, table, &seqs, caller)
+        })
+        .await
+    }
+
+    async fn discard_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        let seqs = seqs.to_vec();
+        self.run(Ctx::Admin, move |conn, sql, table, caller| {
+            discard_seqs(conn, sql, table, &seqs, caller)
         })
         .await
     }
@@ -100,9 +118,32 @@ pub(crate) fn list_dead(
         .query_map(
             params![after_seq.unwrap_or(i64::MIN), as_i64(limit)],
             |row| {
+                let (message, raw_id) = match decode(row)? {
+                    Ok(message) => (message, None),
+                    // A quarantined row: shown as well as it reads.
+                    Err(poison) => quarantine::lenient(
+                        poison.seq,
+                        |column| {
+                            let i = crate::sql::MESSAGE_COLUMNS
+                                .split(", ")
+                                .position(|c| c == column)?;
+                            match row.get_ref(i).ok()? {
+                                ValueRef::Text(t) => Some(String::from_utf8_lossy(t).into_owned()),
+                                ValueRef::Integer(n) => Some(n.to_string()),
+                                ValueRef::Real(x) => Some(x.to_string()),
+                                _ => None,
+                            }
+                        },
+                        row.get::<_, i64>(9)
+                            .ok()
+                            .and_then(|n| u32::try_from(n).ok()),
+                        row.get::<_, i64>(10).ok().map(to_time),
+                    ),
+                };
                 Ok(DeadMessage {
-                    message: message(row)?,
+                    message,
                     last_error: row.get::<_, Option<String>>(11)?.unwrap_or_default(),
+                    raw_id,
                 })
             },
         )
@@ -111,14 +152,14 @@ pub(crate) fn list_dead(
     Ok(rows)
 }
 
-/// Run `statement` (binding `?1` = id, `?2` = database now) for each id in one transaction;
-/// returns how many rows changed.
-fn per_id(
+/// Run `statement` (binding `?1` = an id or seq, `?2` = database now) for each of `rows` in
+/// one transaction; returns how many rows changed.
+fn per_row(
     conn: &mut Connection,
     sql: &Sql,
     table: &str,
     statement: &str,
-    ids: &[Uuid],
+    ids: &[Value],
     caller: &Caller,
 ) -> Result<u64, Error> {
     if ids.is_empty() {
@@ -134,9 +175,9 @@ fn per_id(
         let binds_now = stmt.parameter_count() >= 2;
         for id in ids {
             let n = if binds_now {
-                stmt.execute(params![id_text(*id), now])
+                stmt.execute(params![id, now])
             } else {
-                stmt.execute(params![id_text(*id)])
+                stmt.execute(params![id])
             }
             .map_err(err(table))?;
             changed += n as u64;
@@ -153,7 +194,7 @@ pub(crate) fn requeue(
     ids: &[Uuid],
     caller: &Caller,
 ) -> Result<u64, Error> {
-    per_id(conn, sql, table, &sql.requeue, ids, caller)
+    per_row(conn, sql, table, &sql.requeue, &id_values(ids), caller)
 }
 
 pub(crate) fn discard(
@@ -163,7 +204,51 @@ pub(crate) fn discard(
     ids: &[Uuid],
     caller: &Caller,
 ) -> Result<u64, Error> {
-    per_id(conn, sql, table, &sql.discard, ids, caller)
+    per_row(conn, sql, table, &sql.discard, &id_values(ids), caller)
+}
+
+/// Ids as the stored text.
+fn id_values(ids: &[Uuid]) -> Vec<Value> {
+    ids.iter().map(|id| Value::Text(id_text(*id))).collect()
+}
+
+/// Seqs as stored.
+fn seq_values(seqs: &[i64]) -> Vec<Value> {
+    seqs.iter().map(|seq| Value::Integer(*seq)).collect()
+}
+
+pub(crate) fn requeue_seqs(
+    conn: &mut Connection,
+    sql: &Sql,
+    table: &str,
+    seqs: &[i64],
+    caller: &Caller,
+) -> Result<u64, Error> {
+    per_row(
+        conn,
+        sql,
+        table,
+        &sql.requeue_seq,
+        &seq_values(seqs),
+        caller,
+    )
+}
+
+pub(crate) fn discard_seqs(
+    conn: &mut Connection,
+    sql: &Sql,
+    table: &str,
+    seqs: &[i64],
+    caller: &Caller,
+) -> Result<u64, Error> {
+    per_row(
+        conn,
+        sql,
+        table,
+        &sql.discard_seq,
+        &seq_values(seqs),
+        caller,
+    )
 }
 
 pub(crate) fn purge_published(

@@ -21,9 +21,10 @@ use std::time::Duration;
 use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
 use crate::lease::{self, db_now, same_change, Change};
-use crate::row::{duration_ms, id_text, message, to_time};
+use crate::row::{decode, duration_ms, id_text, to_time};
 use crate::sql::Sql;
 use crate::store::SqliteStore;
+use outbox_traits::quarantine::{held_back, Poison};
 
 /// What the walk knows about one partition key so far.
 struct KeyState {
@@ -122,11 +123,43 @@ fn claim(
     if !picked.is_empty() {
         let token_text = id_text(token.0);
         let mut stmt = tx.prepare_cached(&sql.lease).map_err(err)?;
+        let mut poisoned: Vec<Poison> = Vec::new();
         for seq in picked {
-            messages.push(
-                stmt.query_row(params![token_text, until, seq], message)
-                    .map_err(err)?,
-            );
+            match stmt
+                .query_row(params![token_text, until, seq], decode)
+                .map_err(err)?
+            {
+                Ok(message) => {
+                    if held_back(
+                        &poisoned,
+                        policy,
+                        message.seq,
+                        message.partition_key.as_deref(),
+                    ) {
+                        // Under Block the key waits behind its undecodable (now dead) row.
+                        tx.prepare_cached(&sql.unlease)
+                            .and_then(|mut s| s.execute(params![seq]))
+                            .map_err(err)?;
+                    } else {
+                        messages.push(message);
+                    }
+                }
+                Err(poison) => {
+                    // A row that cannot become a message is dead-lettered on its own; the
+                    // rest of the claim flows on.
+                    tx.prepare_cached(&sql.quarantine)
+                        .and_then(|mut s| s.execute(params![seq, poison.reason]))
+                        .map_err(err)?;
+                    tracing::warn!(
+                        table = %table,
+                        seq = poison.seq,
+                        partition_key = poison.partition_key.as_deref().unwrap_or(""),
+                        reason = %poison.reason,
+                        "outbox row does not decode; dead-lettered"
+                    );
+                    poisoned.push(poison);
+                }
+            }
         }
     }
     caller.commit(tx, err)?;

@@ -88,6 +88,17 @@
 //! up front, where the busy timeout applies. The store uses it for every write transaction.
 //! Keep write transactions short: while one is open, the relay's claims wait for it.
 //!
+//! # Malformed rows
+//!
+//! A row written by plain SQL that cannot become a message (an id that is not text, headers
+//! that are not a JSON object of strings, a payload that is not text, ...) is dead-lettered by
+//! the claim that meets it, on its own and by `seq`, with a `last_error` naming the column and
+//! the value's problem; the rest of the claim flows on and, under `Block`, the row's key waits
+//! behind it like behind any dead head. Tables created by `migrate` also refuse such ids,
+//! payloads and headers that are not a JSON object (SQLite cannot check that the object's
+//! values are strings: such a row is quarantined). Tables created by earlier versions are not
+//! altered.
+//!
 //! # Durability
 //!
 //! The database runs in WAL mode. The default [`Synchronous::Normal`] survives process crashes
@@ -127,12 +138,15 @@
 //! ```sql
 //! CREATE TABLE IF NOT EXISTS outbox (
 //!     seq           INTEGER PRIMARY KEY AUTOINCREMENT,
-//!     id            TEXT    NOT NULL UNIQUE,          -- UUID, hyphenated
+//!     id            TEXT    NOT NULL UNIQUE           -- UUID, hyphenated
+//!                   CHECK (typeof(id) = 'text' AND length(id) = 36),
 //!     aggregatetype TEXT    NOT NULL,
 //!     aggregateid   TEXT    NOT NULL,
 //!     type          TEXT    NOT NULL,
-//!     payload       TEXT    NOT NULL,                 -- JSON
-//!     headers       TEXT    NOT NULL DEFAULT '{}',    -- JSON object of strings
+//!     payload       TEXT    NOT NULL                  -- JSON
+//!                   CHECK (typeof(payload) = 'text'),
+//!     headers       TEXT    NOT NULL DEFAULT '{}'     -- JSON object of strings
+//!                   CHECK (json_valid(headers) AND json_type(headers) = 'object'),
 //!     partition_key TEXT,                             -- NULL: unordered
 //!     dedup_key     TEXT    UNIQUE,
 //!     state         TEXT    NOT NULL DEFAULT 'pending'

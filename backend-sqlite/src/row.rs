@@ -1,11 +1,12 @@
 //! Conversions between stored rows and contract types: messages, ids and times.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use outbox_traits::chrono::{DateTime, Utc};
+use outbox_traits::quarantine::{self, Poison};
 use outbox_traits::uuid::Uuid;
 use outbox_traits::{Error, Message};
+use rusqlite::types::ValueRef;
 use rusqlite::Row;
 
 /// Longest duration accepted for leases, retry delays and purge ages: 100 years. Keeps every
@@ -37,40 +38,52 @@ pub(crate) fn from_time(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
-/// Read a [`Message`] from a row whose first columns are [`crate::sql::MESSAGE_COLUMNS`].
-pub(crate) fn message(row: &Row<'_>) -> rusqlite::Result<Message> {
-    let id: String = row.get(0)?;
-    let id = Uuid::parse_str(&id).map_err(|e| {
-        rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, Box::new(e))
-    })?;
-    let headers: String = row.get(6)?;
-    let attempts: i64 = row.get(9)?;
-    Ok(Message {
-        id,
-        seq: row.get(1)?,
-        aggregate_type: row.get(2)?,
-        aggregate_id: row.get(3)?,
-        event_type: row.get(4)?,
-        payload: row.get(5)?,
-        headers: parse_headers(&headers, id),
-        partition_key: row.get(7)?,
-        dedup_key: row.get(8)?,
-        attempts: u32::try_from(attempts.max(0)).unwrap_or(u32::MAX),
-        created_at: to_time(row.get(10)?),
-    })
+/// A [`Message`] from a row whose first columns are [`crate::sql::MESSAGE_COLUMNS`], or the
+/// [`Poison`] naming the first column that does not decode. `Err` only when not even the
+/// row's `seq` can be read.
+pub(crate) fn decode(row: &Row<'_>) -> rusqlite::Result<Result<Message, Poison>> {
+    let seq: i64 = row.get(1)?;
+    let partition_key = row.get::<_, Option<String>>(7).ok().flatten();
+    Ok(fields(row, seq).map_err(|reason| Poison {
+        seq,
+        partition_key,
+        reason,
+    }))
 }
 
-/// Headers are written by this crate as a JSON object of strings. A row edited by hand into
-/// something else must not stall the relay on every claim (a poison message), so it is
-/// published without headers and a warning names it.
-fn parse_headers(text: &str, id: Uuid) -> BTreeMap<String, String> {
-    match serde_json::from_str(text) {
-        Ok(headers) => headers,
-        Err(err) => {
-            tracing::warn!(message_id = %id, error = %err, "outbox headers are not a JSON object of strings; publishing without headers");
-            BTreeMap::new()
-        }
+/// The message columns, or the reason naming the first one that does not decode.
+fn fields(row: &Row<'_>, seq: i64) -> Result<Message, String> {
+    fn get<T: rusqlite::types::FromSql>(
+        row: &Row<'_>,
+        i: usize,
+        column: &str,
+    ) -> Result<T, String> {
+        row.get::<_, T>(i).map_err(|e| {
+            let raw = match row.get_ref(i) {
+                Ok(ValueRef::Text(t)) => Some(String::from_utf8_lossy(t).into_owned()),
+                Ok(ValueRef::Integer(n)) => Some(n.to_string()),
+                Ok(ValueRef::Real(x)) => Some(x.to_string()),
+                _ => None,
+            };
+            quarantine::reason(column, raw.as_deref(), e)
+        })
     }
+    let id = quarantine::id(&get::<String>(row, 0, "id")?)?;
+    let headers = quarantine::headers(&get::<String>(row, 6, "headers")?)?;
+    let attempts: i64 = get(row, 9, "attempts")?;
+    Ok(Message {
+        id,
+        seq,
+        aggregate_type: get(row, 2, "aggregatetype")?,
+        aggregate_id: get(row, 3, "aggregateid")?,
+        event_type: get(row, 4, "type")?,
+        payload: get(row, 5, "payload")?,
+        headers,
+        partition_key: get(row, 7, "partition_key")?,
+        dedup_key: get(row, 8, "dedup_key")?,
+        attempts: u32::try_from(attempts.max(0)).unwrap_or(u32::MAX),
+        created_at: to_time(get(row, 10, "created_at")?),
+    })
 }
 
 /// The stored text form of an id or token.
@@ -89,16 +102,5 @@ mod tests {
         assert_eq!(duration_ms(Duration::ZERO, "delay").unwrap(), 0);
         let err = duration_ms(Duration::from_secs(u64::MAX), "lease").unwrap_err();
         assert!(err.to_string().contains("lease"), "{err}");
-    }
-
-    #[test]
-    fn bad_headers_do_not_fail() {
-        assert!(parse_headers("not json", Uuid::nil()).is_empty());
-        assert_eq!(
-            parse_headers(r#"{"a":"b"}"#, Uuid::nil())
-                .get("a")
-                .map(String::as_str),
-            Some("b")
-        );
     }
 }

@@ -21,12 +21,16 @@ pub(crate) fn schema_sql(table: &str) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS {t} (
     seq           INTEGER PRIMARY KEY AUTOINCREMENT,
-    id            TEXT    NOT NULL UNIQUE,
+    -- Ids, payloads and headers are checked so that a row written by plain SQL cannot hold
+    -- what the relay cannot read (tables made before these checks keep their rows; the relay
+    -- dead-letters a bad one, see the README).
+    id            TEXT    NOT NULL UNIQUE CHECK (typeof(id) = 'text' AND length(id) = 36),
     aggregatetype TEXT    NOT NULL,
     aggregateid   TEXT    NOT NULL,
     type          TEXT    NOT NULL,
-    payload       TEXT    NOT NULL,
-    headers       TEXT    NOT NULL DEFAULT '{{}}',
+    payload       TEXT    NOT NULL CHECK (typeof(payload) = 'text'),
+    headers       TEXT    NOT NULL DEFAULT '{{}}'
+                  CHECK (json_valid(headers) AND json_type(headers) = 'object'),
     partition_key TEXT,
     dedup_key     TEXT    UNIQUE,
     state         TEXT    NOT NULL DEFAULT 'pending'
@@ -58,7 +62,7 @@ CREATE INDEX IF NOT EXISTS {t}_published ON {t} (published_at) WHERE state = 'pu
     )
 }
 
-/// The columns of a [`outbox_traits::Message`], in the order [`crate::row::message`] reads them.
+/// The columns of a [`outbox_traits::Message`], in the order [`crate::row::decode`] reads them.
 pub(crate) const MESSAGE_COLUMNS: &str = "id, seq, aggregatetype, aggregateid, type, payload, \
      headers, partition_key, dedup_key, attempts, created_at";
 
@@ -73,6 +77,10 @@ pub(crate) struct Sql {
     pub(crate) any_dead: String,
     pub(crate) first_dead_of_key: String,
     pub(crate) lease: String,
+    /// Dead-letter an undecodable row just leased by a claim: `?1` seq, `?2` reason.
+    pub(crate) quarantine: String,
+    /// Give back a row just leased by a claim that waits behind an undecodable one: `?1` seq.
+    pub(crate) unlease: String,
     pub(crate) complete: String,
     pub(crate) fail_retry: String,
     pub(crate) fail_dead: String,
@@ -81,6 +89,10 @@ pub(crate) struct Sql {
     pub(crate) list_dead: String,
     pub(crate) requeue: String,
     pub(crate) discard: String,
+    /// [`Sql::requeue`] by seq.
+    pub(crate) requeue_seq: String,
+    /// [`Sql::discard`] by seq.
+    pub(crate) discard_seq: String,
     pub(crate) purge: String,
     pub(crate) counts: String,
 }
@@ -108,6 +120,14 @@ impl Sql {
             lease: format!(
                 "UPDATE {t} SET state = 'leased', lease_token = ?1, lease_until = ?2 \
                  WHERE seq = ?3 RETURNING {MESSAGE_COLUMNS}"
+            ),
+            quarantine: format!(
+                "UPDATE {t} SET state = 'dead', last_error = ?2, lease_token = NULL, \
+                 lease_until = NULL WHERE seq = ?1"
+            ),
+            unlease: format!(
+                "UPDATE {t} SET state = 'pending', lease_token = NULL, lease_until = NULL \
+                 WHERE seq = ?1"
             ),
             complete: if delete_published {
                 format!("DELETE FROM {t} WHERE {FENCE}")
@@ -142,6 +162,11 @@ impl Sql {
                  WHERE id = ?1 AND state = 'dead'"
             ),
             discard: format!("DELETE FROM {t} WHERE id = ?1 AND state = 'dead'"),
+            requeue_seq: format!(
+                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = ?2 \
+                 WHERE seq = ?1 AND state = 'dead'"
+            ),
+            discard_seq: format!("DELETE FROM {t} WHERE seq = ?1 AND state = 'dead'"),
             purge: format!(
                 "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} INDEXED BY {t}_published \
                  WHERE state = 'published' AND published_at < ?1 ORDER BY published_at LIMIT ?2)"

@@ -109,6 +109,10 @@ enum Command {
 pub struct Select {
     /// Message ids.
     pub ids: Vec<Uuid>,
+    /// Dead messages by `seq` (repeatable): also works for a quarantined row whose id is not a
+    /// UUID (`dead list` shows every row's seq).
+    #[arg(long = "seq", value_name = "SEQ")]
+    pub seqs: Vec<i64>,
     /// Every dead message of this partition key.
     #[arg(long)]
     pub key: Option<String>,
@@ -143,10 +147,10 @@ enum DeadCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Make dead messages pending again, with their attempts reset: by id, `--key`,
+    /// Make dead messages pending again, with their attempts reset: by id, `--seq`, `--key`,
     /// `--event-type` or `--all`.
     Requeue(Select),
-    /// Delete dead messages: by id, `--key`, `--event-type` or `--all`.
+    /// Delete dead messages: by id, `--seq`, `--key`, `--event-type` or `--all`.
     Discard(Select),
 }
 

@@ -174,6 +174,10 @@ fn dead_json(dead: &DeadMessage) -> Value {
         line["payload"] = payload;
     }
     line["last_error"] = json!(dead.last_error);
+    if let Some(raw) = &dead.raw_id {
+        // A quarantined row whose id is not a UUID: show what is stored.
+        line["id"] = json!(raw);
+    }
     line
 }
 
@@ -199,7 +203,10 @@ pub async fn dead_list(
             let m = &d.message;
             vec![
                 m.seq.to_string(),
-                m.id.to_string(),
+                match &d.raw_id {
+                    Some(raw) => cell(raw, 36),
+                    None => m.id.to_string(),
+                },
                 cell(m.partition_key.as_deref().unwrap_or("-"), 30),
                 cell(&m.event_type, 30),
                 m.attempts.to_string(),
@@ -244,6 +251,13 @@ impl Bulk {
             Bulk::Discard => admin.discard(ids).await,
         }
     }
+
+    async fn apply_seqs(self, admin: &dyn OutboxAdmin, seqs: &[i64]) -> Result<u64, Error> {
+        match self {
+            Bulk::Requeue => admin.requeue_seqs(seqs).await,
+            Bulk::Discard => admin.discard_seqs(seqs).await,
+        }
+    }
 }
 
 /// Ask on the terminal; off a terminal, refuse (a script must say `--yes`).
@@ -267,15 +281,16 @@ fn confirm(question: &str) -> Result<bool, Error> {
 pub async fn dead_bulk(admin: &dyn OutboxAdmin, select: &Select, bulk: Bulk) -> Result<(), Error> {
     let filtered = select.key.is_some() || select.event_type.is_some();
     let bulk_wanted = filtered || select.all;
-    if select.ids.is_empty() && !bulk_wanted {
+    let listed = !select.ids.is_empty() || !select.seqs.is_empty();
+    if !listed && !bulk_wanted {
         return Err(Error::invalid_input(format!(
-            "nothing to {}: give message ids, --key KEY, --event-type TYPE or --all",
+            "nothing to {}: give message ids, --seq SEQ, --key KEY, --event-type TYPE or --all",
             bulk.verb()
         )));
     }
-    if !select.ids.is_empty() && bulk_wanted {
+    if listed && bulk_wanted {
         return Err(Error::invalid_input(
-            "give either message ids or --key/--event-type/--all, not both",
+            "give either message ids/--seq or --key/--event-type/--all, not both",
         ));
     }
     if select.all && filtered {
@@ -284,7 +299,8 @@ pub async fn dead_bulk(admin: &dyn OutboxAdmin, select: &Select, bulk: Bulk) -> 
         ));
     }
     if !bulk_wanted {
-        let n = bulk.apply(admin, &select.ids).await?;
+        let mut n = bulk.apply(admin, &select.ids).await?;
+        n += bulk.apply_seqs(admin, &select.seqs).await?;
         print(&json!({ bulk.done(): n }));
         return Ok(());
     }
@@ -296,17 +312,18 @@ pub async fn dead_bulk(admin: &dyn OutboxAdmin, select: &Select, bulk: Bulk) -> 
         select.event_type.as_deref(),
     )
     .await?;
-    let ids: Vec<Uuid> = found.iter().map(|d| d.message.id).collect();
-    if !ids.is_empty() && !select.yes {
-        let question = format!("{} {} dead message(s)?", bulk.verb(), ids.len());
+    // By seq: quarantined rows, whose id is not a UUID, are taken too.
+    let seqs: Vec<i64> = found.iter().map(|d| d.message.seq).collect();
+    if !seqs.is_empty() && !select.yes {
+        let question = format!("{} {} dead message(s)?", bulk.verb(), seqs.len());
         if !confirm(&question)? {
             return Err(Error::invalid_input(format!("{} cancelled", bulk.verb())));
         }
     }
-    let mut progress = Progress::new(bulk.done(), Some(ids.len() as u64));
+    let mut progress = Progress::new(bulk.done(), Some(seqs.len() as u64));
     let mut n = 0;
-    for chunk in ids.chunks(PAGE) {
-        n += bulk.apply(admin, chunk).await?;
+    for chunk in seqs.chunks(PAGE) {
+        n += bulk.apply_seqs(admin, chunk).await?;
         progress.set(n);
     }
     progress.finish();

@@ -590,6 +590,7 @@ impl OutboxAdmin for MemoryStore {
             .map(|(_, row)| DeadMessage {
                 message: row.message.clone(),
                 last_error: row.last_error.clone().unwrap_or_default(),
+                raw_id: None,
             })
             .collect())
     }

@@ -75,6 +75,7 @@ mod error;
 mod ident;
 mod message;
 mod publisher;
+pub mod quarantine;
 mod secret;
 mod store;
 

@@ -292,6 +292,11 @@ pub struct DeadMessage {
     pub message: Message,
     /// The last recorded error.
     pub last_error: String,
+    /// The stored id, when it is not a UUID (a row written by hand that the relay quarantined,
+    /// see [`crate::quarantine`]); `message.id` is then the nil UUID, and the message is
+    /// requeued or discarded by its `seq` ([`OutboxAdmin::requeue_seqs`]). Columns of such a row
+    /// that do not decode are shown empty; `last_error` says which one is wrong.
+    pub raw_id: Option<String>,
 }
 
 /// How many messages a store holds in each state.
@@ -373,6 +378,27 @@ pub trait OutboxAdmin: Send + Sync {
     /// # Behavior
     /// Returns how many were discarded; ids that are not dead are ignored.
     async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error>;
+
+    /// [`OutboxAdmin::requeue`] by `seq`: works for dead rows whose id cannot be read.
+    ///
+    /// # Behavior
+    /// Returns how many were requeued; seqs that are not dead are ignored. The default looks
+    /// the seqs up with [`OutboxAdmin::list_dead`] and requeues their ids (enough for a store
+    /// whose rows always decode); SQL stores override it with one statement.
+    async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        let ids = dead_ids(self, seqs).await?;
+        self.requeue(&ids).await
+    }
+
+    /// [`OutboxAdmin::discard`] by `seq`: works for dead rows whose id cannot be read.
+    ///
+    /// # Behavior
+    /// Returns how many were discarded; seqs that are not dead are ignored (default: as for
+    /// [`OutboxAdmin::requeue_seqs`]).
+    async fn discard_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        let ids = dead_ids(self, seqs).await?;
+        self.discard(&ids).await
+    }
 
     /// Delete at most `batch` published messages published more than `older_than` ago
     /// (database clock). Returns how many were deleted; call again until it returns 0.
@@ -462,6 +488,12 @@ macro_rules! forward_store {
             async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error> {
                 (**self).discard(ids).await
             }
+            async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+                (**self).requeue_seqs(seqs).await
+            }
+            async fn discard_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+                (**self).discard_seqs(seqs).await
+            }
             async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
                 (**self).purge_published(older_than, batch).await
             }
@@ -479,3 +511,27 @@ macro_rules! forward_store {
 }
 
 forward_store!(&T, Arc<T>, Box<T>);
+
+/// The ids of the dead messages among `seqs`, read a page of dead letters at a time.
+async fn dead_ids<A: OutboxAdmin + ?Sized>(admin: &A, seqs: &[i64]) -> Result<Vec<Uuid>, Error> {
+    const PAGE: usize = 500;
+    let Some(&last) = seqs.iter().max() else {
+        return Ok(Vec::new());
+    };
+    let wanted: std::collections::HashSet<i64> = seqs.iter().copied().collect();
+    let mut ids = Vec::new();
+    let mut after = None;
+    loop {
+        let page = admin.list_dead(after, PAGE).await?;
+        let full = page.len() == PAGE;
+        for dead in &page {
+            if wanted.contains(&dead.message.seq) {
+                ids.push(dead.message.id);
+            }
+        }
+        match page.last() {
+            Some(d) if full && d.message.seq < last => after = Some(d.message.seq),
+            _ => return Ok(ids),
+        }
+    }
+}

@@ -400,6 +400,7 @@ impl OutboxAdmin for VecStore {
             .map(|r| DeadMessage {
                 message: r.message.clone(),
                 last_error: r.last_error.clone().unwrap_or_default(),
+                raw_id: None,
             })
             .collect())
     }

@@ -1,0 +1,145 @@
+//! Rows that cannot become a [`Message`]: a store's claim meets them (a row
+//! written by hand or by another tool with an id that is not a UUID, headers that are not a JSON
+//! object of strings, a payload that is not text, ...). Such a row must not stop the other rows:
+//! the store dead-letters it on its own, by `seq`, with a [`Poison::reason`] that names the
+//! column and what is wrong with its value, and hands out the rest of the claim. Under
+//! [`HeadPolicy::Block`] its key's later rows wait behind it like behind any dead head
+//! ([`held_back`]).
+//!
+//! The helpers here are shared by the stores so that every backend words reasons the same way.
+
+use std::collections::BTreeMap;
+use std::fmt::Display;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::{HeadPolicy, Message};
+
+/// Longest quoted value in a reason; longer values are cut (at a character boundary) and marked.
+const MAX_VALUE_CHARS: usize = 120;
+
+/// A claimed row that does not decode: dead-lettered by `seq` instead of being handed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Poison {
+    /// The row's `seq`.
+    pub seq: i64,
+    /// The row's partition key, when it could be read.
+    pub partition_key: Option<String>,
+    /// Why: the column and the value's problem, as stored in `last_error`.
+    pub reason: String,
+}
+
+/// The reason for a row whose `column` holds `value` (`None`: the value could not even be read
+/// as text) with `problem`.
+pub fn reason(column: &str, value: Option<&str>, problem: impl Display) -> String {
+    let value = match value {
+        Some(value) => {
+            let mut shown: String = value.chars().take(MAX_VALUE_CHARS).collect();
+            if shown.len() < value.len() {
+                shown.push('…');
+            }
+            format!(" value {shown:?}")
+        }
+        None => String::new(),
+    };
+    format!("undecodable row: column {column}{value}: {problem}; dead-lettered without publishing")
+}
+
+/// Stored headers as a map, or the reason they are refused (valid JSON that is not an object of
+/// strings included).
+pub fn headers(text: &str) -> Result<BTreeMap<String, String>, String> {
+    serde_json::from_str(text).map_err(|e| {
+        reason(
+            "headers",
+            Some(text),
+            format!("not a JSON object of strings ({e})"),
+        )
+    })
+}
+
+/// A stored id as a UUID, or the reason it is refused.
+pub fn id(text: &str) -> Result<Uuid, String> {
+    Uuid::parse_str(text).map_err(|e| reason("id", Some(text), format!("not a UUID ({e})")))
+}
+
+/// Whether a claimed message at `seq` with `key` must wait behind a poisoned row of the same
+/// claim: under [`HeadPolicy::Block`], when an earlier poisoned row has the same key. (A
+/// poisoned row whose key could not be read holds back nothing.)
+pub fn held_back(poisoned: &[Poison], policy: HeadPolicy, seq: i64, key: Option<&str>) -> bool {
+    let Some(key) = key else {
+        return false;
+    };
+    policy == HeadPolicy::Block
+        && poisoned
+            .iter()
+            .any(|p| p.seq < seq && p.partition_key.as_deref() == Some(key))
+}
+
+/// A dead row that does not decode, shown as well as it can be for operators: the message with
+/// every column that reads as text (`text` returns a column's text, `None` when it has none),
+/// the others empty, and the stored id when it is not a UUID (the message's id is then nil).
+pub fn lenient(
+    seq: i64,
+    text: impl Fn(&str) -> Option<String>,
+    attempts: Option<u32>,
+    created_at: Option<DateTime<Utc>>,
+) -> (Message, Option<String>) {
+    let raw_id = text("id").unwrap_or_default();
+    let (id, raw_id) = match Uuid::parse_str(&raw_id) {
+        Ok(id) => (id, None),
+        Err(_) => (Uuid::nil(), Some(raw_id)),
+    };
+    let message = Message {
+        id,
+        seq,
+        aggregate_type: text("aggregatetype").unwrap_or_default(),
+        aggregate_id: text("aggregateid").unwrap_or_default(),
+        event_type: text("type").unwrap_or_default(),
+        payload: text("payload").unwrap_or_default(),
+        headers: text("headers")
+            .and_then(|h| headers(&h).ok())
+            .unwrap_or_default(),
+        partition_key: text("partition_key"),
+        dedup_key: text("dedup_key"),
+        attempts: attempts.unwrap_or(0),
+        created_at: created_at.unwrap_or(DateTime::UNIX_EPOCH),
+    };
+    (message, raw_id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_name_the_column_and_the_problem() {
+        let err = headers(r#"{"n":1}"#).unwrap_err();
+        assert!(err.contains("column headers"), "{err}");
+        assert!(err.contains(r#"{\"n\":1}"#), "{err}");
+        assert!(err.contains("not a JSON object of strings"), "{err}");
+        assert!(headers("[1]").is_err());
+        assert_eq!(headers(r#"{"a":"b"}"#).unwrap()["a"], "b");
+        let err = id("nope").unwrap_err();
+        assert!(
+            err.contains("column id value \"nope\": not a UUID"),
+            "{err}"
+        );
+        let long = "x".repeat(1000);
+        assert!(reason("payload", Some(&long), "bad").len() < 300);
+    }
+
+    #[test]
+    fn only_block_holds_later_rows_of_the_key() {
+        let p = [Poison {
+            seq: 5,
+            partition_key: Some("k".into()),
+            reason: String::new(),
+        }];
+        assert!(held_back(&p, HeadPolicy::Block, 6, Some("k")));
+        assert!(!held_back(&p, HeadPolicy::Block, 4, Some("k")));
+        assert!(!held_back(&p, HeadPolicy::Block, 6, Some("j")));
+        assert!(!held_back(&p, HeadPolicy::Block, 6, None));
+        assert!(!held_back(&p, HeadPolicy::Skip, 6, Some("k")));
+    }
+}
