@@ -5,9 +5,7 @@
 //! The readiness tests wait for the endpoint to change (polling it) while the private server is
 //! down or back; nothing sleeps for a lease or a retry.
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,7 +13,8 @@ use outbox::sqlite::{SqliteConfig, SqliteStore};
 use outbox::{
     ClaimRequest, FailAction, Failure, HeadPolicy, NewMessage, OutboxAdmin, OutboxStore, Publisher,
 };
-use outbox_conformance_tests::env::{service_url, services_required};
+use outbox_conformance_tests::env::service_url;
+use outbox_e2e::private::{free_port, PlainNats, PlainPostgres, PlainRedis};
 use outbox_e2e::unique_suffix;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -25,10 +24,6 @@ mod common;
 use common::{command, json_lines, output, relay_process, run, sigterm, BoxError, GUARD};
 
 type TestResult = Result<(), BoxError>;
-
-fn free_port() -> Result<u16, BoxError> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
 
 /// `GET path` on `addr`: the status code and the body.
 async fn get(addr: &str, path: &str) -> Result<(u16, String), BoxError> {
@@ -78,67 +73,20 @@ async fn until_metrics(addr: &str, needle: &str) -> Result<String, BoxError> {
         .map_err(|_| format!("/metrics never showed {needle}"))?)
 }
 
-/// Poll until something listens on `port` (a server starting up).
-async fn until_port(port: u16) -> TestResult {
-    let poll = async {
-        while tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_err()
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    tokio::time::timeout(GUARD, poll)
-        .await
-        .map_err(|_| format!("nothing listens on port {port}"))?;
-    Ok(())
-}
-
-fn installed(path: &str, what: &str) -> bool {
-    if Path::new(path).exists() {
-        return true;
-    }
-    assert!(
-        !services_required(),
-        "{what} ({path}) is needed with OUTBOX_REQUIRE_SERVICES=1"
-    );
-    eprintln!("skipped: {what} is not installed at {path}");
-    false
-}
-
-/// A private nats-server with JetStream on `port`, storing in `dir`. Never the shared one.
-fn start_nats(port: u16, dir: &Path) -> Result<std::process::Child, BoxError> {
-    Ok(std::process::Command::new("/usr/sbin/nats-server")
-        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-        .arg(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?)
-}
-
-fn stop(child: &mut std::process::Child) -> Result<(), BoxError> {
-    child.kill()?;
-    child.wait()?;
-    Ok(())
-}
-
 /// `/health/ready` answers 503 naming the broker while a private NATS is down, and 200 again
 /// once it is back; `/metrics` has real histograms and the gauges; other paths are 404.
 #[tokio::test]
 async fn readiness_follows_a_private_nats_server() -> TestResult {
-    if !installed("/usr/sbin/nats-server", "nats-server") {
+    let Some(mut nats) = PlainNats::start()? else {
         return Ok(());
-    }
+    };
     let dir = tempfile::tempdir()?;
-    let nats_port = free_port()?;
-    let mut nats = start_nats(nats_port, &dir.path().join("js"))?;
     let store = format!("sqlite://{}", dir.path().join("outbox.sqlite").display());
     let broker = format!(
-        "nats://127.0.0.1:{nats_port}?subject=ops.{{event_type}}&stream=OPS&create_stream=true"
+        "{}?subject=ops.{{event_type}}&stream=OPS&create_stream=true",
+        nats.url()
     );
     let addr = format!("127.0.0.1:{}", free_port()?);
-    // The relay connects at start: wait until the private server accepts connections.
-    until_port(nats_port).await?;
     let relay = relay_process([
         "run",
         "--migrate",
@@ -164,116 +112,29 @@ async fn readiness_follows_a_private_nats_server() -> TestResult {
     assert!(metrics.contains("outbox_pending_messages 0"), "{metrics}");
     assert!(metrics.contains("outbox_blocked_keys 0"), "{metrics}");
 
-    stop(&mut nats)?;
+    nats.stop();
     let body = until_status(&addr, "/health/ready", 503).await?;
     let not_ready: Value = serde_json::from_str(&body)?;
     assert_eq!(not_ready["store"], "ok", "{body}");
     assert_ne!(not_ready["broker"], "ok", "{body}");
     until_metrics(&addr, "outbox_broker_up 0").await?;
 
-    let mut nats = start_nats(nats_port, &dir.path().join("js"))?;
+    nats.resume()?;
     until_status(&addr, "/health/ready", 200).await?;
 
     sigterm(&relay).await?;
     let status = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
     assert!(status.status.success(), "{status:?}");
-    stop(&mut nats)?;
     Ok(())
-}
-
-/// The PostgreSQL binaries of the newest installed major version.
-fn pg_bin() -> Option<PathBuf> {
-    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
-        .filter(|p| p.join("initdb").exists())
-        .collect();
-    versions.sort();
-    versions.pop()
-}
-
-/// A private Postgres cluster in a temporary directory, run as user `postgres`; stopped on
-/// drop. Never the shared server.
-struct PrivatePostgres {
-    bin: PathBuf,
-    data: PathBuf,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl PrivatePostgres {
-    fn as_postgres(&self, tool: &str, args: &[&str]) -> Result<(), BoxError> {
-        let status = std::process::Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(self.bin.join(tool))
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()?;
-        if !status.success() {
-            return Err(format!("{tool} {args:?} failed: {status}").into());
-        }
-        Ok(())
-    }
-
-    fn init() -> Result<Self, BoxError> {
-        let bin = pg_bin().ok_or("no PostgreSQL binaries")?;
-        let dir = tempfile::tempdir()?;
-        std::process::Command::new("chown")
-            .args(["-R", "postgres"])
-            .arg(dir.path())
-            .status()?;
-        let pg = Self {
-            bin,
-            data: dir.path().join("data"),
-            port: free_port()?,
-            _dir: dir,
-        };
-        let data = pg.data.display().to_string();
-        pg.as_postgres("initdb", &["-D", &data, "--auth=trust", "-U", "postgres"])?;
-        pg.start()?;
-        Ok(pg)
-    }
-
-    fn start(&self) -> Result<(), BoxError> {
-        let data = self.data.display().to_string();
-        let options = format!("-p {} -k {} -c listen_addresses=127.0.0.1", self.port, data);
-        let log = format!("{data}/../log");
-        self.as_postgres(
-            "pg_ctl",
-            &["start", "-w", "-D", &data, "-l", &log, "-o", &options],
-        )
-    }
-
-    fn stop(&self) -> Result<(), BoxError> {
-        let data = self.data.display().to_string();
-        self.as_postgres("pg_ctl", &["stop", "-w", "-m", "immediate", "-D", &data])
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-}
-
-impl Drop for PrivatePostgres {
-    fn drop(&mut self) {
-        let _ = self.stop();
-    }
 }
 
 /// `/health/ready` answers 503 naming the store while a private Postgres is stopped, and 200
 /// once it runs again.
 #[tokio::test]
 async fn readiness_follows_a_private_postgres() -> TestResult {
-    if pg_bin().is_none() {
-        assert!(
-            !services_required(),
-            "PostgreSQL binaries are needed with OUTBOX_REQUIRE_SERVICES=1"
-        );
-        eprintln!("skipped: no PostgreSQL binaries under /usr/lib/postgresql");
+    let Some(pg) = PlainPostgres::start()? else {
         return Ok(());
-    }
-    let pg = PrivatePostgres::init()?;
+    };
     let addr = format!("127.0.0.1:{}", free_port()?);
     let relay = relay_process([
         "run",
@@ -295,7 +156,7 @@ async fn readiness_follows_a_private_postgres() -> TestResult {
     assert_ne!(not_ready["store"], "ok", "{body}");
     assert_eq!(not_ready["broker"], "ok", "{body}");
 
-    pg.start()?;
+    pg.resume()?;
     until_status(&addr, "/health/ready", 200).await?;
     sigterm(&relay).await?;
     let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
@@ -792,30 +653,13 @@ async fn broker_checks_of_redis_and_kafka() -> TestResult {
         let publisher = outbox::broker::connect(&format!("kafka://{brokers}?topic=ops")).await?;
         publisher.check().await?;
     }
-    if !installed("/usr/bin/redis-server", "redis-server") {
+    let Some(mut redis) = PlainRedis::start()? else {
         return Ok(());
-    }
-    let port = free_port()?;
-    let mut redis = std::process::Command::new("/usr/bin/redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-        ])
-        .args(["--appendonly", "no"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    until_port(port).await?;
-    let publisher = outbox::broker::connect(&format!(
-        "redis://127.0.0.1:{port}?stream=ops&timeout_ms=1000"
-    ))
-    .await?;
+    };
+    let publisher =
+        outbox::broker::connect(&format!("{}?stream=ops&timeout_ms=1000", redis.url())).await?;
     publisher.check().await?;
-    stop(&mut redis)?;
+    redis.stop();
     let err = publisher
         .check()
         .await

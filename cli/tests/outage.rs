@@ -5,14 +5,12 @@
 //! second at most). The 60 s is the outage being tested, not a wait for a retry; every other wait
 //! polls for an event.
 
-use std::net::TcpListener;
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 use outbox::sqlite::{SqliteConfig, SqliteStore};
 use outbox::OutboxAdmin;
-use outbox_conformance_tests::env::services_required;
+use outbox_e2e::private::{free_port, PlainNats, PlainPostgres};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
@@ -20,53 +18,11 @@ use common::{message, relay_process, sigterm, BoxError, GUARD};
 
 type TestResult = Result<(), BoxError>;
 
-const NATS: &str = "/usr/sbin/nats-server";
 /// The outage the issue describes.
 const OUTAGE: Duration = Duration::from_secs(60);
 /// Messages written before and during the outage.
 const BEFORE: usize = 100;
 const DURING: usize = 100;
-
-fn free_port() -> Result<u16, BoxError> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// Our own private nats-server, stopped (by its child handle, never by name) when dropped.
-struct Nats(std::process::Child);
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_nats(port: u16, dir: &Path) -> Result<Nats, BoxError> {
-    Ok(Nats(
-        std::process::Command::new(NATS)
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?,
-    ))
-}
-
-/// Poll until something listens on `port` (a server starting up).
-async fn until_port(port: u16) -> TestResult {
-    let poll = async {
-        while tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_err()
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    tokio::time::timeout(GUARD, poll)
-        .await
-        .map_err(|_| format!("nothing listens on port {port}"))?;
-    Ok(())
-}
 
 /// The relay's `/metrics` text.
 async fn metrics(addr: &str) -> Result<String, BoxError> {
@@ -125,20 +81,14 @@ async fn until_published(store: &SqliteStore, published: u64) -> TestResult {
 
 #[tokio::test]
 async fn a_minute_long_nats_outage_dead_letters_nothing_and_loses_nothing() -> TestResult {
-    if !Path::new(NATS).exists() {
-        assert!(!services_required(), "nats-server ({NATS}) is needed");
-        eprintln!("skipped: nats-server is not installed at {NATS}");
+    let Some(mut nats) = PlainNats::start()? else {
         return Ok(());
-    }
+    };
     let dir = tempfile::tempdir()?;
-    let port = free_port()?;
-    let js = dir.path().join("js");
-    let nats = start_nats(port, &js)?;
-    until_port(port).await?;
     let path = dir.path().join("outbox.sqlite");
     enqueue(&path, 0..BEFORE)?;
     let store = SqliteStore::open(&path, SqliteConfig::default()).await?;
-    let url = format!("nats://127.0.0.1:{port}");
+    let url = nats.url();
     let broker = format!("{url}?subject=outage.{{event_type}}&stream=OUTAGE&create_stream=true");
     let addr = format!("127.0.0.1:{}", free_port()?);
     let sqlite = format!("sqlite://{}", path.display());
@@ -156,7 +106,7 @@ async fn a_minute_long_nats_outage_dead_letters_nothing_and_loses_nothing() -> T
     until_published(&store, BEFORE as u64).await?;
 
     // Mid-stream: the broker goes away while more messages are written.
-    drop(nats);
+    nats.stop();
     enqueue(&path, BEFORE..BEFORE + DURING)?;
     tokio::time::sleep(OUTAGE).await;
     let during = metrics(&addr).await?;
@@ -173,7 +123,7 @@ async fn a_minute_long_nats_outage_dead_letters_nothing_and_loses_nothing() -> T
         "{probes} probes during a {OUTAGE:?} outage"
     );
 
-    let nats = start_nats(port, &js)?;
+    nats.resume()?;
     until_published(&store, (BEFORE + DURING) as u64).await?;
     let after = metrics(&addr).await?;
     assert_eq!(metric(&after, "outbox_dead_total"), 0.0, "{after}");
@@ -216,89 +166,6 @@ async fn a_minute_long_nats_outage_dead_letters_nothing_and_loses_nothing() -> T
     Ok(())
 }
 
-/// The PostgreSQL binaries of the newest installed major version.
-fn pg_bin() -> Option<std::path::PathBuf> {
-    let mut versions: Vec<std::path::PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
-        .filter(|p| p.join("initdb").exists())
-        .collect();
-    versions.sort();
-    versions.pop()
-}
-
-/// A private Postgres cluster in a temporary directory, run as user `postgres`; stopped on
-/// drop. Never the shared server.
-struct PrivatePostgres {
-    bin: std::path::PathBuf,
-    data: String,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl PrivatePostgres {
-    fn as_postgres(&self, tool: &str, args: &[&str]) -> TestResult {
-        let status = std::process::Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(self.bin.join(tool))
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()?;
-        if !status.success() {
-            return Err(format!("{tool} {args:?} failed: {status}").into());
-        }
-        Ok(())
-    }
-
-    fn init(bin: std::path::PathBuf) -> Result<Self, BoxError> {
-        let dir = tempfile::tempdir()?;
-        std::process::Command::new("chown")
-            .args(["-R", "postgres"])
-            .arg(dir.path())
-            .status()?;
-        let pg = Self {
-            bin,
-            data: dir.path().join("data").display().to_string(),
-            port: free_port()?,
-            _dir: dir,
-        };
-        pg.as_postgres(
-            "initdb",
-            &["-D", &pg.data, "--auth=trust", "-U", "postgres"],
-        )?;
-        pg.start()?;
-        Ok(pg)
-    }
-
-    fn start(&self) -> TestResult {
-        let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1",
-            self.port, self.data
-        );
-        let log = format!("{}/../log", self.data);
-        let args = ["start", "-w", "-D", &self.data, "-l", &log, "-o", &options];
-        self.as_postgres("pg_ctl", &args)
-    }
-
-    fn stop(&self) -> TestResult {
-        self.as_postgres(
-            "pg_ctl",
-            &["stop", "-w", "-m", "immediate", "-D", &self.data],
-        )
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-}
-
-impl Drop for PrivatePostgres {
-    fn drop(&mut self) {
-        let _ = self.stop();
-    }
-}
-
 /// Poll the Postgres store's counts until `published` messages are published.
 async fn until_pg_published(store: &outbox::postgres::PostgresStore, published: u64) -> TestResult {
     let poll = async {
@@ -321,26 +188,16 @@ async fn until_pg_published(store: &outbox::postgres::PostgresStore, published: 
 /// --max-attempts 2` and started again: nothing dead, nothing lost, one WARN and one INFO.
 #[tokio::test]
 async fn a_postgres_restart_mid_stream_dead_letters_nothing_and_loses_nothing() -> TestResult {
-    let (Some(bin), true) = (pg_bin(), Path::new(NATS).exists()) else {
-        assert!(
-            !services_required(),
-            "PostgreSQL binaries and nats-server are needed"
-        );
-        eprintln!("skipped: no PostgreSQL binaries under /usr/lib/postgresql or no {NATS}");
+    let (Some(pg), Some(nats)) = (PlainPostgres::start()?, PlainNats::start()?) else {
         return Ok(());
     };
-    let pg = PrivatePostgres::init(bin)?;
-    let dir = tempfile::tempdir()?;
-    let port = free_port()?;
-    let _nats = start_nats(port, &dir.path().join("js"))?;
-    until_port(port).await?;
     let config = outbox::postgres::PostgresConfig::default();
     let pool = sqlx::PgPool::connect(&pg.url()).await?;
     let store = outbox::postgres::PostgresStore::new(pool.clone(), config.clone());
     store.migrate().await?;
     let batch = |range: std::ops::Range<usize>| range.map(|n| message(n, 7)).collect::<Vec<_>>();
     outbox::postgres::enqueue_batch(&pool, &config, &batch(0..BEFORE)).await?;
-    let url = format!("nats://127.0.0.1:{port}");
+    let url = nats.url();
     let broker = format!("{url}?subject=pgout.{{event_type}}&stream=PGOUT&create_stream=true");
     let relay = relay_process([
         "run",
@@ -358,7 +215,7 @@ async fn a_postgres_restart_mid_stream_dead_letters_nothing_and_loses_nothing() 
     pg.stop()?;
     // The outage under test (not a wait for a retry to come due).
     tokio::time::sleep(Duration::from_secs(10)).await;
-    pg.start()?;
+    pg.resume()?;
     outbox::postgres::enqueue_batch(&pool, &config, &batch(BEFORE..BEFORE + DURING)).await?;
     until_pg_published(&store, (BEFORE + DURING) as u64).await?;
     let counts = store.counts().await?;

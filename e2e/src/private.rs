@@ -13,6 +13,9 @@
 //! | [`PrivateRedis`] | `redis-server --port 0 --tls-port N` | TLS only; client certificate optional or required | `requirepass` |
 //! | [`PrivateKafkaTls`] | a private Tansu behind a TLS front in the test process (Tansu 0.6 cannot serve TLS) | TLS only, verified by librdkafka | none (Tansu cannot create SASL users in memory storage) |
 //! | [`PrivateNats`] | `nats-server -c conf` with JetStream | optional `tls {}` block with `verify: true` | user/password, token, NKey or operator JWTs (`.creds`) |
+//! | [`PlainPostgres`] | `initdb` + `pg_ctl`, stopped and resumed by outage tests | no | `trust` |
+//! | [`PlainNats`] | `nats-server -js`, killed and resumed by outage tests | no | none |
+//! | [`PlainRedis`] | `redis-server --port N`, killed by outage tests | no | none |
 //!
 //! A server whose program is not installed gives `Ok(None)` after printing why the test skips,
 //! or fails when `OUTBOX_REQUIRE_SERVICES=1`.
@@ -249,14 +252,7 @@ impl PrivatePostgres {
             port,
             password,
         };
-        run(Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(server.bin.join("pg_ctl"))
-            .arg("-D")
-            .arg(&data)
-            .arg("-l")
-            .arg(server.dir.path().join("log"))
-            .args(["-w", "-t", "60", "start"]))?;
+        pg_ctl(&server.bin, server.dir.path(), "start")?;
         run(Command::new("runuser")
             .args(["-u", "postgres", "--"])
             .arg(server.bin.join("psql"))
@@ -288,15 +284,90 @@ impl PrivatePostgres {
 
 impl Drop for PrivatePostgres {
     fn drop(&mut self) {
-        let _ = Command::new("runuser")
+        let _ = pg_ctl(&self.bin, self.dir.path(), "stop");
+    }
+}
+
+/// `pg_ctl start` (waiting up to 60 s) or `pg_ctl stop` (immediate shutdown) of the cluster in
+/// `dir/data`, logging to `dir/log`, as user `postgres`.
+fn pg_ctl(bin: &Path, dir: &Path, action: &str) -> Result<(), BoxError> {
+    let mut command = Command::new("runuser");
+    command
+        .args(["-u", "postgres", "--"])
+        .arg(bin.join("pg_ctl"))
+        .arg("-D")
+        .arg(dir.join("data"))
+        .arg("-l")
+        .arg(dir.join("log"))
+        .args(["-w", "-t", "60"]);
+    if action == "stop" {
+        command.args(["-m", "immediate"]);
+    }
+    run(command.arg(action))
+}
+
+/// A private PostgreSQL with `trust` authentication on 127.0.0.1 (user and database
+/// `postgres`), for outage tests: [`stop`](Self::stop) shuts it down at once (as a crash would)
+/// and [`resume`](Self::resume) starts it again on the same port and data. Stopped when dropped.
+#[derive(Debug)]
+pub struct PlainPostgres {
+    dir: TempDir,
+    bin: PathBuf,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+}
+
+impl PlainPostgres {
+    /// initdb, start and wait until it accepts connections. Takes about 2 s.
+    pub fn start() -> Result<Option<Self>, BoxError> {
+        let Some(bin) = postgres_bin() else {
+            return missing("PostgreSQL (/usr/lib/postgresql/*/bin/initdb)");
+        };
+        let dir = tempfile::Builder::new().prefix("outbox-pg-").tempdir()?;
+        let data = dir.path().join("data");
+        run(Command::new("chown")
+            .arg("-R")
+            .arg("postgres:")
+            .arg(dir.path()))?;
+        run(Command::new("runuser")
             .args(["-u", "postgres", "--"])
-            .arg(self.bin.join("pg_ctl"))
+            .arg(bin.join("initdb"))
             .arg("-D")
-            .arg(self.dir.path().join("data"))
-            .args(["-m", "immediate", "-w", "stop"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+            .arg(&data)
+            .args(["-U", "postgres", "-E", "UTF8", "--no-sync", "--auth=trust"]))?;
+        let port = free_port()?;
+        let d = dir.path().display();
+        let conf_path = data.join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf_path)?;
+        text.push_str(&format!(
+            "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{d}'\n\
+             fsync = off\nmax_connections = 40\n"
+        ));
+        std::fs::write(&conf_path, text)?;
+        let server = Self { dir, bin, port };
+        server.resume()?;
+        Ok(Some(server))
+    }
+
+    /// Shut it down at once (`pg_ctl stop -m immediate`): connections drop as in a crash.
+    pub fn stop(&self) -> Result<(), BoxError> {
+        pg_ctl(&self.bin, self.dir.path(), "stop")
+    }
+
+    /// Start it again after [`stop`](Self::stop) and wait until it accepts connections.
+    pub fn resume(&self) -> Result<(), BoxError> {
+        pg_ctl(&self.bin, self.dir.path(), "start")
+    }
+
+    /// `postgres://postgres@127.0.0.1:PORT/postgres`.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for PlainPostgres {
+    fn drop(&mut self) {
+        let _ = self.stop();
     }
 }
 
@@ -653,6 +724,117 @@ impl PrivateNats {
             _dir: dir,
             port,
         }))
+    }
+}
+
+/// A private `nats-server` with JetStream and no authentication, for outage tests:
+/// [`stop`](Self::stop) kills it (by its pid) and [`resume`](Self::resume) starts it again on the
+/// same port with the same JetStream directory, so streams and their messages survive.
+/// Killed when dropped.
+#[derive(Debug)]
+pub struct PlainNats {
+    child: Option<Owned>,
+    program: &'static str,
+    dir: TempDir,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+}
+
+impl PlainNats {
+    /// Start it and wait until it accepts connections.
+    pub fn start() -> Result<Option<Self>, BoxError> {
+        let program = ["/usr/sbin/nats-server", "nats-server"]
+            .into_iter()
+            .find(|p| installed(p));
+        let Some(program) = program else {
+            return missing("nats-server");
+        };
+        let mut server = Self {
+            child: None,
+            program,
+            dir: tempfile::Builder::new().prefix("outbox-nats-").tempdir()?,
+            port: free_port()?,
+        };
+        server.resume()?;
+        Ok(Some(server))
+    }
+
+    /// Kill it; its JetStream directory stays.
+    pub fn stop(&mut self) {
+        self.child = None;
+    }
+
+    /// Start it (again) on its port and wait until it accepts connections.
+    pub fn resume(&mut self) -> Result<(), BoxError> {
+        let log = self.dir.path().join("log");
+        let mut child = spawn(
+            Command::new(self.program)
+                .args([
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-js",
+                    "-sd",
+                ])
+                .arg(self.dir.path().join("js")),
+            &log,
+        )?;
+        wait_port(self.port, Some(&mut child.0), &log)?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// `nats://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+/// A private `redis-server` on a plain TCP port that keeps nothing on disk, for outage tests:
+/// [`stop`](Self::stop) kills it (by its pid). Killed when dropped.
+#[derive(Debug)]
+pub struct PlainRedis {
+    child: Option<Owned>,
+    _dir: TempDir,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+}
+
+impl PlainRedis {
+    /// Start it and wait until it accepts connections.
+    pub fn start() -> Result<Option<Self>, BoxError> {
+        let program = ["/usr/bin/redis-server", "redis-server"]
+            .into_iter()
+            .find(|p| installed(p));
+        let Some(program) = program else {
+            return missing("redis-server");
+        };
+        let dir = tempfile::Builder::new().prefix("outbox-redis-").tempdir()?;
+        let port = free_port()?;
+        let log = dir.path().join("log");
+        let mut child = spawn(
+            Command::new(program)
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"]),
+            &log,
+        )?;
+        wait_port(port, Some(&mut child.0), &log)?;
+        Ok(Some(Self {
+            child: Some(child),
+            _dir: dir,
+            port,
+        }))
+    }
+
+    /// Kill it.
+    pub fn stop(&mut self) {
+        self.child = None;
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
     }
 }
 
