@@ -17,6 +17,7 @@ use uuid::Uuid;
 use crate::error::map_sqlx;
 use crate::lease;
 use crate::row::decode;
+use crate::sql::{CLAIM_IDLE_TIMEOUT, LOCK_TIMEOUT};
 use crate::store::PostgresStore;
 use crate::wake::PgWakeSource;
 
@@ -28,8 +29,21 @@ use crate::wake::PgWakeSource;
 /// for this transaction only leaves the ordered index scan; nothing else in the claim wants
 /// them.
 /// (`set_config(..., true)` is `SET LOCAL`, as one statement.)
+///
+/// The same statement bounds what a frozen relay can cost the others (see [`LOCK_TIMEOUT`]
+/// and [`CLAIM_IDLE_TIMEOUT`]): the claim waits at most that long for a row lock, and its
+/// transaction, which holds the rows it locked, cannot stay idle longer than that.
 const CLAIM_PLAN: &str = "SELECT set_config('enable_bitmapscan', 'off', true), \
-                          set_config('enable_seqscan', 'off', true)";
+                          set_config('enable_seqscan', 'off', true), \
+                          set_config('lock_timeout', $1, true), \
+                          set_config('idle_in_transaction_session_timeout', $2, true)";
+
+/// [`CLAIM_PLAN`] with its timeouts bound.
+fn claim_plan() -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(CLAIM_PLAN)
+        .bind(LOCK_TIMEOUT)
+        .bind(CLAIM_IDLE_TIMEOUT)
+}
 
 /// A claim of `limit` rows reads at most `limit * CLAIM_WINDOW` unpublished rows in seq order
 /// (see `Sql::claim_block`); past them it takes only key heads, key by key.
@@ -92,10 +106,7 @@ impl OutboxStore for PostgresStore {
         let (lease_until, mut messages) = tokio::spawn(async move {
             let err = |e| map_sqlx(e, "claim", &table);
             let mut tx = pool.begin().await.map_err(err)?;
-            sqlx::query(CLAIM_PLAN)
-                .execute(&mut *tx)
-                .await
-                .map_err(err)?;
+            claim_plan().execute(&mut *tx).await.map_err(err)?;
             let mut rows: Vec<PgRow> = claim_statement(&sql, limit, token, lease_us, window)
                 .fetch_all(&mut *tx)
                 .await
@@ -287,7 +298,7 @@ mod tests {
             async move {
                 let mut tx = pool.begin().await?;
                 if pin {
-                    sqlx::query(CLAIM_PLAN).execute(&mut *tx).await?;
+                    claim_plan().execute(&mut *tx).await?;
                 }
                 tx.execute(
                     format!("PREPARE claim_plan(bigint, uuid, bigint, bigint) AS {sql}").as_str(),
