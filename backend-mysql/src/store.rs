@@ -53,10 +53,8 @@ impl MysqlStore {
     /// [`Error::InvalidInput`] for a malformed URL and [`Error::Unavailable`] when the server
     /// cannot be reached; neither message contains the URL's password.
     ///
-    /// Its connections end a transaction left idle for
-    /// [`IDLE_TRANSACTION_SECS`](crate::sql::IDLE_TRANSACTION_SECS) seconds
-    /// (`idle_transaction_timeout`): a relay frozen mid-claim then frees the rows it locked
-    /// within that time. Set the same on a pool you pass to [`MysqlStore::new`] for the same
+    /// Its connections end a transaction left idle for 5 seconds (`idle_transaction_timeout`):
+    /// a relay frozen mid-claim then frees the rows it locked within that time. Set the same on a pool you pass to [`MysqlStore::new`] for the same
     /// bound (see the crate docs, "A frozen relay").
     pub async fn connect(url: &str, config: MysqlConfig) -> Result<Self, Error> {
         let pool = PoolOptions::<MySql>::new().after_connect(|conn, _| {

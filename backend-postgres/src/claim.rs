@@ -264,6 +264,32 @@ mod tests {
     use super::*;
     use crate::PostgresConfig;
 
+    /// A claim's transaction bounds its lock waits and its idle time, and only its own: the
+    /// connection, back in the pool (your application's, perhaps), keeps its settings.
+    #[tokio::test]
+    async fn the_claim_s_timeouts_end_with_its_transaction(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")
+        else {
+            return Ok(());
+        };
+        let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&url).await?;
+        let show = "SELECT current_setting('lock_timeout'), \
+                    current_setting('idle_in_transaction_session_timeout')";
+        let before: (String, String) = sqlx::query_as(show).fetch_one(&mut conn).await?;
+        let mut tx = sqlx::Connection::begin(&mut conn).await?;
+        claim_plan().execute(&mut *tx).await?;
+        let during: (String, String) = sqlx::query_as(show).fetch_one(&mut *tx).await?;
+        tx.commit().await?;
+        let after: (String, String) = sqlx::query_as(show).fetch_one(&mut conn).await?;
+        assert_eq!(
+            during,
+            (LOCK_TIMEOUT.to_owned(), CLAIM_IDLE_TIMEOUT.to_owned())
+        );
+        assert_eq!(after, before);
+        Ok(())
+    }
+
     /// The plan a claim runs with on a table without statistics: with `CLAIM_PLAN` it walks the
     /// claim index in `seq` order; without it the planner sorts the whole backlog (the control,
     /// which shows this test would notice the setting's removal).

@@ -607,3 +607,40 @@ async fn a_relay_frozen_mid_claim_blocks_no_other_call() {
     assert_eq!(names(&db.claim(10, Block).await), ["c1"]);
     db.drop().await;
 }
+
+/// The lock timeout of the fenced transitions is set inside each statement's own transaction:
+/// the pool's connection (perhaps your application's) keeps its own setting afterwards.
+#[tokio::test]
+async fn the_transitions_lock_timeout_stays_in_their_statements() {
+    let Some(db) = db().await else { return };
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool.clone(), db.config.clone());
+    db.enqueue(&[msg("k", "k1"), msg("j", "j1")]).await;
+    let claim = store
+        .claim(&ClaimRequest {
+            limit: 10,
+            lease: Duration::from_secs(30),
+            head_policy: Block,
+        })
+        .await
+        .unwrap();
+    let show = || async {
+        sqlx::query_scalar::<_, String>("SELECT current_setting('lock_timeout')")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let before = show().await;
+    store
+        .extend(claim.token, Duration::from_secs(30))
+        .await
+        .unwrap();
+    store.complete(claim.token, &ids(&claim)).await.unwrap();
+    assert_eq!(show().await, before);
+    pool.close().await;
+    db.drop().await;
+}

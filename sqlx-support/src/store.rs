@@ -40,7 +40,7 @@ impl<DB: Database, C> SqlxStore<DB, C> {
     /// connection); `what` names the database in errors.
     ///
     /// # Errors
-    /// As [`connect_pool`]: [`Error::InvalidInput`] for a malformed URL and
+    /// As [`connect_pool`](crate::connect_pool): [`Error::InvalidInput`] for a malformed URL and
     /// [`Error::Unavailable`] when the server cannot be reached; neither message contains the
     /// URL's password.
     pub async fn connect(url: &str, what: &str, config: C) -> Result<Self, Error> {
