@@ -4,6 +4,12 @@
 //! `lease_token` and an unexpired lease, by the database's clock), change exactly those, commit,
 //! and report the ids that were not held. A transaction InnoDB rolls back as a deadlock victim
 //! runs again (a few times).
+//!
+//! A transition never waits for rows whose lease it lost: the rows are locked with
+//! `SKIP LOCKED`, and only a skipped row that a plain read shows still held (locked by a claim
+//! whose scan read it) is waited for, at most [`LOCK_WAIT_SECS`](crate::sql::LOCK_WAIT_SECS);
+//! `extend` waits at most as long. A lock wait timeout is transient: the relay retries while
+//! its lease lasts.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -11,7 +17,7 @@ use std::time::Duration;
 use chrono::{DateTime, NaiveDateTime, Utc};
 use outbox_sqlx_support::row::truncate_error;
 use outbox_traits::{Error, FailAction, Failure, LeaseToken};
-use sqlx::Row;
+use sqlx::{MySql, Row, Transaction};
 use uuid::Uuid;
 
 use crate::error::is_deadlock;
@@ -133,16 +139,35 @@ impl MysqlStore {
         rows: &impl Fn(&[String]) -> Result<String, Error>,
     ) -> Result<Vec<String>, Error> {
         let err = self.err(op);
+        let sql = self.config().sql();
+        let token = token.0.hyphenated().to_string();
         let mut tx = self.pool().begin_with(BEGIN).await.map_err(&err)?;
-        let held = sqlx::query(&self.config().sql().held)
-            .bind(list)
-            .bind(token.0.hyphenated().to_string())
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(&err)?
-            .iter()
-            .map(|row| text(row, "id", self.config().qualified_table()))
-            .collect::<Result<Vec<String>, Error>>()?;
+        let mut held = self.held_ids(&mut tx, &sql.held, list, &token, op).await?;
+        let wanted: Vec<String> = serde_json::from_str(list).unwrap_or_default();
+        if held.len() < wanted.len() {
+            // Skipped rows are either no longer held (expired, taken over, finished) or held
+            // but locked by another transaction. A plain read, which never waits, tells them
+            // apart; only the latter are worth a (bounded) wait. A row taken over by a claim
+            // that froze before committing reads as no longer held: this call does not wait
+            // for that claim.
+            let locked_now: HashSet<&String> = held.iter().collect();
+            let rest: Vec<&String> = wanted
+                .iter()
+                .filter(|id| !locked_now.contains(id))
+                .collect();
+            let rest = serde_json::to_string(&rest).unwrap_or_default();
+            let locked = self
+                .held_ids(&mut tx, &sql.held_unlocked, &rest, &token, op)
+                .await?;
+            if !locked.is_empty() {
+                let locked = serde_json::to_string(&locked).unwrap_or_default();
+                held.extend(
+                    self.held_ids(&mut tx, &sql.held_wait, &locked, &token, op)
+                        .await?,
+                );
+                held.sort_unstable();
+            }
+        }
         if !held.is_empty() {
             // The held rows are locked until commit: no other relay or lease expiry changes
             // them in between, so they are updated without checking the fence again.
@@ -154,6 +179,27 @@ impl MysqlStore {
         }
         tx.commit().await.map_err(&err)?;
         Ok(held)
+    }
+
+    /// The ids of JSON list `list` that `statement` (one of the `held*` statements) finds held
+    /// under `token`, in list order.
+    async fn held_ids(
+        &self,
+        tx: &mut Transaction<'static, MySql>,
+        statement: &str,
+        list: &str,
+        token: &str,
+        op: &str,
+    ) -> Result<Vec<String>, Error> {
+        sqlx::query(statement)
+            .bind(list)
+            .bind(token)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(self.err(op))?
+            .iter()
+            .map(|row| text(row, "id", self.config().qualified_table()))
+            .collect()
     }
 }
 

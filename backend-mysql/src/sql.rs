@@ -3,7 +3,8 @@
 //! MariaDB has no `UPDATE ... RETURNING`, so a claim is one short transaction of constant
 //! shape (see `claim.rs`): lock candidates with `FOR UPDATE SKIP LOCKED`, check per-key order
 //! in one query, lease the chosen rows in one `UPDATE`, commit. Fenced transitions lock the
-//! rows still held (`SELECT ... FOR UPDATE`) and update them, in one transaction.
+//! rows still held (`SELECT ... FOR UPDATE SKIP LOCKED`, then a bounded wait only for rows
+//! still held that someone else had locked) and update them, in one transaction.
 //!
 //! Lists of ids, sequence numbers or failures travel as one JSON parameter read with
 //! `JSON_TABLE`, so every statement has a fixed text: sqlx prepares it once per connection
@@ -42,6 +43,27 @@ pub(crate) const ID_INDEX: &str = "uq_id";
 /// rows they return (no gap locks that would block the producers' inserts), and the order
 /// check reads the latest committed rows.
 pub(crate) const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+
+/// The longest a fenced transition waits for a row lock another transaction holds, in seconds
+/// (`innodb_lock_wait_timeout` for that one statement; MariaDB counts whole seconds, and 0
+/// would mean not waiting at all). Past it the statement fails with `ER_LOCK_WAIT_TIMEOUT`
+/// (1205), a transient error the relay retries. InnoDB's default is 50 s.
+///
+/// Claims never wait: their locking reads skip locked rows and their other reads do not lock.
+/// A transition first locks the rows it still holds with `SKIP LOCKED` too; it waits only for
+/// a row that a plain read shows it still holds while another transaction has it locked. That
+/// is a claim whose scan of the claim index read the row: InnoDB keeps the locks of the rows
+/// such a scan read and rejected until the claim ends (a few milliseconds, or
+/// [`IDLE_TRANSACTION_SECS`] if its relay froze).
+pub(crate) const LOCK_WAIT_SECS: u32 = 2;
+
+/// The longest a store transaction may sit idle between its statements, in seconds
+/// (`idle_transaction_timeout`, set on the connections [`crate::MysqlStore::connect`] opens).
+/// A relay frozen mid-claim or mid-transition (SIGSTOP, a paused VM) would otherwise keep the
+/// rows it locked for as long as it is frozen: other claims skip them and hold back the rest
+/// of their keys. Past this the server ends the session, which rolls the transaction back and
+/// frees the rows; the frozen relay sees a lost connection (transient) when it resumes.
+pub(crate) const IDLE_TRANSACTION_SECS: u32 = 5;
 
 /// A JSON array of ids, as a table of one `id` column.
 const ID_LIST: &str =
@@ -109,8 +131,15 @@ pub(crate) struct Sql {
     /// Dead-letter undecodable rows of a claim (locked by it) by `seq`: a JSON list of
     /// `{"seq": .., "reason": ..}`.
     pub quarantine: String,
-    /// Lock the listed rows still held under a token.
+    /// Lock the listed rows still held under a token, skipping rows another transaction has
+    /// locked.
     pub held: String,
+    /// The listed rows still held under a token, by a plain read (no lock, no wait): which of
+    /// the rows `held` skipped are still held, and so were only locked by someone else.
+    pub held_unlocked: String,
+    /// Lock the listed rows still held under a token, waiting at most [`LOCK_WAIT_SECS`] for
+    /// each.
+    pub held_wait: String,
     pub complete: String,
     pub release: String,
     pub fail: String,
@@ -339,12 +368,19 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
 
         // Fenced transitions run in one transaction: lock the listed rows still held (token,
         // pending, lease unexpired by the database clock), then update exactly those.
-        let held = format!(
+        // A row another transaction has locked is skipped first (the caller then tells a row
+        // it no longer holds from one that is only locked, see `held_unlocked`), so that a
+        // transition never waits on a relay that froze mid-claim with rows whose lease this
+        // caller lost.
+        let held_unlocked = format!(
             "SELECT m.id
              FROM {ID_LIST} j
              STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
-             WHERE m.lease_token = ? AND m.state = 'pending' AND m.lease_until > UTC_TIMESTAMP(6)
-             FOR UPDATE"
+             WHERE m.lease_token = ? AND m.state = 'pending' AND m.lease_until > UTC_TIMESTAMP(6)"
+        );
+        let held = format!("{held_unlocked}\n             FOR UPDATE SKIP LOCKED");
+        let held_wait = format!(
+            "SET STATEMENT innodb_lock_wait_timeout = {LOCK_WAIT_SECS} FOR\n{held_unlocked}\n             FOR UPDATE"
         );
 
         Self {
@@ -379,6 +415,8 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  WHERE m.state = 'pending'"
             ),
             held,
+            held_unlocked,
+            held_wait,
             // The held rows are locked by the transition, so the delete needs no fence.
             complete: if delete_published {
                 format!(
@@ -419,8 +457,10 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  FROM {t} FORCE INDEX (ix_claim)
                  WHERE state = 'pending' AND lease_token = ? AND lease_until > UTC_TIMESTAMP(6)"
             ),
+            // Waits at most `LOCK_WAIT_SECS` for a row lock (see `held`).
             extend: format!(
-                "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
+                "SET STATEMENT innodb_lock_wait_timeout = {LOCK_WAIT_SECS} FOR
+                 UPDATE JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
                  STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
                  SET m.lease_until = ?
                  WHERE m.state = 'pending' AND m.lease_token = ? AND m.lease_until > UTC_TIMESTAMP(6)"

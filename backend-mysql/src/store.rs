@@ -6,10 +6,13 @@ use std::fmt;
 use outbox_sqlx_support::SqlxStore;
 use outbox_traits::Error;
 use sqlx::mysql::{MySql, MySqlPool};
+use sqlx::pool::PoolOptions;
+use sqlx::Executor;
 
 use crate::config::MysqlConfig;
 use crate::error::{map_sqlx, WHAT};
 use crate::migrate::migrate;
+use crate::sql::IDLE_TRANSACTION_SECS;
 
 /// How many times a transaction that InnoDB rolled back as a deadlock victim is run again
 /// before the (transient) error is returned.
@@ -49,9 +52,20 @@ impl MysqlStore {
     /// # Errors
     /// [`Error::InvalidInput`] for a malformed URL and [`Error::Unavailable`] when the server
     /// cannot be reached; neither message contains the URL's password.
+    ///
+    /// Its connections end a transaction left idle for 5 seconds (`idle_transaction_timeout`):
+    /// a relay frozen mid-claim then frees the rows it locked within that time. Set the same on a pool you pass to [`MysqlStore::new`] for the same
+    /// bound (see the crate docs, "A frozen relay").
     pub async fn connect(url: &str, config: MysqlConfig) -> Result<Self, Error> {
+        let pool = PoolOptions::<MySql>::new().after_connect(|conn, _| {
+            Box::pin(async move {
+                let set = format!("SET SESSION idle_transaction_timeout = {IDLE_TRANSACTION_SECS}");
+                conn.execute(set.as_str()).await?;
+                Ok(())
+            })
+        });
         Ok(Self {
-            inner: SqlxStore::connect(url, WHAT, config).await?,
+            inner: SqlxStore::connect_with(url, WHAT, config, pool).await?,
         })
     }
 

@@ -751,3 +751,152 @@ async fn a_deadlock_victim_transition_is_run_again() {
     assert_eq!(db.state(second).await, "published");
     db.drop().await;
 }
+
+/// Failure detector for a store call that must not wait on another session's locks: a call
+/// that hangs (as a transition did before it skipped locked rows, for InnoDB's 50 s lock wait)
+/// fails the test here. It is not a speed assertion: a passing call returns at once, or after
+/// the store's own bounded lock wait of a couple of seconds.
+const HANG_DETECTOR: Duration = Duration::from_secs(30);
+
+async fn returns<T>(what: &str, call: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(HANG_DETECTOR, call)
+        .await
+        .unwrap_or_else(|_| panic!("{what} hung on another session's row locks"))
+}
+
+/// The locking step of a claim, in transaction `tx`: claimable rows in seq order through the
+/// claim index, skipping locked ones, at most `limit`. Returns their seqs.
+async fn lock_like_a_claim(
+    tx: &mut sqlx::Transaction<'static, sqlx::MySql>,
+    table: &str,
+    limit: u32,
+) -> Vec<i64> {
+    sqlx::query_scalar(&format!(
+        "SELECT seq FROM {table} FORCE INDEX (ix_claim)
+         WHERE state = 'pending' AND (lease_until IS NULL OR lease_until <= UTC_TIMESTAMP(6))
+         ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"
+    ))
+    .bind(limit)
+    .fetch_all(&mut **tx)
+    .await
+    .unwrap()
+}
+
+/// Other relays are frozen with their row locks held: one mid-claim (its transaction open
+/// after locking rows whose lease this store lost), one mid-complete (its own rows locked).
+/// The store still claims, extends and completes everything else, and its late complete of
+/// the taken-over rows is refused as a lost lease instead of waiting for the frozen claim.
+/// A frozen claim whose scan read (and so locked) rows this store still holds delays their
+/// completion by at most the store's lock wait, as a transient error, until it ends.
+#[tokio::test]
+async fn relays_frozen_mid_claim_or_mid_complete_block_no_other_call() {
+    let Some(db) = db().await else { return };
+    let begin = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+    let (f1, f2, a1, b1) = (
+        msg("f", "f1"),
+        msg("f", "f2"),
+        msg("a", "a1"),
+        msg("b", "b1"),
+    );
+    db.enqueue(&[f1.clone(), f2.clone(), a1.clone(), b1.clone()])
+        .await;
+    let slow = db.claim(10, Block).await;
+    assert_eq!(names(&slow), ["f1", "f2", "a1", "b1"]);
+    // The slow holder's lease ends on key f (it took too long over them) ...
+    sqlx::query(&format!(
+        "UPDATE {} SET lease_until = UTC_TIMESTAMP(6) - INTERVAL 1 SECOND
+         WHERE partition_key = 'f'",
+        db.table()
+    ))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    // ... and another relay's claim of two rows locks them, then freezes before its commit.
+    let mut frozen_claim = db.pool().begin_with(begin).await.unwrap();
+    assert_eq!(
+        lock_like_a_claim(&mut frozen_claim, db.table(), 2)
+            .await
+            .len(),
+        2
+    );
+    // A third relay froze mid-complete: its own rows locked, as the transition's first step.
+    db.enqueue(&[msg("c", "c1")]).await;
+    let third = db.claim(10, Block).await;
+    assert_eq!(names(&third), ["c1"]);
+    let mut frozen_complete = db.pool().begin_with(begin).await.unwrap();
+    sqlx::query(&format!(
+        "SELECT id FROM {} FORCE INDEX (uq_id) WHERE id = ? FOR UPDATE",
+        db.table()
+    ))
+    .bind(third.messages[0].id.to_string())
+    .execute(&mut *frozen_complete)
+    .await
+    .unwrap();
+
+    // New work on other keys flows: claimed, extended, completed.
+    db.enqueue(&[msg("d", "d1"), msg("e", "e1")]).await;
+    let fresh = returns("claim", db.claim(10, Block)).await;
+    assert_eq!(names(&fresh), ["d1", "e1"]);
+    returns(
+        "extend",
+        db.store.extend(fresh.token, Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
+    returns("complete", db.store.complete(fresh.token, &ids(&fresh)))
+        .await
+        .unwrap();
+    // The slow holder's late complete: what it still holds is published, the rows taken over
+    // are refused (lease lost) without waiting for the frozen claim.
+    match returns("late complete", db.store.complete(slow.token, &ids(&slow))).await {
+        Err(Error::LeaseLost { ids }) => {
+            assert_eq!(
+                ids.iter().collect::<HashSet<_>>(),
+                HashSet::from([&f1.id, &f2.id])
+            );
+        }
+        other => panic!("expected the lease on f1 and f2 to be lost: {other:?}"),
+    }
+    for id in [a1.id, b1.id] {
+        assert_eq!(db.state(id).await, "published");
+    }
+
+    // A claim that freezes after a scan that read a row this store holds (InnoDB may keep the
+    // lock of a row a scan read and rejected until the transaction ends): completing and
+    // extending that row return, at worst with a transient error, and succeed once the frozen
+    // claim is gone (the server ends it after its idle timeout; here, a rollback).
+    db.enqueue(&[msg("g", "g1")]).await;
+    let g = db.claim(10, Block).await;
+    assert_eq!(names(&g), ["g1"]);
+    let mut frozen_scan = db.pool().begin_with(begin).await.unwrap();
+    lock_like_a_claim(&mut frozen_scan, db.table(), 100).await;
+    let transient_or_ok = |what: &str, result: Result<(), Error>| match result {
+        Ok(()) => {}
+        Err(e) => assert!(e.is_transient(), "{what}: {e}"),
+    };
+    let extended = returns("extend", db.store.extend(g.token, Duration::from_secs(30))).await;
+    transient_or_ok("extend", extended.map(drop));
+    let completed = returns("complete", db.store.complete(g.token, &ids(&g))).await;
+    transient_or_ok("complete", completed);
+    frozen_scan.rollback().await.unwrap();
+    frozen_claim.rollback().await.unwrap();
+    frozen_complete.rollback().await.unwrap();
+    if db.state(g.messages[0].id).await != "published" {
+        db.store.complete(g.token, &ids(&g)).await.unwrap();
+    }
+    assert_eq!(names(&db.claim(10, Block).await), ["f1", "f2"]);
+    db.drop().await;
+}
+
+/// The connections `MysqlStore::connect` opens end a transaction left idle (a relay frozen
+/// mid-claim keeps its rows locked at most that long).
+#[tokio::test]
+async fn the_store_s_connections_end_idle_transactions() {
+    let Some(db) = db().await else { return };
+    let timeout: u64 = sqlx::query_scalar("SELECT @@session.idle_transaction_timeout")
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert!((1..=10).contains(&timeout), "{timeout}");
+    db.drop().await;
+}

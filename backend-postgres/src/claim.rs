@@ -17,6 +17,7 @@ use uuid::Uuid;
 use crate::error::map_sqlx;
 use crate::lease;
 use crate::row::decode;
+use crate::sql::{CLAIM_IDLE_TIMEOUT, LOCK_TIMEOUT};
 use crate::store::PostgresStore;
 use crate::wake::PgWakeSource;
 
@@ -28,8 +29,21 @@ use crate::wake::PgWakeSource;
 /// for this transaction only leaves the ordered index scan; nothing else in the claim wants
 /// them.
 /// (`set_config(..., true)` is `SET LOCAL`, as one statement.)
+///
+/// The same statement bounds what a frozen relay can cost the others (see [`LOCK_TIMEOUT`]
+/// and [`CLAIM_IDLE_TIMEOUT`]): the claim waits at most that long for a row lock, and its
+/// transaction, which holds the rows it locked, cannot stay idle longer than that.
 const CLAIM_PLAN: &str = "SELECT set_config('enable_bitmapscan', 'off', true), \
-                          set_config('enable_seqscan', 'off', true)";
+                          set_config('enable_seqscan', 'off', true), \
+                          set_config('lock_timeout', $1, true), \
+                          set_config('idle_in_transaction_session_timeout', $2, true)";
+
+/// [`CLAIM_PLAN`] with its timeouts bound.
+fn claim_plan() -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(CLAIM_PLAN)
+        .bind(LOCK_TIMEOUT)
+        .bind(CLAIM_IDLE_TIMEOUT)
+}
 
 /// A claim of `limit` rows reads at most `limit * CLAIM_WINDOW` unpublished rows in seq order
 /// (see `Sql::claim_block`); past them it takes only key heads, key by key.
@@ -92,10 +106,7 @@ impl OutboxStore for PostgresStore {
         let (lease_until, mut messages) = tokio::spawn(async move {
             let err = |e| map_sqlx(e, "claim", &table);
             let mut tx = pool.begin().await.map_err(err)?;
-            sqlx::query(CLAIM_PLAN)
-                .execute(&mut *tx)
-                .await
-                .map_err(err)?;
+            claim_plan().execute(&mut *tx).await.map_err(err)?;
             let mut rows: Vec<PgRow> = claim_statement(&sql, limit, token, lease_us, window)
                 .fetch_all(&mut *tx)
                 .await
@@ -253,6 +264,32 @@ mod tests {
     use super::*;
     use crate::PostgresConfig;
 
+    /// A claim's transaction bounds its lock waits and its idle time, and only its own: the
+    /// connection, back in the pool (your application's, perhaps), keeps its settings.
+    #[tokio::test]
+    async fn the_claim_s_timeouts_end_with_its_transaction(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")
+        else {
+            return Ok(());
+        };
+        let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&url).await?;
+        let show = "SELECT current_setting('lock_timeout'), \
+                    current_setting('idle_in_transaction_session_timeout')";
+        let before: (String, String) = sqlx::query_as(show).fetch_one(&mut conn).await?;
+        let mut tx = sqlx::Connection::begin(&mut conn).await?;
+        claim_plan().execute(&mut *tx).await?;
+        let during: (String, String) = sqlx::query_as(show).fetch_one(&mut *tx).await?;
+        tx.commit().await?;
+        let after: (String, String) = sqlx::query_as(show).fetch_one(&mut conn).await?;
+        assert_eq!(
+            during,
+            (LOCK_TIMEOUT.to_owned(), CLAIM_IDLE_TIMEOUT.to_owned())
+        );
+        assert_eq!(after, before);
+        Ok(())
+    }
+
     /// The plan a claim runs with on a table without statistics: with `CLAIM_PLAN` it walks the
     /// claim index in `seq` order; without it the planner sorts the whole backlog (the control,
     /// which shows this test would notice the setting's removal).
@@ -287,7 +324,7 @@ mod tests {
             async move {
                 let mut tx = pool.begin().await?;
                 if pin {
-                    sqlx::query(CLAIM_PLAN).execute(&mut *tx).await?;
+                    claim_plan().execute(&mut *tx).await?;
                 }
                 tx.execute(
                     format!("PREPARE claim_plan(bigint, uuid, bigint, bigint) AS {sql}").as_str(),

@@ -17,6 +17,34 @@ const MAX_IDENT: usize = 63;
 /// claims, extends, releases and retries on the row's own page, which HOT updates need.
 const FILLFACTOR: u32 = 50;
 
+/// The longest a fenced transition (complete, fail, release, extend) or a claim waits for a row
+/// lock another transaction holds, as Postgres's `lock_timeout`; past it the statement fails
+/// with `lock_not_available` (SQLSTATE 55P03), a transient error the relay retries.
+///
+/// Relays never wait for each other's row locks in normal operation: claims lock with
+/// `SKIP LOCKED`, and a transition's fence matches only rows its own token holds. One lock
+/// can still be in the way: a claim that read a row before another claim leased it, then
+/// locked it (Postgres follows the update to the row's new version, locks it, and drops it
+/// from the claim because its address changed) keeps that lock until its transaction ends;
+/// if that relay freezes there, the row's holder would wait for its completion as long as the
+/// freeze. See also [`CLAIM_IDLE_TIMEOUT`].
+pub(crate) const LOCK_TIMEOUT: &str = "2s";
+
+/// The longest a claim's transaction may sit idle between its statements (Postgres's
+/// `idle_in_transaction_session_timeout`, set for the claim's transaction only). A relay
+/// frozen mid-claim (SIGSTOP, a paused VM) would otherwise keep the rows it locked for as long
+/// as it is frozen: other claims skip them and hold back the rest of their keys. Past this
+/// the server ends that session, which rolls the claim back and frees the rows; the frozen
+/// relay sees a lost connection (transient) when it resumes.
+pub(crate) const CLAIM_IDLE_TIMEOUT: &str = "5s";
+
+/// The fence's clause that sets [`LOCK_TIMEOUT`] for the statement it is in: an uncorrelated
+/// subquery, which Postgres runs once before reading any row (a one-time filter), in the
+/// statement's own implicit transaction (`set_config(..., true)`, undone at its end).
+fn bounded_lock_wait() -> String {
+    format!("(SELECT set_config('lock_timeout', '{LOCK_TIMEOUT}', true)) IS NOT NULL")
+}
+
 /// The statements for one outbox table.
 pub(crate) struct Sql {
     /// `"schema"."table"`.
@@ -478,7 +506,11 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#
         // Every transition is fenced on the token, an unexpired lease (database clock) and the
         // pending state (a lease is held by a pending row); RETURNING id tells which messages
         // were not held.
-        let fence = "lease_token = $1 AND state = 'pending' AND lease_until > now()";
+        // Each also bounds its wait for a row lock (see `LOCK_TIMEOUT`).
+        let fence = format!(
+            "lease_token = $1 AND state = 'pending' AND lease_until > now() AND {}",
+            bounded_lock_wait()
+        );
 
         Self {
             // Deleting writes no new row version and no index entries: about a third of the
@@ -519,8 +551,9 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#
                  FROM UNNEST($2::uuid[], $3::text[], $4::bool[], $5::bigint[])
                       AS f(id, error, dead, delay_us)
                  WHERE m.id = f.id AND m.lease_token = $1 AND m.state = 'pending' \
-                   AND m.lease_until > now()
-                 RETURNING m.id"
+                   AND m.lease_until > now() AND {bounded}
+                 RETURNING m.id",
+                bounded = bounded_lock_wait()
             ),
             extend: format!(
                 "WITH u AS (

@@ -537,3 +537,110 @@ async fn partition_keys_are_bytewise_in_new_tables_and_older_tables_are_left_alo
     assert_eq!(listed[0].message.partition_key.as_deref(), Some("d"));
     db.drop().await;
 }
+
+/// Failure detector for a store call that must not wait on another session's locks: a call
+/// that hangs (as a fenced transition did before it bounded its lock wait: Postgres waits for
+/// a row lock forever by default) fails the test here. It is not a speed assertion: a passing
+/// call returns at once, or after the store's own lock timeout of a couple of seconds.
+const HANG_DETECTOR: Duration = Duration::from_secs(30);
+
+async fn returns<T>(what: &str, call: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(HANG_DETECTOR, call)
+        .await
+        .unwrap_or_else(|_| panic!("{what} hung on another session's row locks"))
+}
+
+/// Another relay froze mid-claim with row locks held: on rows it was about to lease, and on a
+/// row this store leased meanwhile (a claim that read the row before the lease and locked it
+/// after keeps that lock, although it drops the row). The store still claims, completes and
+/// extends everything else, and its calls on the locked row fail as transient after the lock
+/// timeout instead of waiting for the frozen relay; once the lock is gone they succeed.
+#[tokio::test]
+async fn a_relay_frozen_mid_claim_blocks_no_other_call() {
+    let Some(db) = db().await else { return };
+    let (f1, a1, c1) = (msg("f", "f1"), msg("a", "a1"), msg("c", "c1"));
+    db.enqueue(&[f1.clone(), a1.clone()]).await;
+    let held = db.claim(10, Block).await;
+    assert_eq!(names(&held), ["f1", "a1"]);
+    db.enqueue(std::slice::from_ref(&c1)).await;
+    let mut frozen_claim = db.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {} WHERE id = ANY($1) FOR UPDATE",
+        db.table()
+    ))
+    .bind(vec![f1.id, c1.id])
+    .execute(&mut *frozen_claim)
+    .await
+    .unwrap();
+
+    // New work on other keys flows (c1, locked by the frozen claim, is skipped).
+    db.enqueue(&[msg("d", "d1"), msg("e", "e1")]).await;
+    let fresh = returns("claim", db.claim(10, Block)).await;
+    assert_eq!(names(&fresh), ["d1", "e1"]);
+    returns(
+        "extend",
+        db.store.extend(fresh.token, Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
+    returns("complete", db.store.complete(fresh.token, &ids(&fresh)))
+        .await
+        .unwrap();
+    returns("complete of a1", db.store.complete(held.token, &[a1.id]))
+        .await
+        .unwrap();
+    // The locked row: a transient error after the lock timeout, not a wait for the frozen
+    // relay. The relay retries such a call while its lease lasts.
+    let err = returns("complete of f1", db.store.complete(held.token, &[f1.id]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transient, "{err}");
+    let err = returns(
+        "extend",
+        db.store.extend(held.token, Duration::from_secs(30)),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Transient, "{err}");
+    frozen_claim.rollback().await.unwrap();
+    db.store.complete(held.token, &[f1.id]).await.unwrap();
+    assert_eq!(names(&db.claim(10, Block).await), ["c1"]);
+    db.drop().await;
+}
+
+/// The lock timeout of the fenced transitions is set inside each statement's own transaction:
+/// the pool's connection (perhaps your application's) keeps its own setting afterwards.
+#[tokio::test]
+async fn the_transitions_lock_timeout_stays_in_their_statements() {
+    let Some(db) = db().await else { return };
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool.clone(), db.config.clone());
+    db.enqueue(&[msg("k", "k1"), msg("j", "j1")]).await;
+    let claim = store
+        .claim(&ClaimRequest {
+            limit: 10,
+            lease: Duration::from_secs(30),
+            head_policy: Block,
+        })
+        .await
+        .unwrap();
+    let show = || async {
+        sqlx::query_scalar::<_, String>("SELECT current_setting('lock_timeout')")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let before = show().await;
+    store
+        .extend(claim.token, Duration::from_secs(30))
+        .await
+        .unwrap();
+    store.complete(claim.token, &ids(&claim)).await.unwrap();
+    assert_eq!(show().await, before);
+    pool.close().await;
+    db.drop().await;
+}

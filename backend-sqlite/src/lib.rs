@@ -88,6 +88,38 @@
 //! up front, where the busy timeout applies. The store uses it for every write transaction.
 //! Keep write transactions short: while one is open, the relay's claims wait for it.
 //!
+//! # A frozen relay
+//!
+//! SQLite admits one writer per file at a time, and a writer's lock belongs to its connection:
+//! a relay process frozen (SIGSTOP, a paused VM or container, a stalled host) while it holds
+//! the write lock keeps it until it resumes. That is SQLite's design; what this store bounds is
+//! when it holds the lock:
+//!
+//! - Only inside one store call: a claim (one `BEGIN IMMEDIATE` transaction: the walk of the
+//!   backlog and the lease of what it picks), or one `complete`, `fail`, `release` or `extend`
+//!   transaction. Each runs from `BEGIN` to `COMMIT` on a blocking thread without waiting for
+//!   anything else, typically for a millisecond or two (a claim that walks a long blocked
+//!   backlog: up to about 25 ms over 100,000 rows, see [Performance](#performance)); never
+//!   across a publish, a poll or a back-off.
+//! - A relay frozen anywhere else (publishing, polling, backing off: nearly all of its time)
+//!   holds no lock. The messages it leased go to another relay when their lease ends, and the
+//!   rest of their keys waits behind them until then, as on the server databases.
+//! - A relay frozen inside a store call blocks every writer of the file until it resumes:
+//!   other relays and your service's transactions that enqueue (and any other write). Each
+//!   waits [`SqliteConfig::busy_timeout`] (5 s by default) and then fails with `SQLITE_BUSY`:
+//!   transient for a relay, which retries with back-off, counts no attempt and dead-letters
+//!   nothing, but an error for your service's write. Readers are never blocked (WAL).
+//!
+//! What to do: run **one relay per SQLite file**. A second relay adds no throughput (there is
+//! one writer at a time) and only adds a process whose freeze can block the file; several
+//! relays stay exclusive ([`concurrent_claimers`](outbox_traits::Capabilities::concurrent_claimers))
+//! so that a hand-over, such as a rolling restart, is safe. A freeze of the relay's host stalls
+//! the service's writes only if it lands inside a store call; if even that is not acceptable,
+//! use Postgres or MariaDB, where a frozen relay holds no lock that a writer needs. The lock
+//! cannot cheaply be held for less: a claim must read the backlog and lease its picks in one
+//! write transaction to stay exclusive and keep per-key order, and it already holds the lock
+//! for that one transaction only.
+//!
 //! # Malformed rows
 //!
 //! A row written by plain SQL that cannot become a message (an id that is not text, headers

@@ -49,6 +49,19 @@ pub async fn connect_pool<DB: Database>(
     what: &str,
     timeout: Duration,
 ) -> Result<Pool<DB>, Error> {
+    connect_pool_with(url, what, timeout, PoolOptions::new()).await
+}
+
+/// [`connect_pool`] with the pool built from `pool` (its acquire timeout set to `timeout`).
+///
+/// # Errors
+/// As [`connect_pool`].
+pub async fn connect_pool_with<DB: Database>(
+    url: &str,
+    what: &str,
+    timeout: Duration,
+    pool: PoolOptions<DB>,
+) -> Result<Pool<DB>, Error> {
     let url = password::resolve(url, what)?;
     let url = url.as_ref();
     let options = <<DB::Connection as Connection>::Options as FromStr>::from_str(url).map_err(
@@ -76,9 +89,7 @@ pub async fn connect_pool<DB: Database>(
     };
     // Closing the probe is best effort: the server is known to be reachable.
     let _ = probe.close().await;
-    Ok(PoolOptions::<DB>::new()
-        .acquire_timeout(timeout)
-        .connect_lazy_with(options))
+    Ok(pool.acquire_timeout(timeout).connect_lazy_with(options))
 }
 
 /// [`Error::Unavailable`] for a failed connection to `url`, with the password removed; the

@@ -6,9 +6,10 @@ use std::fmt;
 use std::time::Duration;
 
 use outbox_traits::Error;
+use sqlx::pool::PoolOptions;
 use sqlx::{Database, Pool};
 
-use crate::connect_pool;
+use crate::connect_pool_with;
 
 /// How long [`SqlxStore::connect`] waits for a first connection, and the pool it makes waits
 /// for a connection before a call fails with [`Error::Unavailable`].
@@ -39,11 +40,26 @@ impl<DB: Database, C> SqlxStore<DB, C> {
     /// connection); `what` names the database in errors.
     ///
     /// # Errors
-    /// As [`connect_pool`]: [`Error::InvalidInput`] for a malformed URL and
+    /// As [`connect_pool`](crate::connect_pool): [`Error::InvalidInput`] for a malformed URL and
     /// [`Error::Unavailable`] when the server cannot be reached; neither message contains the
     /// URL's password.
     pub async fn connect(url: &str, what: &str, config: C) -> Result<Self, Error> {
-        let pool = connect_pool(url, what, CONNECT_TIMEOUT).await?;
+        Self::connect_with(url, what, config, PoolOptions::new()).await
+    }
+
+    /// [`SqlxStore::connect`] with the pool built from `pool` (e.g. with an
+    /// [`after_connect`](PoolOptions::after_connect) that sets session variables); its acquire
+    /// timeout is set to [`CONNECT_TIMEOUT`].
+    ///
+    /// # Errors
+    /// As [`SqlxStore::connect`].
+    pub async fn connect_with(
+        url: &str,
+        what: &str,
+        config: C,
+        pool: PoolOptions<DB>,
+    ) -> Result<Self, Error> {
+        let pool = connect_pool_with(url, what, CONNECT_TIMEOUT, pool).await?;
         Ok(Self::new(pool, config))
     }
 

@@ -9,6 +9,8 @@ use outbox::NewMessage;
 use serde_json::Value;
 use tokio::process::{Child, Command};
 
+pub mod fleet;
+
 /// Errors of test code: any error is a failure report.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
