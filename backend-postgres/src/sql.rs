@@ -109,12 +109,17 @@ fn sql_contract(schema: &str, table: &str, t: &str) -> String {
     format!(
         r#"
 -- SQL enqueue contract. `partition_key` defaults to the aggregate id; '' asks for an unordered
--- message (stored as NULL). A column default cannot read another column, hence a trigger; its
--- WHEN clause keeps it from running (and costing anything) when a key is given.
+-- message (stored as NULL). A column default cannot read another column, hence a trigger. It
+-- has no WHEN clause: one naming partition_key would forbid changing the column's type or
+-- collation (the README's ALTER ... COLLATE "C" for older tables).
 CREATE OR REPLACE FUNCTION "{schema}"."{key_fn}"() RETURNS trigger
 LANGUAGE plpgsql AS $outbox_key$
 BEGIN
-    NEW.partition_key := CASE WHEN NEW.partition_key IS NULL THEN NEW.aggregateid END;
+    IF NEW.partition_key IS NULL THEN
+        NEW.partition_key := NEW.aggregateid;
+    ELSIF NEW.partition_key = '' THEN
+        NEW.partition_key := NULL;
+    END IF;
     RETURN NEW;
 END
 $outbox_key$;
@@ -151,9 +156,7 @@ BEGIN
         SELECT 1 FROM pg_trigger WHERE tgrelid = '{t}'::regclass AND tgname = '{key_trigger}'
     ) THEN
         CREATE TRIGGER "{key_trigger}" BEFORE INSERT ON {t}
-            FOR EACH ROW
-            WHEN (NEW.partition_key IS NULL OR NEW.partition_key = '')
-            EXECUTE FUNCTION "{schema}"."{key_fn}"();
+            FOR EACH ROW EXECUTE FUNCTION "{schema}"."{key_fn}"();
     END IF;
 END
 $outbox_contract$;
