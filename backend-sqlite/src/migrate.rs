@@ -149,6 +149,72 @@ mod tests {
     }
 
     #[test]
+    fn a_table_made_before_the_sql_contract_is_rebuilt_once_keeping_rows_and_seq() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        // The shape of the previous release's table: no id default, no payload or header
+        // checks beyond the types (the exact DDL is in cli/tests/fixtures).
+        conn.execute_batch(
+            "CREATE TABLE outbox (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+                aggregatetype TEXT NOT NULL, aggregateid TEXT NOT NULL, type TEXT NOT NULL,
+                payload TEXT NOT NULL, headers TEXT NOT NULL DEFAULT '{}', partition_key TEXT,
+                dedup_key TEXT UNIQUE, state TEXT NOT NULL DEFAULT 'pending',
+                attempts INTEGER NOT NULL DEFAULT 0, available_at INTEGER NOT NULL DEFAULT 0,
+                lease_token TEXT, lease_until INTEGER, last_error TEXT,
+                created_at INTEGER NOT NULL DEFAULT 0, published_at INTEGER);
+             INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers,
+                                 partition_key)
+             VALUES ('a', 'o', 'o-1', 't', '{}', '{\"n\": 1}', NULL),
+                    ('b', 'o', 'o-2', 't', 'not json', '{}', 'k'),
+                    ('c', 'o', 'o-3', 't', '{}', '{}', 'k');
+             DELETE FROM outbox WHERE id = 'c';",
+        )
+        .unwrap();
+        let tx = conn.transaction().unwrap();
+        migrate(&tx, &SqliteConfig::default()).unwrap();
+        tx.commit().unwrap();
+        let ddl = |conn: &Connection| -> String {
+            conn.query_row(
+                "SELECT group_concat(sql, ';') FROM sqlite_master WHERE tbl_name = 'outbox'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap()
+        };
+        let upgraded = ddl(&conn);
+        assert!(upgraded.contains(CONTRACT_MARK) && upgraded.contains("outbox_partition_key"));
+        // Rows are kept as they were, even those the new checks refuse; NULL stays unordered.
+        let rows: Vec<(i64, String, Option<String>)> = conn
+            .prepare("SELECT seq, id, partition_key FROM outbox ORDER BY seq")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            rows,
+            [(1, "a".into(), None), (2, "b".into(), Some("k".into()))]
+        );
+        // The seq counter survives (3 was used, then deleted), and the defaults work.
+        conn.execute(
+            "INSERT INTO outbox (aggregatetype, aggregateid, type, payload) \
+             VALUES ('o', 'o-4', 't', '{}')",
+            [],
+        )
+        .unwrap();
+        let (seq, key): (i64, String) = conn
+            .query_row(
+                "SELECT seq, partition_key FROM outbox WHERE aggregateid = 'o-4'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!((seq, key.as_str()), (4, "o-4"));
+        // Once is enough: a second migration changes nothing.
+        migrate(&conn, &SqliteConfig::default()).unwrap();
+        assert_eq!(ddl(&conn), upgraded);
+    }
+
+    #[test]
     fn migrate_inside_a_transaction_uses_a_savepoint() {
         let mut conn = Connection::open_in_memory().unwrap();
         let tx = conn.transaction().unwrap();
