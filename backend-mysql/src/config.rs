@@ -86,7 +86,12 @@ impl MysqlConfig {
 
     /// Build from settings that already passed their checks.
     fn from_valid(database: Option<String>, common: TableSettings) -> Self {
-        let sql = Sql::build(database.as_deref(), &common.table, common.delete_published);
+        let sql = Sql::build(
+            database.as_deref(),
+            &common.table,
+            common.delete_published,
+            common.limits.max_payload_bytes,
+        );
         Self {
             inner: Arc::new(Inner {
                 database,

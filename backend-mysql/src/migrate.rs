@@ -23,8 +23,10 @@ const LOCK_TIMEOUT: Duration = Duration::from_secs(60);
 ///
 /// Runs [`MysqlConfig::migration_sql`] on one connection holding a `GET_LOCK` named after the
 /// table (see [`MIGRATION_LOCK_PREFIX`]), so processes starting together migrate one after the
-/// other. MariaDB commits each DDL statement on its own; every statement is `IF NOT EXISTS`,
-/// so a migration interrupted half-way is completed by the next one. Safe to call at every
+/// other. MariaDB commits each DDL statement on its own; every statement is idempotent (`IF NOT
+/// EXISTS`, `SET DEFAULT`), so a migration interrupted half-way is completed by the next one. It
+/// also brings a table made by an earlier version up to the SQL enqueue contract (id default,
+/// headers check, partition key trigger). Safe to call at every
 /// start-up.
 ///
 /// If the call is cancelled (or the lock cannot be released) while the lock is held, its

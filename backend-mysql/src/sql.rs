@@ -22,6 +22,8 @@
 //! set, neither of which is indexed, so claiming, extending and releasing write no index
 //! entries.
 
+use outbox_sqlx_support::names::derived_name;
+
 /// Most rows one `INSERT` can carry: MariaDB allows 65,535 placeholders per statement and a row
 /// takes [`INSERT_PARAMS_PER_ROW`].
 pub(crate) const MAX_INSERT_ROWS: usize = 65_535 / INSERT_PARAMS_PER_ROW;
@@ -159,11 +161,59 @@ pub(crate) struct Sql {
     pub counts: String,
 }
 
+/// The SQL enqueue contract (README, "Writing from any language (SQL)"), for new tables and
+/// tables made by earlier versions alike: the id default, the headers check (an object of
+/// strings) and the trigger that gives `partition_key` its default.
+/// Every statement is idempotent and none rewrites the table once it is up to date.
+///
+/// MariaDB syntax: MySQL 8 has no `ADD CONSTRAINT IF NOT EXISTS` nor `SET STATEMENT ... FOR`
+/// (see the README for its variant).
+fn sql_contract(t: &str, table: &str, key_trigger: &str) -> String {
+    let headers_check = derived_name(table, "headers_strings");
+    format!(
+        r#"
+-- SQL enqueue contract. Tables made before it get the id default (a metadata-only change).
+ALTER TABLE {t} ALTER COLUMN id SET DEFAULT (UUID());
+
+-- Header values are strings: with escaped backslashes and quotes removed, taking out every
+-- string value of the object leaves only the list's brackets and separators. Added without
+-- checking the rows already there: a row that breaks it does not decode, so a claim
+-- dead-letters it (with the checks off) before it would lease it.
+SET STATEMENT check_constraint_checks = 0 FOR
+ALTER TABLE {t} ADD CONSTRAINT IF NOT EXISTS `{headers_check}` CHECK (
+    REGEXP_REPLACE(
+        REPLACE(REPLACE(JSON_EXTRACT(headers, '$.*'),
+                        CONCAT(CHAR(92 USING ascii), CHAR(92 USING ascii)), ''),
+                CONCAT(CHAR(92 USING ascii), '"'), ''),
+        '"[^"]*"', '') REGEXP '^[[][, ]*[]]$');
+
+-- `partition_key` defaults to the aggregate id; '' asks for an unordered message (stored as
+-- NULL). A column default cannot read another column, hence a trigger.
+CREATE TRIGGER IF NOT EXISTS {key_trigger} BEFORE INSERT ON {t} FOR EACH ROW
+    SET NEW.partition_key = CASE
+        WHEN NEW.partition_key IS NULL THEN NEW.aggregateid
+        WHEN NEW.partition_key = '' THEN NULL
+        ELSE NEW.partition_key
+    END;
+"#
+    )
+}
+
 impl Sql {
-    pub(crate) fn build(database: Option<&str>, table: &str, delete_published: bool) -> Self {
+    /// `max_payload_bytes` is the payload limit the table checks (the config's).
+    pub(crate) fn build(
+        database: Option<&str>,
+        table: &str,
+        delete_published: bool,
+        max_payload_bytes: usize,
+    ) -> Self {
         let t = match database {
             Some(db) => format!("`{db}`.`{table}`"),
             None => format!("`{table}`"),
+        };
+        let key_trigger = match database {
+            Some(db) => format!("`{db}`.`{}`", derived_name(table, "partition_key")),
+            None => format!("`{}`", derived_name(table, "partition_key")),
         };
         let create_database = database
             .map(|db| format!("CREATE DATABASE IF NOT EXISTS `{db}`;\n\n"))
@@ -174,7 +224,8 @@ impl Sql {
     -- Ids and headers are checked so that a row written by plain SQL cannot hold what the
     -- relay cannot read (tables made before these checks keep their rows; the relay
     -- dead-letters a bad one, see the README).
-    id             CHAR(36) CHARACTER SET ascii COLLATE ascii_bin NOT NULL
+    -- A SQL writer may leave id out: MariaDB's UUID() (a v1 UUID); the Rust enqueue writes a v7.
+    id             CHAR(36) CHARACTER SET ascii COLLATE ascii_bin NOT NULL DEFAULT (UUID())
                    CHECK (id REGEXP '^[0-9a-fA-F]{{8}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{12}}$'),
     aggregatetype  VARCHAR({MAX_KEY_CHARS}) NOT NULL,
     aggregateid    VARCHAR({MAX_KEY_CHARS}) NOT NULL,
@@ -194,6 +245,9 @@ impl Sql {
     last_error     TEXT,
     created_at     DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
     published_at   DATETIME(6),
+    -- The payload limit of the Rust enqueue. New tables only: MariaDB checks every CHECK on
+    -- every UPDATE, so an older row over the limit would fail the claim that leases it.
+    CONSTRAINT `{payload_check}` CHECK (OCTET_LENGTH(payload) <= {max_payload_bytes}),
     -- InnoDB clusters rows by the primary key: seq keeps them in insert order, so inserts
     -- append and claims read neighbouring rows.
     PRIMARY KEY (seq),
@@ -209,7 +263,9 @@ impl Sql {
 )
 -- Binary, no-pad comparison: keys are equal only when their bytes are ('a' <> 'A' <> 'a ').
 ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
-"#
+{contract}"#,
+            contract = sql_contract(&t, table, &key_trigger),
+            payload_check = derived_name(table, "payload_size"),
         );
 
         let insert_head = format!(
@@ -533,8 +589,11 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
     /// [`INSERT_PARAMS_PER_ROW`] placeholders per row: id, aggregate type, aggregate id, event
     /// type, payload, headers, partition key, dedup key, not-before (NULL: now).
     pub(crate) fn insert(&self, rows: usize) -> String {
-        const ROW: &str =
-            "(?, ?, ?, ?, ?, ?, ?, ?, COALESCE(?, UTC_TIMESTAMP(6)), UTC_TIMESTAMP(6))";
+        // An unordered message (no partition key) is written as '', which the partition key
+        // trigger stores as NULL: NULL itself means "the aggregate id", as for a SQL writer
+        // that leaves the column out.
+        const ROW: &str = "(?, ?, ?, ?, ?, ?, COALESCE(?, ''), ?, COALESCE(?, UTC_TIMESTAMP(6)), \
+             UTC_TIMESTAMP(6))";
         let mut sql = String::with_capacity(self.insert_head.len() + rows * (ROW.len() + 2));
         sql.push_str(&self.insert_head);
         for i in 0..rows {
@@ -553,7 +612,7 @@ mod tests {
 
     #[test]
     fn insert_has_one_row_of_placeholders_per_message() {
-        let sql = Sql::build(None, "outbox", false);
+        let sql = Sql::build(None, "outbox", false, 1024);
         let three = sql.insert(3);
         assert_eq!(three.matches('?').count(), 3 * INSERT_PARAMS_PER_ROW);
         assert!(three.starts_with("INSERT INTO `outbox` ("));
@@ -563,7 +622,7 @@ mod tests {
     #[test]
     fn names_are_quoted_everywhere() {
         for delete_published in [false, true] {
-            let sql = Sql::build(Some("db"), "t", delete_published);
+            let sql = Sql::build(Some("db"), "t", delete_published, 1024);
             assert_eq!(sql.table, "`db`.`t`");
             for statement in [
                 &sql.candidates_block,

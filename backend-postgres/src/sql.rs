@@ -10,8 +10,8 @@
 //! Durations travel as microseconds (`bigint`) and become intervals in SQL, so that every time
 //! decision uses the database's clock (`now()`), never the relay host's.
 
-/// Postgres truncates identifiers longer than this many bytes.
-const MAX_IDENT: usize = 63;
+pub(crate) use outbox_sqlx_support::names::derived_name;
+use outbox_sqlx_support::names::{fnv1a, MAX_IDENT};
 
 /// Percent of each table page filled by inserts. The rest takes the new row versions of
 /// claims, extends, releases and retries on the row's own page, which HOT updates need.
@@ -86,27 +86,6 @@ pub(crate) struct Sql {
     pub counts: String,
 }
 
-/// `{base}_{suffix}`, or a shortened `base` plus a hash when that would exceed 63 bytes, so two
-/// derived names never collide through Postgres's silent truncation.
-pub(crate) fn derived_name(base: &str, suffix: &str) -> String {
-    let full = format!("{base}_{suffix}");
-    if full.len() <= MAX_IDENT {
-        return full;
-    }
-    let hash = format!("{:016x}", fnv1a(base.as_bytes()));
-    // base is ASCII (validated identifier), so any byte index is a char boundary.
-    let keep = MAX_IDENT - suffix.len() - hash.len() - 2;
-    format!("{}_{hash}_{suffix}", &base[..keep.min(base.len())])
-}
-
-/// FNV-1a: a stable hash (unlike `DefaultHasher`, which may change between Rust releases), so a
-/// shortened name is the same for every process and version.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
-        (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 fn channel_name(schema: &str, table: &str) -> String {
     let full = format!("outbox.{schema}.{table}");
     if full.len() <= MAX_IDENT {
@@ -143,6 +122,74 @@ fn ordered_states(dead_blocks: bool) -> &'static str {
     } else {
         "('pending')"
     }
+}
+
+/// The SQL enqueue contract (README, "Writing from any language (SQL)"), for new tables and
+/// tables made by earlier versions alike: the id default, the headers check, and the trigger
+/// that gives `partition_key` its default. Each step runs only when missing, so a migration of
+/// an up-to-date table takes no table lock.
+fn sql_contract(schema: &str, table: &str, t: &str) -> String {
+    let key_fn = derived_name(table, "partition_key");
+    let key_trigger = derived_name(table, "partition_key");
+    let headers_check = derived_name(table, "headers_check");
+    let headers_ok = "jsonb_typeof(headers) = 'object' \
+                      AND NOT jsonb_path_exists(headers, '$.* ? (@.type() != \"string\")')";
+    format!(
+        r#"
+-- SQL enqueue contract. `partition_key` defaults to the aggregate id; '' asks for an unordered
+-- message (stored as NULL). A column default cannot read another column, hence a trigger. It
+-- has no WHEN clause: one naming partition_key would forbid changing the column's type or
+-- collation (the README's ALTER ... COLLATE "C" for older tables).
+CREATE OR REPLACE FUNCTION "{schema}"."{key_fn}"() RETURNS trigger
+LANGUAGE plpgsql AS $outbox_key$
+BEGIN
+    IF NEW.partition_key IS NULL THEN
+        NEW.partition_key := NEW.aggregateid;
+    ELSIF NEW.partition_key = '' THEN
+        NEW.partition_key := NULL;
+    END IF;
+    RETURN NEW;
+END
+$outbox_key$;
+
+DO $outbox_contract$
+BEGIN
+    -- Tables made before the contract: no id default (a catalog-only change).
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_attrdef d
+        JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+        WHERE d.adrelid = '{t}'::regclass AND a.attname = 'id'
+    ) THEN
+        ALTER TABLE {t} ALTER COLUMN id SET DEFAULT gen_random_uuid();
+    END IF;
+    -- Tables made before the headers check. Postgres checks every CHECK on every UPDATE, and
+    -- the relay updates pending and dead rows (leases, retries, requeues): an unpublished row
+    -- breaking it would stop every claim that takes it. So it is added (NOT VALID: published
+    -- rows, never updated again, are not read) only when no unpublished row breaks it, with
+    -- writers held off meanwhile; otherwise the relay dead-letters such rows as before, and a
+    -- migration after they are discarded adds it.
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_constraint
+        WHERE conrelid = '{t}'::regclass AND conname = '{headers_check}'
+    ) THEN
+        LOCK TABLE {t} IN SHARE ROW EXCLUSIVE MODE;
+        IF NOT EXISTS (
+            SELECT 1 FROM {t}
+            WHERE state IN ('pending', 'dead') AND NOT ({headers_ok})
+        ) THEN
+            ALTER TABLE {t} ADD CONSTRAINT "{headers_check}" CHECK ({headers_ok}) NOT VALID;
+        END IF;
+    END IF;
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_trigger WHERE tgrelid = '{t}'::regclass AND tgname = '{key_trigger}'
+    ) THEN
+        CREATE TRIGGER "{key_trigger}" BEFORE INSERT ON {t}
+            FOR EACH ROW EXECUTE FUNCTION "{schema}"."{key_fn}"();
+    END IF;
+END
+$outbox_contract$;
+"#
+    )
 }
 
 impl Sql {
@@ -183,7 +230,8 @@ $outbox$;
 
 CREATE TABLE IF NOT EXISTS {t} (
     -- Debezium outbox event router columns: id, aggregatetype, aggregateid, type, payload.
-    id             uuid        NOT NULL,
+    -- A SQL writer may leave id out: a random UUID (v4); the Rust enqueue writes a v7.
+    id             uuid        NOT NULL DEFAULT gen_random_uuid(),
     aggregatetype  text        NOT NULL,
     aggregateid    text        NOT NULL,
     type           text        NOT NULL,
@@ -245,16 +293,21 @@ CREATE INDEX IF NOT EXISTS "{dead_idx}" ON {t} (seq)
 -- Purge of published rows, oldest first.
 CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     WHERE state = 'published';
-"#,
+{contract}"#,
             state_check = derived_name(table, "state_check"),
             headers_check = derived_name(table, "headers_check"),
+            contract = sql_contract(schema, table, &t),
         );
 
+        // An unordered message (no partition key) is written as '', which the partition key
+        // trigger of `sql_contract` stores as NULL: NULL itself means "the aggregate id", as
+        // for a SQL writer that leaves the column out.
         let insert_rows = format!(
             "INSERT INTO {t} (id, aggregatetype, aggregateid, type, payload, headers, \
                               partition_key, dedup_key, available_at)
              SELECT u.id, u.aggregatetype, u.aggregateid, u.type, u.payload::jsonb, \
-                    u.headers::jsonb, u.partition_key, u.dedup_key, COALESCE(u.not_before, now())
+                    u.headers::jsonb, COALESCE(u.partition_key, ''), u.dedup_key, \
+                    COALESCE(u.not_before, now())
              FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], \
                          $7::text[], $8::text[], $9::timestamptz[])
                   WITH ORDINALITY AS u(id, aggregatetype, aggregateid, type, payload, headers, \

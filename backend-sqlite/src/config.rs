@@ -122,7 +122,7 @@ impl SqliteConfig {
     /// The migration SQL for this table, for teams that apply migrations with their own tool.
     /// It is idempotent; [`crate::migrate`] runs exactly this (and checks an existing table).
     pub fn migration_sql(&self) -> String {
-        schema_sql(&self.table)
+        schema_sql(&self.table, self.limits.max_payload_bytes)
     }
 }
 

@@ -13,7 +13,7 @@
 //! | Claim by state, never by cursor (FM-A1) | yes |
 //! | Per-key order, dead head `Block` / `Skip` (FM-B3) | yes, in one `BEGIN IMMEDIATE` transaction |
 //! | Fenced leases: token + unexpired lease (FM-B4) | yes, [`Error::LeaseLost`](outbox_traits::Error::LeaseLost) names what was not held |
-//! | Times from the database clock | yes: SQLite's `unixepoch('now','subsec')`, read once per transaction |
+//! | Times from the database clock | yes: SQLite's `julianday('now')` in milliseconds, read once per transaction |
 //! | `seq` never reused after purge + reopen (FM-A3) | yes: `AUTOINCREMENT`, checked by [`migrate`] |
 //! | No `SQLITE_BUSY` from read-then-write upgrades (FM-E3) | yes: every store write transaction is `BEGIN IMMEDIATE` |
 //! | [`concurrent_claimers`](outbox_traits::Capabilities::concurrent_claimers) | **yes**: several handles or processes on one file stay exclusive |
@@ -126,10 +126,10 @@
 //! that are not a JSON object of strings, a payload that is not text, ...) is dead-lettered by
 //! the claim that meets it, on its own and by `seq`, with a `last_error` naming the column and
 //! the value's problem; the rest of the claim flows on and, under `Block`, the row's key waits
-//! behind it like behind any dead head. Tables created by `migrate` also refuse such ids,
-//! payloads and headers that are not a JSON object (SQLite cannot check that the object's
-//! values are strings: such a row is quarantined). Tables created by earlier versions are not
-//! altered.
+//! behind it like behind any dead head. Tables created (or upgraded) by `migrate` also refuse
+//! such ids, payloads that are not JSON or over the limit, and headers that are not a JSON
+//! object of strings: see "Writing from any language (SQL)" in the workspace README, which
+//! also gives the INSERT for services in other languages.
 //!
 //! # Durability
 //!
@@ -165,30 +165,33 @@
 //! # The SQL
 //!
 //! [`migrate`] (and [`SqliteStore::migrate`]) runs [`SqliteConfig::migration_sql`] for the
-//! configured table (`outbox` here):
+//! configured table (`outbox` here); in short (the CHECK expressions and trigger bodies are in
+//! `migration_sql()`, and the workspace README's "Writing from any language (SQL)" says what
+//! they check):
 //!
 //! ```sql
 //! CREATE TABLE IF NOT EXISTS outbox (
 //!     seq           INTEGER PRIMARY KEY AUTOINCREMENT,
-//!     id            TEXT    NOT NULL UNIQUE           -- UUID, hyphenated
-//!                   CHECK (typeof(id) = 'text' AND length(id) = 36),
+//!     id            TEXT    NOT NULL UNIQUE DEFAULT (/* a v4 UUID from randomblob */)
+//!                   CONSTRAINT id_uuid CHECK (/* hyphenated UUID text */),
 //!     aggregatetype TEXT    NOT NULL,
 //!     aggregateid   TEXT    NOT NULL,
 //!     type          TEXT    NOT NULL,
-//!     payload       TEXT    NOT NULL                  -- JSON
-//!                   CHECK (typeof(payload) = 'text'),
-//!     headers       TEXT    NOT NULL DEFAULT '{}'     -- JSON object of strings
-//!                   CHECK (json_valid(headers) AND json_type(headers) = 'object'),
+//!     payload       TEXT    NOT NULL
+//!                   CONSTRAINT payload_json CHECK (typeof(payload) = 'text' AND json_valid(payload))
+//!                   CONSTRAINT payload_size CHECK (length(CAST(payload AS BLOB)) <= 1048576),
+//!     headers       TEXT    NOT NULL DEFAULT '{}'
+//!                   CONSTRAINT headers_object CHECK (json_valid(headers) AND json_type(headers) = 'object'),
 //!     partition_key TEXT,                             -- NULL: unordered
 //!     dedup_key     TEXT    UNIQUE,
 //!     state         TEXT    NOT NULL DEFAULT 'pending'
 //!                   CHECK (state IN ('pending', 'leased', 'published', 'dead')),
 //!     attempts      INTEGER NOT NULL DEFAULT 0,
-//!     available_at  INTEGER NOT NULL DEFAULT (CAST(ROUND(unixepoch('now', 'subsec') * 1000) AS INTEGER)),
+//!     available_at  INTEGER NOT NULL DEFAULT (CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)),
 //!     lease_token   TEXT,
 //!     lease_until   INTEGER,
 //!     last_error    TEXT,
-//!     created_at    INTEGER NOT NULL DEFAULT (CAST(ROUND(unixepoch('now', 'subsec') * 1000) AS INTEGER)),
+//!     created_at    INTEGER NOT NULL DEFAULT (CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)),
 //!     published_at  INTEGER
 //! );
 //! CREATE INDEX IF NOT EXISTS outbox_live
@@ -198,7 +201,15 @@
 //! CREATE INDEX IF NOT EXISTS outbox_dead ON outbox (seq) WHERE state = 'dead';
 //! CREATE INDEX IF NOT EXISTS outbox_dead_key ON outbox (partition_key, seq) WHERE state = 'dead';
 //! CREATE INDEX IF NOT EXISTS outbox_published ON outbox (published_at) WHERE state = 'published';
+//! -- Header values are strings (BEFORE INSERT, when headers <> '{}'); partition_key defaults
+//! -- to the aggregate id and '' is stored as NULL (AFTER INSERT, when it is NULL or '').
+//! CREATE TRIGGER IF NOT EXISTS outbox_headers BEFORE INSERT ON outbox ...;
+//! CREATE TRIGGER IF NOT EXISTS outbox_partition_key AFTER INSERT ON outbox ...;
 //! ```
+//!
+//! The schema, its defaults, checks and triggers work on SQLite 3.35 and later, so that a
+//! service using its platform's SQLite can write rows. A table made by an earlier version of
+//! this crate is rebuilt once by `migrate`, keeping its rows and `seq` counter.
 //!
 //! Times are integer milliseconds since the Unix epoch (`available_at` is the due time of a
 //! pending message: its not-before time or its retry time).

@@ -7,10 +7,10 @@ use outbox_traits::Error;
 
 use crate::config::SqliteConfig;
 use crate::error::{map_err, Ctx};
-use crate::sql::schema_sql;
+use crate::sql::{schema_sql, upgrade_sql, CONTRACT_MARK};
 
 /// Columns the store needs; checked by [`migrate`] on an existing table.
-const COLUMNS: [&str; 17] = [
+pub(crate) const COLUMNS: [&str; 17] = [
     "seq",
     "id",
     "aggregatetype",
@@ -40,12 +40,24 @@ const COLUMNS: [&str; 17] = [
 /// The check refuses an existing table that lacks a column the store uses, or whose `seq` is not
 /// `AUTOINCREMENT` (a migration tool that rebuilt the table may have dropped it; without it,
 /// purged `seq` values are handed out again).
+///
+/// A table made by a version before the SQL enqueue contract (no `id` default) is rebuilt with
+/// the contract's defaults, checks and triggers, since SQLite cannot add them to a table: its
+/// rows are copied as they are (checks not applied to them) and its `seq` counter kept. That
+/// copy holds the write lock for as long as it takes (about a second per few hundred thousand
+/// rows), once.
 pub fn migrate(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
     let table = config.table.as_str();
     // Check a table that already exists before the DDL touches it, so an incompatible table
     // gets an error that says what is wrong rather than a failed CREATE INDEX.
-    check_table(conn, table)?;
-    let ddl = schema_sql(table);
+    let existing = check_table(conn, table)?;
+    let max_payload_bytes = config.limits.max_payload_bytes;
+    let mut ddl = schema_sql(table, max_payload_bytes);
+    // A table made before the SQL enqueue contract has no id default and lacks its checks:
+    // rebuilt in place, rows and seq counter kept, in the same transaction.
+    if existing.is_some_and(|sql| !sql.contains(CONTRACT_MARK)) {
+        ddl = format!("{}{ddl}", upgrade_sql(table, max_payload_bytes));
+    }
     let script = if conn.is_autocommit() {
         format!("BEGIN IMMEDIATE;\n{ddl}COMMIT;")
     } else {
@@ -66,7 +78,9 @@ pub fn migrate(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
     Ok(())
 }
 
-fn check_table(conn: &Connection, table: &str) -> Result<(), Error> {
+/// The DDL of the existing table `table`, after checking that the store can use it; `None`
+/// when there is no such table yet.
+fn check_table(conn: &Connection, table: &str) -> Result<Option<String>, Error> {
     let sql: Option<String> = conn
         .query_row(
             "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?1",
@@ -76,7 +90,7 @@ fn check_table(conn: &Connection, table: &str) -> Result<(), Error> {
         .optional()
         .map_err(|e| map_err(e, Ctx::Migrate, table))?;
     let Some(sql) = sql else {
-        return Ok(()); // not created yet
+        return Ok(None); // not created yet
     };
     if !sql.to_ascii_uppercase().contains("AUTOINCREMENT") {
         return Err(Error::permanent(
@@ -109,7 +123,7 @@ fn check_table(conn: &Connection, table: &str) -> Result<(), Error> {
             None,
         ));
     }
-    Ok(())
+    Ok(Some(sql))
 }
 
 #[cfg(test)]
@@ -119,7 +133,7 @@ mod tests {
     #[test]
     fn refuses_a_table_without_autoincrement() {
         let conn = Connection::open_in_memory().unwrap();
-        let ddl = schema_sql("outbox").replace(" AUTOINCREMENT", "");
+        let ddl = schema_sql("outbox", 1024).replace(" AUTOINCREMENT", "");
         conn.execute_batch(&ddl).unwrap();
         let err = migrate(&conn, &SqliteConfig::default()).unwrap_err();
         assert!(err.to_string().contains("AUTOINCREMENT"), "{err}");
@@ -132,6 +146,72 @@ mod tests {
             .unwrap();
         let err = migrate(&conn, &SqliteConfig::default()).unwrap_err();
         assert!(err.to_string().contains("lacks column"), "{err}");
+    }
+
+    #[test]
+    fn a_table_made_before_the_sql_contract_is_rebuilt_once_keeping_rows_and_seq() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        // The shape of the previous release's table: no id default, no payload or header
+        // checks beyond the types (the exact DDL is in cli/tests/fixtures).
+        conn.execute_batch(
+            "CREATE TABLE outbox (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+                aggregatetype TEXT NOT NULL, aggregateid TEXT NOT NULL, type TEXT NOT NULL,
+                payload TEXT NOT NULL, headers TEXT NOT NULL DEFAULT '{}', partition_key TEXT,
+                dedup_key TEXT UNIQUE, state TEXT NOT NULL DEFAULT 'pending',
+                attempts INTEGER NOT NULL DEFAULT 0, available_at INTEGER NOT NULL DEFAULT 0,
+                lease_token TEXT, lease_until INTEGER, last_error TEXT,
+                created_at INTEGER NOT NULL DEFAULT 0, published_at INTEGER);
+             INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload, headers,
+                                 partition_key)
+             VALUES ('a', 'o', 'o-1', 't', '{}', '{\"n\": 1}', NULL),
+                    ('b', 'o', 'o-2', 't', 'not json', '{}', 'k'),
+                    ('c', 'o', 'o-3', 't', '{}', '{}', 'k');
+             DELETE FROM outbox WHERE id = 'c';",
+        )
+        .unwrap();
+        let tx = conn.transaction().unwrap();
+        migrate(&tx, &SqliteConfig::default()).unwrap();
+        tx.commit().unwrap();
+        let ddl = |conn: &Connection| -> String {
+            conn.query_row(
+                "SELECT group_concat(sql, ';') FROM sqlite_master WHERE tbl_name = 'outbox'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap()
+        };
+        let upgraded = ddl(&conn);
+        assert!(upgraded.contains(CONTRACT_MARK) && upgraded.contains("outbox_partition_key"));
+        // Rows are kept as they were, even those the new checks refuse; NULL stays unordered.
+        let rows: Vec<(i64, String, Option<String>)> = conn
+            .prepare("SELECT seq, id, partition_key FROM outbox ORDER BY seq")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            rows,
+            [(1, "a".into(), None), (2, "b".into(), Some("k".into()))]
+        );
+        // The seq counter survives (3 was used, then deleted), and the defaults work.
+        conn.execute(
+            "INSERT INTO outbox (aggregatetype, aggregateid, type, payload) \
+             VALUES ('o', 'o-4', 't', '{}')",
+            [],
+        )
+        .unwrap();
+        let (seq, key): (i64, String) = conn
+            .query_row(
+                "SELECT seq, partition_key FROM outbox WHERE aggregateid = 'o-4'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!((seq, key.as_str()), (4, "o-4"));
+        // Once is enough: a second migration changes nothing.
+        migrate(&conn, &SqliteConfig::default()).unwrap();
+        assert_eq!(ddl(&conn), upgraded);
     }
 
     #[test]

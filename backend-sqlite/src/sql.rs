@@ -2,48 +2,93 @@
 
 /// "Now" in integer milliseconds since the Unix epoch, from SQLite's own clock.
 ///
-/// SQLite keeps its time as integer milliseconds internally, so rounding the `subsec` value
-/// gives the exact millisecond. Every lease end, retry time and creation time is computed from
-/// this expression (read once per transaction), never from the relay's `SystemTime`.
-pub(crate) const NOW_MS: &str = "CAST(ROUND(unixepoch('now', 'subsec') * 1000) AS INTEGER)";
+/// SQLite keeps its time as integer milliseconds internally; `julianday('now')` carries them
+/// with about 40 µs of rounding error, so rounding gives the exact millisecond, the same value
+/// as `unixepoch('now', 'subsec') * 1000` but on SQLite 3.35 and later (`subsec` needs 3.42,
+/// and the table's defaults run in whatever SQLite a SQL writer uses). Every lease end, retry
+/// time and creation time is computed from this expression (read once per transaction), never
+/// from the relay's `SystemTime`.
+pub(crate) const NOW_MS: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
 
-/// The DDL that [`crate::migrate`] runs for `table`, as one SQL script (what
-/// [`SqliteConfig::migration_sql`](crate::SqliteConfig::migration_sql) returns).
-///
-/// Every statement is `IF NOT EXISTS`, so running it again changes nothing. `table` must
-/// already be validated (a built [`SqliteConfig`](crate::SqliteConfig) is).
-///
-/// Times are integer milliseconds since the Unix epoch, taken from SQLite's clock.
-/// `seq` is `AUTOINCREMENT` so that a value is never handed out twice, even after the newest
-/// rows are purged and the database is reopened (plain `INTEGER PRIMARY KEY` reuses the largest
-/// deleted value).
-pub(crate) fn schema_sql(table: &str) -> String {
+/// A random (version 4) UUID in its hyphenated lower-case text form, from `randomblob`: the
+/// default of `id`, for SQL writers that leave it out.
+const UUID_V4: &str = "lower(hex(randomblob(4))) || '-' || lower(hex(randomblob(2))) || '-4' || \
+     substr(lower(hex(randomblob(2))), 2) || '-' || substr('89ab', 1 + (random() & 3), 1) || \
+     substr(lower(hex(randomblob(2))), 2) || '-' || lower(hex(randomblob(6)))";
+
+/// Marks a table made with the SQL enqueue contract: [`crate::migrate`] rebuilds a table whose
+/// DDL lacks it ([`upgrade_sql`]).
+pub(crate) const CONTRACT_MARK: &str = "randomblob";
+
+/// `id GLOB` pattern of a hyphenated UUID.
+fn uuid_glob() -> String {
+    let hex = |n: usize| "[0-9a-fA-F]".repeat(n);
+    format!("{}-{}-{}-{}-{}", hex(8), hex(4), hex(4), hex(4), hex(12))
+}
+
+/// `CREATE TABLE {name}` with every column default and check of the SQL enqueue contract
+/// (README, "Writing from any language (SQL)"). `max_payload_bytes` is the config's limit.
+fn create_table(name: &str, if_not_exists: bool, max_payload_bytes: usize) -> String {
+    let if_not_exists = if if_not_exists { "IF NOT EXISTS " } else { "" };
     format!(
-        "CREATE TABLE IF NOT EXISTS {t} (
+        "CREATE TABLE {if_not_exists}{name} (
     seq           INTEGER PRIMARY KEY AUTOINCREMENT,
     -- Ids, payloads and headers are checked so that a row written by plain SQL cannot hold
-    -- what the relay cannot read (tables made before these checks keep their rows; the relay
-    -- dead-letters a bad one, see the README).
-    id            TEXT    NOT NULL UNIQUE CHECK (typeof(id) = 'text' AND length(id) = 36),
+    -- what the relay cannot read. A SQL writer may leave id out: a random UUID (v4); the Rust
+    -- enqueue writes a v7.
+    id            TEXT    NOT NULL UNIQUE DEFAULT ({UUID_V4})
+                  CONSTRAINT id_uuid CHECK (typeof(id) = 'text' AND length(id) = 36
+                                            AND id GLOB '{glob}'),
     aggregatetype TEXT    NOT NULL,
     aggregateid   TEXT    NOT NULL,
     type          TEXT    NOT NULL,
-    payload       TEXT    NOT NULL CHECK (typeof(payload) = 'text'),
+    payload       TEXT    NOT NULL
+                  CONSTRAINT payload_json CHECK (typeof(payload) = 'text' AND json_valid(payload))
+                  CONSTRAINT payload_size CHECK (length(CAST(payload AS BLOB)) <= {max_payload_bytes}),
     headers       TEXT    NOT NULL DEFAULT '{{}}'
+                  CONSTRAINT headers_object
                   CHECK (json_valid(headers) AND json_type(headers) = 'object'),
+    -- NULL: the aggregate id; '': unordered, stored as NULL (the partition key trigger).
     partition_key TEXT,
     dedup_key     TEXT    UNIQUE,
     state         TEXT    NOT NULL DEFAULT 'pending'
                   CHECK (state IN ('pending', 'leased', 'published', 'dead')),
     attempts      INTEGER NOT NULL DEFAULT 0,
-    available_at  INTEGER NOT NULL DEFAULT ({now}),
+    available_at  INTEGER NOT NULL DEFAULT ({NOW_MS}),
     lease_token   TEXT,
     lease_until   INTEGER,
     last_error    TEXT,
-    created_at    INTEGER NOT NULL DEFAULT ({now}),
+    created_at    INTEGER NOT NULL DEFAULT ({NOW_MS}),
     published_at  INTEGER
 );
--- The claim walks the unpublished, undead rows in seq order; covering, so it never reads the
+",
+        glob = uuid_glob(),
+    )
+}
+
+/// The DDL that [`crate::migrate`] runs for `table`, as one SQL script (what
+/// [`SqliteConfig::migration_sql`](crate::SqliteConfig::migration_sql) returns).
+///
+/// Every statement is `IF NOT EXISTS`, so running it again changes nothing. `table` must
+/// already be validated (a built [`SqliteConfig`](crate::SqliteConfig) is). It runs on SQLite
+/// 3.35 and later, and so do its defaults, checks and triggers when another program inserts.
+///
+/// Times are integer milliseconds since the Unix epoch, taken from SQLite's clock.
+/// `seq` is `AUTOINCREMENT` so that a value is never handed out twice, even after the newest
+/// rows are purged and the database is reopened (plain `INTEGER PRIMARY KEY` reuses the largest
+/// deleted value).
+pub(crate) fn schema_sql(table: &str, max_payload_bytes: usize) -> String {
+    format!(
+        "{create}{rest}",
+        create = create_table(table, true, max_payload_bytes),
+        rest = indexes_and_triggers(table)
+    )
+}
+
+/// The indexes and the triggers of the SQL enqueue contract.
+fn indexes_and_triggers(t: &str) -> String {
+    format!(
+        "-- The claim walks the unpublished, undead rows in seq order; covering, so it never reads the
 -- table, and partial, so it stays as small as the backlog however long the history grows.
 CREATE INDEX IF NOT EXISTS {t}_live
     ON {t} (seq, partition_key, state, available_at, lease_until)
@@ -56,12 +101,51 @@ CREATE INDEX IF NOT EXISTS {t}_dead ON {t} (seq) WHERE state = 'dead';
 CREATE INDEX IF NOT EXISTS {t}_dead_key ON {t} (partition_key, seq) WHERE state = 'dead';
 -- purge_published() deletes the oldest published rows first.
 CREATE INDEX IF NOT EXISTS {t}_published ON {t} (published_at) WHERE state = 'published';
-",
-        t = table,
-        now = NOW_MS
+-- SQL enqueue contract. Header values are strings (a CHECK cannot read json_each); runs only
+-- for headers other than the empty object.
+CREATE TRIGGER IF NOT EXISTS {t}_headers BEFORE INSERT ON {t}
+    WHEN NEW.headers <> '{{}}' AND json_valid(NEW.headers) AND EXISTS (
+        SELECT 1 FROM json_each(NEW.headers) WHERE type <> 'text')
+BEGIN
+    SELECT RAISE(ABORT, 'CHECK constraint failed: headers_strings (headers must be a JSON object of string values)');
+END;
+-- partition_key defaults to the aggregate id; '' asks for an unordered message (stored as
+-- NULL). A column default cannot read another column and a BEFORE trigger cannot change the
+-- row, hence an update after the insert, only when the key was left out or ''.
+CREATE TRIGGER IF NOT EXISTS {t}_partition_key AFTER INSERT ON {t}
+    WHEN NEW.partition_key IS NULL OR NEW.partition_key = ''
+BEGIN
+    UPDATE {t} SET partition_key = CASE WHEN NEW.partition_key IS NULL THEN NEW.aggregateid END
+    WHERE seq = NEW.seq;
+END;
+"
     )
 }
 
+/// Rebuild `table`, made by a version before the SQL enqueue contract, with the contract's
+/// defaults and checks (SQLite cannot add them to an existing table): copy its rows into a new
+/// table, keep its `seq` counter, drop it and rename the copy. Rows already there are copied
+/// without checking them (old rows the checks refuse are dead-lettered by the relay, as
+/// before). [`schema_sql`] then recreates the indexes and triggers. Runs inside
+/// [`crate::migrate`]'s transaction.
+pub(crate) fn upgrade_sql(table: &str, max_payload_bytes: usize) -> String {
+    let new = format!("{table}_contract_upgrade");
+    let columns = crate::migrate::COLUMNS.join(", ");
+    format!(
+        "DROP TABLE IF EXISTS {new};
+{create}PRAGMA ignore_check_constraints = ON;
+INSERT INTO {new} ({columns}) SELECT {columns} FROM {table} ORDER BY seq;
+PRAGMA ignore_check_constraints = OFF;
+-- The old counter is at least the largest seq copied (AUTOINCREMENT), and higher when the
+-- newest rows were purged: keep it, so no seq is handed out twice.
+DELETE FROM sqlite_sequence WHERE name = '{new}';
+INSERT INTO sqlite_sequence (name, seq) SELECT '{new}', seq FROM sqlite_sequence WHERE name = '{table}';
+DROP TABLE {table};
+ALTER TABLE {new} RENAME TO {table};
+",
+        create = create_table(&new, false, max_payload_bytes),
+    )
+}
 /// The columns of a [`outbox_traits::Message`], in the order [`crate::row::decode`] reads them.
 pub(crate) const MESSAGE_COLUMNS: &str = "id, seq, aggregatetype, aggregateid, type, payload, \
      headers, partition_key, dedup_key, attempts, created_at";
@@ -184,13 +268,16 @@ impl Sql {
     }
 }
 
+/// An unordered message (`?7` NULL) is written as '', which the partition key trigger stores
+/// as NULL: NULL itself means "the aggregate id", as for a SQL writer that leaves it out.
+///
 /// `?1` id, `?2` aggregatetype, `?3` aggregateid, `?4` type, `?5` payload, `?6` headers,
 /// `?7` partition_key, `?8` dedup_key, `?9` not-before in ms (NULL = now).
 pub(crate) fn insert_sql(table: &str) -> String {
     format!(
         "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload, headers, \
          partition_key, dedup_key, available_at, created_at) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, COALESCE(?9, {NOW_MS}), {NOW_MS})"
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, COALESCE(?7, ''), ?8, COALESCE(?9, {NOW_MS}), {NOW_MS})"
     )
 }
 
@@ -234,6 +321,30 @@ mod tests {
             &insert_sql("outbox"),
         ] {
             conn.prepare(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+        }
+    }
+
+    #[test]
+    fn now_is_unixepoch_subsec_in_milliseconds() {
+        let conn = Connection::open_in_memory().unwrap();
+        // 'now' is one instant within a statement.
+        let (ours, subsec): (i64, i64) = conn
+            .query_row(
+                &format!(
+                    "SELECT {NOW_MS}, CAST(ROUND(unixepoch('now', 'subsec') * 1000) AS INTEGER)"
+                ),
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(ours, subsec);
+        // The julianday round trip is exact to the millisecond, up to year 2100.
+        let at = NOW_MS.replace("'now'", "?1 / 1000.0, 'unixepoch'");
+        for ms in (0..2000_i64).chain([1_700_000_000_123, 1_795_630_962_698, 4_102_444_799_999]) {
+            let got: i64 = conn
+                .query_row(&format!("SELECT {at}"), [ms], |r| r.get(0))
+                .unwrap();
+            assert_eq!(got, ms);
         }
     }
 

@@ -918,6 +918,26 @@ pub async fn message_round_trip(harness: &dyn Harness) -> Result<(), String> {
         "the retry carries another id: {:?}",
         ids(&again)
     );
+    f.relay
+        .complete(again.token, &ids(&again))
+        .await
+        .map_err(err("complete"))?;
+    // The default key is the aggregate id; an unordered message comes back without one (SQL
+    // backends store both through the table's partition key default, see the README).
+    let keyed = NewMessage::new("order", "o-8", "order.placed", serde_json::json!({}));
+    let unordered =
+        NewMessage::new("order", "o-9", "order.placed", serde_json::json!({})).unordered();
+    f.enqueue(&[keyed, unordered]).await?;
+    let claim = f.claim(2).await?;
+    let keys: Vec<Option<&str>> = claim
+        .messages
+        .iter()
+        .map(|m| m.partition_key.as_deref())
+        .collect();
+    ensure!(
+        keys == [Some("o-8"), None],
+        "default and unordered keys changed: {keys:?}"
+    );
     f.finish().await
 }
 

@@ -15,6 +15,7 @@
 pub mod config;
 #[cfg(feature = "diesel")]
 pub mod diesel;
+pub mod names;
 pub mod row;
 pub mod store;
 
