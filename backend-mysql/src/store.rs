@@ -54,8 +54,9 @@ impl MysqlStore {
     /// cannot be reached; neither message contains the URL's password.
     ///
     /// Its connections end a transaction left idle for 5 seconds (`idle_transaction_timeout`):
-    /// a relay frozen mid-claim then frees the rows it locked within that time. Set the same on a pool you pass to [`MysqlStore::new`] for the same
-    /// bound (see the crate docs, "A frozen relay").
+    /// a relay frozen mid-claim then frees the rows it locked within that time. Set the same on
+    /// a pool you pass to [`MysqlStore::new`] for the same bound (see the crate docs, "A frozen
+    /// relay").
     pub async fn connect(url: &str, config: MysqlConfig) -> Result<Self, Error> {
         let pool = PoolOptions::<MySql>::new().after_connect(|conn, _| {
             Box::pin(async move {

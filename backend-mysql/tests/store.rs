@@ -792,6 +792,9 @@ async fn lock_like_a_claim(
 async fn relays_frozen_mid_claim_or_mid_complete_block_no_other_call() {
     let Some(db) = db().await else { return };
     let begin = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+    // The frozen relays' sessions, on a pool of their own: the store's connections would end
+    // a transaction left idle this long, which is the point of them but not of this test.
+    let frozen = MySqlPoolOptions::new().connect(&db.url).await.unwrap();
     let (f1, f2, a1, b1) = (
         msg("f", "f1"),
         msg("f", "f2"),
@@ -812,7 +815,7 @@ async fn relays_frozen_mid_claim_or_mid_complete_block_no_other_call() {
     .await
     .unwrap();
     // ... and another relay's claim of two rows locks them, then freezes before its commit.
-    let mut frozen_claim = db.pool().begin_with(begin).await.unwrap();
+    let mut frozen_claim = frozen.begin_with(begin).await.unwrap();
     assert_eq!(
         lock_like_a_claim(&mut frozen_claim, db.table(), 2)
             .await
@@ -823,7 +826,7 @@ async fn relays_frozen_mid_claim_or_mid_complete_block_no_other_call() {
     db.enqueue(&[msg("c", "c1")]).await;
     let third = db.claim(10, Block).await;
     assert_eq!(names(&third), ["c1"]);
-    let mut frozen_complete = db.pool().begin_with(begin).await.unwrap();
+    let mut frozen_complete = frozen.begin_with(begin).await.unwrap();
     sqlx::query(&format!(
         "SELECT id FROM {} FORCE INDEX (uq_id) WHERE id = ? FOR UPDATE",
         db.table()
@@ -868,7 +871,7 @@ async fn relays_frozen_mid_claim_or_mid_complete_block_no_other_call() {
     db.enqueue(&[msg("g", "g1")]).await;
     let g = db.claim(10, Block).await;
     assert_eq!(names(&g), ["g1"]);
-    let mut frozen_scan = db.pool().begin_with(begin).await.unwrap();
+    let mut frozen_scan = frozen.begin_with(begin).await.unwrap();
     lock_like_a_claim(&mut frozen_scan, db.table(), 100).await;
     let transient_or_ok = |what: &str, result: Result<(), Error>| match result {
         Ok(()) => {}
@@ -885,6 +888,7 @@ async fn relays_frozen_mid_claim_or_mid_complete_block_no_other_call() {
         db.store.complete(g.token, &ids(&g)).await.unwrap();
     }
     assert_eq!(names(&db.claim(10, Block).await), ["f1", "f2"]);
+    frozen.close().await;
     db.drop().await;
 }
 
