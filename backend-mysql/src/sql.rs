@@ -43,6 +43,34 @@ pub(crate) const ID_INDEX: &str = "uq_id";
 /// check reads the latest committed rows.
 pub(crate) const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
 
+/// MariaDB's longest identifier, in characters (names here are ASCII: bytes).
+const MAX_IDENT: usize = 64;
+
+/// The DDL of the key-lock table, appended after the outbox table's own so the two can change
+/// independently. Idempotent like the rest.
+fn key_locks_ddl(key_locks: &str) -> String {
+    format!(
+        r#"
+-- ---------------------------------------------------------------------------------------------
+-- Key locks. Kept apart from the outbox table's definition above.
+--
+-- Per-key order follows seq, the insert order. Two transactions writing one key at once can
+-- commit in the other order, and then the later-inserted message is published first. A writer
+-- that first upserts its keys here, in its transaction, holds their rows locked until it
+-- commits or rolls back (a row lock is transaction-scoped; GET_LOCK is not); a second writer of
+-- one of those keys waits on that statement, so it inserts (and commits) after the first. Keys
+-- in sorted order, so two writers of the same keys cannot deadlock:
+--   INSERT INTO {key_locks} (partition_key) VALUES ('order-42')
+--       ON DUPLICATE KEY UPDATE partition_key = partition_key;
+-- One small row per key ever locked; rows can be deleted at any time.
+CREATE TABLE IF NOT EXISTS {key_locks} (
+    partition_key  VARCHAR({MAX_KEY_CHARS}) NOT NULL PRIMARY KEY
+)
+ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
+"#
+    )
+}
+
 /// A JSON array of ids, as a table of one `id` column.
 const ID_LIST: &str =
     "JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(36) CHARACTER SET ascii COLLATE ascii_bin PATH '$'))";
@@ -72,8 +100,10 @@ fn message_columns(a: &str) -> String {
 pub(crate) struct Sql {
     /// `` `database`.`table` `` or `` `table` ``.
     pub table: String,
-    /// Idempotent DDL (database, table with its indexes).
+    /// Idempotent DDL (database, table with its indexes, key-lock table).
     pub migrate: String,
+    /// The key-lock table, quoted like `table`.
+    pub key_locks: String,
     /// `INSERT ... VALUES` up to (not including) the rows; see [`Sql::insert`].
     insert_head: String,
     /// Claim candidates where dead messages block their key.
@@ -132,10 +162,16 @@ pub(crate) struct Sql {
 
 impl Sql {
     pub(crate) fn build(database: Option<&str>, table: &str, delete_published: bool) -> Self {
-        let t = match database {
-            Some(db) => format!("`{db}`.`{table}`"),
-            None => format!("`{table}`"),
+        let qualify = |name: &str| match database {
+            Some(db) => format!("`{db}`.`{name}`"),
+            None => format!("`{name}`"),
         };
+        let t = qualify(table);
+        let key_locks = qualify(&outbox_sqlx_support::derived_name(
+            table,
+            "key_locks",
+            MAX_IDENT,
+        ));
         let create_database = database
             .map(|db| format!("CREATE DATABASE IF NOT EXISTS `{db}`;\n\n"))
             .unwrap_or_default();
@@ -181,7 +217,7 @@ impl Sql {
 -- Binary, no-pad comparison: keys are equal only when their bytes are ('a' <> 'A' <> 'a ').
 ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
 "#
-        );
+        ) + &key_locks_ddl(&key_locks);
 
         let insert_head = format!(
             "INSERT INTO {t} (id, aggregatetype, aggregateid, type, payload, headers, \
@@ -484,6 +520,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  FROM {t}"
             ),
             insert_head,
+            key_locks,
             migrate,
             table: t,
         }

@@ -208,8 +208,9 @@ impl Db {
 
     async fn drop(self) {
         let _ = sqlx::query(&format!(
-            "DROP TABLE {}, {}",
+            "DROP TABLE {}, {}, {}",
             self.config.qualified_table(),
+            self.config.key_locks_table(),
             self.orders
         ))
         .execute(self.store.pool())
