@@ -136,6 +136,29 @@ pub fn map_sqlx(
     }
 }
 
+/// `{base}_{suffix}`, or a shortened `base` plus a hash when that would exceed `max` bytes (the
+/// database's identifier limit: 63 on Postgres, which silently truncates longer names, 64 on
+/// MariaDB), so two names derived from one table never collide and always fit. `base` must be
+/// ASCII (a validated identifier).
+pub fn derived_name(base: &str, suffix: &str, max: usize) -> String {
+    let full = format!("{base}_{suffix}");
+    if full.len() <= max {
+        return full;
+    }
+    let hash = format!("{:016x}", fnv1a(base.as_bytes()));
+    // base is ASCII, so any byte index is a char boundary.
+    let keep = max.saturating_sub(suffix.len() + hash.len() + 2);
+    format!("{}_{hash}_{suffix}", &base[..keep.min(base.len())])
+}
+
+/// FNV-1a: a stable hash (unlike `DefaultHasher`, which may change between Rust releases), so a
+/// name or lock key derived from it is the same for every process and version.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
+        (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,27 +202,4 @@ mod tests {
             result.map(|_| ())
         );
     }
-}
-
-/// `{base}_{suffix}`, or a shortened `base` plus a hash when that would exceed `max` bytes (the
-/// database's identifier limit: 63 on Postgres, which silently truncates longer names, 64 on
-/// MariaDB), so two names derived from one table never collide and always fit. `base` must be
-/// ASCII (a validated identifier).
-pub fn derived_name(base: &str, suffix: &str, max: usize) -> String {
-    let full = format!("{base}_{suffix}");
-    if full.len() <= max {
-        return full;
-    }
-    let hash = format!("{:016x}", fnv1a(base.as_bytes()));
-    // base is ASCII, so any byte index is a char boundary.
-    let keep = max.saturating_sub(suffix.len() + hash.len() + 2);
-    format!("{}_{hash}_{suffix}", &base[..keep.min(base.len())])
-}
-
-/// FNV-1a: a stable hash (unlike `DefaultHasher`, which may change between Rust releases), so a
-/// name or lock key derived from it is the same for every process and version.
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
-        (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    })
 }

@@ -443,11 +443,12 @@ async fn bench_target(name: &str, s: &Settings, target: &Target) -> BoxResult<()
         inner: target.store(),
         claims: AtomicU64::new(0),
     });
-    let relay = Relay::new(
-        counting.clone(),
-        Arc::from(publisher),
-        RelayConfig::default(),
-    )?;
+    let defaults = RelayConfig::default();
+    let relay_config = RelayConfig {
+        poll_max: s.poll_max.unwrap_or(defaults.poll_max),
+        ..defaults
+    };
+    let relay = Relay::new(counting.clone(), Arc::from(publisher), relay_config)?;
     let handle = relay.spawn();
     let result = measure(name, s, target, &counting, &arrivals, base).await;
     handle.shutdown(Duration::from_secs(10)).await?;
