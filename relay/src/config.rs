@@ -275,7 +275,8 @@ mod tests {
                 multiplier: 1.0,
                 ..Backoff::default()
             },
-            poll_min: Duration::from_secs(1),
+            // As long as poll_max: the edge.
+            poll_min: RelayConfig::default().poll_max,
             ..RelayConfig::default()
         };
         c.validate().unwrap();
