@@ -35,6 +35,7 @@ pub struct MysqlConfig {
 struct Inner {
     database: Option<String>,
     common: TableSettings,
+    lock_keys: bool,
     sql: Sql,
 }
 
@@ -72,6 +73,19 @@ impl MysqlConfig {
         self.inner.common.delete_published
     }
 
+    /// Whether enqueue first locks the batch's partition keys until the transaction ends (see
+    /// [`MysqlConfigBuilder::lock_keys`]).
+    pub fn lock_keys(&self) -> bool {
+        self.inner.lock_keys
+    }
+
+    /// The key-lock table (created by the migration), quoted like
+    /// [`MysqlConfig::qualified_table`]: `` `outbox_key_locks` `` for the default table. See
+    /// [`MysqlConfigBuilder::lock_keys`] for the statement a writer in another language runs.
+    pub fn key_locks_table(&self) -> &str {
+        &self.inner.sql.key_locks
+    }
+
     /// The migration SQL for this table, for teams that apply migrations with their own tool.
     ///
     /// It is idempotent (`IF NOT EXISTS`); [`crate::migrate`] runs exactly this under a
@@ -85,7 +99,7 @@ impl MysqlConfig {
     }
 
     /// Build from settings that already passed their checks.
-    fn from_valid(database: Option<String>, common: TableSettings) -> Self {
+    fn from_valid(database: Option<String>, common: TableSettings, lock_keys: bool) -> Self {
         let sql = Sql::build(
             database.as_deref(),
             &common.table,
@@ -96,6 +110,7 @@ impl MysqlConfig {
             inner: Arc::new(Inner {
                 database,
                 common,
+                lock_keys,
                 sql,
             }),
         }
@@ -105,7 +120,7 @@ impl MysqlConfig {
 impl Default for MysqlConfig {
     /// Table `outbox` in the connection's database, 1 MiB payloads.
     fn default() -> Self {
-        Self::from_valid(None, TableSettings::default())
+        Self::from_valid(None, TableSettings::default(), false)
     }
 }
 
@@ -116,6 +131,7 @@ impl fmt::Debug for MysqlConfig {
             .field("table", &self.inner.common.table)
             .field("limits", &self.inner.common.limits)
             .field("delete_published", &self.inner.common.delete_published)
+            .field("lock_keys", &self.inner.lock_keys)
             .finish()
     }
 }
@@ -125,6 +141,7 @@ impl fmt::Debug for MysqlConfig {
 pub struct MysqlConfigBuilder {
     database: Option<String>,
     common: TableSettings,
+    lock_keys: bool,
 }
 
 impl MysqlConfigBuilder {
@@ -165,13 +182,46 @@ impl MysqlConfigBuilder {
         self
     }
 
+    /// Serialise the writers of one partition key for the length of their transactions
+    /// (default off).
+    ///
+    /// Per-key order follows `seq`, which is drawn at insert: two transactions that write one
+    /// key at the same time can commit in the other order, and then the message inserted
+    /// second is published first. On, [`crate::enqueue_batch`] (and the diesel functions)
+    /// first upsert each of the batch's keys into the key-lock table
+    /// ([`MysqlConfig::key_locks_table`], created by the migration), in the same round trip as
+    /// the insert: the row lock lasts until the transaction ends (unlike `GET_LOCK`, which is
+    /// the session's), and a second writer of the key waits on it until the first commits or
+    /// rolls back, so commit order is insert order. Writers in other languages run, first in
+    /// their transaction:
+    ///
+    /// ```sql
+    /// INSERT INTO outbox_key_locks (partition_key) VALUES ('order-42')
+    ///     ON DUPLICATE KEY UPDATE partition_key = partition_key;
+    /// ```
+    ///
+    /// Cost: writers of one key no longer overlap, each enqueue writes one more row per key
+    /// (measured in `BENCHMARKS.md`), and the statement carries its values as hexadecimal
+    /// literals (a payload counts twice against `max_allowed_packet`). When the first writer
+    /// of a key that was never locked rolls back, two writers waiting on it can deadlock;
+    /// MariaDB rolls one back with a transient error (retry it). Writers of different keys do
+    /// not wait for each other; messages without a partition key take no lock.
+    pub fn lock_keys(mut self, lock: bool) -> Self {
+        self.lock_keys = lock;
+        self
+    }
+
     /// Validate the names and limits and build every SQL statement.
     pub fn build(self) -> Result<MysqlConfig, Error> {
         if let Some(database) = &self.database {
             validate_sql_identifier("database name", database)?;
         }
         self.common.validate()?;
-        Ok(MysqlConfig::from_valid(self.database, self.common))
+        Ok(MysqlConfig::from_valid(
+            self.database,
+            self.common,
+            self.lock_keys,
+        ))
     }
 }
 

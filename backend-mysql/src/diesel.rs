@@ -21,12 +21,12 @@ use ::diesel::mysql::Mysql;
 use ::diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use ::diesel::result::{Error as DieselError, QueryResult};
 use ::diesel::sql_types::{Datetime, Nullable, Text};
-use diesel_async::{AsyncMysqlConnection, RunQueryDsl};
+use diesel_async::{AsyncMysqlConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_sqlx_support::diesel::{classify_insert, DieselDialect};
 use outbox_traits::{Error, NewMessage};
 
 use crate::config::MysqlConfig;
-use crate::enqueue::{duplicate_entry, insert_statement, Row, Rows};
+use crate::enqueue::{duplicate_entry, insert_statement, locked_insert, Row, Rows};
 use crate::error::WHAT;
 
 /// Re-exported so users name the same diesel-async version as this crate.
@@ -69,6 +69,12 @@ pub async fn enqueue_batch(
         return Ok(());
     }
     let rows = Rows::validate(config, messages)?;
+    if let Some(text) = locked_insert(config, &rows) {
+        conn.batch_execute(&text)
+            .await
+            .map_err(|err| map_insert_error(err, config, messages))?;
+        return Ok(());
+    }
     InsertRows {
         sql: insert_statement(config, messages.len()),
         rows: rows.0,

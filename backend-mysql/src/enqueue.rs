@@ -1,5 +1,8 @@
 //! Enqueue inside the caller's transaction: one multi-row INSERT for a whole batch.
 
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+
 use chrono::NaiveDateTime;
 use outbox_traits::{validate_batch, Error, NewMessage};
 use sqlx::{Executor, MySql};
@@ -46,6 +49,11 @@ where
 /// - Other errors are classified (`Unavailable`, transient or permanent `Backend`); a missing
 ///   table says to run the migration. A batch larger than the server's `max_allowed_packet`
 ///   is refused by the server.
+///
+/// With [`MysqlConfigBuilder::lock_keys`](crate::MysqlConfigBuilder::lock_keys) on, the same
+/// round trip first locks the batch's partition keys until the transaction ends, so writers of
+/// one key commit in the order they inserted: the call waits while another open transaction
+/// holds one of its keys.
 pub async fn enqueue_batch<'c, E>(
     executor: E,
     config: &MysqlConfig,
@@ -58,6 +66,14 @@ where
         return Ok(());
     }
     let rows = Rows::validate(config, messages)?;
+    if let Some(text) = locked_insert(config, &rows) {
+        // Without arguments: the text protocol, which runs both statements.
+        executor
+            .execute(text.as_str())
+            .await
+            .map_err(|err| map_insert_error(err, config, messages))?;
+        return Ok(());
+    }
     let sql = insert_statement(config, messages.len());
     let mut query = sqlx::query(&sql);
     for row in rows.0 {
@@ -84,6 +100,79 @@ where
 /// order.
 pub(crate) fn insert_statement(config: &MysqlConfig, rows: usize) -> String {
     config.sql().insert(rows)
+}
+
+/// With key locks on ([`MysqlConfigBuilder::lock_keys`](crate::MysqlConfigBuilder::lock_keys))
+/// and a key in the batch: the key-lock upsert and then the batch insert, as one text of two
+/// statements, the same for both drivers (sent in one round trip). `None` otherwise.
+///
+/// Two statements cannot be one prepared statement, and the caller's executor can be used only
+/// once, so this text carries its values as literals: every string as a hexadecimal literal
+/// with a `utf8mb4` introducer (`_utf8mb4 X'..'`), which no value and no `sql_mode` can break
+/// out of, and times as digits. The upsert locks the batch's distinct keys in sorted order
+/// before any of its rows takes a `seq`.
+pub(crate) fn locked_insert(config: &MysqlConfig, rows: &Rows<'_>) -> Option<String> {
+    if !config.lock_keys() {
+        return None;
+    }
+    let keys: BTreeSet<&str> = rows.0.iter().filter_map(|row| row.partition_key).collect();
+    if keys.is_empty() {
+        return None;
+    }
+    let mut text = format!(
+        "INSERT INTO {} (partition_key) VALUES ",
+        config.sql().key_locks
+    );
+    for (i, key) in keys.iter().enumerate() {
+        text.push_str(if i == 0 { "(" } else { ", (" });
+        push_string(&mut text, key);
+        text.push(')');
+    }
+    text.push_str(" ON DUPLICATE KEY UPDATE partition_key = partition_key;\n");
+    let insert = insert_statement(config, rows.0.len());
+    let mut pieces = insert.split('?');
+    let mut values = rows.0.iter().flat_map(|row| {
+        [
+            Some(Literal::Text(&row.id)),
+            Some(Literal::Text(row.aggregate_type)),
+            Some(Literal::Text(row.aggregate_id)),
+            Some(Literal::Text(row.event_type)),
+            Some(Literal::Text(&row.payload)),
+            Some(Literal::Text(&row.headers)),
+            row.partition_key.map(Literal::Text),
+            row.dedup_key.map(Literal::Text),
+            row.not_before.map(Literal::Time),
+        ]
+    });
+    // The placeholders are exactly the rows' values in order (see `insert_statement`).
+    text.push_str(pieces.next().unwrap_or_default());
+    for piece in pieces {
+        match values.next().flatten() {
+            Some(Literal::Text(value)) => push_string(&mut text, value),
+            Some(Literal::Time(at)) => {
+                text.push_str(&at.format("'%Y-%m-%d %H:%M:%S%.6f'").to_string());
+            }
+            None => text.push_str("NULL"),
+        }
+        text.push_str(piece);
+    }
+    Some(text)
+}
+
+/// A value of [`locked_insert`]'s text.
+enum Literal<'a> {
+    Text(&'a str),
+    Time(NaiveDateTime),
+}
+
+/// `value` as a `utf8mb4` string literal written in hexadecimal.
+fn push_string(text: &mut String, value: &str) {
+    text.reserve(value.len() * 2 + 12);
+    text.push_str("_utf8mb4 X'");
+    for byte in value.bytes() {
+        let _ = write!(text, "{byte:02x}");
+    }
+    text.push('\'');
 }
 
 /// One message as the values of its row, in the order of its placeholders.

@@ -67,6 +67,31 @@ pub(crate) const LOCK_WAIT_SECS: u32 = 2;
 /// frees the rows; the frozen relay sees a lost connection (transient) when it resumes.
 pub(crate) const IDLE_TRANSACTION_SECS: u32 = 5;
 
+/// The DDL of the key-lock table, appended after the outbox table's own so the two can change
+/// independently. Idempotent like the rest.
+fn key_locks_ddl(key_locks: &str) -> String {
+    format!(
+        r#"
+-- ---------------------------------------------------------------------------------------------
+-- Key locks. Kept apart from the outbox table's definition above.
+--
+-- Per-key order follows seq, the insert order. Two transactions writing one key at once can
+-- commit in the other order, and then the later-inserted message is published first. A writer
+-- that first upserts its keys here, in its transaction, holds their rows locked until it
+-- commits or rolls back (a row lock is transaction-scoped; GET_LOCK is not); a second writer of
+-- one of those keys waits on that statement, so it inserts (and commits) after the first. Keys
+-- in sorted order, so two writers of the same keys cannot deadlock:
+--   INSERT INTO {key_locks} (partition_key) VALUES ('order-42')
+--       ON DUPLICATE KEY UPDATE partition_key = partition_key;
+-- One small row per key ever locked; rows can be deleted at any time.
+CREATE TABLE IF NOT EXISTS {key_locks} (
+    partition_key  VARCHAR({MAX_KEY_CHARS}) NOT NULL PRIMARY KEY
+)
+ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
+"#
+    )
+}
+
 /// A JSON array of ids, as a table of one `id` column.
 const ID_LIST: &str =
     "JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(36) CHARACTER SET ascii COLLATE ascii_bin PATH '$'))";
@@ -96,8 +121,10 @@ fn message_columns(a: &str) -> String {
 pub(crate) struct Sql {
     /// `` `database`.`table` `` or `` `table` ``.
     pub table: String,
-    /// Idempotent DDL (database, table with its indexes).
+    /// Idempotent DDL (database, table with its indexes, key-lock table).
     pub migrate: String,
+    /// The key-lock table, quoted like `table`.
+    pub key_locks: String,
     /// `INSERT ... VALUES` up to (not including) the rows; see [`Sql::insert`].
     insert_head: String,
     /// Claim candidates where dead messages block their key.
@@ -207,14 +234,13 @@ impl Sql {
         delete_published: bool,
         max_payload_bytes: usize,
     ) -> Self {
-        let t = match database {
-            Some(db) => format!("`{db}`.`{table}`"),
-            None => format!("`{table}`"),
+        let qualify = |name: &str| match database {
+            Some(db) => format!("`{db}`.`{name}`"),
+            None => format!("`{name}`"),
         };
-        let key_trigger = match database {
-            Some(db) => format!("`{db}`.`{}`", derived_name(table, "partition_key")),
-            None => format!("`{}`", derived_name(table, "partition_key")),
-        };
+        let t = qualify(table);
+        let key_trigger = qualify(&derived_name(table, "partition_key"));
+        let key_locks = qualify(&derived_name(table, "key_locks"));
         let create_database = database
             .map(|db| format!("CREATE DATABASE IF NOT EXISTS `{db}`;\n\n"))
             .unwrap_or_default();
@@ -266,7 +292,7 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
 {contract}"#,
             contract = sql_contract(&t, table, &key_trigger),
             payload_check = derived_name(table, "payload_size"),
-        );
+        ) + &key_locks_ddl(&key_locks);
 
         let insert_head = format!(
             "INSERT INTO {t} (id, aggregatetype, aggregateid, type, payload, headers, \
@@ -580,6 +606,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  FROM {t}"
             ),
             insert_head,
+            key_locks,
             migrate,
             table: t,
         }

@@ -208,8 +208,9 @@ impl Db {
 
     async fn drop(self) {
         let _ = sqlx::query(&format!(
-            "DROP TABLE {}, {}",
+            "DROP TABLE {}, {}, {}",
             self.config.qualified_table(),
+            self.config.key_locks_table(),
             self.orders
         ))
         .execute(self.store.pool())
@@ -411,5 +412,46 @@ async fn batches_of_every_size_are_written_in_order_and_twice_on_one_connection(
             assert_eq!(db.claim_all().await, want, "round {round}, size {size}");
         }
     }
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn the_key_lock_takes_the_same_round_trip_on_diesel() {
+    let Some(mut db) = db().await else {
+        return;
+    };
+    let locking = MysqlConfig::builder()
+        .table(db.config.table())
+        .lock_keys(true)
+        .build()
+        .unwrap();
+    let events = [
+        placed("o-1"),
+        placed("o-1").with_header("quote", "it's \"quoted\"; --"),
+    ];
+    place_order(&mut db.conn, &db.orders, &locking, "o-1", &events, true)
+        .await
+        .unwrap();
+    let rolled_back = [placed("o-2")];
+    let result = place_order(
+        &mut db.conn,
+        &db.orders,
+        &locking,
+        "o-2",
+        &rolled_back,
+        false,
+    )
+    .await;
+    assert!(result.is_err(), "the rollback was not reported");
+    // The key-lock rows are written (and locked) by the same transactions: o-1's committed.
+    let locked: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT CAST(partition_key AS CHAR CHARACTER SET utf8mb4) FROM {} ORDER BY partition_key",
+        locking.key_locks_table()
+    ))
+    .fetch_all(db.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(locked, ["o-1"]);
+    assert_eq!(db.claim_all().await, [events[0].id, events[1].id]);
     db.drop().await;
 }

@@ -33,6 +33,7 @@ pub struct PostgresConfig {
 struct Inner {
     schema: String,
     notify: bool,
+    lock_keys: bool,
     common: TableSettings,
     sql: Sql,
 }
@@ -63,9 +64,28 @@ impl PostgresConfig {
         self.inner.common.limits
     }
 
-    /// Whether enqueue sends a `pg_notify` wake-up (one per enqueue call).
+    /// Whether the table's insert trigger wakes relays (see [`PostgresConfigBuilder::notify`]).
     pub fn notify(&self) -> bool {
         self.inner.notify
+    }
+
+    /// Whether enqueue first locks the batch's partition keys until the transaction ends (see
+    /// [`PostgresConfigBuilder::lock_keys`]).
+    pub fn lock_keys(&self) -> bool {
+        self.inner.lock_keys
+    }
+
+    /// `"schema"."<table>_lock_key"`: the SQL function, created by the migration, that a writer
+    /// calls first in its transaction to serialise the writers of its keys:
+    /// `SELECT "public"."outbox_lock_key"('order-42')` (any number of keys as further
+    /// arguments). See [`PostgresConfigBuilder::lock_keys`].
+    pub fn lock_function(&self) -> &str {
+        &self.inner.sql.lock_function
+    }
+
+    /// The name of the statement-level `AFTER INSERT` trigger that sends the NOTIFY.
+    pub fn notify_trigger(&self) -> &str {
+        &self.inner.sql.notify_trigger
     }
 
     /// Whether completing a message deletes its row instead of marking it published
@@ -105,12 +125,14 @@ impl PostgresConfig {
             &b.schema,
             &b.common.table,
             b.notify,
+            b.lock_keys,
             b.common.delete_published,
         );
         Self {
             inner: Arc::new(Inner {
                 schema: b.schema,
                 notify: b.notify,
+                lock_keys: b.lock_keys,
                 common: b.common,
                 sql,
             }),
@@ -125,6 +147,7 @@ impl fmt::Debug for PostgresConfig {
             .field("table", &self.inner.common.table)
             .field("limits", &self.inner.common.limits)
             .field("notify", &self.inner.notify)
+            .field("lock_keys", &self.inner.lock_keys)
             .field("delete_published", &self.inner.common.delete_published)
             .finish()
     }
@@ -135,6 +158,7 @@ impl fmt::Debug for PostgresConfig {
 pub struct PostgresConfigBuilder {
     schema: String,
     notify: bool,
+    lock_keys: bool,
     common: TableSettings,
 }
 
@@ -143,6 +167,7 @@ impl Default for PostgresConfigBuilder {
         Self {
             schema: DEFAULT_SCHEMA.to_owned(),
             notify: true,
+            lock_keys: false,
             common: TableSettings::default(),
         }
     }
@@ -173,13 +198,43 @@ impl PostgresConfigBuilder {
         self
     }
 
-    /// Send a `pg_notify` wake-up with every enqueue call (default on).
+    /// Wake relays on every insert into the table (default on).
     ///
-    /// A NOTIFY takes a database-wide lock at commit that serialises committing writers, so
-    /// services with many concurrent writers may prefer to turn it off and rely on the relay's
-    /// polling. A notification is only a hint; relays poll regardless.
+    /// On: the migration installs a statement-level `AFTER INSERT` trigger that sends one
+    /// `pg_notify` on [`PostgresConfig::notify_channel`] per INSERT statement, whoever the
+    /// writer (this crate's enqueue, another language's SQL, `psql`), and relays `LISTEN` on
+    /// the channel, so a commit reaches a waiting relay at once. Enqueue itself sends no
+    /// notification. A table migrated by an earlier release, whose enqueue sent the
+    /// notification, gets the trigger at its next migration; until then relays find new rows
+    /// by polling (a relay warns at start-up when the trigger is missing).
+    ///
+    /// Off: the migration drops the trigger and relays only poll. A NOTIFY takes a
+    /// database-wide lock at commit that serialises committing writers, so services with many
+    /// concurrent writers may prefer that. The setting is the table's: give the migration and
+    /// the relays the same value. A notification is only a hint; relays poll regardless.
     pub fn notify(mut self, notify: bool) -> Self {
         self.notify = notify;
+        self
+    }
+
+    /// Serialise the writers of one partition key for the length of their transactions
+    /// (default off).
+    ///
+    /// Per-key order follows `seq`, which is drawn at insert: two transactions that write one
+    /// key at the same time can commit in the other order, and then the message inserted
+    /// second is published first. On, [`crate::enqueue_batch`] (and the diesel functions)
+    /// first take a transaction-scoped advisory lock on each of the batch's keys, in the same
+    /// statement as the insert, through the function [`PostgresConfig::lock_function`]
+    /// (created by the migration): a second writer of the key waits there until the first
+    /// commits or rolls back, so commit order is insert order. Writers in other languages call
+    /// the function first in their transaction: `SELECT "public"."outbox_lock_key"('k')`.
+    ///
+    /// Cost: writers of one key no longer overlap (their transactions queue), and each enqueue
+    /// does a little more work (measured in `BENCHMARKS.md`). Writers of different keys do not
+    /// wait for each other (unless two keys' 64-bit hashes collide). Messages without a
+    /// partition key take no lock.
+    pub fn lock_keys(mut self, lock: bool) -> Self {
+        self.lock_keys = lock;
         self
     }
 
@@ -225,6 +280,9 @@ mod tests {
         assert_eq!(config.qualified_table(), "\"public\".\"outbox\"");
         assert_eq!(config.notify_channel(), "outbox.public.outbox");
         assert!(config.notify());
+        assert!(!config.lock_keys());
+        assert_eq!(config.lock_function(), "\"public\".\"outbox_lock_key\"");
+        assert_eq!(config.notify_trigger(), "outbox_notify");
 
         for (schema, table) in [("a;b", "outbox"), ("public", "x\"y"), ("", "t"), ("s", "")] {
             let err = PostgresConfig::builder()
@@ -270,6 +328,8 @@ mod tests {
             "dead_idx",
             "published_idx",
             "dedup_key",
+            "notify",
+            "lock_key",
         ] {
             let name = crate::sql::derived_name(&long, suffix);
             assert!(name.len() <= 63 && name.ends_with(suffix), "{name}");

@@ -13,8 +13,8 @@
 //!
 //! The statement, its parameters, the checks made before writing and the errors are those of
 //! the sqlx functions [`crate::enqueue`] and [`crate::enqueue_batch`] (the same code builds them),
-//! so the relay (which uses sqlx) reads these rows like any other. With NOTIFY enabled the same
-//! statement sends the `pg_notify` wake-up. Create the table with [`crate::PostgresStore::migrate`]
+//! so the relay (which uses sqlx) reads these rows like any other; the table's insert trigger
+//! wakes the relays, and with key locks on the same statement locks the batch's keys. Create the table with [`crate::PostgresStore::migrate`]
 //! or [`crate::PostgresConfig::migration_sql`] (e.g. in a diesel migration).
 
 use ::diesel::pg::Pg;
@@ -164,8 +164,11 @@ mod tests {
 
     #[test]
     fn the_query_is_the_statement_and_cacheable() {
-        for notify in [false, true] {
-            let config = PostgresConfig::builder().notify(notify).build().unwrap();
+        for lock_keys in [false, true] {
+            let config = PostgresConfig::builder()
+                .lock_keys(lock_keys)
+                .build()
+                .unwrap();
             let query = InsertBatch {
                 sql: insert_statement(&config),
                 columns: Columns::validate(

@@ -46,8 +46,14 @@ where
 /// - Other errors are classified (`Unavailable`, transient or permanent `Backend`); a missing
 ///   table says to run the migration.
 ///
-/// With NOTIFY enabled in `config`, the call also sends one `pg_notify` on
-/// [`PostgresConfig::notify_channel`], delivered to listening relays when the transaction commits.
+/// The call sends no `pg_notify` itself: the table's insert trigger (created by the migration
+/// when NOTIFY is on) wakes listening relays when the transaction commits, as it does for any
+/// writer's INSERT.
+///
+/// With [`PostgresConfigBuilder::lock_keys`](crate::PostgresConfigBuilder::lock_keys) on, the
+/// same statement first locks the batch's partition keys until the transaction ends, so
+/// writers of one key commit in the order they inserted: the call waits while another open
+/// transaction holds one of its keys.
 pub async fn enqueue_batch<'c, E>(
     executor: E,
     config: &PostgresConfig,

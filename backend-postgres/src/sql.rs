@@ -57,8 +57,13 @@ pub(crate) struct Sql {
     pub pkey_constraint: String,
     /// Idempotent DDL (schema, table, indexes).
     pub migrate: String,
-    /// Batch insert from arrays; sends one NOTIFY when configured.
+    /// Batch insert from arrays; first locks the batch's keys when configured. Sends no
+    /// NOTIFY: the table's insert trigger does (see [`Sql::build`]).
     pub insert: String,
+    /// `"schema"."<table>_lock_key"`: the function that serialises writers of a key.
+    pub lock_function: String,
+    /// Name of the statement-level insert trigger that notifies `channel`.
+    pub notify_trigger: String,
     /// Claim where dead messages block their key.
     pub claim_block: String,
     /// Claim where dead messages are ignored for ordering.
@@ -192,8 +197,95 @@ $outbox_contract$;
     )
 }
 
+/// What the insert adds, with the key lock on, before its `ORDER BY`: lock the batch's keys
+/// (`$7`, the partition keys) first. An uncorrelated scalar subquery is an init plan, run once
+/// before the first row is read, and `seq` is drawn only after the sort has read every row:
+/// so each key is locked before any of the batch's rows gets its `seq`. (`$7` appears a second
+/// time here; the diesel query binds its parameters in order and leaves this one as written,
+/// which names the same parameter.)
+const LOCK_KEYS_FILTER: &str =
+    "             WHERE (SELECT {lock_function}(VARIADIC $7::text[])) IS NOT NULL";
+
+/// The DDL for issue 17's wake-ups and key locks, appended after the table's own so the two
+/// can change independently: the insert trigger that notifies relays (or, with NOTIFY off, its
+/// removal) and the key-lock function. Idempotent like the rest.
+fn wakeups_and_key_locks(
+    schema: &str,
+    t: &str,
+    channel: &str,
+    notify_trigger: &str,
+    lock_function: &str,
+    notify: bool,
+) -> String {
+    let notify_function = format!("\"{schema}\".\"{notify_trigger}\"");
+    let trigger = if notify {
+        format!(
+            r#"DO $outbox$
+BEGIN
+    -- No CREATE OR REPLACE TRIGGER before Postgres 14.
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger
+                   WHERE tgrelid = '{t}'::regclass AND tgname = '{notify_trigger}') THEN
+        CREATE TRIGGER "{notify_trigger}" AFTER INSERT ON {t}
+            FOR EACH STATEMENT EXECUTE FUNCTION {notify_function}();
+    END IF;
+END
+$outbox$;"#
+        )
+    } else {
+        format!(
+            "-- NOTIFY is off for this table: relays poll, and inserts send nothing.\n\
+             DROP TRIGGER IF EXISTS \"{notify_trigger}\" ON {t};"
+        )
+    };
+    let seed = fnv1a(t.as_bytes()) as i64;
+    format!(
+        r#"
+-- ---------------------------------------------------------------------------------------------
+-- Wake-ups and key locks. Kept apart from the table's definition above.
+--
+-- Every INSERT statement into the table, by any writer, sends one NOTIFY to the relays
+-- listening on '{channel}' (a statement-level trigger: one per statement, not per row, and
+-- Postgres folds equal notifications of one transaction into one). The notification is
+-- delivered at commit and is only a hint: relays poll as well.
+CREATE OR REPLACE FUNCTION {notify_function}() RETURNS trigger LANGUAGE plpgsql AS $outbox$
+BEGIN
+    PERFORM pg_notify('{channel}', '');
+    RETURN NULL;
+END
+$outbox$;
+
+{trigger}
+
+-- Per-key order follows seq, the insert order. Two transactions writing one key at once can
+-- commit in the other order, and then the later-inserted message is published first. A writer
+-- that calls this function first, in its transaction, holds its keys until it commits or rolls
+-- back; a second writer of one of those keys waits there, so it inserts (and commits) after
+-- the first. Keys are locked in sorted order, so two writers of the same keys cannot deadlock.
+-- Returns how many distinct keys it locked (NULLs are skipped: unordered messages).
+--   SELECT {lock_function}('order-42');
+CREATE OR REPLACE FUNCTION {lock_function}(VARIADIC keys text[]) RETURNS integer
+LANGUAGE plpgsql AS $outbox$
+DECLARE
+    locked integer;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(k, {seed}))
+    FROM (SELECT DISTINCT k FROM unnest(keys) AS k WHERE k IS NOT NULL ORDER BY k) s;
+    GET DIAGNOSTICS locked = ROW_COUNT;
+    RETURN locked;
+END
+$outbox$;
+"#
+    )
+}
+
 impl Sql {
-    pub(crate) fn build(schema: &str, table: &str, notify: bool, delete_published: bool) -> Self {
+    pub(crate) fn build(
+        schema: &str,
+        table: &str,
+        notify: bool,
+        lock_keys: bool,
+        delete_published: bool,
+    ) -> Self {
         let t = format!("\"{schema}\".\"{table}\"");
         let claim_idx = derived_name(table, "claim_idx");
         let key_idx = derived_name(table, "key_idx");
@@ -202,6 +294,8 @@ impl Sql {
         let dedup_constraint = derived_name(table, "dedup_key");
         let pkey_constraint = derived_name(table, "pkey");
         let channel = channel_name(schema, table);
+        let notify_trigger = derived_name(table, "notify");
+        let lock_function = format!("\"{schema}\".\"{}\"", derived_name(table, "lock_key"));
 
         let migrate = format!(
             r#"DO $outbox$
@@ -297,6 +391,13 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
             state_check = derived_name(table, "state_check"),
             headers_check = derived_name(table, "headers_check"),
             contract = sql_contract(schema, table, &t),
+        ) + &wakeups_and_key_locks(
+            schema,
+            &t,
+            &channel,
+            &notify_trigger,
+            &lock_function,
+            notify,
         );
 
         // An unordered message (no partition key) is written as '', which the partition key
@@ -315,13 +416,15 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
              ORDER BY u.ord
              RETURNING 1"
         );
-        // One NOTIFY per call, not per row; Postgres also folds equal notifications of one
-        // transaction into one.
-        let insert = if notify {
-            format!(
-                "WITH ins AS ({insert_rows})
-                 SELECT pg_notify('{channel}', '') FROM (SELECT count(*) AS n FROM ins) c WHERE c.n > 0"
-            )
+        // The table's insert trigger sends the NOTIFY, for this insert as for any writer's.
+        let insert = if lock_keys {
+            insert_rows
+                .replacen(
+                    "\n             ORDER BY u.ord",
+                    &format!("\n{LOCK_KEYS_FILTER}\n             ORDER BY u.ord"),
+                    1,
+                )
+                .replace("{lock_function}", &lock_function)
         } else {
             insert_rows
         };
@@ -661,11 +764,44 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#
             claim_past_block: claim_past(true),
             claim_past_skip: claim_past(false),
             insert,
+            lock_function,
+            notify_trigger,
             migrate,
             dedup_constraint,
             pkey_constraint,
             channel,
             table: t,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_insert_leaves_waking_to_the_trigger_and_locks_keys_only_when_asked() {
+        for notify in [false, true] {
+            let plain = Sql::build("s", "t", notify, false, false);
+            assert!(!plain.insert.contains("pg_notify"), "{}", plain.insert);
+            assert!(!plain.insert.contains("lock_key"));
+            let locked = Sql::build("s", "t", notify, true, false);
+            assert!(locked
+                .insert
+                .contains(r#"WHERE (SELECT "s"."t_lock_key"(VARIADIC $7::text[])) IS NOT NULL"#));
+            // The lock filter comes before the rows' order, which the seqs follow.
+            let filter = locked.insert.find("WHERE (SELECT").unwrap();
+            assert!(filter < locked.insert.find("ORDER BY u.ord").unwrap());
+            assert_eq!(
+                plain.migrate.contains("CREATE TRIGGER \"t_notify\""),
+                notify,
+                "{}",
+                plain.migrate
+            );
+            assert_eq!(plain.migrate.contains("DROP TRIGGER IF EXISTS"), !notify);
+            assert!(plain
+                .migrate
+                .contains(r#"CREATE OR REPLACE FUNCTION "s"."t_lock_key"(VARIADIC keys text[])"#));
         }
     }
 }

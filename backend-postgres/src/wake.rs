@@ -31,12 +31,38 @@ impl PgWakeSource {
         let listener = subscribe(&own, &channel)
             .await
             .map_err(|e| map_sqlx(e, "listen", &table))?;
+        warn_without_trigger(pool, config).await;
         Ok(Self {
             listener,
             pool: own,
             channel,
             table,
         })
+    }
+}
+
+/// Inserts notify through the table's trigger, which a table migrated by an earlier release
+/// (whose enqueue sent the notification itself) lacks until its next migration: say so, since
+/// until then the relay finds new rows only by polling. A failed check is only logged too: the
+/// relay works either way.
+async fn warn_without_trigger(pool: &PgPool, config: &PostgresConfig) {
+    let present: Result<bool, sqlx::Error> = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_trigger
+                        WHERE tgrelid = to_regclass($1) AND tgname = $2)",
+    )
+    .bind(config.qualified_table())
+    .bind(config.notify_trigger())
+    .fetch_one(pool)
+    .await;
+    match present {
+        Ok(true) => {}
+        Ok(false) => tracing::warn!(
+            table = config.qualified_table(),
+            trigger = config.notify_trigger(),
+            "the outbox table has no insert trigger to wake relays; run the migration \
+             (`outbox-relay migrate`) to add it. Until then new messages are found by polling"
+        ),
+        Err(e) => tracing::debug!(error = %e, "could not check for the outbox insert trigger"),
     }
 }
 

@@ -94,7 +94,8 @@ pub struct SettingsArgs {
     /// What a dead message does to the later messages of its key.
     #[arg(long, env = "OUTBOX_HEAD_POLICY", value_enum, global = true)]
     pub head_policy: Option<Head>,
-    /// Longest wait between claims when idle, e.g. 1s.
+    /// Longest wait between claims when idle, e.g. 1s (default 100ms: bounds the latency of
+    /// stores without wake-ups, MariaDB and SQLite, at about ten claims a second when idle).
     #[arg(long, env = "OUTBOX_POLL_MAX", global = true, value_parser = humantime::parse_duration)]
     pub poll_max: Option<Duration>,
     /// How long a stop waits for in-flight batches, e.g. 10s.

@@ -43,8 +43,14 @@ pub struct NewMessage {
     pub payload: serde_json::Value,
     /// String headers forwarded to the broker as message headers.
     pub headers: BTreeMap<String, String>,
-    /// Ordering key. Messages with the same key are published in the order they were enqueued
-    /// (committed); `None` means the message flows unordered. Defaults to the aggregate id.
+    /// Ordering key. Messages with the same key are published in the order they were inserted
+    /// (their `seq`); `None` means the message flows unordered. Defaults to the aggregate id.
+    ///
+    /// Precondition: a key's messages are written by one transaction at a time. Two
+    /// transactions that write one key at the same time can commit in the other order, and then
+    /// the message inserted second is published first (it is committed while the first is not).
+    /// The Postgres and MariaDB stores offer a key lock that serialises such writers
+    /// (`lock_keys` in their configs, or one SQL statement for other writers).
     pub partition_key: Option<String>,
     /// Optional idempotency key: a second message with the same key is refused by the store.
     pub dedup_key: Option<String>,

@@ -212,7 +212,10 @@ pub trait OutboxStore: Send + Sync {
     ///   the list. Earlier messages leased to someone else, waiting for a retry or not yet due,
     ///   or locked by a concurrent claim, hold back the key. Dead earlier messages hold it back
     ///   under [`HeadPolicy::Block`] and are ignored under [`HeadPolicy::Skip`]. Messages with no
-    ///   partition key are not ordered.
+    ///   partition key are not ordered. Order is `seq` order, which is insert order: a message
+    ///   of `k` committed after a later-inserted one of `k` was claimed cannot be put before it
+    ///   (see [`NewMessage::partition_key`](crate::NewMessage::partition_key) for the writers'
+    ///   precondition).
     /// - MUST NOT let a blocked key's backlog, however long, hide the claimable messages behind
     ///   it: a claim still returns other keys' first messages and unordered messages (a store
     ///   that reads a bounded stretch of the backlog may return only each key's first message

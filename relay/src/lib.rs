@@ -87,7 +87,10 @@
 //! # Delivery guarantees
 //!
 //! At least once, in per-key order, with the stable message id on every delivery so consumers
-//! can drop duplicates. No database transaction or lock is held while publishing: every store
+//! can drop duplicates. Per-key order is insert (`seq`) order among committed messages: two
+//! transactions writing one key at once can commit in the other order, and then the message
+//! inserted second is published first; the Postgres and MariaDB stores' key lock (`lock_keys`)
+//! serialises such writers (see the README, "Per-key order and concurrent writers"). No database transaction or lock is held while publishing: every store
 //! call returns before the publish starts.
 //!
 //! **Crash and cancel safety.** Dropping the engine, a [`Relay::run_until_idle`] future, or

@@ -89,11 +89,16 @@ impl Db {
         .unwrap()
     }
 
-    /// Drop the table (best effort: a failed test leaves it for inspection).
+    /// Drop the table and its key-lock table (best effort: a failed test leaves them for
+    /// inspection).
     pub async fn drop(self) {
-        let _ = sqlx::query(&format!("DROP TABLE {}", self.table()))
-            .execute(self.store.pool())
-            .await;
+        let _ = sqlx::query(&format!(
+            "DROP TABLE {}, {}",
+            self.table(),
+            self.config.key_locks_table()
+        ))
+        .execute(self.store.pool())
+        .await;
         self.store.pool().close().await;
     }
 }
@@ -183,9 +188,14 @@ pub mod harness {
         Ok(now.and_utc())
     }
 
-    /// Drop `store`'s table (its pool stays open: the conformance harness shares one).
+    /// Drop `store`'s table and its key-lock table (its pool stays open: the conformance
+    /// harness shares one).
     pub async fn teardown(store: &MysqlStore) -> Result<(), Error> {
-        let sql = format!("DROP TABLE {}", store.config().qualified_table());
+        let sql = format!(
+            "DROP TABLE {}, {}",
+            store.config().qualified_table(),
+            store.config().key_locks_table()
+        );
         sqlx::query(&sql).execute(store.pool()).await.map_err(err)?;
         Ok(())
     }

@@ -1,0 +1,137 @@
+//! Concurrent writers of one key: without the key lock a message inserted later but committed
+//! first is published first; with it the second writer waits, and order is insert order.
+
+mod common;
+
+
+use common::{db, db_with, msg, names, Db};
+use outbox_backend_mysql::{enqueue, enqueue_batch};
+use outbox_traits::{Error, HeadPolicy};
+
+/// Insert one message the way a service in another language does: the minimal columns and
+/// its own id.
+async fn plain_insert(executor: &mut sqlx::MySqlConnection, db: &Db, key: &str, name: &str) {
+    sqlx::query(&format!(
+        "INSERT INTO {} (id, aggregatetype, aggregateid, type, payload, partition_key)
+         VALUES (UUID(), 'test', ?, 'test.event', JSON_OBJECT('name', ?), ?)",
+        db.table()
+    ))
+    .bind(key)
+    .bind(name)
+    .bind(key)
+    .execute(executor)
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn without_the_key_lock_a_later_insert_that_commits_first_is_published_first() {
+    let Some(db) = db().await else { return };
+    let mut first = db.pool().begin().await.unwrap();
+    enqueue(&mut *first, &db.config, &msg("k", "inserted-first"))
+        .await
+        .unwrap();
+    let mut second = db.pool().begin().await.unwrap();
+    enqueue(&mut *second, &db.config, &msg("k", "inserted-second"))
+        .await
+        .unwrap();
+    second.commit().await.unwrap();
+    // The precondition the README states: order follows seq only among committed rows.
+    let claim = db.claim(10, HeadPolicy::Block).await;
+    assert_eq!(names(&claim), ["inserted-second"]);
+    first.commit().await.unwrap();
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn with_the_key_lock_a_second_writer_waits_and_order_is_commit_order() {
+    let Some(db) = db_with(|b| b.lock_keys(true)).await else {
+        return;
+    };
+    assert!(db.config.lock_keys());
+    // The first writer is a foreign one: the documented upsert, then a plain INSERT.
+    let mut first = db.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {} (partition_key) VALUES (?)
+             ON DUPLICATE KEY UPDATE partition_key = partition_key",
+        db.config.key_locks_table()
+    ))
+    .bind("k")
+    .execute(&mut *first)
+    .await
+    .unwrap();
+    plain_insert(&mut first, &db, "k", "inserted-first").await;
+
+    // A writer of another key does not wait.
+    let mut other = db.pool().begin().await.unwrap();
+    enqueue(&mut *other, &db.config, &msg("other", "other-key"))
+        .await
+        .unwrap();
+    other.commit().await.unwrap();
+    // This crate's enqueue with the option on waits for the first transaction. Seen without
+    // timing anything: with the second session's lock wait cut to the server's minimum, its
+    // enqueue fails with a lock wait timeout (1205) while the first is open, and MariaDB rolls
+    // back only that statement, so the transaction carries on.
+    let mut second = db.pool().begin().await.unwrap();
+    sqlx::query("SET SESSION innodb_lock_wait_timeout = 1")
+        .execute(&mut *second)
+        .await
+        .unwrap();
+    let batch = [
+        msg("k", "inserted-second"),
+        msg("k", "inserted-third").with_header("h", "v'\\\"; --"),
+    ];
+    let err = enqueue_batch(&mut *second, &db.config, &batch)
+        .await
+        .expect_err("the second writer did not wait for the key lock");
+    assert!(err.is_transient(), "{err}");
+    assert!(err.to_string().contains("1205"), "{err}");
+    assert_eq!(
+        names(&db.claim(10, HeadPolicy::Block).await),
+        ["other-key"],
+        "nothing of key k is committed, and the waiting writer inserted nothing"
+    );
+    first.commit().await.unwrap();
+    enqueue_batch(&mut *second, &db.config, &batch)
+        .await
+        .unwrap();
+    sqlx::query("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+        .execute(&mut *second)
+        .await
+        .unwrap();
+    second.commit().await.unwrap();
+    let claim = db.claim(10, HeadPolicy::Block).await;
+    assert_eq!(
+        names(&claim),
+        ["inserted-first", "inserted-second", "inserted-third"]
+    );
+    // The values written as literals read back as given.
+    let third = &claim.messages[2];
+    assert_eq!(
+        third.headers.get("h").map(String::as_str),
+        Some("v'\\\"; --")
+    );
+    assert_eq!(third.partition_key.as_deref(), Some("k"));
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn the_locked_insert_reports_the_same_errors() {
+    let Some(db) = db_with(|b| b.lock_keys(true)).await else {
+        return;
+    };
+    let first = msg("k", "a").with_dedup_key("d");
+    db.enqueue(std::slice::from_ref(&first)).await;
+    let mut tx = db.pool().begin().await.unwrap();
+    let again = msg("k", "b").with_dedup_key("d");
+    let err = enqueue(&mut *tx, &db.config, &again).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::DuplicateKey { key } if key == "d"),
+        "{err}"
+    );
+    let reused = msg("k", "c").with_id(first.id);
+    let err = enqueue(&mut *tx, &db.config, &reused).await.unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    tx.rollback().await.unwrap();
+    db.drop().await;
+}
