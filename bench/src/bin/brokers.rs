@@ -36,11 +36,12 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
+use outbox_bench::{message, CpuReading};
 use outbox_e2e::{check_delivery, kafka, nats, redis, Expected, Received};
 use outbox_relay::{Relay, RelayConfig};
 use outbox_traits::{
     async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, LeaseToken, Message,
-    NewMessage, OutboxStore, PublishOutcome, Publisher, WakeSource,
+    OutboxStore, PublishOutcome, Publisher, WakeSource,
 };
 use uuid::Uuid;
 
@@ -149,17 +150,6 @@ fn env_or(var: &str, default: &str) -> String {
         .ok()
         .filter(|v| !v.trim().is_empty())
         .unwrap_or_else(|| default.to_owned())
-}
-
-fn message(n: usize, keys: usize) -> NewMessage {
-    let key = format!("customer-{}", n % keys);
-    NewMessage::new(
-        "order",
-        format!("order-{n}"),
-        "order.placed",
-        serde_json::json!({ "order": n, "customer": key, "total_cents": 1000 + n, "note": "benchmark payload of about two hundred bytes, as in the raw SQL limits table" }),
-    )
-    .with_partition_key(key)
 }
 
 /// Summed time and count of one kind of call.
@@ -279,67 +269,6 @@ impl Publisher for TimedPublisher {
     }
 }
 
-/// Clock ticks per second of `/proc/<pid>/stat` times (`USER_HZ`, 100 on every Linux build this
-/// benchmark runs on).
-const TICKS_PER_SEC: f64 = 100.0;
-
-/// CPU seconds (user + system, of the process and of the children it reaped) by process name,
-/// summed over every process of that name: one reading of `/proc`.
-#[derive(Debug, Clone, Default)]
-struct CpuReading(std::collections::HashMap<String, f64>);
-
-impl CpuReading {
-    /// Read every process's `/proc/<pid>/stat`, and this process's as `self`. Empty where
-    /// `/proc` cannot be read.
-    fn now() -> Self {
-        let mut by_name = std::collections::HashMap::new();
-        let Ok(entries) = std::fs::read_dir("/proc") else {
-            return Self(by_name);
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            if !name.to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
-                continue;
-            }
-            if let Some((comm, secs)) = std::fs::read_to_string(entry.path().join("stat"))
-                .ok()
-                .and_then(|stat| parse_stat(&stat))
-            {
-                *by_name.entry(comm).or_insert(0.0) += secs;
-            }
-        }
-        if let Some((_, secs)) = std::fs::read_to_string("/proc/self/stat")
-            .ok()
-            .and_then(|stat| parse_stat(&stat))
-        {
-            by_name.insert("self".to_owned(), secs);
-        }
-        Self(by_name)
-    }
-
-    /// Seconds used by processes named `name` since `before` (0 when none ran).
-    fn since(&self, before: &Self, name: &str) -> f64 {
-        let at = |r: &Self| r.0.get(name).copied().unwrap_or(0.0);
-        (at(self) - at(before)).max(0.0)
-    }
-}
-
-/// A process's name and CPU seconds (utime + stime + cutime + cstime) from its `stat` line.
-fn parse_stat(stat: &str) -> Option<(String, f64)> {
-    // The name is in parentheses and may hold spaces or parentheses: it ends at the last ')'.
-    let open = stat.find('(')?;
-    let close = stat.rfind(')')?;
-    let comm = stat.get(open + 1..close)?.to_owned();
-    // After the name: state (field 3), ..., utime (14), stime (15), cutime (16), cstime (17).
-    let fields: Vec<&str> = stat.get(close + 2..)?.split(' ').collect();
-    let ticks = fields
-        .get(11..15)?
-        .iter()
-        .map(|f| f.parse::<u64>().ok())
-        .sum::<Option<u64>>()?;
-    Some((comm, ticks as f64 / TICKS_PER_SEC))
-}
-
 /// The drain's CPU line: seconds and µs per message for the relay, Postgres and the broker's
 /// server, and how much of the machine's cores they left idle.
 fn cpu_line(
@@ -349,7 +278,7 @@ fn cpu_line(
     messages: usize,
     wall: Duration,
 ) -> Option<String> {
-    if after.0.is_empty() {
+    if after.is_empty() {
         return None;
     }
     let per_msg = |secs: f64| secs * 1e6 / messages.max(1) as f64;
@@ -371,8 +300,8 @@ fn cpu_line(
             per_msg(secs)
         ));
     }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    let busy = total / (wall.as_secs_f64() * cores);
+    let cores = outbox_bench::cores();
+    let busy = outbox_bench::core_share(total, wall);
     Some(format!(
         "CPU during the drain: {}; together {:.1} µs/msg, {:.0}% of {cores} cores",
         parts.join(", "),
