@@ -134,6 +134,36 @@ pub fn find_process(comm: &str, arg: &str) -> Option<u32> {
     None
 }
 
+/// The Postgres server's own background processes (WAL writer, checkpointer, background
+/// writer, autovacuum): every `postgres` process that serves no client connection. Their work
+/// follows from every client's writes, so a drain's share of it is only approximate on a shared
+/// server.
+pub fn postgres_background() -> Vec<u32> {
+    const KINDS: [&str; 5] = [
+        "walwriter",
+        "checkpointer",
+        "background writer",
+        "autovacuum",
+        "walsender",
+    ];
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_string_lossy().parse::<u32>().ok()?;
+            let comm = std::fs::read_to_string(entry.path().join("comm")).ok()?;
+            if comm.trim_end() != "postgres" {
+                return None;
+            }
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            KINDS.iter().any(|k| cmdline.contains(k)).then_some(pid)
+        })
+        .collect()
+}
+
 /// The machine's cores, as the share of cores used is counted.
 pub fn cores() -> f64 {
     std::thread::available_parallelism().map_or(1, |n| n.get()) as f64

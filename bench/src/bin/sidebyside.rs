@@ -42,7 +42,7 @@ use outbox_backend_mysql::{MysqlConfig, MysqlStore};
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
 use outbox_backend_sqlite::{SqliteConfig, SqliteStore};
 use outbox_bench::{check_key_order, core_share, load_average, median, message, thousands};
-use outbox_bench::{find_process, payload, process_cpu, CpuReading};
+use outbox_bench::{find_process, payload, postgres_background, process_cpu, CpuReading};
 use outbox_e2e::{check_delivery, kafka, Expected};
 use outbox_memory::RecordingPublisher;
 use outbox_relay::{Relay, RelayConfig};
@@ -202,47 +202,97 @@ struct Run {
     share: f64,
 }
 
+/// `application_name` of this benchmark's Postgres connections, to find their server backends.
+const APP_NAME: &str = "outbox-sidebyside";
+
+/// CPU seconds of this benchmark's Postgres backends and of the server's background processes,
+/// by process.
+async fn postgres_cpu(pool: &sqlx::PgPool) -> BoxResult<Vec<(u32, f64)>> {
+    let pids: Vec<(i32,)> =
+        sqlx::query_as("SELECT pid FROM pg_stat_activity WHERE application_name = $1")
+            .bind(APP_NAME)
+            .fetch_all(pool)
+            .await?;
+    let mut pids: Vec<u32> = pids.into_iter().map(|(p,)| p as u32).collect();
+    pids.extend(postgres_background());
+    Ok(pids
+        .into_iter()
+        .filter_map(|pid| Some((pid, process_cpu(pid)?)))
+        .collect())
+}
+
+/// CPU seconds used between two [`postgres_cpu`] readings (a process that appeared in between
+/// counts from zero).
+fn postgres_secs(before: &[(u32, f64)], after: &[(u32, f64)]) -> f64 {
+    after
+        .iter()
+        .map(|(pid, now)| {
+            let start = before
+                .iter()
+                .find(|(p, _)| p == pid)
+                .map_or(0.0, |(_, s)| *s);
+            (now - start).max(0.0)
+        })
+        .sum()
+}
+
+/// Where the database's CPU time is read from.
+enum Db<'a> {
+    /// Not a server (SQLite runs in this process).
+    None,
+    /// This benchmark's backends (pool with [`APP_NAME`]) and the server's background processes.
+    Postgres(&'a sqlx::PgPool),
+    /// Every process of this name (MariaDB is one process).
+    Process(&'static str),
+}
+
 /// The CPU readings and clock around one drain.
-struct Timer {
+struct Timer<'a> {
     cpu: CpuReading,
+    db: Db<'a>,
+    postgres: Vec<(u32, f64)>,
     /// The broker server's process and its CPU seconds at the start.
     broker: Option<(u32, f64)>,
     started: Instant,
 }
 
-impl Timer {
+impl<'a> Timer<'a> {
     /// Start timing; `broker` is the broker server's process, if any.
-    fn start(broker: Option<u32>) -> Self {
-        Self {
+    async fn start(db: Db<'a>, broker: Option<u32>) -> BoxResult<Timer<'a>> {
+        let postgres = match db {
+            Db::Postgres(pool) => postgres_cpu(pool).await?,
+            _ => vec![],
+        };
+        Ok(Self {
             cpu: CpuReading::now(),
+            db,
+            postgres,
             broker: broker.and_then(|pid| Some((pid, process_cpu(pid)?))),
             started: Instant::now(),
-        }
+        })
     }
 
-    /// The drain's figures; `db` names the database server's processes ("" for none).
-    fn stop(self, messages: usize, db: &str) -> Run {
+    /// The drain's figures.
+    async fn stop(self, messages: usize) -> BoxResult<Run> {
         let wall = self.started.elapsed();
         let after = CpuReading::now();
-        let per_msg = |secs: f64| secs * 1e6 / messages.max(1) as f64;
-        let secs = |name: &str| {
-            if name.is_empty() {
-                0.0
-            } else {
-                after.since(&self.cpu, name)
-            }
+        let db = match self.db {
+            Db::None => 0.0,
+            Db::Postgres(pool) => postgres_secs(&self.postgres, &postgres_cpu(pool).await?),
+            Db::Process(name) => after.since(&self.cpu, name),
         };
+        let per_msg = |secs: f64| secs * 1e6 / messages.max(1) as f64;
         let broker = self.broker.map_or(0.0, |(pid, before)| {
             process_cpu(pid).map_or(0.0, |now| (now - before).max(0.0))
         });
-        let (relay, db) = (secs("self"), secs(db));
-        Run {
+        let relay = after.since(&self.cpu, "self");
+        Ok(Run {
             rate: messages as f64 / wall.as_secs_f64(),
             relay_us: per_msg(relay),
             db_us: per_msg(db),
             broker_us: per_msg(broker),
             share: core_share(relay + db + broker, wall),
-        }
+        })
     }
 }
 
@@ -377,12 +427,12 @@ async fn drop_schema(pool: &sqlx::PgPool, config: &PostgresConfig) -> BoxResult<
 }
 
 /// Drain `store` into the recording publisher; checks the count and per-key order.
-async fn drain_recording(store: Arc<dyn OutboxStore>, o: &Opts, db: &str) -> BoxResult<Run> {
+async fn drain_recording(store: Arc<dyn OutboxStore>, o: &Opts, db: Db<'_>) -> BoxResult<Run> {
     let publisher = Arc::new(RecordingPublisher::new());
     let relay = Relay::new(store, publisher.clone(), o.relay())?;
-    let timer = Timer::start(None);
+    let timer = Timer::start(db, None).await?;
     let stats = relay.run_until_idle().await?;
-    let run = timer.stop(o.messages, db);
+    let run = timer.stop(o.messages).await?;
     if stats.published as usize != o.messages {
         return Err(format!("published {} of {}", stats.published, o.messages).into());
     }
@@ -392,7 +442,7 @@ async fn drain_recording(store: Arc<dyn OutboxStore>, o: &Opts, db: &str) -> Box
 
 async fn postgres_ours(pool: &sqlx::PgPool, o: &Opts) -> BoxResult<Run> {
     let (store, config) = postgres_store(pool, o).await?;
-    let run = drain_recording(store, o, "postgres").await;
+    let run = drain_recording(store, o, Db::Postgres(pool)).await;
     drop_schema(pool, &config).await?;
     run
 }
@@ -422,9 +472,9 @@ async fn kafka_ours(pool: &sqlx::PgPool, brokers: &str, o: &Opts) -> BoxResult<R
             })
             .collect();
         let relay = Relay::new(store.clone(), publisher, o.relay())?;
-        let timer = Timer::start(tansu_pid(brokers));
+        let timer = Timer::start(Db::Postgres(pool), tansu_pid(brokers)).await?;
         let stats = relay.run_until_idle().await?;
-        let run = timer.stop(o.messages, "postgres");
+        let run = timer.stop(o.messages).await?;
         if stats.published as usize != o.messages {
             return Err(format!("published {} of {}", stats.published, o.messages).into());
         }
@@ -462,7 +512,7 @@ async fn sqlite_ours(o: &Opts) -> BoxResult<Run> {
         Ok(())
     })
     .await??;
-    drain_recording(Arc::new(store), o, "").await
+    drain_recording(Arc::new(store), o, Db::None).await
 }
 
 async fn mysql_ours(pool: &sqlx::MySqlPool, o: &Opts) -> BoxResult<Run> {
@@ -480,7 +530,7 @@ async fn mysql_ours(pool: &sqlx::MySqlPool, o: &Opts) -> BoxResult<Run> {
         sqlx::raw_sql(&format!("ANALYZE TABLE {}", config.qualified_table()))
             .execute(pool)
             .await?;
-        drain_recording(store.clone(), o, "mariadbd").await
+        drain_recording(store.clone(), o, Db::Process("mariadbd")).await
     }
     .await;
     sqlx::raw_sql(&format!("DROP TABLE {}", config.qualified_table()))
@@ -517,7 +567,7 @@ async fn pgmq_run(
         sqlx::query(&format!("ANALYZE pgmq.q_{name}"))
             .execute(pool)
             .await?;
-        let timer = Timer::start(None);
+        let timer = Timer::start(Db::Postgres(pool), None).await?;
         let loops = (0..workers).map(|_| {
             let (q, name) = (q.clone(), name.clone());
             tokio::spawn(async move {
@@ -538,7 +588,7 @@ async fn pgmq_run(
         for r in futures::future::join_all(loops).await {
             done += r??;
         }
-        let run = timer.stop(o.messages, "postgres");
+        let run = timer.stop(o.messages).await?;
         if done != o.messages {
             return Err(format!("pgmq deleted {done} of {}", o.messages).into());
         }
@@ -592,7 +642,9 @@ async fn kafka_peer(pool: &sqlx::PgPool, url: &str, brokers: &str, o: &Opts) -> 
         .await?;
     let topic = format!("peer-{}", outbox_e2e::unique_suffix());
     let result = async {
-        let options = PgConnectOptions::from_str(url)?.options([("search_path", schema.as_str())]);
+        let options = PgConnectOptions::from_str(url)?
+            .application_name(APP_NAME)
+            .options([("search_path", schema.as_str())]);
         let ppool = PgPoolOptions::new()
             .max_connections(4)
             .connect_with(options)
@@ -626,7 +678,7 @@ async fn kafka_peer(pool: &sqlx::PgPool, url: &str, brokers: &str, o: &Opts) -> 
             Arc::new(transport),
             cfg.clone(),
         );
-        let timer = Timer::start(tansu_pid(brokers));
+        let timer = Timer::start(Db::Postgres(&ppool), tansu_pid(brokers)).await?;
         loop {
             let done = processor
                 .process_pending_events()
@@ -636,7 +688,7 @@ async fn kafka_peer(pool: &sqlx::PgPool, url: &str, brokers: &str, o: &Opts) -> 
                 break;
             }
         }
-        let run = timer.stop(n, "postgres");
+        let run = timer.stop(n).await?;
         let (sent,): (i64,) =
             sqlx::query_as("SELECT count(*) FROM outbox_events WHERE status = 'Sent'")
                 .fetch_one(&ppool)
@@ -760,7 +812,7 @@ async fn main() -> BoxResult<()> {
     );
     let pg = PgPoolOptions::new()
         .max_connections(8)
-        .connect(&pg_url)
+        .connect_with(PgConnectOptions::from_str(&pg_url)?.application_name(APP_NAME))
         .await
         .map_err(|e| outbox_traits::redact_url(&e.to_string()))?;
     let brokers = env_or("OUTBOX_TEST_KAFKA_BROKERS", "127.0.0.1:19092");
