@@ -43,6 +43,30 @@ pub fn check_key_order<'a>(published: impl IntoIterator<Item = &'a Message>) -> 
     Ok(())
 }
 
+/// Enqueue messages `0..messages` (see [`message`]) into the SQLite outbox at `path`, in
+/// transactions of `batch` messages. Blocking: call it from a blocking task.
+///
+/// # Errors
+/// The store's error for a failed transaction.
+pub fn sqlite_enqueue(
+    path: &std::path::Path,
+    config: &outbox_backend_sqlite::SqliteConfig,
+    messages: usize,
+    keys: usize,
+    batch: usize,
+) -> Result<(), outbox_traits::Error> {
+    let mut conn = outbox_backend_sqlite::open_connection(path, config)?;
+    for chunk in (0..messages).collect::<Vec<_>>().chunks(batch.max(1)) {
+        let batch: Vec<_> = chunk.iter().map(|&n| message(n, keys)).collect();
+        let tx = conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .map_err(outbox_backend_sqlite::sqlite_error)?;
+        outbox_backend_sqlite::enqueue_batch(&tx, config, &batch)?;
+        tx.commit().map_err(outbox_backend_sqlite::sqlite_error)?;
+    }
+    Ok(())
+}
+
 /// Clock ticks per second of `/proc/<pid>/stat` times (`USER_HZ`, 100 on every Linux build this
 /// benchmark runs on).
 const TICKS_PER_SEC: f64 = 100.0;

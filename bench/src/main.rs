@@ -339,17 +339,8 @@ async fn bench_sqlite(messages: usize, keys: usize) -> BoxResult<()> {
     let started = Instant::now();
     {
         let (path, config) = (path.clone(), config.clone());
-        tokio::task::spawn_blocking(move || -> Result<(), Error> {
-            let mut conn = outbox_backend_sqlite::open_connection(&path, &config)?;
-            for chunk in (0..messages).collect::<Vec<_>>().chunks(ENQUEUE_BATCH) {
-                let batch: Vec<_> = chunk.iter().map(|&n| message(n, keys)).collect();
-                let tx = conn
-                    .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-                    .map_err(outbox_backend_sqlite::sqlite_error)?;
-                outbox_backend_sqlite::enqueue_batch(&tx, &config, &batch)?;
-                tx.commit().map_err(outbox_backend_sqlite::sqlite_error)?;
-            }
-            Ok(())
+        tokio::task::spawn_blocking(move || {
+            outbox_bench::sqlite_enqueue(&path, &config, messages, keys, ENQUEUE_BATCH)
         })
         .await??;
     }

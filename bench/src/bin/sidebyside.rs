@@ -499,17 +499,8 @@ async fn sqlite_ours(o: &Opts) -> BoxResult<Run> {
     let store = SqliteStore::open(&path, config.clone()).await?;
     store.migrate().await?;
     let (messages, keys) = (o.messages, o.keys);
-    tokio::task::spawn_blocking(move || -> Result<(), outbox_traits::Error> {
-        let mut conn = outbox_backend_sqlite::open_connection(&path, &config)?;
-        for chunk in (0..messages).collect::<Vec<_>>().chunks(ENQUEUE_BATCH) {
-            let batch: Vec<_> = chunk.iter().map(|&n| message(n, keys)).collect();
-            let tx = conn
-                .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-                .map_err(outbox_backend_sqlite::sqlite_error)?;
-            outbox_backend_sqlite::enqueue_batch(&tx, &config, &batch)?;
-            tx.commit().map_err(outbox_backend_sqlite::sqlite_error)?;
-        }
-        Ok(())
+    tokio::task::spawn_blocking(move || {
+        outbox_bench::sqlite_enqueue(&path, &config, messages, keys, ENQUEUE_BATCH)
     })
     .await??;
     drain_recording(Arc::new(store), o, Db::None).await
