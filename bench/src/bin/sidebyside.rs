@@ -26,10 +26,15 @@
 //!   in this repository).
 //! - `sqlite`, `mysql`: this project's drain alone, as `postgres` (no peer).
 //!
+//! `pgmq=none` and `peer=false` leave the peers out, to compare this project's settings
+//! (`batch=`, `concurrency=`, `kafka_props=`) run against run.
+//!
 //! For each drain it reads the CPU time (user + system) from `/proc` before and after: the relay
-//! (this process; for SQLite the database too, it is in-process), the database server (every
-//! `postgres` or `mariadbd` process) and the broker (`tansu`), as µs per message, and the share
-//! of the machine's cores all of them used over the drain's wall time. The 1-minute load average
+//! (this process; for SQLite the database too, it is in-process), the database server (for
+//! Postgres the backends of this run's connections, found by their `application_name`, plus the
+//! server's background processes, as other clients may share the server; for MariaDB the whole
+//! `mariadbd`) and the broker (the `tansu` process listening on the brokers' port), as µs per
+//! message, and the share of the machine's cores all of them used over the drain's wall time. The 1-minute load average
 //! is printed at the start and at the end. Servers come from `OUTBOX_TEST_POSTGRES_URL`,
 //! `OUTBOX_TEST_MYSQL_URL` and `OUTBOX_TEST_KAFKA_BROKERS` (defaults: the loopback servers of
 //! SERVICES.md). Every schema, queue, table and topic it makes is removed at the end.
