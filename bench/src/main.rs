@@ -14,7 +14,6 @@
 //! (default `mysql://root@127.0.0.1:3306/test`) and uses a fresh table that is dropped
 //! afterwards.
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,26 +21,16 @@ use std::time::{Duration, Instant};
 use outbox_backend_mysql::{MysqlConfig, MysqlStore};
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
 use outbox_backend_sqlite::{SqliteConfig, SqliteStore};
+use outbox_bench::message;
 use outbox_memory::RecordingPublisher;
 use outbox_relay::{Relay, RelayConfig};
-use outbox_traits::{Error, NewMessage, OutboxAdmin, OutboxStore};
+use outbox_traits::{Error, OutboxAdmin, OutboxStore};
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 const WRITERS: usize = 8;
 const ENQUEUE_BATCH: usize = 500;
 const SINGLE_TXNS_PER_WRITER: usize = 1_000;
-
-fn message(n: usize, keys: usize) -> NewMessage {
-    let key = format!("customer-{}", n % keys);
-    NewMessage::new(
-        "order",
-        format!("order-{n}"),
-        "order.placed",
-        serde_json::json!({ "order": n, "customer": key, "total_cents": 1000 + n, "note": "benchmark payload of about two hundred bytes, as in the raw SQL limits table" }),
-    )
-    .with_partition_key(key)
-}
 
 /// Whether the stores delete messages as they are published: the sixth argument is
 /// `delete_published`.
@@ -118,15 +107,8 @@ async fn drain(
         )
         .into());
     }
-    let mut last: HashMap<String, i64> = HashMap::new();
-    for d in &published {
-        if let Some(key) = &d.message.partition_key {
-            let prev = last.insert(key.clone(), d.message.seq).unwrap_or(i64::MIN);
-            if prev >= d.message.seq {
-                return Err(format!("{name}: key {key} out of order").into());
-            }
-        }
-    }
+    outbox_bench::check_key_order(published.iter().map(|d| &d.message))
+        .map_err(|e| format!("{name}: {e}"))?;
     Ok(())
 }
 
@@ -357,17 +339,8 @@ async fn bench_sqlite(messages: usize, keys: usize) -> BoxResult<()> {
     let started = Instant::now();
     {
         let (path, config) = (path.clone(), config.clone());
-        tokio::task::spawn_blocking(move || -> Result<(), Error> {
-            let mut conn = outbox_backend_sqlite::open_connection(&path, &config)?;
-            for chunk in (0..messages).collect::<Vec<_>>().chunks(ENQUEUE_BATCH) {
-                let batch: Vec<_> = chunk.iter().map(|&n| message(n, keys)).collect();
-                let tx = conn
-                    .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-                    .map_err(outbox_backend_sqlite::sqlite_error)?;
-                outbox_backend_sqlite::enqueue_batch(&tx, &config, &batch)?;
-                tx.commit().map_err(outbox_backend_sqlite::sqlite_error)?;
-            }
-            Ok(())
+        tokio::task::spawn_blocking(move || {
+            outbox_bench::sqlite_enqueue(&path, &config, messages, keys, ENQUEUE_BATCH)
         })
         .await??;
     }

@@ -36,11 +36,12 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
+use outbox_bench::{message, CpuReading};
 use outbox_e2e::{check_delivery, kafka, nats, redis, Expected, Received};
 use outbox_relay::{Relay, RelayConfig};
 use outbox_traits::{
     async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, LeaseToken, Message,
-    NewMessage, OutboxStore, PublishOutcome, Publisher, WakeSource,
+    OutboxStore, PublishOutcome, Publisher, WakeSource,
 };
 use uuid::Uuid;
 
@@ -153,17 +154,6 @@ fn env_or(var: &str, default: &str) -> String {
         .ok()
         .filter(|v| !v.trim().is_empty())
         .unwrap_or_else(|| default.to_owned())
-}
-
-fn message(n: usize, keys: usize) -> NewMessage {
-    let key = format!("customer-{}", n % keys);
-    NewMessage::new(
-        "order",
-        format!("order-{n}"),
-        "order.placed",
-        serde_json::json!({ "order": n, "customer": key, "total_cents": 1000 + n, "note": "benchmark payload of about two hundred bytes, as in the raw SQL limits table" }),
-    )
-    .with_partition_key(key)
 }
 
 /// Summed time and count of one kind of call.
@@ -292,7 +282,7 @@ fn cpu_line(
     messages: usize,
     wall: Duration,
 ) -> Option<String> {
-    if after.0.is_empty() {
+    if after.is_empty() {
         return None;
     }
     let per_msg = |secs: f64| secs * 1e6 / messages.max(1) as f64;
@@ -314,8 +304,8 @@ fn cpu_line(
             per_msg(secs)
         ));
     }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    let busy = total / (wall.as_secs_f64() * cores);
+    let cores = outbox_bench::cores();
+    let busy = outbox_bench::core_share(total, wall);
     Some(format!(
         "CPU during the drain: {}; together {:.1} µs/msg, {:.0}% of {cores} cores",
         parts.join(", "),
