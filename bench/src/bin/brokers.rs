@@ -45,10 +45,6 @@ use outbox_traits::{
 };
 use uuid::Uuid;
 
-#[path = "../cpu.rs"]
-mod cpu;
-use cpu::CpuReading;
-
 type BoxResult<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 const ENQUEUE_BATCH: usize = 500;

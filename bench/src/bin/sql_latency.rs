@@ -30,19 +30,16 @@
 //! `OUTBOX_TEST_NATS_URL` (defaults: the loopback servers of SERVICES.md). Every schema, table
 //! and stream it makes is removed at the end.
 
-#[path = "../cpu.rs"]
-mod cpu;
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use cpu::CpuReading;
 use futures::StreamExt;
 use outbox_backend_mysql::{MysqlConfig, MysqlStore};
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
 use outbox_backend_sqlite::{SqliteConfig, SqliteStore};
+use outbox_bench::CpuReading;
 use outbox_relay::{Relay, RelayConfig};
 use outbox_traits::{
     async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, LeaseToken, NewMessage,
