@@ -3,7 +3,6 @@
 
 mod common;
 
-
 use common::{db, db_with, msg, names, Db};
 use outbox_backend_mysql::{enqueue, enqueue_batch};
 use outbox_traits::{Error, HeadPolicy};
