@@ -83,8 +83,9 @@ where
 }
 
 /// The batch insert, the same text for both drivers (sqlx here, diesel-async in
-/// `crate::diesel`): `INSERT ... SELECT FROM UNNEST($1..$9)` in slice order, followed by one
-/// `pg_notify` when NOTIFY is enabled, in one statement. Built once per config.
+/// `crate::diesel`): `INSERT ... SELECT FROM UNNEST($1..$9)` in slice order, which first locks
+/// the batch's keys when key locks are on; no `pg_notify` (the table's trigger sends it). Built
+/// once per config.
 pub(crate) fn insert_statement(config: &PostgresConfig) -> &str {
     &config.sql().insert
 }
