@@ -3,7 +3,7 @@
 //! `UTC_TIMESTAMP(6)`, never from the relay's clock, or the lease-arithmetic and eligibility
 //! checks fail by days.
 //!
-//! One test starts the server (about 3 s), runs every check and both properties at a quarter of
+//! One test starts the server (about 3 s), runs every check and both properties at an eighth of
 //! `PROPTEST_CASES` (the main suite, `conformance.rs`, runs them in full on the shared server),
 //! and stops it.
 
@@ -18,7 +18,7 @@ fn suite_with_database_clock_skewed_from_host() {
         return;
     };
     let harness = || MysqlHarness::new(&server.url()).skewed_clock();
-    if let Err(report) = run_suite(harness, reduced_cases(file!(), 4)) {
+    if let Err(report) = run_suite(harness, reduced_cases(file!(), 8)) {
         panic!("{report}");
     }
 }

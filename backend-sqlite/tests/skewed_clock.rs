@@ -5,7 +5,7 @@
 //! SQLite is embedded, so its clock is the host's; the harness moves it on every connection of
 //! the test by overriding that SQL function (see `common::skew_clock` for why that is the same
 //! test as a database server on a skewed clock). One test runs every check and both properties
-//! at a quarter of `PROPTEST_CASES` (`conformance.rs` runs them in full).
+//! at an eighth of `PROPTEST_CASES` (`conformance.rs` runs them in full).
 
 mod common;
 
@@ -21,7 +21,7 @@ fn suite_with_sqlite_clock_skewed_from_host() {
         delete_published: false,
         clock_offset_ms: SKEW_MS,
     };
-    if let Err(report) = run_suite(harness, reduced_cases(file!(), 4)) {
+    if let Err(report) = run_suite(harness, reduced_cases(file!(), 8)) {
         panic!("{report}");
     }
 }

@@ -17,11 +17,10 @@
 //! A server whose program is not installed gives `Ok(None)` after printing why the test skips,
 //! or fails when `OUTBOX_REQUIRE_SERVICES=1`.
 
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,

@@ -70,7 +70,7 @@
 //!      skew is real (`HarnessStore::now` that far from the host's clock) and every lease end,
 //!      retry time and age is off by days if it came from the wrong clock. The suite's
 //!      `skewed` module starts a private Postgres or MariaDB under libfaketime (`FAKETIME=+3d`)
-//!      and runs the whole suite against it with `skewed::run_suite`, at a quarter of the
+//!      and runs the whole suite against it with `skewed::run_suite`, at an eighth of the
 //!      cases; the SQLite harness overrides SQLite's `unixepoch('now', 'subsec')` on its
 //!      connections instead, as SQLite's clock is the host's. Do the same for your store: run
 //!      it on a server with a shifted clock, or shift the one clock function it reads.
