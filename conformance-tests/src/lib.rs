@@ -14,7 +14,8 @@
 //!   claiming, publishing with acknowledged, transient, permanent and ambiguous outcomes,
 //!   completing, failing, crashing between claim and publish and between publish and complete,
 //!   leases expiring, stale relays settling late, retries coming due, dead letters requeued and
-//!   discarded, purges. After every step and at the end a reference model checks no loss, no
+//!   discarded, purges, and relays claiming, settling and extending at the same moment on their
+//!   own connections (the outcome must be what some order of their moves gives). After every step and at the end a reference model checks no loss, no
 //!   phantom, per-key order, duplicates only from listed causes, fencing, claim limits and
 //!   eligibility, exact attempts, dead-letter reasons and accounting. A failure prints the
 //!   broken invariant and the shrunk scenario in words, step by step.

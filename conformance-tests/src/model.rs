@@ -225,6 +225,14 @@ enum Answer {
     Skipped,
 }
 
+/// How many of `planned` call the store.
+fn running_moves(planned: &[Planned]) -> usize {
+    planned
+        .iter()
+        .filter(|p| !matches!(p, Planned::Skip(_)))
+        .count()
+}
+
 /// Every order of `0..n` (n is at most the number of relays, so a handful).
 fn orders(n: usize) -> Vec<Vec<usize>> {
     if n == 0 {
@@ -276,24 +284,9 @@ pub struct Runner<'a> {
     log: Vec<String>,
     attributed: BTreeMap<&'static str, u32>,
     coverage: Coverage,
-    /// What the claim being checked may leave out because another relay's concurrent call may
-    /// have held it locked ([`Step::Together`]).
-    locked_elsewhere: LockedElsewhere,
-}
-
-/// Messages a claim may leave out despite completeness, because a call of another relay that
-/// ran at the same moment may have held their rows locked: the contract counts "locked by a
-/// concurrent claim" among what holds a key back, and a store may skip locked rows.
-enum LockedElsewhere {
-    /// Nothing ran concurrently: completeness holds in full.
-    Nothing,
-    /// Another claim ran concurrently: it may have locked any candidate row, including rows it
-    /// then did not return, so completeness is not required of this claim (eligibility,
-    /// exclusivity and per-key order still are).
-    Any,
-    /// Other relays settled or extended concurrently: their batches' rows may be locked (and
-    /// hold back their keys).
-    These(HashSet<Uuid>),
+    /// The claim being checked ran at the same moment as another relay's call
+    /// ([`Step::Together`]): completeness is not required of it (see [`Runner::together`]).
+    concurrent_claim: bool,
 }
 
 /// Play `scenario` against `store` and then drain it; on a broken invariant, return a report in
@@ -351,7 +344,7 @@ impl<'a> Runner<'a> {
             log: Vec::new(),
             attributed: BTreeMap::new(),
             coverage: Coverage::default(),
-            locked_elsewhere: LockedElsewhere::Nothing,
+            concurrent_claim: false,
         })
     }
 
@@ -753,7 +746,7 @@ impl<'a> Runner<'a> {
     /// Completeness: a claim that came back with fewer than `limit` messages returned every
     /// message the contract requires of it (see [`required_by_claim`](Self::required_by_claim)).
     fn check_complete(&self, claimed: &[Uuid], limit: usize) -> Result<(), Violation> {
-        if claimed.len() >= limit || matches!(self.locked_elsewhere, LockedElsewhere::Any) {
+        if claimed.len() >= limit || self.concurrent_claim {
             return Ok(());
         }
         let missing: Vec<Uuid> = self
@@ -798,18 +791,12 @@ impl<'a> Runner<'a> {
     /// past its window, but not heads, and its window is at least `limit` rows long.
     fn required_by_claim(&self, limit: usize) -> Vec<usize> {
         let now = self.now;
-        let locked = |m: &Msg| match &self.locked_elsewhere {
-            LockedElsewhere::These(ids) => ids.contains(&m.id),
-            _ => false,
-        };
         let claimable = |m: &Msg| match m.status {
-            _ if locked(m) => false,
             Status::Pending => m.due <= now && !m.due_unknown,
             Status::Leased { until, .. } => until <= now,
             _ => false,
         };
         let holds_back = |m: &Msg| match m.status {
-            _ if locked(m) => true,
             Status::Pending | Status::Leased { .. } => true,
             Status::Dead => self.policy == HeadPolicy::Block,
             _ => false,
@@ -1316,7 +1303,17 @@ impl<'a> Runner<'a> {
 
     /// Every relay's move at the same moment: plan each from the model, run the calls
     /// concurrently (each relay on its own connection), then accept the outcome if some order
-    /// of the moves explains it, checked move by move against the model.
+    /// of the moves explains it, checked move by move against the model: eligibility,
+    /// exclusivity, per-key order, fencing, lease arithmetic, exact attempts.
+    ///
+    /// Completeness is not required of a claim that ran at the same moment as another call.
+    /// The contract counts rows locked by a concurrent claim among what holds a key back, and a
+    /// store may skip locked rows; which rows are locked is the database's business: a
+    /// concurrent claim locks candidates it then does not return, and InnoDB's fenced
+    /// transitions lock index records beyond the rows they change (an expired lease's row they
+    /// do not update, next-key locks), so a claim skipping them can miss rows, and heads past
+    /// its window, that no order of the moves explains. Every claim one after another is held
+    /// to completeness in full.
     async fn together(&mut self, moves: &[Move]) -> Result<(), Violation> {
         let mut planned = Vec::with_capacity(moves.len());
         let mut handles = Vec::with_capacity(moves.len());
@@ -1334,10 +1331,7 @@ impl<'a> Runner<'a> {
             });
             handles.push(self.handle(relay).await?);
         }
-        let running = planned
-            .iter()
-            .filter(|p| !matches!(p, Planned::Skip(_)))
-            .count();
+        let running = running_moves(&planned);
         if running >= 2 {
             self.coverage.together += 1;
         }
@@ -1359,7 +1353,7 @@ impl<'a> Runner<'a> {
         for order in orders(planned.len()) {
             self.restore(&snapshot);
             let result = self.apply_together(&order, &planned, &answers, before, after);
-            self.locked_elsewhere = LockedElsewhere::Nothing;
+            self.concurrent_claim = false;
             match result {
                 Ok(()) => return Ok(()),
                 Err(v) if order.windows(2).all(|w| w[0] < w[1]) => as_listed = Some(v),
@@ -1370,7 +1364,7 @@ impl<'a> Runner<'a> {
         self.restore(&snapshot);
         let listed: Vec<usize> = (0..planned.len()).collect();
         let _ = self.apply_together(&listed, &planned, &answers, before, after);
-        self.locked_elsewhere = LockedElsewhere::Nothing;
+        self.concurrent_claim = false;
         let v = as_listed.unwrap_or_else(|| violation("test setup", "no order was tried"));
         Err(Violation {
             invariant: v.invariant,
@@ -1390,6 +1384,7 @@ impl<'a> Runner<'a> {
         before: DateTime<Utc>,
         after: DateTime<Utc>,
     ) -> Result<(), Violation> {
+        let running = running_moves(planned);
         let names: Vec<String> = order
             .iter()
             .map(|&r| relay_name(r as u8).to_string())
@@ -1399,9 +1394,9 @@ impl<'a> Runner<'a> {
             self.note(format!("relay {}", relay_name(relay as u8)));
             match (&planned[relay], &answers[relay]) {
                 (Planned::Claim(limit), Answer::Claim(claim)) => {
-                    self.locked_elsewhere = self.locked_by_others(relay, planned);
+                    self.concurrent_claim = running > 1;
                     self.apply_claim(relay, *limit, claim, before, after)?;
-                    self.locked_elsewhere = LockedElsewhere::Nothing;
+                    self.concurrent_claim = false;
                 }
                 (Planned::Settle(plan), Answer::Settle(settled)) => {
                     self.apply_settle(plan, settled)?;
@@ -1414,29 +1409,6 @@ impl<'a> Runner<'a> {
             }
         }
         Ok(())
-    }
-
-    /// What the other relays' concurrent moves may have held locked while `relay` claimed.
-    fn locked_by_others(&self, relay: usize, planned: &[Planned]) -> LockedElsewhere {
-        let mut ids = HashSet::new();
-        for (other, p) in planned.iter().enumerate() {
-            match p {
-                _ if other == relay => {}
-                Planned::Claim(_) => return LockedElsewhere::Any,
-                Planned::Settle(plan) => {
-                    ids.extend(plan.acked.iter().copied());
-                    ids.extend(plan.failures.iter().map(|f| f.id));
-                    ids.extend(plan.released.iter().copied());
-                }
-                Planned::Extend(_) => {
-                    if let Some(b) = &self.relays[other].batch {
-                        ids.extend(b.ids.iter().copied());
-                    }
-                }
-                Planned::Skip(_) => {}
-            }
-        }
-        LockedElsewhere::These(ids)
     }
 
     fn snapshot(&self) -> Snapshot {

@@ -79,11 +79,14 @@
 //!      connection, so lock and isolation bugs surface (two claims leasing one row, a claim
 //!      that fails instead of waiting for another's lock, as a SQLite claim that starts
 //!      `DEFERRED` instead of `IMMEDIATE` does). The combined outcome must be what some order
-//!      of the moves gives, each checked as above (exclusivity, fencing, per-key order, lease
-//!      arithmetic), with one allowance: a claim need not return rows a concurrent call may
-//!      hold locked (any row, when another claim ran at the same moment; the settling or
-//!      extending relay's rows, and what they hold back, otherwise), as `OutboxStore::claim`
-//!      counts rows locked by a concurrent claim among what holds a key back. Concurrent
+//!      of the moves gives, each checked as above (eligibility, exclusivity, fencing, per-key
+//!      order, lease arithmetic, exact attempts). Completeness is not required of a claim that
+//!      ran at the same moment as another relay's call: `OutboxStore::claim` counts rows locked
+//!      by a concurrent claim among what holds a key back, and which rows a database locks is
+//!      its own business (a concurrent claim locks candidates it does not return; InnoDB's
+//!      fenced transitions lock index records beyond the rows they change), so a claim that
+//!      skips locked rows may miss rows, and heads past its window, that no order explains.
+//!      Every claim made one after another is held to completeness in full. Concurrent
 //!      business transactions that write one key are not generated here: the property lets
 //!      one open transaction write a key at a time, as applications that lock the aggregate
 //!      row do.
