@@ -14,7 +14,7 @@ use outbox_traits::{
 };
 use uuid::Uuid;
 
-use crate::harness::{Harness, HarnessStore};
+use crate::harness::{Harness, HarnessStore, MIN_CLOCK_SKEW};
 
 const LEASE: Duration = Duration::from_secs(600);
 
@@ -443,13 +443,34 @@ pub async fn expired_lease_is_fenced(harness: &dyn Harness) -> Result<(), String
 }
 
 /// Lease ends come from the store's clock: after the store's clock moved, a fresh lease still
-/// lasts its full length.
+/// lasts its full length. With [`HarnessCapabilities::skewed_clock`](crate::HarnessCapabilities::skewed_clock),
+/// the store's clock must also be at least [`MIN_CLOCK_SKEW`] away from the host's, or the
+/// harness proves nothing about whose clock the store reads.
 pub async fn lease_uses_store_clock(harness: &dyn Harness) -> Result<(), String> {
     let f = Fixture::new(harness).await?;
+    if f.store.capabilities().skewed_clock {
+        let store_now = f.store.now().await.map_err(err("now"))?;
+        let host_now = outbox_traits::chrono::Utc::now();
+        let skew = (store_now - host_now).abs().to_std().unwrap_or_default();
+        ensure!(
+            skew >= MIN_CLOCK_SKEW,
+            "the harness declares a skewed store clock, but the store's now ({store_now}) is only {skew:?} from the host's ({host_now}); at least {MIN_CLOCK_SKEW:?} is required"
+        );
+    }
     f.advance(3600).await?;
     f.enqueue(&[msg("k", "k#1")]).await?;
+    let before = f.store.now().await.map_err(err("now"))?;
     let first = f.claim(1).await?;
+    let after = f.store.now().await.map_err(err("now"))?;
     ensure!(first.messages.len() == 1, "claim returned nothing");
+    crate::model::check_lease_end(
+        "claim",
+        "Claim::lease_until",
+        first.lease_until,
+        before,
+        after,
+    )
+    .map_err(|v| format!("{}: {}", v.invariant, v.detail))?;
     let other = f.store.relay().await.map_err(err("relay handle"))?;
     let again = f.claim_with(&other, 1, HeadPolicy::Block).await?;
     ensure!(
@@ -840,10 +861,21 @@ pub async fn extend_keeps_lease(harness: &dyn Harness) -> Result<(), String> {
     f.enqueue(&[msg("k", "k#1")]).await?;
     let claim = f.claim(1).await?;
     f.advance(300).await?;
-    f.relay
+    let before = f.store.now().await.map_err(err("now"))?;
+    let end = f
+        .relay
         .extend(claim.token, LEASE)
         .await
         .map_err(err("extend"))?;
+    let after = f.store.now().await.map_err(err("now"))?;
+    crate::model::check_lease_end(
+        "extend",
+        "the lease end extend returned",
+        end,
+        before,
+        after,
+    )
+    .map_err(|v| format!("{}: {}", v.invariant, v.detail))?;
     f.advance(400).await?;
     let other = f.store.relay().await.map_err(err("relay handle"))?;
     let taken = f.claim_with(&other, 1, HeadPolicy::Block).await?;

@@ -17,6 +17,9 @@
 //!   forward without sleeping: by shifting every stored timestamp (lease ends, due times,
 //!   not-before times, created and published times) back by the same amount, or by moving a
 //!   clock the store reads. The suite never sleeps to let a lease or a retry come due.
+//! - **Skewed clock (optional).** A harness whose store runs on a clock days away from the
+//!   host's declares [`HarnessCapabilities::skewed_clock`]; then the whole suite proves that no
+//!   time is taken from the relay host's clock.
 //! - **Crash = drop.** A relay crash is simulated by dropping the handle returned by
 //!   [`HarnessStore::relay`] mid-step. Dropping it closes its connections but MUST NOT release
 //!   its leases: they stay until they expire, as after a real crash.
@@ -40,15 +43,36 @@ pub struct HarnessCapabilities {
     /// writer, so it declares `false`: the suite then opens, fills and ends each transaction in
     /// one step, never interleaving it with other steps.
     pub concurrent_transactions: bool,
+    /// The store's clock runs at least [`MIN_CLOCK_SKEW`] away from the host's (e.g. a private
+    /// database server started under libfaketime). Every check and property then runs with
+    /// "now" far from the relay host's clock, so a lease end, retry time or age taken from the
+    /// host's clock instead of the database's is off by days and fails the lease-arithmetic
+    /// and eligibility checks. The suite verifies the skew is real (in
+    /// [`crate::checks::lease_uses_store_clock`]): [`HarnessStore::now`] must be that far from
+    /// the host's clock.
+    pub skewed_clock: bool,
 }
 
+/// The least distance between a skewed store clock and the host's (see
+/// [`HarnessCapabilities::skewed_clock`]): far beyond any lease, retry delay or purge age of
+/// the suite, so a time from the wrong clock can never pass for a right one.
+pub const MIN_CLOCK_SKEW: Duration = Duration::from_secs(86_400);
+
 impl HarnessCapabilities {
-    /// The store's declared capabilities, with concurrent transactions allowed.
+    /// The store's declared capabilities, with concurrent transactions allowed and the store's
+    /// clock the host's.
     pub const fn new(store: Capabilities) -> Self {
         Self {
             store,
             concurrent_transactions: true,
+            skewed_clock: false,
         }
+    }
+
+    /// Set [`HarnessCapabilities::skewed_clock`].
+    pub const fn with_skewed_clock(mut self, yes: bool) -> Self {
+        self.skewed_clock = yes;
+        self
     }
 
     /// Set [`HarnessCapabilities::concurrent_transactions`].
@@ -100,9 +124,10 @@ pub trait HarnessStore: Send + Sync {
     async fn advance_time(&self, by: Duration) -> Result<(), Error>;
 
     /// The store's current time, as its claims see it (the suite derives not-before times from
-    /// it). The default is the host's clock, right for a database on the same machine whose
-    /// timestamps [`HarnessStore::advance_time`] shifts back; a store with its own clock
-    /// returns that clock.
+    /// it and checks lease ends against it). The default is the host's clock, right for a
+    /// database on the same machine whose timestamps [`HarnessStore::advance_time`] shifts
+    /// back; a store with its own clock (a database server's `now()`, and always with
+    /// [`HarnessCapabilities::skewed_clock`]) returns that clock.
     async fn now(&self) -> Result<DateTime<Utc>, Error> {
         Ok(Utc::now())
     }

@@ -14,7 +14,8 @@
 //!   claiming, publishing with acknowledged, transient, permanent and ambiguous outcomes,
 //!   completing, failing, crashing between claim and publish and between publish and complete,
 //!   leases expiring, stale relays settling late, retries coming due, dead letters requeued and
-//!   discarded, purges. After every step and at the end a reference model checks no loss, no
+//!   discarded, purges, and relays claiming, settling and extending at the same moment on their
+//!   own connections (the outcome must be what some order of their moves gives). After every step and at the end a reference model checks no loss, no
 //!   phantom, per-key order, duplicates only from listed causes, fencing, claim limits and
 //!   eligibility, exact attempts, dead-letter reasons and accounting. A failure prints the
 //!   broken invariant and the shrunk scenario in words, step by step.
@@ -24,6 +25,10 @@
 //!   drained.
 //! - [`property::measure_coverage`]: what generated scenarios exercise, to show they reach every
 //!   situation.
+//! - [`skewed`]: private Postgres and MariaDB servers whose clock runs days ahead of the host's
+//!   (libfaketime), for harnesses that declare
+//!   [`HarnessCapabilities::skewed_clock`]; with it every time the store takes from the relay
+//!   host's clock instead of the database's is caught.
 //! - `broken` (feature `broken-stores`): deliberately broken stores; the crate's meta-test
 //!   requires the suite to catch each one within 200 cases.
 //!
@@ -43,11 +48,13 @@ pub mod process;
 pub mod property;
 pub mod publisher;
 mod scenario;
+pub mod servers;
+pub mod skewed;
 
-pub use harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
+pub use harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx, MIN_CLOCK_SKEW};
 pub use memory::{MemoryHarness, MemoryHarnessStore};
 pub use model::{run_scenario, run_scenario_with_coverage, Coverage, Violation};
-pub use scenario::{scenario, Advance, MsgSpec, OutcomeSpec, Phase, Scenario, Step, TxEnd};
+pub use scenario::{scenario, Advance, Move, MsgSpec, OutcomeSpec, Phase, Scenario, Step, TxEnd};
 
 #[doc(hidden)]
 pub use proptest as __proptest;

@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use crate::harness::{HarnessCapabilities, HarnessStore, HarnessTx};
 use crate::scenario::{
-    relay_name, Advance, MsgSpec, OutcomeSpec, Phase, Scenario, Step, TxEnd, KEYS, LEASE,
+    relay_name, Advance, Move, MsgSpec, OutcomeSpec, Phase, Scenario, Step, TxEnd, KEYS, LEASE,
     MAX_ATTEMPTS, NOT_BEFORE, PURGE_AGE, RELAYS, TX_SLOTS,
 };
 
@@ -72,6 +72,8 @@ pub struct Coverage {
     pub crashes_holding: u64,
     /// Claims that held back a key's message behind an earlier one.
     pub held_back: u64,
+    /// Steps in which two or more relays' calls ran against the store at the same moment.
+    pub together: u64,
 }
 
 impl std::ops::AddAssign for Coverage {
@@ -90,6 +92,7 @@ impl std::ops::AddAssign for Coverage {
         self.purged += o.purged;
         self.crashes_holding += o.crashes_holding;
         self.held_back += o.held_back;
+        self.together += o.together;
     }
 }
 
@@ -113,7 +116,7 @@ enum Status {
     Discarded,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Msg {
     id: Uuid,
     label: String,
@@ -147,6 +150,7 @@ enum Resolved {
     NotAttempted,
 }
 
+#[derive(Clone)]
 struct Batch {
     claim: u64,
     token: LeaseToken,
@@ -154,6 +158,106 @@ struct Batch {
     outcomes: Option<Vec<Resolved>>,
     /// Messages this relay's publish put on the broker (acked or ambiguous).
     delivered: Vec<Uuid>,
+}
+
+/// What settling a batch sends, decided from the model before the calls.
+struct SettlePlan {
+    claim: u64,
+    token: LeaseToken,
+    acked: Vec<Uuid>,
+    failures: Vec<Failure>,
+    released: Vec<Uuid>,
+}
+
+/// The store's answers to a settle's calls; `None` where there was nothing to send.
+struct SettleAnswers {
+    complete: Option<Result<(), Error>>,
+    fail: Option<Result<(), Error>>,
+    release: Option<Result<(), Error>>,
+}
+
+/// A claim of `limit` with the property's lease.
+async fn claim_call(
+    handle: &dyn OutboxStore,
+    limit: usize,
+    head_policy: HeadPolicy,
+) -> Result<Claim, Error> {
+    let req = ClaimRequest {
+        limit,
+        lease: LEASE,
+        head_policy,
+    };
+    handle.claim(&req).await
+}
+
+/// Send what `plan` says, in the engine's order: complete, fail, release.
+async fn settle_calls(handle: &dyn OutboxStore, plan: &SettlePlan) -> SettleAnswers {
+    let mut answers = SettleAnswers {
+        complete: None,
+        fail: None,
+        release: None,
+    };
+    if !plan.acked.is_empty() {
+        answers.complete = Some(handle.complete(plan.token, &plan.acked).await);
+    }
+    if !plan.failures.is_empty() {
+        answers.fail = Some(handle.fail(plan.token, &plan.failures).await);
+    }
+    if !plan.released.is_empty() {
+        answers.release = Some(handle.release(plan.token, &plan.released).await);
+    }
+    answers
+}
+
+/// One relay's part of a [`Step::Together`], planned from the model before the calls.
+enum Planned {
+    Claim(usize),
+    Settle(SettlePlan),
+    Extend(LeaseToken),
+    Skip(&'static str),
+}
+
+/// The store's answer to one [`Planned`] move.
+enum Answer {
+    Claim(Result<Claim, Error>),
+    Settle(SettleAnswers),
+    Extend(Result<DateTime<Utc>, Error>),
+    Skipped,
+}
+
+/// How many of `planned` call the store.
+fn running_moves(planned: &[Planned]) -> usize {
+    planned
+        .iter()
+        .filter(|p| !matches!(p, Planned::Skip(_)))
+        .count()
+}
+
+/// Every order of `0..n` (n is at most the number of relays, so a handful).
+fn orders(n: usize) -> Vec<Vec<usize>> {
+    if n == 0 {
+        return vec![Vec::new()];
+    }
+    let mut out = Vec::new();
+    for rest in orders(n - 1) {
+        for at in 0..=rest.len() {
+            let mut order = rest.clone();
+            order.insert(at, n - 1);
+            out.push(order);
+        }
+    }
+    out
+}
+
+/// The part of the model a move changes, kept to try the moves of a [`Step::Together`] in
+/// another order.
+struct Snapshot {
+    msgs: Vec<Msg>,
+    batches: Vec<Option<Batch>>,
+    next_claim: u64,
+    attributed: BTreeMap<&'static str, u32>,
+    coverage: Coverage,
+    last_log: Option<String>,
 }
 
 #[derive(Default)]
@@ -180,6 +284,9 @@ pub struct Runner<'a> {
     log: Vec<String>,
     attributed: BTreeMap<&'static str, u32>,
     coverage: Coverage,
+    /// The claim being checked ran at the same moment as another relay's call
+    /// ([`Step::Together`]): completeness is not required of it (see [`Runner::together`]).
+    concurrent_claim: bool,
 }
 
 /// Play `scenario` against `store` and then drain it; on a broken invariant, return a report in
@@ -237,6 +344,7 @@ impl<'a> Runner<'a> {
             log: Vec::new(),
             attributed: BTreeMap::new(),
             coverage: Coverage::default(),
+            concurrent_claim: false,
         })
     }
 
@@ -379,6 +487,7 @@ impl<'a> Runner<'a> {
             }
             Step::Publish { relay, outcomes } => self.publish(usize::from(*relay), outcomes),
             Step::Settle { relay } => self.settle(usize::from(*relay)).await,
+            Step::Together { moves } => self.together(moves).await,
             Step::Extend { relay } => self.extend(usize::from(*relay)).await,
             Step::Crash { relay } => {
                 self.crash(usize::from(*relay));
@@ -559,20 +668,26 @@ impl<'a> Runner<'a> {
     /// Claim for `relay` and check the claim against the model; returns the claimed count.
     async fn claim(&mut self, relay: usize, limit: usize) -> Result<usize, Violation> {
         let handle = self.handle(relay).await?;
-        let req = ClaimRequest {
-            limit,
-            lease: LEASE,
-            head_policy: self.policy,
-        };
         let before = self.store_now().await?;
-        let claim = handle
-            .claim(&req)
-            .await
-            .map_err(|e| store_error("claim", &e))?;
+        let claim = claim_call(&*handle, limit, self.policy).await;
         let after = self.store_now().await?;
+        self.apply_claim(relay, limit, &claim, before, after)
+    }
+
+    /// Check what a claim of `limit` by `relay` returned against the model and record it;
+    /// `before` and `after` are the store's clock just before and just after the call.
+    fn apply_claim(
+        &mut self,
+        relay: usize,
+        limit: usize,
+        claim: &Result<Claim, Error>,
+        before: DateTime<Utc>,
+        after: DateTime<Utc>,
+    ) -> Result<usize, Violation> {
+        let claim = claim.as_ref().map_err(|e| store_error("claim", e))?;
         let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
         self.note(format!("got {}", self.labels(&ids)));
-        self.check_claim(&claim, limit)?;
+        self.check_claim(claim, limit)?;
         self.check_complete(&ids, limit)?;
         if !ids.is_empty() {
             check_lease_end(
@@ -631,7 +746,7 @@ impl<'a> Runner<'a> {
     /// Completeness: a claim that came back with fewer than `limit` messages returned every
     /// message the contract requires of it (see [`required_by_claim`](Self::required_by_claim)).
     fn check_complete(&self, claimed: &[Uuid], limit: usize) -> Result<(), Violation> {
-        if claimed.len() >= limit {
+        if claimed.len() >= limit || self.concurrent_claim {
             return Ok(());
         }
         let missing: Vec<Uuid> = self
@@ -1007,7 +1122,7 @@ impl<'a> Runner<'a> {
     fn expect_fenced(
         &self,
         what: &str,
-        result: Result<(), Error>,
+        result: &Result<(), Error>,
         lost: &[Uuid],
     ) -> Result<(), Violation> {
         match result {
@@ -1029,66 +1144,88 @@ impl<'a> Runner<'a> {
                         "fencing",
                         format!(
                             "{what} returned LeaseLost for {}, expected it for exactly {}",
-                            self.labels(&ids),
+                            self.labels(ids),
                             self.labels(lost)
                         ),
                     ))
                 }
             }
-            Err(e) => Err(store_error(what, &e)),
+            Err(e) => Err(store_error(what, e)),
         }
     }
 
     async fn settle(&mut self, relay: usize) -> Result<(), Violation> {
-        let Some(batch) = self.relays[relay].batch.take() else {
+        let Some(plan) = self.settle_plan(relay) else {
             self.note("skipped: nothing claimed");
             return Ok(());
         };
         let handle = self.handle(relay).await?;
+        let answers = settle_calls(&*handle, &plan).await;
+        self.apply_settle(&plan, &answers)
+    }
+
+    /// Take `relay`'s batch and decide what settling it sends: complete the acknowledged,
+    /// fail the failed (dead on the last attempt), release those not attempted.
+    fn settle_plan(&mut self, relay: usize) -> Option<SettlePlan> {
+        let batch = self.relays[relay].batch.take()?;
         let outcomes = batch
             .outcomes
             .clone()
             .unwrap_or_else(|| vec![Resolved::NotAttempted; batch.ids.len()]);
-        let mut acked = Vec::new();
-        let mut failures = Vec::new();
-        let mut released = Vec::new();
+        let mut plan = SettlePlan {
+            claim: batch.claim,
+            token: batch.token,
+            acked: Vec::new(),
+            failures: Vec::new(),
+            released: Vec::new(),
+        };
         for (id, outcome) in batch.ids.iter().zip(&outcomes) {
             let i = self.by_id[id];
             match outcome {
-                Resolved::Ack => acked.push(*id),
-                Resolved::NotAttempted => released.push(*id),
+                Resolved::Ack => plan.acked.push(*id),
+                Resolved::NotAttempted => plan.released.push(*id),
                 Resolved::Retry { delay, reason } => {
                     let action = if self.msgs[i].attempts + 1 >= MAX_ATTEMPTS {
                         FailAction::Dead
                     } else {
                         FailAction::Retry { delay: *delay }
                     };
-                    failures.push(Failure {
+                    plan.failures.push(Failure {
                         id: *id,
                         error: reason.clone(),
                         action,
                     });
                 }
-                Resolved::Dead { reason } => failures.push(Failure {
+                Resolved::Dead { reason } => plan.failures.push(Failure {
                     id: *id,
                     error: reason.clone(),
                     action: FailAction::Dead,
                 }),
             }
         }
+        Some(plan)
+    }
+
+    /// Check the store's answers to a settle against the model (fencing: exactly the leases
+    /// no longer held are refused) and record the transitions.
+    fn apply_settle(
+        &mut self,
+        plan: &SettlePlan,
+        answers: &SettleAnswers,
+    ) -> Result<(), Violation> {
         let lost_of = |this: &Self, ids: &[Uuid]| -> Vec<Uuid> {
             ids.iter()
                 .copied()
-                .filter(|id| !this.held_by(this.by_id[id], batch.claim))
+                .filter(|id| !this.held_by(this.by_id[id], plan.claim))
                 .collect()
         };
         let mut words = Vec::new();
-        if !acked.is_empty() {
-            let lost = lost_of(self, &acked);
+        if let Some(result) = &answers.complete {
+            let acked = &plan.acked;
+            let lost = lost_of(self, acked);
             self.coverage.lease_lost += lost.len() as u64;
-            let result = handle.complete(batch.token, &acked).await;
             self.expect_fenced("complete", result, &lost)?;
-            for id in &acked {
+            for id in acked {
                 let i = self.by_id[id];
                 if lost.contains(id) {
                     // Published but not marked: the message will be published again.
@@ -1100,18 +1237,18 @@ impl<'a> Runner<'a> {
             }
             words.push(format!(
                 "complete {} (lease lost on {})",
-                self.labels(&acked),
+                self.labels(acked),
                 self.labels(&lost)
             ));
         }
-        if !failures.is_empty() {
+        if let Some(result) = &answers.fail {
+            let failures = &plan.failures;
             let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
             let lost = lost_of(self, &ids);
             self.coverage.lease_lost += lost.len() as u64;
-            let result = handle.fail(batch.token, &failures).await;
             self.expect_fenced("fail", result, &lost)?;
             let mut parts = Vec::new();
-            for f in &failures {
+            for f in failures {
                 let i = self.by_id[&f.id];
                 let action = match f.action {
                     FailAction::Retry { delay } => format!("retry in {delay:?}"),
@@ -1142,12 +1279,12 @@ impl<'a> Runner<'a> {
                 self.labels(&lost)
             ));
         }
-        if !released.is_empty() {
-            let lost = lost_of(self, &released);
+        if let Some(result) = &answers.release {
+            let released = &plan.released;
+            let lost = lost_of(self, released);
             self.coverage.lease_lost += lost.len() as u64;
-            let result = handle.release(batch.token, &released).await;
             self.expect_fenced("release", result, &lost)?;
-            for id in &released {
+            for id in released {
                 if !lost.contains(id) {
                     let i = self.by_id[id];
                     self.msgs[i].status = Status::Pending;
@@ -1156,7 +1293,7 @@ impl<'a> Runner<'a> {
             }
             words.push(format!(
                 "release {} (lease lost on {})",
-                self.labels(&released),
+                self.labels(released),
                 self.labels(&lost)
             ));
         }
@@ -1164,27 +1301,176 @@ impl<'a> Runner<'a> {
         Ok(())
     }
 
+    /// Every relay's move at the same moment: plan each from the model, run the calls
+    /// concurrently (each relay on its own connection), then accept the outcome if some order
+    /// of the moves explains it, checked move by move against the model: eligibility,
+    /// exclusivity, per-key order, fencing, lease arithmetic, exact attempts.
+    ///
+    /// Completeness is not required of a claim that ran at the same moment as another call.
+    /// The contract counts rows locked by a concurrent claim among what holds a key back, and a
+    /// store may skip locked rows; which rows are locked is the database's business: a
+    /// concurrent claim locks candidates it then does not return, and InnoDB's fenced
+    /// transitions lock index records beyond the rows they change (an expired lease's row they
+    /// do not update, next-key locks), so a claim skipping them can miss rows, and heads past
+    /// its window, that no order of the moves explains. Every claim one after another is held
+    /// to completeness in full.
+    async fn together(&mut self, moves: &[Move]) -> Result<(), Violation> {
+        let mut planned = Vec::with_capacity(moves.len());
+        let mut handles = Vec::with_capacity(moves.len());
+        for (relay, m) in moves.iter().enumerate() {
+            let holds = self.relays[relay].batch.as_ref().map(|b| b.token);
+            planned.push(match (m, holds) {
+                (Move::Claim { limit }, None) => Planned::Claim(usize::from(*limit)),
+                (Move::Claim { .. }, Some(_)) => Planned::Skip("it still holds a batch"),
+                (Move::Settle, Some(_)) => match self.settle_plan(relay) {
+                    Some(plan) => Planned::Settle(plan),
+                    None => Planned::Skip("nothing claimed"),
+                },
+                (Move::Extend, Some(token)) => Planned::Extend(token),
+                (Move::Settle | Move::Extend, None) => Planned::Skip("nothing claimed"),
+            });
+            handles.push(self.handle(relay).await?);
+        }
+        let running = running_moves(&planned);
+        if running >= 2 {
+            self.coverage.together += 1;
+        }
+        let policy = self.policy;
+        let before = self.store_now().await?;
+        let answers: Vec<Answer> =
+            futures::future::join_all(planned.iter().zip(&handles).map(|(p, h)| async move {
+                match p {
+                    Planned::Claim(limit) => Answer::Claim(claim_call(&**h, *limit, policy).await),
+                    Planned::Settle(plan) => Answer::Settle(settle_calls(&**h, plan).await),
+                    Planned::Extend(token) => Answer::Extend(h.extend(*token, LEASE).await),
+                    Planned::Skip(_) => Answer::Skipped,
+                }
+            }))
+            .await;
+        let after = self.store_now().await?;
+        let snapshot = self.snapshot();
+        let mut as_listed = None;
+        for order in orders(planned.len()) {
+            self.restore(&snapshot);
+            let result = self.apply_together(&order, &planned, &answers, before, after);
+            self.concurrent_claim = false;
+            match result {
+                Ok(()) => return Ok(()),
+                Err(v) if order.windows(2).all(|w| w[0] < w[1]) => as_listed = Some(v),
+                Err(_) => {}
+            }
+        }
+        // Leave the model and the log as the order listed left them, for the report.
+        self.restore(&snapshot);
+        let listed: Vec<usize> = (0..planned.len()).collect();
+        let _ = self.apply_together(&listed, &planned, &answers, before, after);
+        self.concurrent_claim = false;
+        let v = as_listed.unwrap_or_else(|| violation("test setup", "no order was tried"));
+        Err(Violation {
+            invariant: v.invariant,
+            detail: format!(
+                "no order of the relays' concurrent moves explains what the store did; taken in the order listed: {}",
+                v.detail
+            ),
+        })
+    }
+
+    /// Apply the answers of a [`Step::Together`] to the model in `order`.
+    fn apply_together(
+        &mut self,
+        order: &[usize],
+        planned: &[Planned],
+        answers: &[Answer],
+        before: DateTime<Utc>,
+        after: DateTime<Utc>,
+    ) -> Result<(), Violation> {
+        let running = running_moves(planned);
+        let names: Vec<String> = order
+            .iter()
+            .map(|&r| relay_name(r as u8).to_string())
+            .collect();
+        self.note(format!("in the order {}:", names.join(" then ")));
+        for &relay in order {
+            self.note(format!("relay {}", relay_name(relay as u8)));
+            match (&planned[relay], &answers[relay]) {
+                (Planned::Claim(limit), Answer::Claim(claim)) => {
+                    self.concurrent_claim = running > 1;
+                    self.apply_claim(relay, *limit, claim, before, after)?;
+                    self.concurrent_claim = false;
+                }
+                (Planned::Settle(plan), Answer::Settle(settled)) => {
+                    self.apply_settle(plan, settled)?;
+                }
+                (Planned::Extend(_), Answer::Extend(end)) => {
+                    self.apply_extend(relay, end, before, after)?;
+                }
+                (Planned::Skip(why), _) => self.note(format!("skipped: {why}")),
+                _ => return Err(violation("test setup", "a move and its answer differ")),
+            }
+        }
+        Ok(())
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            msgs: self.msgs.clone(),
+            batches: self.relays.iter().map(|r| r.batch.clone()).collect(),
+            next_claim: self.next_claim,
+            attributed: self.attributed.clone(),
+            coverage: self.coverage,
+            last_log: self.log.last().cloned(),
+        }
+    }
+
+    fn restore(&mut self, s: &Snapshot) {
+        self.msgs.clone_from(&s.msgs);
+        for (r, b) in self.relays.iter_mut().zip(&s.batches) {
+            r.batch.clone_from(b);
+        }
+        self.next_claim = s.next_claim;
+        self.attributed.clone_from(&s.attributed);
+        self.coverage = s.coverage;
+        if let (Some(last), Some(saved)) = (self.log.last_mut(), &s.last_log) {
+            last.clone_from(saved);
+        }
+    }
+
     async fn extend(&mut self, relay: usize) -> Result<(), Violation> {
-        let Some((claim, token, ids)) = self.relays[relay]
-            .batch
-            .as_ref()
-            .map(|b| (b.claim, b.token, b.ids.clone()))
-        else {
+        let Some(token) = self.relays[relay].batch.as_ref().map(|b| b.token) else {
             self.note("skipped: nothing claimed");
             return Ok(());
         };
         let handle = self.handle(relay).await?;
+        let before = self.store_now().await?;
+        let result = handle.extend(token, LEASE).await;
+        let after = self.store_now().await?;
+        self.apply_extend(relay, &result, before, after)
+    }
+
+    /// Check what `relay`'s extend returned against the model and record it.
+    fn apply_extend(
+        &mut self,
+        relay: usize,
+        result: &Result<DateTime<Utc>, Error>,
+        before: DateTime<Utc>,
+        after: DateTime<Utc>,
+    ) -> Result<(), Violation> {
+        let Some((claim, ids)) = self.relays[relay]
+            .batch
+            .as_ref()
+            .map(|b| (b.claim, b.ids.clone()))
+        else {
+            self.note("skipped: nothing claimed");
+            return Ok(());
+        };
         let held: Vec<usize> = ids
             .iter()
             .map(|id| self.by_id[id])
             .filter(|&i| self.held_by(i, claim))
             .collect();
-        let before = self.store_now().await?;
-        let result = handle.extend(token, LEASE).await;
-        let after = self.store_now().await?;
         match (result, held.is_empty()) {
             (Ok(end), false) => {
-                check_lease_end("extend", "the lease end extend returned", end, before, after)?;
+                check_lease_end("extend", "the lease end extend returned", *end, before, after)?;
                 let until = self.now + LEASE.as_secs();
                 for i in held {
                     self.msgs[i].status = Status::Leased { claim, until };
@@ -1204,7 +1490,7 @@ impl<'a> Runner<'a> {
                 "fencing",
                 "extend returned LeaseLost although the claim still holds unexpired leases",
             )),
-            (Err(e), _) => Err(store_error("extend", &e)),
+            (Err(e), _) => Err(store_error("extend", e)),
         }
     }
 
@@ -1518,7 +1804,7 @@ const LEASE_TOLERANCE: Duration = Duration::from_secs(1);
 
 /// Lease arithmetic: a lease end a store returned is its database's now + [`LEASE`], within
 /// [`LEASE_TOLERANCE`].
-fn check_lease_end(
+pub(crate) fn check_lease_end(
     call: &str,
     what: &str,
     end: DateTime<Utc>,

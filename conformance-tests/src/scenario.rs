@@ -132,6 +132,30 @@ impl fmt::Debug for OutcomeSpec {
     }
 }
 
+/// What one relay does in a [`Step::Together`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Move {
+    /// Claim up to `limit` messages (skipped while it holds a batch).
+    Claim {
+        /// Claim limit.
+        limit: u8,
+    },
+    /// Settle its batch as the broker answered (release it all if it has not published).
+    Settle,
+    /// Extend its lease.
+    Extend,
+}
+
+impl fmt::Debug for Move {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Move::Claim { limit } => write!(f, "claims {limit}"),
+            Move::Settle => write!(f, "settles"),
+            Move::Extend => write!(f, "extends its lease"),
+        }
+    }
+}
+
 /// One generated step. Steps that do not apply when they run (e.g. publishing with nothing
 /// claimed) are skipped, which keeps every shrunk sequence runnable.
 #[derive(Clone, PartialEq, Eq)]
@@ -195,6 +219,13 @@ pub enum Step {
     Settle {
         /// Which relay.
         relay: u8,
+    },
+    /// Every relay makes its move at the same moment, each on its own connection: the calls
+    /// run concurrently against the store, and their combined outcome must be what some order
+    /// of them would give. `moves[r]` is relay `r`'s move.
+    Together {
+        /// One move per relay.
+        moves: Vec<Move>,
     },
     /// A relay extends its lease.
     Extend {
@@ -285,6 +316,14 @@ impl fmt::Debug for Step {
                 write!(f, "relay {r} settles late")
             }
             Step::Settle { relay } => write!(f, "relay {} settles", relay_name(*relay)),
+            Step::Together { moves } => {
+                write!(f, "at the same moment:")?;
+                for (relay, m) in moves.iter().enumerate() {
+                    let sep = if relay == 0 { "" } else { "," };
+                    write!(f, "{sep} relay {} {m:?}", relay_name(relay as u8))?;
+                }
+                Ok(())
+            }
             Step::Extend { relay } => write!(f, "relay {} extends its lease", relay_name(*relay)),
             Step::Crash { relay } => write!(f, "relay {} crashes", relay_name(*relay)),
             Step::Advance(a) => write!(f, "clock +{:?}", a.duration()),
@@ -379,6 +418,17 @@ fn step() -> impl Strategy<Value = Step> {
         2 => (0..RELAYS, prop::collection::vec(outcome(), 1..=3))
             .prop_map(|(relay, outcomes)| Step::Publish { relay, outcomes }),
         2 => (0..RELAYS).prop_map(|relay| Step::Settle { relay }),
+        // Relays racing: claims against claims (exclusivity, per-key order under contention),
+        // settles and extends against claims (fencing, what a transition's locks hide).
+        4 => prop::collection::vec(
+            prop_oneof![
+                3 => (1u8..=4).prop_map(|limit| Move::Claim { limit }),
+                2 => Just(Move::Settle),
+                1 => Just(Move::Extend),
+            ],
+            usize::from(RELAYS)
+        )
+        .prop_map(|moves| Step::Together { moves }),
         1 => (0..RELAYS).prop_map(|relay| Step::Extend { relay }),
         1 => (0..RELAYS).prop_map(|relay| Step::Crash { relay }),
         3 => prop_oneof![

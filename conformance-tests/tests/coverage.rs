@@ -29,6 +29,10 @@ fn generated_scenarios_reach_every_situation() {
         ("purged messages", c.purged),
         ("crashes holding a batch", c.crashes_holding),
         ("messages held back behind their key's head", c.held_back),
+        (
+            "steps where two relays' calls ran at the same moment",
+            c.together,
+        ),
     ];
     let missing: Vec<&str> = reached
         .iter()

@@ -20,11 +20,10 @@
 //! A server whose program is not installed gives `Ok(None)` after printing why the test skips,
 //! or fails when `OUTBOX_REQUIRE_SERVICES=1`.
 
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
@@ -33,14 +32,14 @@ use rcgen::{
 use tempfile::TempDir;
 
 use crate::BoxError;
+/// A free loopback port (free when this returns; the server binds it right after).
+pub use outbox_conformance_tests::servers::free_port;
+use outbox_conformance_tests::servers::{installed, missing, postgres_bin, run, wait_port};
 
 /// The host name the server certificates list; it resolves to 127.0.0.1.
 pub const TLS_HOST: &str = "localhost";
 /// The same server by an address its certificate does not list (for "wrong host name" checks).
 pub const WRONG_HOST: &str = "127.0.0.1";
-
-/// How long a server may take to accept connections before its start is a failure.
-const START_GUARD: Duration = Duration::from_secs(60);
 
 /// Certificates of one test, as PEM files in a temporary directory.
 #[derive(Debug)]
@@ -118,69 +117,6 @@ pub fn secret() -> String {
     format!("pw-{}", uuid::Uuid::new_v4().simple())
 }
 
-/// A free loopback port (free when this returns; the server binds it right after).
-pub fn free_port() -> Result<u16, BoxError> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// Wait until `port` accepts connections, or fail with the server's log once `child` exits or
-/// the start guard passes.
-fn wait_port(port: u16, child: Option<&mut Child>, log: &Path) -> Result<(), BoxError> {
-    let start = Instant::now();
-    let mut child = child;
-    loop {
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Ok(());
-        }
-        let exited = match child.as_mut() {
-            Some(c) => c.try_wait()?.is_some(),
-            None => false,
-        };
-        if exited || start.elapsed() > START_GUARD {
-            let text = std::fs::read_to_string(log).unwrap_or_default();
-            return Err(format!("server on port {port} did not start:\n{text}").into());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// `Ok(None)` after printing why, or an error when `OUTBOX_REQUIRE_SERVICES=1`.
-fn missing<T>(what: &str) -> Result<Option<T>, BoxError> {
-    if std::env::var("OUTBOX_REQUIRE_SERVICES").is_ok_and(|v| v == "1") {
-        return Err(format!("{what} is not installed but OUTBOX_REQUIRE_SERVICES=1").into());
-    }
-    eprintln!("skipped: {what} is not installed");
-    Ok(None)
-}
-
-fn run(command: &mut Command) -> Result<(), BoxError> {
-    let output = command.output()?;
-    if !output.status.success() {
-        return Err(format!(
-            "{command:?} failed: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        )
-        .into());
-    }
-    Ok(())
-}
-
-/// The newest installed PostgreSQL's `bin` directory.
-fn postgres_bin() -> Option<PathBuf> {
-    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(|e| {
-            let e = e.ok()?;
-            let version = e.file_name().to_str()?.parse().ok()?;
-            let bin = e.path().join("bin");
-            bin.join("initdb").is_file().then_some((version, bin))
-        })
-        .collect();
-    versions.sort();
-    versions.pop().map(|(_, bin)| bin)
-}
-
 /// A private PostgreSQL that accepts only TLS connections (`hostssl` lines only): user
 /// `postgres` with a password, user `app` with [`Pki::client_cert`] (`cert` authentication);
 /// database `postgres`.
@@ -199,7 +135,7 @@ impl PrivatePostgres {
     /// certificates), start and wait until it accepts connections. Takes about 2 s.
     pub fn start(pki: &Pki) -> Result<Option<Self>, BoxError> {
         let Some(bin) = postgres_bin() else {
-            return missing("PostgreSQL (/usr/lib/postgresql/*/bin/initdb)");
+            return Ok(missing("PostgreSQL (/usr/lib/postgresql/*/bin/initdb)")?);
         };
         let dir = tempfile::Builder::new().prefix("outbox-pg-").tempdir()?;
         let data = dir.path().join("data");
@@ -393,15 +329,6 @@ fn spawn(command: &mut Command, log: &Path) -> Result<Owned, BoxError> {
     ))
 }
 
-fn installed(program: &str) -> bool {
-    Command::new(program)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok()
-}
-
 /// A private MariaDB with `require_secure_transport=ON`: user `app` with a password, user
 /// `certuser` with a client certificate signed by the [`Pki`]'s CA (`REQUIRE X509`); database
 /// `test`.
@@ -423,7 +350,7 @@ impl PrivateMariadb {
             .into_iter()
             .find(|p| Path::new(p).is_file());
         let Some(mariadbd) = mariadbd.filter(|_| installed("mariadb-install-db")) else {
-            return missing("MariaDB (mariadbd and mariadb-install-db)");
+            return Ok(missing("MariaDB (mariadbd and mariadb-install-db)")?);
         };
         let dir = tempfile::Builder::new()
             .prefix("outbox-mariadb-")
@@ -505,7 +432,7 @@ impl PrivateRedis {
     /// certificates signed by `pki`'s CA (`tls-auth-clients yes`).
     pub fn start(pki: &Pki, client_certs: bool) -> Result<Option<Self>, BoxError> {
         if !installed("redis-server") {
-            return missing("redis-server");
+            return Ok(missing("redis-server")?);
         }
         let dir = tempfile::Builder::new().prefix("outbox-redis-").tempdir()?;
         let port = free_port()?;
@@ -676,7 +603,7 @@ impl PrivateNats {
             .into_iter()
             .find(|p| installed(p));
         let Some(program) = program else {
-            return missing("nats-server");
+            return Ok(missing("nats-server")?);
         };
         let dir = tempfile::Builder::new().prefix("outbox-nats-").tempdir()?;
         let port = free_port()?;
@@ -863,7 +790,7 @@ impl PrivateKafkaTls {
             .unwrap_or_default();
         let tansu = home.join("bin/tansu");
         if !tansu.is_file() {
-            return missing("tansu (scripts/tansu install)");
+            return Ok(missing("tansu (scripts/tansu install)")?);
         }
         let dir = tempfile::Builder::new().prefix("outbox-kafka-").tempdir()?;
         let (inner, port) = (free_port()?, free_port()?);

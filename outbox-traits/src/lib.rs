@@ -63,6 +63,33 @@
 //!      lease or retry delay has passed by the model's clock, and eligibility forbids it
 //!      before, so a lease or retry time computed from the wrong base or unit fails. A
 //!      harness whose store has its own clock must return that clock from `now`.
+//!    - **Whose clock.** On one machine the database's clock and the relay host's agree, so a
+//!      time taken from the host (`SystemTime::now()`, `Utc::now()`) instead of the database
+//!      passes everything above. A harness whose store runs on a clock at least a day away
+//!      from the host's declares `HarnessCapabilities::skewed_clock`; the suite then checks the
+//!      skew is real (`HarnessStore::now` that far from the host's clock) and every lease end,
+//!      retry time and age is off by days if it came from the wrong clock. The suite's
+//!      `skewed` module starts a private Postgres or MariaDB under libfaketime (`FAKETIME=+3d`)
+//!      and runs the whole suite against it with `skewed::run_suite`, at an eighth of the
+//!      cases; the SQLite harness overrides SQLite's `unixepoch('now', 'subsec')` on its
+//!      connections instead, as SQLite's clock is the host's. Do the same for your store: run
+//!      it on a server with a shifted clock, or shift the one clock function it reads.
+//!    - **Relays at the same moment.** Besides steps one after another, the property has
+//!      steps where every relay claims, settles or extends at once, each on its own
+//!      connection, so lock and isolation bugs surface (two claims leasing one row, a claim
+//!      that fails instead of waiting for another's lock, as a SQLite claim that starts
+//!      `DEFERRED` instead of `IMMEDIATE` does). The combined outcome must be what some order
+//!      of the moves gives, each checked as above (eligibility, exclusivity, fencing, per-key
+//!      order, lease arithmetic, exact attempts). Completeness is not required of a claim that
+//!      ran at the same moment as another relay's call: `OutboxStore::claim` counts rows locked
+//!      by a concurrent claim among what holds a key back, and which rows a database locks is
+//!      its own business (a concurrent claim locks candidates it does not return; InnoDB's
+//!      fenced transitions lock index records beyond the rows they change), so a claim that
+//!      skips locked rows may miss rows, and heads past its window, that no order explains.
+//!      Every claim made one after another is held to completeness in full. Concurrent
+//!      business transactions that write one key are not generated here: the property lets
+//!      one open transaction write a key at a time, as applications that lock the aggregate
+//!      row do.
 //!
 //!    `scripts/mutants` in the repository plants realistic bugs in the three SQL backends
 //!    one at a time and requires the suite to catch each. Run it with `PROPTEST_CASES=1000` as CI

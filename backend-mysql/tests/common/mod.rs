@@ -152,12 +152,167 @@ pub fn ids(claim: &Claim) -> Vec<uuid::Uuid> {
 /// The sqlx side of a conformance-suite harness store, shared by `conformance.rs` (business
 /// transactions on sqlx) and `diesel.rs` (on diesel-async): pools, time control, teardown.
 pub mod harness {
+    use std::str::FromStr;
+    use std::sync::Arc;
     use std::time::Duration;
 
-    use outbox_backend_mysql::MysqlStore;
+    use outbox_backend_mysql::{enqueue_batch, MysqlConfig, MysqlStore};
+    use outbox_conformance_tests::env::service_url;
+    use outbox_conformance_tests::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
     use outbox_traits::chrono::{DateTime, NaiveDateTime, Utc};
-    use outbox_traits::Error;
+    use outbox_traits::{async_trait, Error, NewMessage, OutboxAdmin, OutboxStore};
     use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+    use sqlx::{MySql, Transaction};
+    use tokio::sync::OnceCell;
+
+    use super::{random_table, URL_VAR};
+
+    /// Each fresh store is a new table with a random name in one database; business transactions,
+    /// admin calls and time control share one pool per harness; each relay handle gets a pool of
+    /// one connection of its own, so dropping it (a simulated crash) closes that connection.
+    pub struct MysqlHarness {
+        options: MySqlConnectOptions,
+        /// Shared by every store of this test: a fresh store is a new table, not new connections.
+        pool: OnceCell<MySqlPool>,
+        /// Stores delete messages as they are published (`delete_published`).
+        delete_published: bool,
+        /// The server's clock is days away from the host's (`HarnessCapabilities::skewed_clock`).
+        skewed_clock: bool,
+    }
+
+    impl MysqlHarness {
+        /// Stores in the database `url` names.
+        pub fn new(url: &str) -> Self {
+            Self {
+                options: MySqlConnectOptions::from_str(url).expect("a MySQL URL"),
+                pool: OnceCell::new(),
+                delete_published: false,
+                skewed_clock: false,
+            }
+        }
+
+        /// Stores in the database named by `OUTBOX_TEST_MYSQL_URL`.
+        pub fn from_env() -> Option<Self> {
+            service_url(URL_VAR).map(|url| Self::new(&url))
+        }
+
+        /// Stores that delete messages as they are published.
+        pub fn deleting_published(self) -> Self {
+            Self {
+                delete_published: true,
+                ..self
+            }
+        }
+
+        /// Declare the server's clock skewed from the host's.
+        pub fn skewed_clock(self) -> Self {
+            Self {
+                skewed_clock: true,
+                ..self
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Harness for MysqlHarness {
+        fn name(&self) -> String {
+            let mut name = String::from("mysql");
+            if self.delete_published {
+                name.push_str(", deleting published");
+            }
+            if self.skewed_clock {
+                name.push_str(", database clock skewed from the host's");
+            }
+            name
+        }
+
+        async fn fresh(&self) -> Result<Box<dyn HarnessStore>, Error> {
+            let shared = self
+                .pool
+                .get_or_init(|| async { pool(&self.options, 8) })
+                .await
+                .clone();
+            let config = MysqlConfig::builder()
+                .table(random_table())
+                .delete_published(self.delete_published)
+                .build()?;
+            let store = MysqlStore::new(shared, config);
+            store.migrate().await?;
+            Ok(Box::new(MysqlHarnessStore {
+                options: self.options.clone(),
+                store,
+                skewed_clock: self.skewed_clock,
+            }))
+        }
+    }
+
+    struct MysqlHarnessStore {
+        options: MySqlConnectOptions,
+        store: MysqlStore,
+        skewed_clock: bool,
+    }
+
+    #[async_trait]
+    impl HarnessStore for MysqlHarnessStore {
+        fn capabilities(&self) -> HarnessCapabilities {
+            HarnessCapabilities::new(OutboxStore::capabilities(&self.store))
+                .with_skewed_clock(self.skewed_clock)
+        }
+
+        /// A store on its own connection: dropping it closes the connection and, as in a real
+        /// crash, leaves its leases to expire.
+        async fn relay(&self) -> Result<Arc<dyn OutboxStore>, Error> {
+            Ok(Arc::new(MysqlStore::new(
+                pool(&self.options, 1),
+                self.store.config().clone(),
+            )))
+        }
+
+        async fn admin(&self) -> Result<Arc<dyn OutboxAdmin>, Error> {
+            Ok(Arc::new(self.store.clone()))
+        }
+
+        async fn begin(&self) -> Result<Box<dyn HarnessTx>, Error> {
+            let tx = self.store.pool().begin().await.map_err(err)?;
+            Ok(Box::new(MysqlHarnessTx {
+                tx,
+                config: self.store.config().clone(),
+            }))
+        }
+
+        /// Shift every stored time back by `by`: to the store, `by` has passed.
+        async fn advance_time(&self, by: Duration) -> Result<(), Error> {
+            advance_time(&self.store, by).await
+        }
+
+        async fn now(&self) -> Result<DateTime<Utc>, Error> {
+            now(&self.store).await
+        }
+
+        async fn teardown(self: Box<Self>) -> Result<(), Error> {
+            teardown(&self.store).await
+        }
+    }
+
+    struct MysqlHarnessTx {
+        tx: Transaction<'static, MySql>,
+        config: MysqlConfig,
+    }
+
+    #[async_trait]
+    impl HarnessTx for MysqlHarnessTx {
+        async fn enqueue(&mut self, messages: &[NewMessage]) -> Result<(), Error> {
+            enqueue_batch(&mut *self.tx, &self.config, messages).await
+        }
+
+        async fn commit(self: Box<Self>) -> Result<(), Error> {
+            self.tx.commit().await.map_err(err)
+        }
+
+        async fn rollback(self: Box<Self>) -> Result<(), Error> {
+            self.tx.rollback().await.map_err(err)
+        }
+    }
 
     /// A lazy pool of at most `max` connections.
     pub fn pool(options: &MySqlConnectOptions, max: u32) -> MySqlPool {

@@ -144,12 +144,159 @@ pub fn ids(claim: &Claim) -> Vec<uuid::Uuid> {
 /// The sqlx side of a conformance-suite harness store, shared by `conformance.rs` (business
 /// transactions on sqlx) and `diesel.rs` (on diesel-async): pools, time control, teardown.
 pub mod harness {
+    use std::str::FromStr;
+    use std::sync::Arc;
     use std::time::Duration;
 
-    use outbox_backend_postgres::PostgresStore;
+    use outbox_backend_postgres::{enqueue_batch, PostgresConfig, PostgresStore};
+    use outbox_conformance_tests::env::service_url;
+    use outbox_conformance_tests::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
     use outbox_traits::chrono::{DateTime, Utc};
-    use outbox_traits::Error;
+    use outbox_traits::{async_trait, Error, NewMessage, OutboxAdmin, OutboxStore};
     use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+    use sqlx::{Postgres, Transaction};
+
+    use super::{random_schema, URL_VAR};
+
+    /// Each fresh store is a new schema on the server named by `OUTBOX_TEST_POSTGRES_URL`.
+    pub struct PgHarness {
+        options: PgConnectOptions,
+        /// Stores delete messages as they are published (`delete_published`).
+        delete_published: bool,
+        /// The server's clock is days away from the host's (`HarnessCapabilities::skewed_clock`).
+        skewed_clock: bool,
+    }
+
+    impl PgHarness {
+        /// Stores on the server `url` names.
+        pub fn new(url: &str) -> Self {
+            Self {
+                options: PgConnectOptions::from_str(url).expect("a Postgres URL"),
+                delete_published: false,
+                skewed_clock: false,
+            }
+        }
+
+        /// Stores on the server named by `OUTBOX_TEST_POSTGRES_URL`.
+        pub fn from_env() -> Option<Self> {
+            service_url(URL_VAR).map(|url| Self::new(&url))
+        }
+
+        /// Stores that delete messages as they are published.
+        pub fn deleting_published(self) -> Self {
+            Self {
+                delete_published: true,
+                ..self
+            }
+        }
+
+        /// Declare the server's clock skewed from the host's.
+        pub fn skewed_clock(self) -> Self {
+            Self {
+                skewed_clock: true,
+                ..self
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Harness for PgHarness {
+        fn name(&self) -> String {
+            let mut name = String::from("postgres");
+            if self.delete_published {
+                name.push_str(", deleting published");
+            }
+            if self.skewed_clock {
+                name.push_str(", database clock skewed from the host's");
+            }
+            name
+        }
+
+        async fn fresh(&self) -> Result<Box<dyn HarnessStore>, Error> {
+            let config = PostgresConfig::builder()
+                .schema(random_schema())
+                .table("outbox")
+                .delete_published(self.delete_published)
+                .build()?;
+            // Business transactions, admin calls and time control share one pool; each relay gets
+            // its own (see `relay`).
+            let store = PostgresStore::new(pool(&self.options, 8), config);
+            store.migrate().await?;
+            Ok(Box::new(PgHarnessStore {
+                options: self.options.clone(),
+                store,
+                skewed_clock: self.skewed_clock,
+            }))
+        }
+    }
+
+    struct PgHarnessStore {
+        options: PgConnectOptions,
+        store: PostgresStore,
+        skewed_clock: bool,
+    }
+
+    #[async_trait]
+    impl HarnessStore for PgHarnessStore {
+        fn capabilities(&self) -> HarnessCapabilities {
+            HarnessCapabilities::new(OutboxStore::capabilities(&self.store))
+                .with_skewed_clock(self.skewed_clock)
+        }
+
+        /// A store on its own connection: dropping it closes the connection and, as in a real
+        /// crash, leaves its leases to expire.
+        async fn relay(&self) -> Result<Arc<dyn OutboxStore>, Error> {
+            Ok(Arc::new(PostgresStore::new(
+                pool(&self.options, 1),
+                self.store.config().clone(),
+            )))
+        }
+
+        async fn admin(&self) -> Result<Arc<dyn OutboxAdmin>, Error> {
+            Ok(Arc::new(self.store.clone()))
+        }
+
+        async fn begin(&self) -> Result<Box<dyn HarnessTx>, Error> {
+            let tx = self.store.pool().begin().await.map_err(err)?;
+            Ok(Box::new(PgHarnessTx {
+                tx,
+                config: self.store.config().clone(),
+            }))
+        }
+
+        /// Shift every stored time back by `by`: to the store, `by` has passed.
+        async fn advance_time(&self, by: Duration) -> Result<(), Error> {
+            advance_time(&self.store, by).await
+        }
+
+        async fn now(&self) -> Result<DateTime<Utc>, Error> {
+            now(&self.store).await
+        }
+
+        async fn teardown(self: Box<Self>) -> Result<(), Error> {
+            teardown(&self.store).await
+        }
+    }
+
+    struct PgHarnessTx {
+        tx: Transaction<'static, Postgres>,
+        config: PostgresConfig,
+    }
+
+    #[async_trait]
+    impl HarnessTx for PgHarnessTx {
+        async fn enqueue(&mut self, messages: &[NewMessage]) -> Result<(), Error> {
+            enqueue_batch(&mut *self.tx, &self.config, messages).await
+        }
+
+        async fn commit(self: Box<Self>) -> Result<(), Error> {
+            self.tx.commit().await.map_err(err)
+        }
+
+        async fn rollback(self: Box<Self>) -> Result<(), Error> {
+            self.tx.rollback().await.map_err(err)
+        }
+    }
 
     /// A lazy pool of at most `max` connections.
     pub fn pool(options: &PgConnectOptions, max: u32) -> PgPool {
