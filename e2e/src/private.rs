@@ -239,7 +239,7 @@ fn pg_ctl(bin: &Path, dir: &Path, action: &str) -> Result<(), BoxError> {
     if action == "stop" {
         command.args(["-m", "immediate"]);
     }
-    run(command.arg(action))
+    Ok(run(command.arg(action))?)
 }
 
 /// A private PostgreSQL with `trust` authentication on 127.0.0.1 (user and database
@@ -257,7 +257,7 @@ impl PlainPostgres {
     /// initdb, start and wait until it accepts connections. Takes about 2 s.
     pub fn start() -> Result<Option<Self>, BoxError> {
         let Some(bin) = postgres_bin() else {
-            return missing("PostgreSQL (/usr/lib/postgresql/*/bin/initdb)");
+            return Ok(missing("PostgreSQL (/usr/lib/postgresql/*/bin/initdb)")?);
         };
         let dir = tempfile::Builder::new().prefix("outbox-pg-").tempdir()?;
         let data = dir.path().join("data");
@@ -674,7 +674,7 @@ impl PlainNats {
             .into_iter()
             .find(|p| installed(p));
         let Some(program) = program else {
-            return missing("nats-server");
+            return Ok(missing("nats-server")?);
         };
         let mut server = Self {
             child: None,
@@ -735,7 +735,7 @@ impl PlainRedis {
             .into_iter()
             .find(|p| installed(p));
         let Some(program) = program else {
-            return missing("redis-server");
+            return Ok(missing("redis-server")?);
         };
         let dir = tempfile::Builder::new().prefix("outbox-redis-").tempdir()?;
         let port = free_port()?;
