@@ -16,12 +16,18 @@
 /// outbox_conformance_tests::conformance_suite!(optional: PgHarness::from_env());
 /// ```
 ///
-/// Invoke it once per module (the tests have fixed names). The model property takes its
-/// number of cases from `PROPTEST_CASES` and saves failing seeds under `proptest-regressions/`.
+/// Invoke it once per module (the tests have fixed names). The model and engine properties take
+/// their number of cases from `PROPTEST_CASES` and save failing seeds under
+/// `proptest-regressions/`. `reduced: N` runs them at `PROPTEST_CASES / N` cases (at least 16):
+/// for a second configuration of a backend whose differences the checks cover, so that CI does
+/// not pay the full count twice.
 #[macro_export]
 macro_rules! conformance_suite {
     (optional: $harness:expr) => {
-        $crate::__conformance_tests!(@opt $harness;
+        $crate::conformance_suite!(optional: $harness, reduced: 1);
+    };
+    (optional: $harness:expr, reduced: $divisor:expr) => {
+        $crate::__conformance_tests!(@opt $harness, $divisor;
             claim_respects_limit ClaimRespectsLimit,
             no_phantoms NoPhantoms,
             late_commit_is_claimed LateCommitIsClaimed,
@@ -44,6 +50,9 @@ macro_rules! conformance_suite {
             blocked_backlog_hides_no_key BlockedBacklogHidesNoKey,
             many_keys_behind_a_blocked_backlog ManyKeysBehindABlockedBacklog,
         );
+    };
+    ($harness:expr, reduced: $divisor:expr) => {
+        $crate::conformance_suite!(optional: ::core::option::Option::Some($harness), reduced: $divisor);
     };
     ($harness:expr) => {
         $crate::conformance_suite!(optional: ::core::option::Option::Some($harness));
@@ -104,7 +113,7 @@ macro_rules! __check_tests {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_tests {
-    (@opt $harness:expr; $($name:ident $check:ident,)*) => {
+    (@opt $harness:expr, $divisor:expr; $($name:ident $check:ident,)*) => {
         $crate::__check_tests!(@opt $harness; $($name $check,)*);
 
         #[test]
@@ -112,7 +121,7 @@ macro_rules! __conformance_tests {
             if let ::core::option::Option::Some(harness) = $harness {
                 if let ::core::result::Result::Err(report) = $crate::property::check_model(
                     &harness,
-                    $crate::property::config(::core::file!()),
+                    $crate::property::reduced_cases(::core::file!(), $divisor),
                 ) {
                     ::core::panic!("{}", report);
                 }
@@ -124,7 +133,7 @@ macro_rules! __conformance_tests {
             if let ::core::option::Option::Some(harness) = $harness {
                 if let ::core::result::Result::Err(report) = $crate::engine::check_engine(
                     &harness,
-                    $crate::property::config(::core::file!()),
+                    $crate::property::reduced_cases(::core::file!(), $divisor),
                 ) {
                     ::core::panic!("{}", report);
                 }

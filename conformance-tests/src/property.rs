@@ -24,6 +24,17 @@ pub fn config(source_file: &'static str) -> Config {
     }
 }
 
+/// [`config`] with a fraction of its cases: `PROPTEST_CASES` (256 when unset) divided by
+/// `divisor`, at least 16. For runs that repeat what a full run covers with one difference: a
+/// private server with a skewed clock (a server of its own costs seconds to start, and every
+/// time it adds comes from the database's clock), or a second configuration of one backend
+/// (`conformance_suite!(optional: .., reduced: N)`).
+pub fn reduced_cases(source_file: &'static str, divisor: u32) -> Config {
+    let base = config(source_file);
+    let cases = (base.cases / divisor.max(1)).max(16);
+    Config { cases, ..base }
+}
+
 /// A runtime for the blocking entry points: multi-threaded, so checks that race relays run in
 /// parallel for real.
 pub fn runtime() -> Result<tokio::runtime::Runtime, String> {

@@ -15,6 +15,7 @@
 //! never touched. A missing program (PostgreSQL, MariaDB or libfaketime) skips with a printed
 //! reason, or fails under `OUTBOX_REQUIRE_SERVICES=1`.
 
+pub use crate::property::reduced_cases;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
@@ -52,16 +53,6 @@ pub fn run_suite<H: Harness>(harness: impl Fn() -> H, config: Config) -> Result<
     }
     crate::property::check_model(&harness(), config.clone())?;
     crate::engine::check_engine(&harness(), config)
-}
-
-/// `cases` for a suite run against a private server: the `PROPTEST_CASES` the main suite uses
-/// (256 when unset), divided by `divisor`, at least 16. A server of its own costs seconds to
-/// start and every case minutes in CI, so a skewed-clock run uses a fraction of the main
-/// suite's cases; what it adds (every time from the database's clock) does not need more.
-pub fn reduced_cases(source_file: &'static str, divisor: u32) -> Config {
-    let base = crate::property::config(source_file);
-    let cases = (base.cases / divisor.max(1)).max(16);
-    Config { cases, ..base }
 }
 
 /// A private PostgreSQL (`initdb` + `pg_ctl` under `runuser -u postgres`) whose clock runs

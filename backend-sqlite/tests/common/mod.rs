@@ -23,41 +23,53 @@ use tokio::sync::oneshot;
 
 /// The store's "now" (`outbox_backend_sqlite`'s `NOW_MS`, private to it): every lease end, due
 /// time and age of the store is computed from it, read once per transaction.
-const NOW_MS_SQL: &str = "CAST(ROUND(unixepoch('now', 'subsec') * 1000) AS INTEGER)";
+const NOW_MS_SQL: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
+
+/// The Julian day of the Unix epoch.
+const UNIX_EPOCH_JULIAN_DAY: f64 = 2_440_587.5;
+
+fn refuse(what: &str) -> rusqlite::Error {
+    rusqlite::Error::UserFunctionError(
+        format!("the skewed test clock serves only julianday('now'), not {what}").into(),
+    )
+}
 
 /// Move SQLite's clock on `conn` by `offset_ms` (nothing when 0), leaving the process's clock
 /// (the relay's `SystemTime`) alone.
 ///
 /// SQLite is embedded: its "database clock" is the host's clock read by SQLite's own date
-/// functions, and the store takes every time from one of them, `unixepoch('now', 'subsec')`.
-/// An application-defined function overrides a built-in one of the same name and arity on its
-/// connection, so this one answers that call with the host's time + `offset_ms`. A store that
-/// reads the host's clock anywhere instead (`SystemTime::now()` in Rust, or another SQL time
-/// function) is then off by the offset, exactly as a relay on a host whose clock differs from a
-/// database server's. Other forms of `unixepoch` are refused, so a statement of the store that
+/// functions, and the store takes every time from one of them, `julianday('now')` (its
+/// `NOW_MS`, which works on SQLite 3.35 and later). An application-defined function overrides a
+/// built-in one of the same name and arity on its connection, so this one answers that call
+/// with the host's time + `offset_ms`. A store that reads the host's clock anywhere instead
+/// (`SystemTime::now()` in Rust, or another SQL time function) is then off by the offset,
+/// exactly as a relay on a host whose clock differs from a database server's. Other forms of
+/// `julianday`, and every form of `unixepoch`, are refused, so a statement of the store that
 /// reads time differently fails loudly instead of escaping the skew.
 pub fn skew_clock(conn: &Connection, offset_ms: i64) -> Result<(), Error> {
     if offset_ms == 0 {
         return Ok(());
     }
-    conn.create_scalar_function("unixepoch", 2, FunctionFlags::SQLITE_UTF8, move |ctx| {
-        let (what, modifier): (String, String) = (ctx.get(0)?, ctx.get(1)?);
-        if what != "now" || modifier != "subsec" {
-            return Err(rusqlite::Error::UserFunctionError(
-                format!("the skewed test clock serves only unixepoch('now', 'subsec'), not unixepoch({what:?}, {modifier:?})").into(),
-            ));
+    conn.create_scalar_function("julianday", 1, FunctionFlags::SQLITE_UTF8, move |ctx| {
+        let what: String = ctx.get(0)?;
+        if what != "now" {
+            return Err(refuse(&format!("julianday({what:?})")));
         }
         let host = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_err(|e| rusqlite::Error::UserFunctionError(e.into()))?;
-        Ok(host.as_secs_f64() + offset_ms as f64 / 1000.0)
+        let ms = host.as_millis() as f64 + offset_ms as f64;
+        Ok(ms / 86_400_000.0 + UNIX_EPOCH_JULIAN_DAY)
     })
     .map_err(sqlite_error)?;
-    for arity in [0, 1] {
-        conn.create_scalar_function("unixepoch", arity, FunctionFlags::SQLITE_UTF8, |_| {
-            Err::<f64, _>(rusqlite::Error::UserFunctionError(
-                "the skewed test clock serves only unixepoch('now', 'subsec')".into(),
-            ))
+    for (name, arity) in [
+        ("julianday", 2),
+        ("unixepoch", 0),
+        ("unixepoch", 1),
+        ("unixepoch", 2),
+    ] {
+        conn.create_scalar_function(name, arity, FunctionFlags::SQLITE_UTF8, move |_| {
+            Err::<f64, _>(refuse(&format!("{name} with {arity} arguments")))
         })
         .map_err(sqlite_error)?;
     }
