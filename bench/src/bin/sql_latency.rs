@@ -463,8 +463,18 @@ async fn measure(
     arrivals: &Arrivals,
     base: Instant,
 ) -> BoxResult<()> {
-    // Idle: let the relay settle into its idle polling first.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Idle: let the relay settle into its idle polling first. Its empty claims back off from
+    // poll_min (10 ms) doubling to the ceiling: after SETTLE_CLAIMS of them it polls at the
+    // ceiling. Wait for that event (the claim count), not for a guessed time.
+    const SETTLE_CLAIMS: u64 = 8;
+    let settle = async {
+        while counting.claims.load(Ordering::Relaxed) < SETTLE_CLAIMS {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), settle)
+        .await
+        .map_err(|_| format!("{name}: the relay made fewer than {SETTLE_CLAIMS} claims in 60 s"))?;
     let claims_before = counting.claims.load(Ordering::Relaxed);
     let cpu_before = CpuReading::now();
     let idle_started = Instant::now();
