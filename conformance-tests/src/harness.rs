@@ -20,6 +20,9 @@
 //! - **Skewed clock (optional).** A harness whose store runs on a clock days away from the
 //!   host's declares [`HarnessCapabilities::skewed_clock`]; then the whole suite proves that no
 //!   time is taken from the relay host's clock.
+//! - **Key locks (optional).** A store whose enqueue makes a second writer of a key wait for
+//!   the first transaction to end declares [`HarnessCapabilities::key_locks`]; the suite then
+//!   expects such an enqueue to block, and insert order to be commit order.
 //! - **Crash = drop.** A relay crash is simulated by dropping the handle returned by
 //!   [`HarnessStore::relay`] mid-step. Dropping it closes its connections but MUST NOT release
 //!   its leases: they stay until they expire, as after a real crash.
@@ -51,6 +54,18 @@ pub struct HarnessCapabilities {
     /// [`crate::checks::lease_uses_store_clock`]): [`HarnessStore::now`] must be that far from
     /// the host's clock.
     pub skewed_clock: bool,
+    /// The store's enqueue serialises the writers of a partition key (key locks, e.g.
+    /// `lock_keys(true)` on Postgres and MariaDB): an enqueue that writes a key another open
+    /// transaction has written waits until that transaction commits or rolls back, and only
+    /// then inserts, so its messages get `seq`s after all of the first transaction's (also
+    /// those it wrote after the second writer began to wait) and commit order is insert order.
+    /// The model then runs such an enqueue in the background, checks it has not returned while
+    /// the first transaction is open, and awaits it once that transaction ends. Without it,
+    /// concurrent writers of a key insert at once, and the suite checks the weaker rule of
+    /// [`OutboxStore::claim`]: a message may be claimed before an earlier message of its key
+    /// that was still uncommitted at that claim. Needs
+    /// [`HarnessCapabilities::concurrent_transactions`].
+    pub key_locks: bool,
 }
 
 /// The least distance between a skewed store clock and the host's (see
@@ -66,7 +81,14 @@ impl HarnessCapabilities {
             store,
             concurrent_transactions: true,
             skewed_clock: false,
+            key_locks: false,
         }
+    }
+
+    /// Set [`HarnessCapabilities::key_locks`].
+    pub const fn with_key_locks(mut self, yes: bool) -> Self {
+        self.key_locks = yes;
+        self
     }
 
     /// Set [`HarnessCapabilities::skewed_clock`].
@@ -145,7 +167,9 @@ pub trait HarnessStore: Send + Sync {
 #[async_trait]
 pub trait HarnessTx: Send {
     /// Write `messages` through the backend's real enqueue function, in this transaction.
-    /// Each message's `seq` is assigned here, at insert.
+    /// Each message's `seq` is assigned here, at insert. Several open transactions may write
+    /// the same partition key; with [`HarnessCapabilities::key_locks`] the call then waits until
+    /// the other transaction ends (the suite runs it in the background meanwhile).
     async fn enqueue(&mut self, messages: &[NewMessage]) -> Result<(), Error>;
 
     /// Commit: the messages become visible to claims.

@@ -15,8 +15,13 @@
 //!   completing, failing, crashing between claim and publish and between publish and complete,
 //!   leases expiring, stale relays settling late, retries coming due, dead letters requeued and
 //!   discarded, purges, and relays claiming, settling and extending at the same moment on their
-//!   own connections (the outcome must be what some order of their moves gives). After every step and at the end a reference model checks no loss, no
-//!   phantom, per-key order, duplicates only from listed causes, fencing, claim limits and
+//!   own connections (the outcome must be what some order of their moves gives). Open
+//!   transactions write the same keys (concurrent writers of a key), and with
+//!   [`HarnessCapabilities::key_locks`] a second writer's enqueue must wait for the first
+//!   transaction to end. After every step and at the end a reference model checks no loss, no
+//!   phantom, per-key order (by the contract's rule for concurrent writers: an earlier message
+//!   of a key may be passed only while it is uncommitted), duplicates only from listed causes,
+//!   fencing, claim limits and
 //!   eligibility, exact attempts, dead-letter reasons and accounting. A failure prints the
 //!   broken invariant and the shrunk scenario in words, step by step.
 //! - [`engine::check_engine`]: the same invariants end to end through the real

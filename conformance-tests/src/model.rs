@@ -1,7 +1,32 @@
 //! The reference model and the runner that plays a [`Scenario`] against a store under test,
 //! checking every invariant after every step.
+//!
+//! # Per-key order with concurrent writers of one key
+//!
+//! Open business transactions may write the same partition key. Per-key order follows `seq`,
+//! the insert order, and the rule the model checks is the contract's
+//! ([`OutboxStore::claim`], README "Per-key order and concurrent writers"):
+//!
+//! - **Claims.** A claim never returns a message unless every earlier (smaller `seq`) message
+//!   of its key that was *committed when the claim ran* and still holds the key back (pending,
+//!   leased, or dead under [`HeadPolicy::Block`]) is returned before it in the same claim. An
+//!   earlier message still uncommitted at the claim neither holds the key back nor counts for
+//!   completeness: the later one may be claimed first.
+//! - **Deliveries.** A message's first delivery comes after the first delivery of every
+//!   earlier message of its key, except those rolled back or discarded, those dead under
+//!   [`HeadPolicy::Skip`], and those that were still uncommitted when the claim whose batch
+//!   delivers it ran. That allowance is exactly what a commit in the other order than the
+//!   inserts makes possible, and nothing more: once the earlier message is committed, no
+//!   later claim may pass it.
+//! - **Key locks.** With [`HarnessCapabilities::key_locks`], an enqueue writing a key that
+//!   another open transaction wrote must wait until that transaction ends: the model runs it in
+//!   the background, fails the case if it returns while the other is still open, awaits it when
+//!   the other ends, and enters its messages into insert order only then (after everything the
+//!   other wrote, also after the waiter began). Insert order is then commit order, and the
+//!   allowance above never applies; `seq`s that do not follow that order fail "seq follows
+//!   insert order".
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
@@ -74,6 +99,15 @@ pub struct Coverage {
     pub held_back: u64,
     /// Steps in which two or more relays' calls ran against the store at the same moment.
     pub together: u64,
+    /// Enqueues that wrote a partition key another open transaction had written: concurrent
+    /// writers of one key.
+    pub same_key_writers: u64,
+    /// Messages claimed while an earlier message of their key was still uncommitted (the
+    /// contract lets the later one go first then).
+    pub overtaken: u64,
+    /// Enqueues that waited for a key lock until the key's other writer ended (stores with
+    /// [`HarnessCapabilities::key_locks`] only).
+    pub waited: u64,
 }
 
 impl std::ops::AddAssign for Coverage {
@@ -93,6 +127,9 @@ impl std::ops::AddAssign for Coverage {
         self.crashes_holding += o.crashes_holding;
         self.held_back += o.held_back;
         self.together += o.together;
+        self.same_key_writers += o.same_key_writers;
+        self.overtaken += o.overtaken;
+        self.waited += o.waited;
     }
 }
 
@@ -158,7 +195,28 @@ struct Batch {
     outcomes: Option<Vec<Resolved>>,
     /// Messages this relay's publish put on the broker (acked or ambiguous).
     delivered: Vec<Uuid>,
+    /// Messages that were uncommitted when this batch was claimed and are earlier in their
+    /// key than one of its messages: the batch may deliver its messages before them.
+    passed: HashSet<Uuid>,
 }
+
+/// An enqueue that waits for a key lock ([`HarnessCapabilities::key_locks`]): it runs in the
+/// background until every transaction holding one of its keys has ended.
+struct Waiter {
+    /// The enqueue, running on the waiting transaction, which it hands back when it returns.
+    task: tokio::task::JoinHandle<(Box<dyn HarnessTx>, Result<(), Error>)>,
+    /// Its messages, entered into the model (and so into insert order) when it returns.
+    msgs: Vec<Msg>,
+    /// The transaction slots it waits for.
+    holders: BTreeSet<u8>,
+    /// How the step that enqueued ends the transaction once the enqueue returns.
+    then: TxEnd,
+}
+
+/// How long a waiting enqueue may take to return after the transactions it waited for ended.
+/// A watchdog, not a timing assertion: a correct store returns within milliseconds, and a
+/// store whose enqueue never returns fails the case with a report instead of hanging.
+const KEY_LOCK_GUARD: Duration = Duration::from_secs(30);
 
 /// What settling a batch sends, decided from the model before the calls.
 struct SettlePlan {
@@ -276,6 +334,8 @@ pub struct Runner<'a> {
     msgs: Vec<Msg>,
     by_id: HashMap<Uuid, usize>,
     txs: Vec<Option<Box<dyn HarnessTx>>>,
+    /// Per transaction slot, its enqueue that waits for a key lock, if any.
+    waiters: Vec<Option<Waiter>>,
     relays: Vec<RelaySim>,
     next_claim: u64,
     purged: u64,
@@ -336,6 +396,7 @@ impl<'a> Runner<'a> {
             msgs: Vec::new(),
             by_id: HashMap::new(),
             txs: (0..TX_SLOTS).map(|_| None).collect(),
+            waiters: (0..TX_SLOTS).map(|_| None).collect(),
             relays: (0..=RELAYS).map(|_| RelaySim::default()).collect(),
             next_claim: 1,
             purged: 0,
@@ -416,14 +477,26 @@ impl<'a> Runner<'a> {
     async fn step(&mut self, step: &Step) -> Result<(), Violation> {
         match step {
             Step::Enqueue { tx, messages, end } => {
-                self.enqueue(*tx, messages, *end != TxEnd::Rollback).await?;
+                let waits = self.enqueue(*tx, messages, *end).await?;
                 match end {
                     TxEnd::Open => Ok(()),
-                    // A single-writer store has already committed inside `enqueue`.
-                    _ if !self.caps.concurrent_transactions => Ok(()),
+                    // A single-writer store has already committed inside `enqueue`; a waiting
+                    // enqueue ends its transaction when it returns.
+                    _ if !self.caps.concurrent_transactions || waits => Ok(()),
                     TxEnd::Commit => self.end_tx(*tx, true).await,
                     TxEnd::Rollback => self.end_tx(*tx, false).await,
                 }
+            }
+            Step::Writers { key } => {
+                let spec = [MsgSpec {
+                    key: Some(*key),
+                    delayed: false,
+                }];
+                for slot in 0..TX_SLOTS {
+                    self.note(format!("tx{}:", slot + 1));
+                    self.enqueue(slot, &spec, TxEnd::Open).await?;
+                }
+                Ok(())
             }
             Step::Commit { tx } => self.end_tx(*tx, true).await,
             Step::Rollback { tx } => self.end_tx(*tx, false).await,
@@ -500,7 +573,13 @@ impl<'a> Runner<'a> {
         }
     }
 
-    async fn new_message(&mut self, spec: MsgSpec, slot: u8) -> Result<NewMessage, Violation> {
+    /// A new message of `spec` for transaction slot `slot`, and its model entry (not yet in
+    /// the model: see [`Runner::insert_msg`]).
+    async fn new_message(
+        &mut self,
+        spec: MsgSpec,
+        slot: u8,
+    ) -> Result<(NewMessage, Msg), Violation> {
         let key = spec.key;
         let label = match key {
             Some(k) => {
@@ -530,13 +609,11 @@ impl<'a> Runner<'a> {
             message = message.not_before(store_now + delay);
             not_before = self.now + NOT_BEFORE.as_secs();
         }
-        let order = self.msgs.len();
-        self.by_id.insert(message.id, order);
-        self.msgs.push(Msg {
+        let msg = Msg {
             id: message.id,
             label,
             key,
-            order,
+            order: 0,
             status: Status::Open(slot),
             attempts: 0,
             due: 0,
@@ -548,76 +625,279 @@ impl<'a> Runner<'a> {
             published_at: None,
             not_before,
             due_unknown: false,
-        });
-        Ok(message)
+        };
+        Ok((message, msg))
+    }
+
+    /// Enter `m` into the model as inserted now: its insert order is after every message
+    /// entered so far.
+    fn insert_msg(&mut self, mut m: Msg) {
+        m.order = self.msgs.len();
+        self.by_id.insert(m.id, m.order);
+        self.msgs.push(m);
     }
 
     /// Enqueue into slot `slot`; a single-writer store ends the transaction at once, committing
-    /// it if `commit_if_single` and rolling it back otherwise.
+    /// it unless `end` is a rollback. Returns whether the enqueue waits for a key lock (or the
+    /// slot's earlier enqueue still does): then the transaction is not ended here, and `end`
+    /// applies once the enqueue returns.
+    ///
+    /// Open transactions may write the same key. Without key locks both insert at once, and
+    /// the later-inserted message may be claimed (and published) while the earlier one is
+    /// uncommitted: the invariants check the contract's rule for that (see
+    /// [`Runner::check_claim`]). With [`HarnessCapabilities::key_locks`], an enqueue writing a
+    /// key another open transaction wrote waits for it (see [`Runner::wake_waiters`]), while
+    /// the holder may go on writing the key. A key that a transaction whose enqueue waits
+    /// holds or waits for is not written by any other that does not hold it already (skipped
+    /// and noted), as that writer would wait for the waiter and the waiter for it: a deadlock
+    /// the database breaks by failing one of them, which is not what the property is about.
     async fn enqueue(
         &mut self,
         slot: u8,
         specs: &[MsgSpec],
-        commit_if_single: bool,
-    ) -> Result<(), Violation> {
+        end: TxEnd,
+    ) -> Result<bool, Violation> {
         let concurrent = self.caps.concurrent_transactions;
-        // A key is written by one open transaction at a time, as when applications lock the
-        // aggregate row: then the commit order of a key's messages is their insert order.
-        let locked: HashSet<u8> = self
+        let key_locks = concurrent && self.caps.key_locks;
+        let slot_ix = usize::from(slot);
+        if self.waiters[slot_ix].is_some() {
+            self.note(format!(
+                "skipped: tx{}'s earlier enqueue still waits for a key lock",
+                slot + 1
+            ));
+            return Ok(true);
+        }
+        // The other open transactions that wrote each key, or wait to write it.
+        let mut holders: BTreeMap<u8, BTreeSet<u8>> = BTreeMap::new();
+        for m in &self.msgs {
+            if let (Status::Open(s), Some(k)) = (m.status, m.key) {
+                if s != slot {
+                    holders.entry(k).or_default().insert(s);
+                }
+            }
+        }
+        let mut waiting = BTreeSet::new();
+        for (s, w) in self.waiters.iter().enumerate() {
+            if let Some(w) = w {
+                let s = s as u8;
+                waiting.insert(s);
+                for k in w.msgs.iter().filter_map(|m| m.key) {
+                    holders.entry(k).or_default().insert(s);
+                }
+            }
+        }
+        let mut batch = Vec::new();
+        let mut msgs = Vec::new();
+        let mut skipped = Vec::new();
+        let mut wait_for = BTreeSet::new();
+        let mut shared = BTreeSet::new();
+        // Keys this transaction already wrote: with key locks it holds them, so writing them
+        // again never waits (others of them can only be waiting for it).
+        let own: BTreeSet<u8> = self
             .msgs
             .iter()
-            .filter_map(|m| match m.status {
-                Status::Open(s) if s != slot => m.key,
-                _ => None,
-            })
+            .filter(|m| m.status == Status::Open(slot))
+            .filter_map(|m| m.key)
             .collect();
-        let mut batch = Vec::new();
-        let mut skipped = Vec::new();
         for spec in specs {
-            if let Some(k) = spec.key.filter(|k| locked.contains(k)) {
-                skipped.push(format!("k{k}"));
-                continue;
+            if let Some(k) = spec.key {
+                if let Some(hs) = holders.get(&k) {
+                    let holds = key_locks && own.contains(&k);
+                    if !holds && hs.iter().any(|h| waiting.contains(h)) {
+                        skipped.push(format!("k{k}"));
+                        continue;
+                    }
+                    shared.insert(k);
+                    if key_locks && !holds {
+                        wait_for.extend(hs.iter().copied());
+                    }
+                }
             }
-            batch.push(self.new_message(*spec, slot).await?);
+            let (message, msg) = self.new_message(*spec, slot).await?;
+            batch.push(message);
+            msgs.push(msg);
         }
-        let ids: Vec<Uuid> = batch.iter().map(|m| m.id).collect();
-        let mut text = format!("wrote {}", self.labels(&ids));
+        let labels: Vec<&str> = msgs.iter().map(|m| m.label.as_str()).collect();
+        let mut text = format!("wrote [{}]", labels.join(", "));
+        if !shared.is_empty() {
+            self.coverage.same_key_writers += 1;
+            let keys: Vec<String> = shared.iter().map(|k| format!("k{k}")).collect();
+            let _ = write!(
+                text,
+                " (key {} also written by another open tx)",
+                keys.join(", ")
+            );
+        }
         if !skipped.is_empty() {
             let _ = write!(
                 text,
-                " (skipped {} locked by another open tx)",
+                " (skipped {}: held by a tx whose enqueue waits for a key lock)",
                 skipped.join(", ")
             );
         }
         if batch.is_empty() {
             self.note(text);
-            return Ok(());
+            return Ok(false);
         }
-        let slot_ix = usize::from(slot);
-        if self.txs[slot_ix].is_none() {
-            let tx = self
+        let mut tx = match self.txs[slot_ix].take() {
+            Some(tx) => tx,
+            None => self
                 .store
                 .begin()
                 .await
-                .map_err(|e| store_error("begin", &e))?;
-            self.txs[slot_ix] = Some(tx);
+                .map_err(|e| store_error("begin", &e))?,
+        };
+        if !wait_for.is_empty() {
+            // The store's enqueue blocks until the holders end, which later steps decide: run
+            // it in the background on its transaction.
+            let names: Vec<String> = wait_for.iter().map(|h| format!("tx{}", h + 1)).collect();
+            let _ = write!(
+                text,
+                ": waits for {} (key lock), in the background",
+                names.join(", ")
+            );
+            self.note(text);
+            self.coverage.waited += 1;
+            let task = tokio::spawn(async move {
+                let result = tx.enqueue(&batch).await;
+                (tx, result)
+            });
+            self.waiters[slot_ix] = Some(Waiter {
+                task,
+                msgs,
+                holders: wait_for,
+                then: end,
+            });
+            return Ok(true);
         }
-        if let Some(tx) = self.txs[slot_ix].as_mut() {
-            tx.enqueue(&batch)
-                .await
-                .map_err(|e| store_error("enqueue", &e))?;
+        for m in msgs {
+            self.insert_msg(m);
         }
+        let result = tx.enqueue(&batch).await;
+        self.txs[slot_ix] = Some(tx);
+        result.map_err(|e| store_error("enqueue", &e))?;
         if !concurrent {
             // One writer: the transaction opens, writes and ends within this step.
             text.push_str(" (store allows one open transaction: ends at once)");
             self.note(text);
-            return self.end_tx(slot, commit_if_single).await;
+            self.end_tx(slot, end != TxEnd::Rollback).await?;
+            return Ok(false);
         }
         self.note(text);
+        Ok(false)
+    }
+
+    /// End transaction `slot` (commit or roll back), then let the enqueues that waited for it
+    /// return. A transaction whose enqueue still waits is not ended (skipped and noted).
+    async fn end_tx(&mut self, slot: u8, commit: bool) -> Result<(), Violation> {
+        if self.waiters[usize::from(slot)].is_some() {
+            self.note("skipped: its enqueue still waits for a key lock");
+            return Ok(());
+        }
+        self.check_still_waiting(slot).await?;
+        self.end_tx_now(slot, commit).await?;
+        self.wake_waiters().await
+    }
+
+    /// Key locks: no enqueue that waits for `slot` has returned while `slot` is still open.
+    async fn check_still_waiting(&mut self, slot: u8) -> Result<(), Violation> {
+        if self.txs[usize::from(slot)].is_none() {
+            return Ok(());
+        }
+        for w in 0..self.waiters.len() {
+            let returned = self.waiters[w]
+                .as_ref()
+                .is_some_and(|x| x.holders.contains(&slot) && x.task.is_finished());
+            if !returned {
+                continue;
+            }
+            let Some(waiter) = self.waiters[w].take() else {
+                continue;
+            };
+            let labels: Vec<&str> = waiter.msgs.iter().map(|m| m.label.as_str()).collect();
+            let how = match waiter.task.await {
+                Ok((_, Ok(()))) => "returned".to_string(),
+                Ok((_, Err(e))) => format!("failed ({e})"),
+                Err(e) => format!("panicked ({e})"),
+            };
+            return Err(violation(
+                "key locks",
+                format!(
+                    "tx{}'s enqueue of [{}] {how} while tx{}, which wrote one of its keys, was still open: with key locks it must wait until tx{} ends",
+                    w + 1,
+                    labels.join(", "),
+                    slot + 1,
+                    slot + 1
+                ),
+            ));
+        }
         Ok(())
     }
 
-    async fn end_tx(&mut self, slot: u8, commit: bool) -> Result<(), Violation> {
+    /// Await every waiting enqueue whose holders have all ended: its messages are inserted
+    /// now, after everything the holders wrote, and the step that enqueued ends the
+    /// transaction as it said. Repeats while that ends further holders.
+    async fn wake_waiters(&mut self) -> Result<(), Violation> {
+        loop {
+            let ready = (0..self.waiters.len()).find(|&w| {
+                self.waiters[w].as_ref().is_some_and(|x| {
+                    x.holders.iter().all(|&h| {
+                        self.txs[usize::from(h)].is_none() && self.waiters[usize::from(h)].is_none()
+                    })
+                })
+            });
+            let Some(w) = ready else {
+                return Ok(());
+            };
+            let Some(waiter) = self.waiters[w].take() else {
+                return Ok(());
+            };
+            let labels: Vec<String> = waiter.msgs.iter().map(|m| m.label.clone()).collect();
+            let held: Vec<String> = waiter
+                .holders
+                .iter()
+                .map(|h| format!("tx{}", h + 1))
+                .collect();
+            let (tx, result) = match tokio::time::timeout(KEY_LOCK_GUARD, waiter.task).await {
+                Ok(Ok(done)) => done,
+                Ok(Err(e)) => {
+                    return Err(violation(
+                        "store error",
+                        format!("the waiting enqueue of tx{} panicked: {e}", w + 1),
+                    ))
+                }
+                Err(_) => {
+                    return Err(violation(
+                        "key locks",
+                        format!(
+                            "tx{}'s enqueue of [{}] had not returned {KEY_LOCK_GUARD:?} after {}, which held its keys, ended",
+                            w + 1,
+                            labels.join(", "),
+                            held.join(", ")
+                        ),
+                    ))
+                }
+            };
+            self.txs[w] = Some(tx);
+            result.map_err(|e| store_error("enqueue (after waiting for a key lock)", &e))?;
+            for m in waiter.msgs {
+                self.insert_msg(m);
+            }
+            self.note(format!(
+                "tx{}'s enqueue returned once {} ended: wrote [{}]",
+                w + 1,
+                held.join(", "),
+                labels.join(", ")
+            ));
+            let slot = w as u8;
+            if waiter.then != TxEnd::Open {
+                self.check_still_waiting(slot).await?;
+                self.end_tx_now(slot, waiter.then == TxEnd::Commit).await?;
+            }
+        }
+    }
+
+    async fn end_tx_now(&mut self, slot: u8, commit: bool) -> Result<(), Violation> {
         let Some(tx) = self.txs[usize::from(slot)].take() else {
             self.note("skipped: no open transaction");
             return Ok(());
@@ -699,6 +979,24 @@ impl<'a> Runner<'a> {
             )?;
         }
         self.coverage.held_back += self.held_back_count(&ids) as u64;
+        // Earlier messages of the claimed messages' keys that are still uncommitted: the
+        // contract lets this claim, and the deliveries of its batch, pass them.
+        let mut passed = HashSet::new();
+        for id in &ids {
+            let i = self.by_id[id];
+            let Some(k) = self.msgs[i].key else {
+                continue;
+            };
+            let open: Vec<Uuid> = self.msgs[..i]
+                .iter()
+                .filter(|p| p.key == Some(k) && matches!(p.status, Status::Open(_)))
+                .map(|p| p.id)
+                .collect();
+            if !open.is_empty() {
+                self.coverage.overtaken += 1;
+                passed.extend(open);
+            }
+        }
         let serial = self.next_claim;
         self.next_claim += 1;
         let until = self.now + LEASE.as_secs();
@@ -734,6 +1032,7 @@ impl<'a> Runner<'a> {
             ids,
             outcomes: None,
             delivered: Vec::new(),
+            passed,
         });
         Ok(n)
     }
@@ -929,8 +1228,10 @@ impl<'a> Runner<'a> {
             }
             self.check_payload(i, m)?;
             self.check_seq(i, m.seq)?;
-            // Per-key order: every earlier unpublished message of the key is in this claim,
-            // before this one.
+            // Per-key order: every earlier committed unpublished message of the key (pending,
+            // leased, or dead under Block) is in this claim, before this one. An earlier message
+            // still uncommitted (`Open`) does not hold the key back: it may be passed (see the
+            // module docs).
             if let Some(k) = self.msgs[i].key {
                 let earlier_in_claim: HashSet<Uuid> =
                     claim.messages[..pos].iter().map(|m| m.id).collect();
@@ -1011,6 +1312,7 @@ impl<'a> Runner<'a> {
         }
         let ids = batch.ids.clone();
         let claim = batch.claim;
+        let passed = batch.passed.clone();
         let mut stopped = HashSet::new();
         let mut resolved = Vec::with_capacity(ids.len());
         let mut words = Vec::new();
@@ -1059,7 +1361,7 @@ impl<'a> Runner<'a> {
             if delivered {
                 delivered_ids.push(*id);
                 let stale = !self.held_by(i, claim);
-                self.deliver(i, stale)?;
+                self.deliver(i, stale, &passed)?;
                 if matches!(spec, OutcomeSpec::Ambiguous(_)) {
                     self.msgs[i].causes.push(CAUSE_AMBIGUOUS);
                 }
@@ -1075,7 +1377,12 @@ impl<'a> Runner<'a> {
     }
 
     /// Record one delivery of message `i` to the broker and check order and duplicates.
-    fn deliver(&mut self, i: usize, stale: bool) -> Result<(), Violation> {
+    ///
+    /// Per-key order of deliveries: a message's first delivery comes after the first delivery
+    /// of every earlier message of its key, except one rolled back or discarded, one dead under
+    /// [`HeadPolicy::Skip`], and one in `passed`: still uncommitted when the batch delivering
+    /// it was claimed (the contract's allowance for concurrent writers of a key).
+    fn deliver(&mut self, i: usize, stale: bool, passed: &HashSet<Uuid>) -> Result<(), Violation> {
         let label = self.msgs[i].label.clone();
         if self.msgs[i].delivered == 0 {
             if let Some(k) = self.msgs[i].key {
@@ -1084,6 +1391,7 @@ impl<'a> Runner<'a> {
                         || matches!(p.status, Status::RolledBack | Status::Discarded)
                         || p.delivered > 0
                         || (self.policy == HeadPolicy::Skip && p.ever_dead)
+                        || passed.contains(&p.id)
                     {
                         continue;
                     }
@@ -1525,7 +1833,12 @@ impl<'a> Runner<'a> {
             .await
             .map_err(|e| store_error("advance_time", &e))?;
         self.now += a.duration().as_secs();
-        for m in &mut self.msgs {
+        let waiting = self
+            .waiters
+            .iter_mut()
+            .flatten()
+            .flat_map(|w| w.msgs.iter_mut());
+        for m in self.msgs.iter_mut().chain(waiting) {
             if matches!(m.status, Status::Open(_)) && m.not_before > 0 {
                 m.due_unknown = true;
             }
@@ -1710,10 +2023,18 @@ impl<'a> Runner<'a> {
         for relay in 0..self.relays.len() {
             self.crash(relay);
         }
-        for slot in 0..TX_SLOTS {
-            if self.txs[usize::from(slot)].is_some() {
-                self.end_tx(slot, true).await?;
-            }
+        // Commit every open transaction; one whose enqueue waits for a key lock returns (and
+        // commits, or stays open to be committed here) once the transactions it waits for end.
+        while let Some(slot) = (0..TX_SLOTS)
+            .find(|&s| self.txs[usize::from(s)].is_some() && self.waiters[usize::from(s)].is_none())
+        {
+            self.end_tx(slot, true).await?;
+        }
+        if let Some(w) = self.waiters.iter().position(Option::is_some) {
+            return Err(violation(
+                "test setup",
+                format!("tx{}'s enqueue still waits with no transaction open", w + 1),
+            ));
         }
         let day = Duration::from_secs(86_400);
         self.store

@@ -169,6 +169,13 @@ pub enum Step {
         /// Whether the transaction then stays open, commits or rolls back.
         end: TxEnd,
     },
+    /// Concurrent writers of one key: every transaction slot in turn (tx1, then tx2) enqueues
+    /// one message of key `key` and stays open; later steps commit or roll them back, in either
+    /// order. With key locks the second writer waits for the first.
+    Writers {
+        /// The partition key both write.
+        key: u8,
+    },
     /// Transaction `tx` commits.
     Commit {
         /// Transaction slot.
@@ -272,6 +279,7 @@ impl fmt::Debug for Step {
                     TxEnd::Rollback => write!(f, " and roll back"),
                 }
             }
+            Step::Writers { key } => write!(f, "tx1 then tx2 enqueue [k{key}], both stay open"),
             Step::Commit { tx } => write!(f, "tx{} commit", tx + 1),
             Step::Rollback { tx } => write!(f, "tx{} rollback", tx + 1),
             Step::Claim { relay, limit } => {
@@ -394,6 +402,8 @@ fn step() -> impl Strategy<Value = Step> {
                 messages.extend(tail);
                 Step::Enqueue { tx, messages, end: TxEnd::Commit }
             }),
+        // Two open transactions writing one key, which commit later in either order.
+        2 => (0..KEYS).prop_map(|key| Step::Writers { key }),
         3 => (0..TX_SLOTS).prop_map(|tx| Step::Commit { tx }),
         1 => (0..TX_SLOTS).prop_map(|tx| Step::Rollback { tx }),
         2 => (0..RELAYS, 1u8..=4).prop_map(|(relay, limit)| Step::Claim { relay, limit }),

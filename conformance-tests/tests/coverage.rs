@@ -33,6 +33,14 @@ fn generated_scenarios_reach_every_situation() {
             "steps where two relays' calls ran at the same moment",
             c.together,
         ),
+        (
+            "enqueues writing a key another open transaction wrote (concurrent writers of a key)",
+            c.same_key_writers,
+        ),
+        (
+            "messages claimed while an earlier message of their key was uncommitted",
+            c.overtaken,
+        ),
     ];
     let missing: Vec<&str> = reached
         .iter()
