@@ -290,6 +290,115 @@ pub async fn late_commit_is_claimed(harness: &dyn Harness) -> Result<(), String>
     f.finish().await
 }
 
+/// How long [`concurrent_writers_of_a_key`] gives a second writer's enqueue to return while the
+/// first writer of its key is open. Not a timing assumption a correct store relies on (its
+/// enqueue waits however long this is); a store whose enqueue does not wait returns within
+/// milliseconds and is caught here, and by the order of the `seq`s otherwise.
+const KEY_LOCK_PROBE: Duration = Duration::from_millis(300);
+
+/// Two open transactions write one partition key, the earlier inserter committing last.
+///
+/// Without key locks ([`HarnessCapabilities::key_locks`](crate::HarnessCapabilities::key_locks))
+/// both insert at once: the later-inserted `k#2`, committed first, is claimable while `k#1` is
+/// uncommitted (an uncommitted row holds nothing back); once `k#1` commits it is claimable
+/// although `k#2` is leased (it is the key's first), and `k#3`, inserted after `k#2`, waits for
+/// `k#2` although another transaction wrote it. With key locks, the second writer's enqueue
+/// waits while the first transaction is open (also while it writes `k#3`), and once that
+/// commits the key's messages come in insert order, which is commit order: `k#1`, `k#3`, `k#2`.
+pub async fn concurrent_writers_of_a_key(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    let caps = f.store.capabilities();
+    if !caps.concurrent_transactions {
+        return f.finish().await;
+    }
+    let mut first = f.store.begin().await.map_err(err("begin"))?;
+    first
+        .enqueue(&[msg("k", "k#1")])
+        .await
+        .map_err(err("enqueue"))?;
+    let mut second = f.store.begin().await.map_err(err("begin"))?;
+    if caps.key_locks {
+        let mut waiting = tokio::spawn(async move {
+            let result = second.enqueue(&[msg("k", "k#2")]).await;
+            (second, result)
+        });
+        if let Ok(joined) = tokio::time::timeout(KEY_LOCK_PROBE, &mut waiting).await {
+            let how = match joined {
+                Ok((_, Ok(()))) => "returned".to_string(),
+                Ok((_, Err(e))) => format!("failed ({e})"),
+                Err(e) => format!("panicked ({e})"),
+            };
+            return Err(format!(
+                "with key locks, a second writer's enqueue of key k {how} while the first transaction, which wrote k, was open: it must wait until that ends"
+            ));
+        }
+        first
+            .enqueue(&[msg("k", "k#3")])
+            .await
+            .map_err(err("enqueue"))?;
+        let none = f.claim(10).await?;
+        ensure!(
+            none.messages.is_empty(),
+            "with both transactions open, claim returned {:?}",
+            labels(&none)
+        );
+        first.commit().await.map_err(err("commit"))?;
+        let (second, result) = tokio::time::timeout(Duration::from_secs(30), waiting)
+            .await
+            .map_err(|_| {
+                "with key locks, the second writer's enqueue had not returned 30 s after the first transaction committed".to_string()
+            })?
+            .map_err(|e| format!("the waiting enqueue panicked: {e}"))?;
+        result.map_err(err("enqueue (after waiting for the key lock)"))?;
+        second.commit().await.map_err(err("commit"))?;
+        let all = f.claim(10).await?;
+        ensure!(
+            labels(&all) == ["k#1", "k#3", "k#2"],
+            "with key locks, after both writers committed, claim returned {:?}; expected [\"k#1\", \"k#3\", \"k#2\"]: the waiting writer's message is inserted (and gets its seq) after every message of the first, also those written while it waited",
+            labels(&all)
+        );
+        return f.finish().await;
+    }
+    second
+        .enqueue(&[msg("k", "k#2")])
+        .await
+        .map_err(err("enqueue"))?;
+    second.commit().await.map_err(err("commit"))?;
+    let passed = f.claim(10).await?;
+    ensure!(
+        labels(&passed) == ["k#2"],
+        "while k#1 is uncommitted in another transaction, claim returned {:?}; expected [\"k#2\"]: an uncommitted message holds nothing back",
+        labels(&passed)
+    );
+    first
+        .enqueue(&[msg("k", "k#3")])
+        .await
+        .map_err(err("enqueue"))?;
+    first.commit().await.map_err(err("commit"))?;
+    let other = f.store.relay().await.map_err(err("relay handle"))?;
+    let next = f.claim_with(&other, 10, HeadPolicy::Block).await?;
+    ensure!(
+        labels(&next) == ["k#1"],
+        "with k#2 leased, after k#1 and k#3 committed, claim returned {:?}; expected [\"k#1\"]: k#1 is the key's first message, and k#3 waits for the leased k#2 (which another transaction wrote)",
+        labels(&next)
+    );
+    f.relay
+        .complete(passed.token, &ids(&passed))
+        .await
+        .map_err(err("complete"))?;
+    other
+        .complete(next.token, &ids(&next))
+        .await
+        .map_err(err("complete"))?;
+    let last = f.claim(10).await?;
+    ensure!(
+        labels(&last) == ["k#3"],
+        "after k#1 and k#2 completed, claim returned {:?}; expected [\"k#3\"]",
+        labels(&last)
+    );
+    f.finish().await
+}
+
 /// A key's later messages wait while its head is leased elsewhere; other keys flow.
 pub async fn per_key_head_of_line(harness: &dyn Harness) -> Result<(), String> {
     let f = Fixture::new(harness).await?;
@@ -1237,6 +1346,8 @@ pub enum Check {
     LateCommitIsClaimed,
     /// [`per_key_head_of_line`]
     PerKeyHeadOfLine,
+    /// [`concurrent_writers_of_a_key`]
+    ConcurrentWritersOfAKey,
     /// [`dead_head_blocks_or_skips`]
     DeadHeadBlocksOrSkips,
     /// [`stale_token_is_fenced`]
@@ -1275,11 +1386,12 @@ pub enum Check {
 
 impl Check {
     /// Every check.
-    pub const ALL: [Check; 21] = [
+    pub const ALL: [Check; 22] = [
         Check::ClaimRespectsLimit,
         Check::NoPhantoms,
         Check::LateCommitIsClaimed,
         Check::PerKeyHeadOfLine,
+        Check::ConcurrentWritersOfAKey,
         Check::DeadHeadBlocksOrSkips,
         Check::StaleTokenIsFenced,
         Check::ExpiredLeaseIsFenced,
@@ -1322,6 +1434,7 @@ impl Check {
             Check::NoPhantoms => no_phantoms(harness).await,
             Check::LateCommitIsClaimed => late_commit_is_claimed(harness).await,
             Check::PerKeyHeadOfLine => per_key_head_of_line(harness).await,
+            Check::ConcurrentWritersOfAKey => concurrent_writers_of_a_key(harness).await,
             Check::DeadHeadBlocksOrSkips => dead_head_blocks_or_skips(harness).await,
             Check::StaleTokenIsFenced => stale_token_is_fenced(harness).await,
             Check::ExpiredLeaseIsFenced => expired_lease_is_fenced(harness).await,

@@ -32,6 +32,7 @@ macro_rules! conformance_suite {
             no_phantoms NoPhantoms,
             late_commit_is_claimed LateCommitIsClaimed,
             per_key_head_of_line PerKeyHeadOfLine,
+            concurrent_writers_of_a_key ConcurrentWritersOfAKey,
             dead_head_blocks_or_skips DeadHeadBlocksOrSkips,
             stale_token_is_fenced StaleTokenIsFenced,
             expired_lease_is_fenced ExpiredLeaseIsFenced,
