@@ -1,5 +1,6 @@
 //! The shared conformance suite (checks and model properties) against the real Postgres store,
-//! keeping published rows (the default) and deleting them (`delete_published`).
+//! keeping published rows (the default), deleting them (`delete_published`), and with key locks
+//! (`lock_keys`).
 
 mod common;
 
@@ -16,4 +17,16 @@ mod deleting_published {
 
     outbox_conformance_tests::conformance_suite!(optional: PgHarness::from_env()
         .map(PgHarness::deleting_published), reduced: 4);
+}
+
+/// The same suite with `lock_keys(true)`: a second writer of a key waits for the first
+/// transaction to end (`HarnessCapabilities::key_locks`). The model then runs such an enqueue in
+/// the background, fails if it returns while the first writer is open, and expects insert order
+/// to be commit order; `concurrent_writers_of_a_key` shows the wait on one example. Every check
+/// runs; the two properties at an eighth of the cases (`reduced: 8`): only the enqueue differs.
+mod key_locks {
+    use super::PgHarness;
+
+    outbox_conformance_tests::conformance_suite!(optional: PgHarness::from_env()
+        .map(PgHarness::locking_keys), reduced: 8);
 }

@@ -178,6 +178,8 @@ pub mod harness {
         delete_published: bool,
         /// The server's clock is days away from the host's (`HarnessCapabilities::skewed_clock`).
         skewed_clock: bool,
+        /// Stores serialise the writers of a key (`lock_keys`, `HarnessCapabilities::key_locks`).
+        lock_keys: bool,
     }
 
     impl MysqlHarness {
@@ -188,6 +190,7 @@ pub mod harness {
                 pool: OnceCell::new(),
                 delete_published: false,
                 skewed_clock: false,
+                lock_keys: false,
             }
         }
 
@@ -211,6 +214,15 @@ pub mod harness {
                 ..self
             }
         }
+
+        /// Stores with key locks on (`lock_keys(true)`): a second writer of a key waits for
+        /// the first transaction to end.
+        pub fn locking_keys(self) -> Self {
+            Self {
+                lock_keys: true,
+                ..self
+            }
+        }
     }
 
     #[async_trait]
@@ -222,6 +234,9 @@ pub mod harness {
             }
             if self.skewed_clock {
                 name.push_str(", database clock skewed from the host's");
+            }
+            if self.lock_keys {
+                name.push_str(", key locks");
             }
             name
         }
@@ -235,6 +250,7 @@ pub mod harness {
             let config = MysqlConfig::builder()
                 .table(random_table())
                 .delete_published(self.delete_published)
+                .lock_keys(self.lock_keys)
                 .build()?;
             let store = MysqlStore::new(shared, config);
             store.migrate().await?;
@@ -257,6 +273,7 @@ pub mod harness {
         fn capabilities(&self) -> HarnessCapabilities {
             HarnessCapabilities::new(OutboxStore::capabilities(&self.store))
                 .with_skewed_clock(self.skewed_clock)
+                .with_key_locks(self.store.config().lock_keys())
         }
 
         /// A store on its own connection: dropping it closes the connection and, as in a real

@@ -165,6 +165,8 @@ pub mod harness {
         delete_published: bool,
         /// The server's clock is days away from the host's (`HarnessCapabilities::skewed_clock`).
         skewed_clock: bool,
+        /// Stores serialise the writers of a key (`lock_keys`, `HarnessCapabilities::key_locks`).
+        lock_keys: bool,
     }
 
     impl PgHarness {
@@ -174,6 +176,7 @@ pub mod harness {
                 options: PgConnectOptions::from_str(url).expect("a Postgres URL"),
                 delete_published: false,
                 skewed_clock: false,
+                lock_keys: false,
             }
         }
 
@@ -197,6 +200,15 @@ pub mod harness {
                 ..self
             }
         }
+
+        /// Stores with key locks on (`lock_keys(true)`): a second writer of a key waits for
+        /// the first transaction to end.
+        pub fn locking_keys(self) -> Self {
+            Self {
+                lock_keys: true,
+                ..self
+            }
+        }
     }
 
     #[async_trait]
@@ -209,6 +221,9 @@ pub mod harness {
             if self.skewed_clock {
                 name.push_str(", database clock skewed from the host's");
             }
+            if self.lock_keys {
+                name.push_str(", key locks");
+            }
             name
         }
 
@@ -217,6 +232,7 @@ pub mod harness {
                 .schema(random_schema())
                 .table("outbox")
                 .delete_published(self.delete_published)
+                .lock_keys(self.lock_keys)
                 .build()?;
             // Business transactions, admin calls and time control share one pool; each relay gets
             // its own (see `relay`).
@@ -241,6 +257,7 @@ pub mod harness {
         fn capabilities(&self) -> HarnessCapabilities {
             HarnessCapabilities::new(OutboxStore::capabilities(&self.store))
                 .with_skewed_clock(self.skewed_clock)
+                .with_key_locks(self.store.config().lock_keys())
         }
 
         /// A store on its own connection: dropping it closes the connection and, as in a real
