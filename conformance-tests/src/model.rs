@@ -213,9 +213,11 @@ struct Waiter {
     then: TxEnd,
 }
 
-/// How long a waiting enqueue may take to return after the transactions it waited for ended.
-/// A watchdog, not a timing assertion: a correct store returns within milliseconds, and a
-/// store whose enqueue never returns fails the case with a report instead of hanging.
+/// With key locks, how long an enqueue may take to return once no other open transaction holds
+/// its keys (after the transactions it waited for ended, or at once when none held them). A
+/// watchdog, not a timing assertion: a correct store returns within milliseconds, and a store
+/// whose enqueue waits for nothing the model knows of (e.g. a writer of another key) fails the
+/// case with a report instead of hanging.
 const KEY_LOCK_GUARD: Duration = Duration::from_secs(30);
 
 /// What settling a batch sends, decided from the model before the calls.
@@ -773,7 +775,25 @@ impl<'a> Runner<'a> {
         for m in msgs {
             self.insert_msg(m);
         }
-        let result = tx.enqueue(&batch).await;
+        // With key locks, an enqueue whose keys no other open transaction holds must not wait:
+        // bounded, so that one that does fails the case with a report instead of hanging.
+        let result = if key_locks {
+            match tokio::time::timeout(KEY_LOCK_GUARD, tx.enqueue(&batch)).await {
+                Ok(result) => result,
+                Err(_) => {
+                    self.note(text);
+                    return Err(violation(
+                        "key locks",
+                        format!(
+                            "tx{}'s enqueue had not returned after {KEY_LOCK_GUARD:?}, although no other open transaction wrote any of its keys: key locks must not make writers of different keys wait for each other",
+                            slot + 1
+                        ),
+                    ));
+                }
+            }
+        } else {
+            tx.enqueue(&batch).await
+        };
         self.txs[slot_ix] = Some(tx);
         result.map_err(|e| store_error("enqueue", &e))?;
         if !concurrent {

@@ -254,6 +254,19 @@ pub mod harness {
                 .build()?;
             let store = MysqlStore::new(shared, config);
             store.migrate().await?;
+            if self.lock_keys {
+                // The keys the suite's concurrent writers use get their key-lock rows first,
+                // as in a table in use (a row stays for every key ever locked). Without its row,
+                // a key's lock is a new row: if its first writer rolls back while a second
+                // waits, InnoDB hands the waiter's lock on to the gap after it, and writers of
+                // other new keys in that gap then wait for the waiter (at any isolation level),
+                // which the model reports as writers of different keys waiting for each other.
+                let sql = format!(
+                    "INSERT IGNORE INTO {} (partition_key) VALUES ('k'), ('k0'), ('k1'), ('k2')",
+                    store.config().key_locks_table()
+                );
+                sqlx::query(&sql).execute(store.pool()).await.map_err(err)?;
+            }
             Ok(Box::new(MysqlHarnessStore {
                 options: self.options.clone(),
                 store,
