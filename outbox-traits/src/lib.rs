@@ -86,10 +86,25 @@
 //!      its own business (a concurrent claim locks candidates it does not return; InnoDB's
 //!      fenced transitions lock index records beyond the rows they change), so a claim that
 //!      skips locked rows may miss rows, and heads past its window, that no order explains.
-//!      Every claim made one after another is held to completeness in full. Concurrent
-//!      business transactions that write one key are not generated here: the property lets
-//!      one open transaction write a key at a time, as applications that lock the aggregate
-//!      row do.
+//!      Every claim made one after another is held to completeness in full.
+//!    - **Concurrent writers of one key.** Open business transactions write the same keys (there
+//!      are only two), and commit in either order. Per-key order is `seq` order, and the rule
+//!      checked is the contract's ([`OutboxStore::claim`], [`NewMessage::partition_key`]): a
+//!      claim never returns a message before an earlier (smaller `seq`) message of its key
+//!      that was *committed when the claim ran* and still holds the key back, and a message is
+//!      first delivered after every earlier message of its key except one that was still
+//!      uncommitted when the claim whose batch delivers it ran (or is rolled back, discarded,
+//!      or dead under [`HeadPolicy::Skip`]). So a later-inserted message committed first may
+//!      go first, exactly while the earlier one is uncommitted; an uncommitted row holds
+//!      nothing back and is not required by completeness, and once it commits no later claim
+//!      may pass it. A harness whose enqueue serialises the writers of a key (key locks, like
+//!      `lock_keys` of the Postgres and MariaDB stores) declares
+//!      `HarnessCapabilities::key_locks`: the property then runs an enqueue that writes a key
+//!      another open transaction wrote in the background, fails if it returns while that
+//!      transaction is open, and awaits it once it ends, expecting its messages' `seq`s after
+//!      all of the other's (also those written while it waited): insert order is commit order.
+//!      A writer never writes a key held by a transaction whose enqueue waits (that would
+//!      deadlock).
 //!
 //!    `scripts/mutants` in the repository plants realistic bugs in the three SQL backends
 //!    one at a time and requires the suite to catch each. Run it with `PROPTEST_CASES=1000` as CI

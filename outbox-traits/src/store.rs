@@ -215,7 +215,9 @@ pub trait OutboxStore: Send + Sync {
     ///   partition key are not ordered. Order is `seq` order, which is insert order: a message
     ///   of `k` committed after a later-inserted one of `k` was claimed cannot be put before it
     ///   (see [`NewMessage::partition_key`](crate::NewMessage::partition_key) for the writers'
-    ///   precondition).
+    ///   precondition). An earlier message still uncommitted when the claim runs holds nothing
+    ///   back: the later one may be claimed (and published) first, and only then; once the
+    ///   earlier one is committed, no claim may pass it.
     /// - MUST NOT let a blocked key's backlog, however long, hide the claimable messages behind
     ///   it: a claim still returns other keys' first messages and unordered messages (a store
     ///   that reads a bounded stretch of the backlog may return only each key's first message
