@@ -432,51 +432,58 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
         let returning = CLAIM_RETURNING;
         let claim = |dead_blocks: bool| -> String {
             let ordered_states = ordered_states(dead_blocks);
+            // Under Block a dead row holds back every later row of its key. Dead rows are not
+            // in the window: one probe per candidate of the per-key index, run only when the
+            // table holds a dead row at all (a one-time check of the dead-letter index).
+            let dead_before = if dead_blocks {
+                format!(
+                    "
+           AND (NOT (SELECT EXISTS (SELECT 1 FROM {t} x WHERE x.state = 'dead'))
+                OR NOT EXISTS (
+                    SELECT 1 FROM {t} d
+                    WHERE d.partition_key = c.partition_key AND d.state = 'dead'
+                      AND d.seq < c.seq))"
+                )
+            } else {
+                String::new()
+            };
             format!(
-                r#"WITH cand AS MATERIALIZED (
-    SELECT c.tid, c.id, c.seq, c.partition_key, first.is_head
+                r#"WITH win AS MATERIALIZED (
+    -- The window: the first $4 unpublished rows in seq order (leased or not). A claim reads
+    -- at most these, however long a blocked key's backlog is; when it comes back short, the
+    -- window's end tells `claim_past` where to look past it. Not locked here: only the chosen
+    -- candidates are, below.
+    SELECT w.ctid AS tid, w.id, w.seq, w.partition_key,
+           w.available_at <= now() AND (w.lease_until IS NULL OR w.lease_until <= now())
+               AS claimable
+    FROM {t} w WHERE w.state = 'pending' ORDER BY w.seq LIMIT $4
+),
+cand AS MATERIALIZED (
+    SELECT c.tid, c.id, c.seq, c.partition_key, c.is_head
     FROM (
-        -- The window: the first $4 unpublished rows in seq order (leased or not). A claim
-        -- reads at most these, however long a blocked key's backlog is; when it comes back
-        -- short from a full window, `claim_past` takes the heads past it. Not locked here:
-        -- only the chosen candidates are, below.
-        SELECT w.ctid AS tid, w.* FROM {t} w WHERE w.state = 'pending' ORDER BY w.seq LIMIT $4
+        -- The window is a prefix of the unpublished rows in seq order, so every unpublished
+        -- row of a key before a window row is in the window too: a row's place in its key,
+        -- and whether every earlier row of its key is claimable, come from the window alone,
+        -- sorted by key, with no probe of the per-key index per row (a probe cost more than
+        -- the rest of the claim: it steps over the index entries that the key's finished rows
+        -- left behind). Only dead rows, which are not in the window, need a probe, and only
+        -- when the table holds one.
+        SELECT win.*,
+               -- Unordered messages (no key) are their own heads.
+               win.partition_key IS NULL OR row_number() OVER keyed = 1 AS is_head,
+               bool_and(win.claimable) OVER keyed AS prefix_claimable
+        FROM win
+        WINDOW keyed AS (PARTITION BY win.partition_key ORDER BY win.seq
+                         ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
     ) c
-    -- Whether the row is its key's first unpublished row: no earlier row of the key in the
-    -- per-key index. For a head (most rows of a claim over many keys) this probe reads no
-    -- table row: the key's earlier entries belong to finished rows and are skipped as dead.
-    -- OFFSET 0 keeps the planner from copying the probe into every expression that uses
-    -- is_head, which ran it three times per row.
-    CROSS JOIN LATERAL (
-        SELECT NOT EXISTS (
-            SELECT 1 FROM {t} e
-            WHERE e.partition_key = c.partition_key AND e.state IN {ordered_states}
-              AND e.seq < c.seq
-        ) AS is_head
-        OFFSET 0
-    ) first
-    -- For a row behind its key's head: whether every earlier row of its key is claimable
-    -- (not only the head: a key blocked in the middle of its backlog must not fill the LIMIT
-    -- with rows the prefix check below drops, hiding other keys' claimable rows). Read only
-    -- for such rows (the WHERE on is_head becomes a per-row one-time filter); the probe stops
-    -- at the key's first unclaimable row, and a claim reads at most the window's rows.
-    LEFT JOIN LATERAL (
-        SELECT NOT EXISTS (
-            SELECT 1 FROM {t} h
-            WHERE h.partition_key = c.partition_key AND h.state IN {ordered_states}
-              AND h.seq < c.seq
-              AND NOT (h.state = 'pending' AND h.available_at <= now()
-                       AND (h.lease_until IS NULL OR h.lease_until <= now()))
-        ) AS claimable
-        WHERE NOT first.is_head
-    ) head ON true
     -- Due, and not leased or with an expired lease (reclaimed: the old token loses its fence).
-    WHERE c.available_at <= now()
-      AND (c.lease_until IS NULL OR c.lease_until <= now())
+    WHERE c.claimable
       -- Skip keys whose first unpublished row is not claimable (leased to another relay,
-      -- waiting for a retry, not yet due, or dead under Block), so that a blocked key's
+      -- waiting for a retry, not yet due) and rows behind any such row of their key (a key
+      -- blocked in the middle of its backlog must not fill the LIMIT with rows the prefix
+      -- check below drops, hiding other keys' claimable rows), so that a blocked key's
       -- backlog cannot fill the LIMIT and starve every other key.
-      AND (c.partition_key IS NULL OR first.is_head OR head.claimable)
+      AND (c.partition_key IS NULL OR (c.prefix_claimable{dead_before}))
     ORDER BY c.seq
     LIMIT $1
 ),
@@ -553,8 +560,7 @@ upd AS (
 SELECT l.lease_until, l.window_end, upd.*
 FROM (SELECT now() + $3::bigint * interval '1 microsecond' AS lease_until,
              CASE WHEN (SELECT count(*) FROM upd) < $1 THEN (
-                 SELECT w.seq FROM {t} w WHERE w.state = 'pending'
-                 ORDER BY w.seq OFFSET $4 - 1 LIMIT 1
+                 SELECT max(w.seq) FROM win w HAVING count(*) >= $4
              ) END AS window_end) l
 LEFT JOIN upd ON true
 ORDER BY upd.seq"#

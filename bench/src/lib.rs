@@ -236,6 +236,115 @@ pub fn thousands(n: f64) -> String {
     out
 }
 
+/// An [`OutboxStore`](outbox_traits::OutboxStore) that forwards every call to another and
+/// counts the relay's claims (empty ones too) and the wall time of its claims and completions,
+/// so a drain can print where its store time went.
+pub struct TimedStore {
+    inner: std::sync::Arc<dyn outbox_traits::OutboxStore>,
+    claims: std::sync::atomic::AtomicU64,
+    empty_claims: std::sync::atomic::AtomicU64,
+    claim_us: std::sync::atomic::AtomicU64,
+    completes: std::sync::atomic::AtomicU64,
+    complete_us: std::sync::atomic::AtomicU64,
+}
+
+impl TimedStore {
+    /// Wrap `inner`.
+    pub fn new(inner: std::sync::Arc<dyn outbox_traits::OutboxStore>) -> Self {
+        Self {
+            inner,
+            claims: Default::default(),
+            empty_claims: Default::default(),
+            claim_us: Default::default(),
+            completes: Default::default(),
+            complete_us: Default::default(),
+        }
+    }
+
+    /// One line: claims (of them empty), mean claim and completion wall time.
+    pub fn summary(&self) -> String {
+        use std::sync::atomic::Ordering::Relaxed;
+        let claims = self.claims.load(Relaxed);
+        let completes = self.completes.load(Relaxed);
+        format!(
+            "{claims} claims ({} empty), {:.2} ms each; {completes} completions, {:.2} ms each",
+            self.empty_claims.load(Relaxed),
+            self.claim_us.load(Relaxed) as f64 / claims.max(1) as f64 / 1000.0,
+            self.complete_us.load(Relaxed) as f64 / completes.max(1) as f64 / 1000.0,
+        )
+    }
+}
+
+fn micros_since(start: std::time::Instant) -> u64 {
+    u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
+#[outbox_traits::async_trait]
+impl outbox_traits::OutboxStore for TimedStore {
+    async fn claim(
+        &self,
+        req: &outbox_traits::ClaimRequest,
+    ) -> Result<outbox_traits::Claim, outbox_traits::Error> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let start = std::time::Instant::now();
+        let claim = self.inner.claim(req).await;
+        self.claim_us.fetch_add(micros_since(start), Relaxed);
+        self.claims.fetch_add(1, Relaxed);
+        if matches!(&claim, Ok(c) if c.messages.is_empty()) {
+            self.empty_claims.fetch_add(1, Relaxed);
+        }
+        claim
+    }
+
+    async fn complete(
+        &self,
+        token: outbox_traits::LeaseToken,
+        ids: &[outbox_traits::uuid::Uuid],
+    ) -> Result<(), outbox_traits::Error> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let start = std::time::Instant::now();
+        let done = self.inner.complete(token, ids).await;
+        self.complete_us.fetch_add(micros_since(start), Relaxed);
+        self.completes.fetch_add(1, Relaxed);
+        done
+    }
+
+    async fn fail(
+        &self,
+        token: outbox_traits::LeaseToken,
+        failures: &[outbox_traits::Failure],
+    ) -> Result<(), outbox_traits::Error> {
+        self.inner.fail(token, failures).await
+    }
+
+    async fn extend(
+        &self,
+        token: outbox_traits::LeaseToken,
+        lease: Duration,
+    ) -> Result<outbox_traits::chrono::DateTime<outbox_traits::chrono::Utc>, outbox_traits::Error>
+    {
+        self.inner.extend(token, lease).await
+    }
+
+    async fn release(
+        &self,
+        token: outbox_traits::LeaseToken,
+        ids: &[outbox_traits::uuid::Uuid],
+    ) -> Result<(), outbox_traits::Error> {
+        self.inner.release(token, ids).await
+    }
+
+    fn capabilities(&self) -> outbox_traits::Capabilities {
+        self.inner.capabilities()
+    }
+
+    async fn wakeups(
+        &self,
+    ) -> Result<Option<Box<dyn outbox_traits::WakeSource>>, outbox_traits::Error> {
+        self.inner.wakeups().await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

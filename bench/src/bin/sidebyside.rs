@@ -5,7 +5,7 @@
 //! eval "$(scripts/services)"
 //! cargo run --release -p outbox-bench --bin sidebyside -- [postgres,kafka,sqlite,mysql|all]
 //!     [rounds=3] [messages=100000] [keys=1000] [peer_messages=10000] [batch=N] [concurrency=N]
-//!     [kafka_props=a=b;c=d] [pgmq=100x1,100x2,1000x1,1000x2|none] [peer=true|false]
+//!     [kafka_props=a=b;c=d] [pgmq=100x1,100x2,1000x1,1000x2|none] [peer=true|false] [delete_published=false|true]
 //! ```
 //!
 //! Sections, each round running them in turn (this project first, then its peer):
@@ -47,7 +47,9 @@ use outbox_backend_mysql::{MysqlConfig, MysqlStore};
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
 use outbox_backend_sqlite::{SqliteConfig, SqliteStore};
 use outbox_bench::{check_key_order, core_share, load_average, median, message, thousands};
-use outbox_bench::{find_process, payload, postgres_background, process_cpu, CpuReading};
+use outbox_bench::{
+    find_process, payload, postgres_background, process_cpu, CpuReading, TimedStore,
+};
 use outbox_e2e::{check_delivery, kafka, Expected};
 use outbox_memory::RecordingPublisher;
 use outbox_relay::{Relay, RelayConfig};
@@ -88,6 +90,8 @@ struct Opts {
     pgmq: Vec<(i32, usize)>,
     /// Whether to run oxide-outbox in the Kafka section.
     peer: bool,
+    /// This project's Postgres drains delete published rows (`delete_published(true)`).
+    delete_published: bool,
 }
 
 impl Opts {
@@ -103,6 +107,7 @@ impl Opts {
             kafka_props: vec![],
             pgmq: vec![(100, 1), (100, 2), (1_000, 1), (1_000, 2)],
             peer: true,
+            delete_published: false,
         };
         for arg in std::env::args().skip(1) {
             let Some((key, value)) = arg.split_once('=') else {
@@ -137,6 +142,7 @@ impl Opts {
                     }
                 }
                 "peer" => o.peer = value.parse()?,
+                "delete_published" => o.delete_published = value.parse()?,
                 "pgmq" if value == "none" => o.pgmq.clear(),
                 "pgmq" => {
                     o.pgmq = value
@@ -152,7 +158,7 @@ impl Opts {
                 _ => {
                     return Err(format!(
                         "unknown option {key:?}; use rounds, messages, keys, peer_messages, batch, \
-                         concurrency, kafka_props, pgmq, peer"
+                         concurrency, kafka_props, pgmq, peer, delete_published"
                     )
                     .into())
                 }
@@ -176,8 +182,14 @@ impl Opts {
     fn relay_settings(&self) -> String {
         let c = self.relay();
         format!(
-            "batch {}, {} in flight, order + fencing on",
-            c.batch_size, c.concurrency
+            "batch {}, {} in flight, order + fencing on{}",
+            c.batch_size,
+            c.concurrency,
+            if self.delete_published {
+                ", published rows deleted"
+            } else {
+                ""
+            }
         )
     }
 
@@ -409,6 +421,7 @@ async fn postgres_store(
     let config = PostgresConfig::builder()
         .schema(&schema)
         .notify(false)
+        .delete_published(o.delete_published)
         .build()?;
     let store = Arc::new(PostgresStore::new(pool.clone(), config.clone()));
     store.migrate().await?;
@@ -434,10 +447,12 @@ async fn drop_schema(pool: &sqlx::PgPool, config: &PostgresConfig) -> BoxResult<
 /// Drain `store` into the recording publisher; checks the count and per-key order.
 async fn drain_recording(store: Arc<dyn OutboxStore>, o: &Opts, db: Db<'_>) -> BoxResult<Run> {
     let publisher = Arc::new(RecordingPublisher::new());
-    let relay = Relay::new(store, publisher.clone(), o.relay())?;
+    let timed = Arc::new(TimedStore::new(store));
+    let relay = Relay::new(timed.clone(), publisher.clone(), o.relay())?;
     let timer = Timer::start(db, None).await?;
     let stats = relay.run_until_idle().await?;
     let run = timer.stop(o.messages).await?;
+    eprintln!("  store calls: {}", timed.summary());
     if stats.published as usize != o.messages {
         return Err(format!("published {} of {}", stats.published, o.messages).into());
     }
