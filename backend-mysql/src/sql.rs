@@ -328,19 +328,24 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
    -- only its first row) or, under Block, behind a dead row, so that a blocked key's backlog
    -- cannot fill the LIMIT and starve every other key. These subqueries are plain reads:
    -- they neither lock nor skip locked rows.
-   -- The probe reads the key's pending rows in seq order up to the first that is either
-   -- not claimable or the candidate itself, and the candidate passes if that is itself: it
-   -- reads as many index entries as the candidate has claimable rows before it. (A NOT EXISTS
-   -- with `h.seq < c.seq` would read every pending entry of the key, the whole of a long
-   -- backlog, for every candidate: the condition on seq cannot end its index lookup.) A
-   -- candidate this statement's read view does not show yet reads as blocked: safe, and the
-   -- next claim sees it.
+   -- A key's first pending row passes at once (one entry of the per-key index, read from the
+   -- index alone). A later row: the probe reads the key's pending rows in seq order up to the
+   -- first that is either not claimable or the candidate itself, and the candidate passes if
+   -- that is itself; it reads as many rows as the candidate has claimable rows before it.
+   -- (A NOT EXISTS with `h.seq < c.seq` would read every pending entry of the key, the whole
+   -- of a long backlog, for every candidate: the condition on seq cannot end its index
+   -- lookup.) A candidate this statement's read view does not show yet reads as blocked: safe,
+   -- and the next claim sees it.
    AND (c.partition_key IS NULL OR (
-            c.seq = (
+            (c.seq = (
+             SELECT f.seq FROM {t} f FORCE INDEX (ix_key)
+             WHERE f.partition_key = c.partition_key AND f.state = 'pending'
+             ORDER BY f.seq LIMIT 1)
+            OR c.seq = (
              SELECT h.seq FROM {t} h FORCE INDEX (ix_key)
              WHERE h.partition_key = c.partition_key AND h.state = 'pending'
                AND (h.seq >= c.seq OR NOT ({claimable_h}))
-             ORDER BY h.seq LIMIT 1){no_dead_before}))
+             ORDER BY h.seq LIMIT 1)){no_dead_before}))
  ORDER BY c.seq
  LIMIT ?
  -- Rows locked by a concurrent claim or transition are skipped; the order check then holds
