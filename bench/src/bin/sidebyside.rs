@@ -32,8 +32,9 @@
 //! For each drain it reads the CPU time (user + system) from `/proc` before and after: the relay
 //! (this process; for SQLite the database too, it is in-process), the database server (for
 //! Postgres the backends of this run's connections, found by their `application_name`, plus the
-//! server's background processes, as other clients may share the server; for MariaDB the whole
-//! `mariadbd`) and the broker (the `tansu` process listening on the brokers' port), as µs per
+//! server's background processes, as other clients may share the server; for MariaDB the
+//! `mariadbd` started with `--port=PORT` for the URL's port if there is one, a private server,
+//! else every `mariadbd`) and the broker (the `tansu` process listening on the brokers' port), as µs per
 //! message, and the share of the machine's cores all of them used over the drain's wall time. The 1-minute load average
 //! is printed at the start and at the end. Servers come from `OUTBOX_TEST_POSTGRES_URL`,
 //! `OUTBOX_TEST_MYSQL_URL` and `OUTBOX_TEST_KAFKA_BROKERS` (defaults: the loopback servers of
