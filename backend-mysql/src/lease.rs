@@ -37,7 +37,7 @@ pub(crate) async fn complete(
             token,
             ids,
             &store.config().sql().complete,
-            |held| Ok(serde_json::to_string(held).unwrap_or_default()),
+            seq_list,
         )
         .await
 }
@@ -57,7 +57,8 @@ pub(crate) async fn fail(
     let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
     store
         .transition("fail", token, &ids, &store.config().sql().fail, |held| {
-            failure_rows(failures, held)
+            let held: Vec<String> = held.iter().map(|row| row.id.clone()).collect();
+            failure_rows(failures, &held)
         })
         .await
 }
@@ -95,14 +96,14 @@ pub(crate) async fn release(
             token,
             ids,
             &store.config().sql().release,
-            |held| Ok(serde_json::to_string(held).unwrap_or_default()),
+            seq_list,
         )
         .await
 }
 
 impl MysqlStore {
     /// Run a fenced transition: lock the listed messages still held under `token`, apply
-    /// `update` to exactly those (its one parameter is `rows`' JSON for the held ids), commit,
+    /// `update` to exactly those (its one parameter is `rows`' JSON for the held rows), commit,
     /// and report the ids that were not held.
     async fn transition(
         &self,
@@ -110,7 +111,7 @@ impl MysqlStore {
         token: LeaseToken,
         ids: &[Uuid],
         update: &str,
-        rows: impl Fn(&[String]) -> Result<String, Error>,
+        rows: impl Fn(&[Held]) -> Result<String, Error>,
     ) -> Result<(), Error> {
         if ids.is_empty() {
             return Ok(());
@@ -125,7 +126,7 @@ impl MysqlStore {
         };
         let held: HashSet<Uuid> = held
             .iter()
-            .map(|id| crate::row::uuid(id, self.config().qualified_table()))
+            .map(|row| crate::row::uuid(&row.id, self.config().qualified_table()))
             .collect::<Result<_, _>>()?;
         Error::unless_held(ids, &held)
     }
@@ -136,8 +137,8 @@ impl MysqlStore {
         token: LeaseToken,
         list: &str,
         update: &str,
-        rows: &impl Fn(&[String]) -> Result<String, Error>,
-    ) -> Result<Vec<String>, Error> {
+        rows: &impl Fn(&[Held]) -> Result<String, Error>,
+    ) -> Result<Vec<Held>, Error> {
         let err = self.err(op);
         let sql = self.config().sql();
         let token = token.0.hyphenated().to_string();
@@ -150,7 +151,7 @@ impl MysqlStore {
             // apart; only the latter are worth a (bounded) wait. A row taken over by a claim
             // that froze before committing reads as no longer held: this call does not wait
             // for that claim.
-            let locked_now: HashSet<&String> = held.iter().collect();
+            let locked_now: HashSet<&String> = held.iter().map(|row| &row.id).collect();
             let rest: Vec<&String> = wanted
                 .iter()
                 .filter(|id| !locked_now.contains(id))
@@ -160,12 +161,13 @@ impl MysqlStore {
                 .held_ids(&mut tx, &sql.held_unlocked, &rest, &token, op)
                 .await?;
             if !locked.is_empty() {
+                let locked: Vec<&String> = locked.iter().map(|row| &row.id).collect();
                 let locked = serde_json::to_string(&locked).unwrap_or_default();
                 held.extend(
                     self.held_ids(&mut tx, &sql.held_wait, &locked, &token, op)
                         .await?,
                 );
-                held.sort_unstable();
+                held.sort_unstable_by(|a, b| a.id.cmp(&b.id));
             }
         }
         if !held.is_empty() {
@@ -181,8 +183,8 @@ impl MysqlStore {
         Ok(held)
     }
 
-    /// The ids of JSON list `list` that `statement` (one of the `held*` statements) finds held
-    /// under `token`, in list order.
+    /// The rows of JSON id list `list` that `statement` (one of the `held*` statements) finds
+    /// held under `token`, in list order.
     async fn held_ids(
         &self,
         tx: &mut Transaction<'static, MySql>,
@@ -190,7 +192,8 @@ impl MysqlStore {
         list: &str,
         token: &str,
         op: &str,
-    ) -> Result<Vec<String>, Error> {
+    ) -> Result<Vec<Held>, Error> {
+        let table = self.config().qualified_table();
         sqlx::query(statement)
             .bind(list)
             .bind(token)
@@ -198,7 +201,12 @@ impl MysqlStore {
             .await
             .map_err(self.err(op))?
             .iter()
-            .map(|row| text(row, "id", self.config().qualified_table()))
+            .map(|row| {
+                Ok(Held {
+                    id: text(row, "id", table)?,
+                    seq: row.try_get("seq").map_err(|e| decode_error(e, table))?,
+                })
+            })
             .collect()
     }
 }
@@ -240,6 +248,22 @@ impl MysqlStore {
         }
         Ok(until.and_utc())
     }
+}
+
+/// A row a transition holds (locked, under its token).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Held {
+    id: String,
+    seq: i64,
+}
+
+/// The seqs of `held`, sorted, as a JSON array: the list `complete` and `release` update by
+/// primary key.
+fn seq_list(held: &[Held]) -> Result<String, Error> {
+    let mut seqs: Vec<i64> = held.iter().map(|row| row.seq).collect();
+    seqs.sort_unstable();
+    // A list of integers always serializes.
+    Ok(serde_json::to_string(&seqs).unwrap_or_default())
 }
 
 /// `ids` deduplicated and sorted, as a JSON array of strings: concurrent calls then lock the

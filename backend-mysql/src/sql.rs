@@ -161,7 +161,7 @@ pub(crate) struct Sql {
     /// `{"seq": .., "reason": ..}`.
     pub quarantine: String,
     /// Lock the listed rows still held under a token, skipping rows another transaction has
-    /// locked.
+    /// locked; their ids and seqs.
     pub held: String,
     /// The listed rows still held under a token, by a plain read (no lock, no wait): which of
     /// the rows `held` skipped are still held, and so were only locked by someone else.
@@ -169,8 +169,11 @@ pub(crate) struct Sql {
     /// Lock the listed rows still held under a token, waiting at most [`LOCK_WAIT_SECS`] for
     /// each.
     pub held_wait: String,
+    /// Complete the held rows, by `seq` (a JSON array of seqs).
     pub complete: String,
+    /// Release the held rows, by `seq` (a JSON array of seqs).
     pub release: String,
+    /// Fail the held rows, by id (a JSON list of `{"id", "error", "dead", "delay_us"}`).
     pub fail: String,
     /// The rows held under a token, and the extended lease end by the database clock.
     pub extend_find: String,
@@ -325,11 +328,24 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
    -- only its first row) or, under Block, behind a dead row, so that a blocked key's backlog
    -- cannot fill the LIMIT and starve every other key. These subqueries are plain reads:
    -- they neither lock nor skip locked rows.
+   -- A key's first pending row passes at once (one entry of the per-key index, read from the
+   -- index alone). A later row: the probe reads the key's pending rows in seq order up to the
+   -- first that is either not claimable or the candidate itself, and the candidate passes if
+   -- that is itself; it reads as many rows as the candidate has claimable rows before it.
+   -- (A NOT EXISTS with `h.seq < c.seq` would read every pending entry of the key, the whole
+   -- of a long backlog, for every candidate: the condition on seq cannot end its index
+   -- lookup.) A candidate this statement's read view does not show yet reads as blocked: safe,
+   -- and the next claim sees it.
    AND (c.partition_key IS NULL OR (
-            NOT EXISTS (
-             SELECT 1 FROM {t} h FORCE INDEX (ix_key)
+            (c.seq = (
+             SELECT f.seq FROM {t} f FORCE INDEX (ix_key)
+             WHERE f.partition_key = c.partition_key AND f.state = 'pending'
+             ORDER BY f.seq LIMIT 1)
+            OR c.seq = (
+             SELECT h.seq FROM {t} h FORCE INDEX (ix_key)
              WHERE h.partition_key = c.partition_key AND h.state = 'pending'
-               AND h.seq < c.seq AND NOT ({claimable_h})){no_dead_before}))
+               AND (h.seq >= c.seq OR NOT ({claimable_h}))
+             ORDER BY h.seq LIMIT 1)){no_dead_before}))
  ORDER BY c.seq
  LIMIT ?
  -- Rows locked by a concurrent claim or transition are skipped; the order check then holds
@@ -376,10 +392,12 @@ UNION ALL
 FROM JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
 STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.seq
 WHERE {claimable_c}
-   -- Still its key's first pending row.
-   AND NOT EXISTS (
-       SELECT 1 FROM {t} e FORCE INDEX (ix_key)
-       WHERE e.partition_key = c.partition_key AND e.state = 'pending' AND e.seq < c.seq){dead}
+   -- Still its key's first pending row (one index entry read; a NOT EXISTS with
+   -- `e.seq < c.seq` would read the key's whole backlog).
+   AND c.seq = (
+       SELECT e.seq FROM {t} e FORCE INDEX (ix_key)
+       WHERE e.partition_key = c.partition_key AND e.state = 'pending'
+       ORDER BY e.seq LIMIT 1){dead}
 -- The oldest heads first (the list is sorted and the join keeps its order): the scan stops, and
 -- stops locking, at the number still wanted. An ORDER BY would sort after locking every head.
 LIMIT ?
@@ -455,7 +473,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
         // transition never waits on a relay that froze mid-claim with rows whose lease this
         // caller lost.
         let held_unlocked = format!(
-            "SELECT m.id
+            "SELECT m.id, m.seq
              FROM {ID_LIST} j
              STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
              WHERE m.lease_token = ? AND m.state = 'pending' AND m.lease_until > UTC_TIMESTAMP(6)"
@@ -499,23 +517,25 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             held,
             held_unlocked,
             held_wait,
-            // The held rows are locked by the transition, so the delete needs no fence.
+            // The held rows are locked by the transition, so the delete needs no fence. By
+            // `seq`, which `held` returns: a primary key lookup per row rather than a dive into
+            // the id index and then the primary key.
             complete: if delete_published {
                 format!(
-                    "DELETE m FROM {ID_LIST} j
-                     STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id"
+                    "DELETE m FROM {SEQ_LIST} j
+                     STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq"
                 )
             } else {
                 format!(
-                    "UPDATE {ID_LIST} j
-                     STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+                    "UPDATE {SEQ_LIST} j
+                     STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
                      SET m.state = 'published', m.published_at = UTC_TIMESTAMP(6),
                          m.lease_token = NULL, m.lease_until = NULL"
                 )
             },
             release: format!(
-                "UPDATE {ID_LIST} j
-                 STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+                "UPDATE {SEQ_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
                  SET m.available_at = UTC_TIMESTAMP(6), m.lease_token = NULL, m.lease_until = NULL"
             ),
             fail: format!(

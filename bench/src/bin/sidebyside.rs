@@ -32,8 +32,9 @@
 //! For each drain it reads the CPU time (user + system) from `/proc` before and after: the relay
 //! (this process; for SQLite the database too, it is in-process), the database server (for
 //! Postgres the backends of this run's connections, found by their `application_name`, plus the
-//! server's background processes, as other clients may share the server; for MariaDB the whole
-//! `mariadbd`) and the broker (the `tansu` process listening on the brokers' port), as µs per
+//! server's background processes, as other clients may share the server; for MariaDB the
+//! `mariadbd` started with `--port=PORT` for the URL's port if there is one, a private server,
+//! else every `mariadbd`) and the broker (the `tansu` process listening on the brokers' port), as µs per
 //! message, and the share of the machine's cores all of them used over the drain's wall time. The 1-minute load average
 //! is printed at the start and at the end. Servers come from `OUTBOX_TEST_POSTGRES_URL`,
 //! `OUTBOX_TEST_MYSQL_URL` and `OUTBOX_TEST_KAFKA_BROKERS` (defaults: the loopback servers of
@@ -261,12 +262,15 @@ enum Db<'a> {
     Postgres(&'a sqlx::PgPool),
     /// Every process of this name (MariaDB is one process).
     Process(&'static str),
+    /// One process (a private MariaDB started with `--port=PORT`, apart from the shared one).
+    Pid(u32),
 }
 
 /// The CPU readings and clock around one drain.
 struct Timer<'a> {
     cpu: CpuReading,
     db: Db<'a>,
+    /// CPU seconds at the start of the Postgres backends, or of the one process of `Db::Pid`.
     postgres: Vec<(u32, f64)>,
     /// The broker server's process and its CPU seconds at the start.
     broker: Option<(u32, f64)>,
@@ -278,6 +282,9 @@ impl<'a> Timer<'a> {
     async fn start(db: Db<'a>, broker: Option<u32>) -> BoxResult<Timer<'a>> {
         let postgres = match db {
             Db::Postgres(pool) => postgres_cpu(pool).await?,
+            Db::Pid(pid) => process_cpu(pid)
+                .map(|secs| vec![(pid, secs)])
+                .unwrap_or_default(),
             _ => vec![],
         };
         Ok(Self {
@@ -297,6 +304,9 @@ impl<'a> Timer<'a> {
             Db::None => 0.0,
             Db::Postgres(pool) => postgres_secs(&self.postgres, &postgres_cpu(pool).await?),
             Db::Process(name) => after.since(&self.cpu, name),
+            Db::Pid(pid) => self.postgres.first().map_or(0.0, |&(_, before)| {
+                process_cpu(pid).map_or(0.0, |now| (now - before).max(0.0))
+            }),
         };
         let per_msg = |secs: f64| secs * 1e6 / messages.max(1) as f64;
         let broker = self.broker.map_or(0.0, |(pid, before)| {
@@ -541,13 +551,24 @@ async fn mysql_ours(pool: &sqlx::MySqlPool, o: &Opts) -> BoxResult<Run> {
         sqlx::raw_sql(&format!("ANALYZE TABLE {}", config.qualified_table()))
             .execute(pool)
             .await?;
-        drain_recording(store.clone(), o, Db::Process("mariadbd")).await
+        drain_recording(store.clone(), o, mariadb_cpu(pool)).await
     }
     .await;
     sqlx::raw_sql(&format!("DROP TABLE {}", config.qualified_table()))
         .execute(pool)
         .await?;
     result
+}
+
+/// Where MariaDB's CPU time is read from: the `mariadbd` started with `--port=PORT` for the
+/// pool's port if there is one (a private server, e.g. one with the performance schema on, next
+/// to the shared one), else every `mariadbd`.
+fn mariadb_cpu(pool: &sqlx::MySqlPool) -> Db<'static> {
+    let port = pool.connect_options().get_port();
+    match find_process("mariadbd", &format!("--port={port}")) {
+        Some(pid) => Db::Pid(pid),
+        None => Db::Process("mariadbd"),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
