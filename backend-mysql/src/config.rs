@@ -205,7 +205,11 @@ impl MysqlConfigBuilder {
     /// literals (a payload counts twice against `max_allowed_packet`). When the first writer
     /// of a key that was never locked rolls back, two writers waiting on it can deadlock;
     /// MariaDB rolls one back with a transient error (retry it). Writers of different keys do
-    /// not wait for each other; messages without a partition key take no lock.
+    /// not wait for each other, with one exception: when that first writer rolls back while a
+    /// second one waits, InnoDB hands the waiter a lock on the gap after the key, and until the
+    /// waiter's transaction ends, writers of other keys that are new to the key-lock table and
+    /// sort into that gap wait too (keys already in the table are not affected). Messages
+    /// without a partition key take no lock.
     pub fn lock_keys(mut self, lock: bool) -> Self {
         self.lock_keys = lock;
         self
