@@ -163,25 +163,22 @@ mod tests {
     }
 
     #[test]
-    fn the_query_is_the_statement_and_cacheable() {
+    fn the_query_is_the_statement_and_cacheable() -> Result<(), Box<dyn std::error::Error>> {
         for lock_keys in [false, true] {
-            let config = PostgresConfig::builder()
-                .lock_keys(lock_keys)
-                .build()
-                .unwrap();
+            let config = PostgresConfig::builder().lock_keys(lock_keys).build()?;
             let query = InsertBatch {
                 sql: insert_statement(&config),
                 columns: Columns::validate(
                     &config,
                     &[NewMessage::new("a", "b", "c", serde_json::json!({}))],
-                )
-                .unwrap(),
+                )?,
             };
             let text = ::diesel::debug_query::<Pg, _>(&query).to_string();
-            let sql = text.split(" -- binds:").next().unwrap();
+            let sql = text.split(" -- binds:").next().ok_or("empty debug query")?;
             assert_eq!(sql, insert_statement(&config));
-            assert!(query.is_safe_to_cache_prepared(&Pg).unwrap());
+            assert!(query.is_safe_to_cache_prepared(&Pg)?);
         }
+        Ok(())
     }
 
     #[test]

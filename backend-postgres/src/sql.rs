@@ -786,7 +786,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_insert_leaves_waking_to_the_trigger_and_locks_keys_only_when_asked() {
+    fn the_insert_leaves_waking_to_the_trigger_and_locks_keys_only_when_asked(
+    ) -> Result<(), Box<dyn std::error::Error>> {
         for notify in [false, true] {
             let plain = Sql::build("s", "t", notify, false, false);
             assert!(!plain.insert.contains("pg_notify"), "{}", plain.insert);
@@ -796,8 +797,12 @@ mod tests {
                 .insert
                 .contains(r#"WHERE (SELECT "s"."t_lock_key"(VARIADIC $7::text[])) IS NOT NULL"#));
             // The lock filter comes before the rows' order, which the seqs follow.
-            let filter = locked.insert.find("WHERE (SELECT").unwrap();
-            assert!(filter < locked.insert.find("ORDER BY u.ord").unwrap());
+            let filter = locked
+                .insert
+                .find("WHERE (SELECT")
+                .ok_or("no key-lock filter")?;
+            let order = locked.insert.find("ORDER BY u.ord").ok_or("no ORDER BY")?;
+            assert!(filter < order);
             assert_eq!(
                 plain.migrate.contains("CREATE TRIGGER \"t_notify\""),
                 notify,
@@ -809,5 +814,6 @@ mod tests {
                 .migrate
                 .contains(r#"CREATE OR REPLACE FUNCTION "s"."t_lock_key"(VARIADIC keys text[])"#));
         }
+        Ok(())
     }
 }

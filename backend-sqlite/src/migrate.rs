@@ -131,26 +131,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn refuses_a_table_without_autoincrement() {
-        let conn = Connection::open_in_memory().unwrap();
+    fn refuses_a_table_without_autoincrement() -> Result<(), Box<dyn std::error::Error>> {
+        let conn = Connection::open_in_memory()?;
         let ddl = schema_sql("outbox", 1024).replace(" AUTOINCREMENT", "");
-        conn.execute_batch(&ddl).unwrap();
+        conn.execute_batch(&ddl)?;
         let err = migrate(&conn, &SqliteConfig::default()).unwrap_err();
         assert!(err.to_string().contains("AUTOINCREMENT"), "{err}");
+        Ok(())
     }
 
     #[test]
-    fn refuses_a_foreign_table_with_the_same_name() {
-        let conn = Connection::open_in_memory().unwrap();
-        conn.execute_batch("CREATE TABLE outbox (seq INTEGER PRIMARY KEY AUTOINCREMENT, x TEXT)")
-            .unwrap();
+    fn refuses_a_foreign_table_with_the_same_name() -> Result<(), Box<dyn std::error::Error>> {
+        let conn = Connection::open_in_memory()?;
+        conn.execute_batch("CREATE TABLE outbox (seq INTEGER PRIMARY KEY AUTOINCREMENT, x TEXT)")?;
         let err = migrate(&conn, &SqliteConfig::default()).unwrap_err();
         assert!(err.to_string().contains("lacks column"), "{err}");
+        Ok(())
     }
 
     #[test]
-    fn a_table_made_before_the_sql_contract_is_rebuilt_once_keeping_rows_and_seq() {
-        let mut conn = Connection::open_in_memory().unwrap();
+    fn a_table_made_before_the_sql_contract_is_rebuilt_once_keeping_rows_and_seq(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let mut conn = Connection::open_in_memory()?;
         // The shape of the previous release's table: no id default, no payload or header
         // checks beyond the types (the exact DDL is in cli/tests/fixtures).
         conn.execute_batch(
@@ -167,29 +169,24 @@ mod tests {
                     ('b', 'o', 'o-2', 't', 'not json', '{}', 'k'),
                     ('c', 'o', 'o-3', 't', '{}', '{}', 'k');
              DELETE FROM outbox WHERE id = 'c';",
-        )
-        .unwrap();
-        let tx = conn.transaction().unwrap();
-        migrate(&tx, &SqliteConfig::default()).unwrap();
-        tx.commit().unwrap();
-        let ddl = |conn: &Connection| -> String {
+        )?;
+        let tx = conn.transaction()?;
+        migrate(&tx, &SqliteConfig::default())?;
+        tx.commit()?;
+        let ddl = |conn: &Connection| -> rusqlite::Result<String> {
             conn.query_row(
                 "SELECT group_concat(sql, ';') FROM sqlite_master WHERE tbl_name = 'outbox'",
                 [],
                 |r| r.get(0),
             )
-            .unwrap()
         };
-        let upgraded = ddl(&conn);
+        let upgraded = ddl(&conn)?;
         assert!(upgraded.contains(CONTRACT_MARK) && upgraded.contains("outbox_partition_key"));
         // Rows are kept as they were, even those the new checks refuse; NULL stays unordered.
         let rows: Vec<(i64, String, Option<String>)> = conn
-            .prepare("SELECT seq, id, partition_key FROM outbox ORDER BY seq")
-            .unwrap()
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap();
+            .prepare("SELECT seq, id, partition_key FROM outbox ORDER BY seq")?
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+            .collect::<Result<_, _>>()?;
         assert_eq!(
             rows,
             [(1, "a".into(), None), (2, "b".into(), Some("k".into()))]
@@ -199,34 +196,31 @@ mod tests {
             "INSERT INTO outbox (aggregatetype, aggregateid, type, payload) \
              VALUES ('o', 'o-4', 't', '{}')",
             [],
-        )
-        .unwrap();
-        let (seq, key): (i64, String) = conn
-            .query_row(
-                "SELECT seq, partition_key FROM outbox WHERE aggregateid = 'o-4'",
-                [],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .unwrap();
+        )?;
+        let (seq, key): (i64, String) = conn.query_row(
+            "SELECT seq, partition_key FROM outbox WHERE aggregateid = 'o-4'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
         assert_eq!((seq, key.as_str()), (4, "o-4"));
         // Once is enough: a second migration changes nothing.
-        migrate(&conn, &SqliteConfig::default()).unwrap();
-        assert_eq!(ddl(&conn), upgraded);
+        migrate(&conn, &SqliteConfig::default())?;
+        assert_eq!(ddl(&conn)?, upgraded);
+        Ok(())
     }
 
     #[test]
-    fn migrate_inside_a_transaction_uses_a_savepoint() {
-        let mut conn = Connection::open_in_memory().unwrap();
-        let tx = conn.transaction().unwrap();
-        migrate(&tx, &SqliteConfig::default()).unwrap();
-        tx.rollback().unwrap();
-        let exists: bool = conn
-            .query_row(
-                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = 'outbox')",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
+    fn migrate_inside_a_transaction_uses_a_savepoint() -> Result<(), Box<dyn std::error::Error>> {
+        let mut conn = Connection::open_in_memory()?;
+        let tx = conn.transaction()?;
+        migrate(&tx, &SqliteConfig::default())?;
+        tx.rollback()?;
+        let exists: bool = conn.query_row(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE name = 'outbox')",
+            [],
+            |r| r.get(0),
+        )?;
         assert!(!exists, "the caller's rollback must undo the migration");
+        Ok(())
     }
 }

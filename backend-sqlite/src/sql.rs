@@ -289,16 +289,17 @@ mod tests {
     use crate::migrate::migrate;
     use crate::SqliteConfig;
 
-    fn migrated() -> Connection {
-        let conn = Connection::open_in_memory().unwrap();
-        migrate(&conn, &SqliteConfig::default()).unwrap();
-        conn
+    fn migrated() -> Result<Connection, Box<dyn std::error::Error>> {
+        let conn = Connection::open_in_memory()?;
+        migrate(&conn, &SqliteConfig::default())?;
+        Ok(conn)
     }
 
     #[test]
-    fn every_statement_prepares_and_migrate_is_idempotent() {
-        let conn = migrated();
-        migrate(&conn, &SqliteConfig::default()).unwrap();
+    fn every_statement_prepares_and_migrate_is_idempotent() -> Result<(), Box<dyn std::error::Error>>
+    {
+        let conn = migrated()?;
+        migrate(&conn, &SqliteConfig::default())?;
         let sql = Sql::new("outbox", false);
         let deleting = Sql::new("outbox", true);
         for text in [
@@ -320,44 +321,38 @@ mod tests {
             &sql.counts,
             &insert_sql("outbox"),
         ] {
-            conn.prepare(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            conn.prepare(text).map_err(|e| format!("{text}: {e}"))?;
         }
+        Ok(())
     }
 
     #[test]
-    fn now_is_unixepoch_subsec_in_milliseconds() {
-        let conn = Connection::open_in_memory().unwrap();
+    fn now_is_unixepoch_subsec_in_milliseconds() -> Result<(), Box<dyn std::error::Error>> {
+        let conn = Connection::open_in_memory()?;
         // 'now' is one instant within a statement.
-        let (ours, subsec): (i64, i64) = conn
-            .query_row(
-                &format!(
-                    "SELECT {NOW_MS}, CAST(ROUND(unixepoch('now', 'subsec') * 1000) AS INTEGER)"
-                ),
-                [],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .unwrap();
+        let (ours, subsec): (i64, i64) = conn.query_row(
+            &format!("SELECT {NOW_MS}, CAST(ROUND(unixepoch('now', 'subsec') * 1000) AS INTEGER)"),
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
         assert_eq!(ours, subsec);
         // The julianday round trip is exact to the millisecond, up to year 2100.
         let at = NOW_MS.replace("'now'", "?1 / 1000.0, 'unixepoch'");
         for ms in (0..2000_i64).chain([1_700_000_000_123, 1_795_630_962_698, 4_102_444_799_999]) {
-            let got: i64 = conn
-                .query_row(&format!("SELECT {at}"), [ms], |r| r.get(0))
-                .unwrap();
+            let got: i64 = conn.query_row(&format!("SELECT {at}"), [ms], |r| r.get(0))?;
             assert_eq!(got, ms);
         }
+        Ok(())
     }
 
     #[test]
-    fn now_is_sqlite_clock_in_milliseconds() {
-        let conn = migrated();
-        let now: i64 = conn
-            .query_row(&format!("SELECT {NOW_MS}"), [], |r| r.get(0))
-            .unwrap();
+    fn now_is_sqlite_clock_in_milliseconds() -> Result<(), Box<dyn std::error::Error>> {
+        let conn = migrated()?;
+        let now: i64 = conn.query_row(&format!("SELECT {NOW_MS}"), [], |r| r.get(0))?;
         let host = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
+            .duration_since(std::time::UNIX_EPOCH)?
             .as_millis() as i64;
         assert!((now - host).abs() < 60_000, "sqlite {now} vs host {host}");
+        Ok(())
     }
 }

@@ -350,11 +350,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parse_stat_reads_name_and_ticks() {
+    fn parse_stat_reads_name_and_ticks() -> Result<(), Box<dyn std::error::Error>> {
         let line = "42 (post gres) S 1 2 3 4 5 6 7 8 9 10 150 50 25 25 20 0";
-        let (name, secs) = parse_stat(line).unwrap();
+        let (name, secs) = parse_stat(line).ok_or("unparsed")?;
         assert_eq!(name, "post gres");
         assert!((secs - 2.5).abs() < 1e-9);
+        Ok(())
     }
 
     #[test]
