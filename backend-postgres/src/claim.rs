@@ -272,10 +272,11 @@ mod tests {
     use super::*;
     use crate::PostgresConfig;
 
-    /// A claim's transaction bounds its lock waits and its idle time, and only its own: the
-    /// connection, back in the pool (your application's, perhaps), keeps its settings.
+    /// A claim's transaction bounds its lock waits and its idle time and runs generic plans,
+    /// and only its own: the connection, back in the pool (your application's, perhaps), keeps
+    /// its settings.
     #[tokio::test]
-    async fn the_claim_s_timeouts_end_with_its_transaction(
+    async fn the_claim_s_timeouts_and_plan_mode_end_with_its_transaction(
     ) -> Result<(), Box<dyn std::error::Error>> {
         let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")
         else {
@@ -283,16 +284,22 @@ mod tests {
         };
         let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&url).await?;
         let show = "SELECT current_setting('lock_timeout'), \
-                    current_setting('idle_in_transaction_session_timeout')";
-        let before: (String, String) = sqlx::query_as(show).fetch_one(&mut conn).await?;
+                    current_setting('idle_in_transaction_session_timeout'), \
+                    current_setting('plan_cache_mode')";
+        let before: (String, String, String) = sqlx::query_as(show).fetch_one(&mut conn).await?;
         let mut tx = sqlx::Connection::begin(&mut conn).await?;
         claim_plan().execute(&mut *tx).await?;
-        let during: (String, String) = sqlx::query_as(show).fetch_one(&mut *tx).await?;
+        let during: (String, String, String) = sqlx::query_as(show).fetch_one(&mut *tx).await?;
         tx.commit().await?;
-        let after: (String, String) = sqlx::query_as(show).fetch_one(&mut conn).await?;
+        let after: (String, String, String) = sqlx::query_as(show).fetch_one(&mut conn).await?;
+        // The claim statements run their generic plan, made once per connection.
         assert_eq!(
             during,
-            (LOCK_TIMEOUT.to_owned(), CLAIM_IDLE_TIMEOUT.to_owned())
+            (
+                LOCK_TIMEOUT.to_owned(),
+                CLAIM_IDLE_TIMEOUT.to_owned(),
+                "force_generic_plan".to_owned()
+            )
         );
         assert_eq!(after, before);
         Ok(())
