@@ -301,7 +301,15 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
         relay.run(stop.requested()).await
     } else {
         let (done, finished) = tokio::sync::oneshot::channel();
-        let watch = tokio::spawn(ops::drain_progress(opened.admin.clone(), finished));
+        // The backlog is read before the relay starts: read beside it, a short drain could be
+        // over first and report "0 of 0". No status, no progress lines; the drain still runs.
+        let start = opened.admin.status(0).await.ok();
+        let opened_admin = opened.admin.clone();
+        let watch = tokio::spawn(async move {
+            if let Some(start) = start {
+                ops::drain_progress(opened_admin, ops::drain_backlog(&start), finished).await;
+            }
+        });
         let stats = relay.run_until_idle_or(stop.requested()).await;
         let _ = done.send(());
         let _ = watch.await;

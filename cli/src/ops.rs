@@ -351,17 +351,20 @@ pub async fn purge_all(
     }
 }
 
-/// The progress of `drain`: the backlog at the start, and how much of it is gone, read from the
-/// store's bounded status query until `finished`.
+/// The backlog `drain` reports progress against: pending and leased messages.
+pub fn drain_backlog(status: &StoreStatus) -> u64 {
+    status.pending + status.leased
+}
+
+/// The progress of `drain`: how much of the backlog `total` (read before the relay started, so a
+/// fast drain cannot empty it first) is gone, read from the store's bounded status query until
+/// `finished`.
 pub async fn drain_progress(
     admin: Arc<dyn OutboxAdmin>,
+    total: u64,
     mut finished: tokio::sync::oneshot::Receiver<()>,
 ) {
-    let backlog = |s: &StoreStatus| s.pending + s.leased;
-    let Ok(start) = admin.status(0).await else {
-        return;
-    };
-    let total = backlog(&start);
+    let backlog = drain_backlog;
     let mut progress = Progress::new("drained", Some(total));
     // Each update is a status query: once a second for a bar, once per summary line otherwise.
     let mut tick = tokio::time::interval(progress.update_every());
