@@ -92,6 +92,37 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
     )
 }
 
+/// [`NO_LEASE_END`], as a literal for `concat!`.
+macro_rules! no_lease_end {
+    () => {
+        "1970-01-01 00:00:00"
+    };
+}
+
+/// The lease end of a row that is not leased: the epoch, always in the past, so a row holding
+/// it is claimable (see [`claimable`]) without a NULL test.
+///
+/// A row that is not leased holds `lease_token = ''` and this lease end (its columns' defaults,
+/// and what every transition writes), not NULLs: leasing it then overwrites a 36-byte token and
+/// an 8-byte time with values of the same size, which InnoDB does in place. Leasing a row whose
+/// two columns were NULL grows it, and the update then rewrites the record (measured: 5 to 6 ms
+/// for 500 rows with the commit, against 2.5 ms in place). NULLs still mean "not leased", for
+/// rows written before these defaults or by an older relay.
+pub(crate) const NO_LEASE_END: &str = no_lease_end!();
+
+/// The `SET` list that ends a row's lease (alias `m`): the "not leased" values of
+/// [`NO_LEASE_END`].
+const CLEAR_LEASE: &str = concat!(
+    "m.lease_token = '', m.lease_until = '",
+    no_lease_end!(),
+    "'"
+);
+
+/// A row holds no lease token, through alias `a`: `''`, or NULL as older relays wrote.
+pub(crate) fn unleased(a: &str) -> String {
+    format!("COALESCE({a}.lease_token, '') = ''")
+}
+
 /// A JSON array of ids, as a table of one `id` column.
 const ID_LIST: &str =
     "JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(36) CHARACTER SET ascii COLLATE ascii_bin PATH '$'))";
@@ -205,6 +236,11 @@ fn sql_contract(t: &str, table: &str, key_trigger: &str) -> String {
 -- SQL enqueue contract. Tables made before it get the id default (a metadata-only change).
 ALTER TABLE {t} ALTER COLUMN id SET DEFAULT (UUID());
 
+-- New rows start with the "not leased" values instead of NULL, so that leasing them does not
+-- grow the row (metadata-only, like the id default; rows already there keep their NULLs).
+ALTER TABLE {t} ALTER COLUMN lease_token SET DEFAULT '',
+    ALTER COLUMN lease_until SET DEFAULT '{NO_LEASE_END}';
+
 -- Header values are strings: with escaped backslashes and quotes removed, taking out every
 -- string value of the object leaves only the list's brackets and separators. Added without
 -- checking the rows already there: a row that breaks it does not decode, so a claim
@@ -269,8 +305,10 @@ impl Sql {
     state          ENUM('pending', 'published', 'dead') NOT NULL DEFAULT 'pending',
     attempts       INT NOT NULL DEFAULT 0,
     available_at   DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
-    lease_token    CHAR(36) CHARACTER SET ascii COLLATE ascii_bin,
-    lease_until    DATETIME(6),
+    -- Not leased: '' and the epoch (or NULLs, in rows written before these defaults), which
+    -- a lease overwrites with values of the same size, in place (see `NO_LEASE_END`).
+    lease_token    CHAR(36) CHARACTER SET ascii COLLATE ascii_bin DEFAULT '',
+    lease_until    DATETIME(6) DEFAULT '{NO_LEASE_END}',
     last_error     TEXT,
     created_at     DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
     published_at   DATETIME(6),
@@ -510,8 +548,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                      seq BIGINT PATH '$.seq',
                      reason LONGTEXT PATH '$.reason')) j
                  STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
-                 SET m.state = 'dead', m.last_error = j.reason, m.lease_token = NULL,
-                     m.lease_until = NULL
+                 SET m.state = 'dead', m.last_error = j.reason, {CLEAR_LEASE}
                  WHERE m.state = 'pending'"
             ),
             held,
@@ -530,13 +567,13 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                     "UPDATE {SEQ_LIST} j
                      STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
                      SET m.state = 'published', m.published_at = UTC_TIMESTAMP(6),
-                         m.lease_token = NULL, m.lease_until = NULL"
+                         {CLEAR_LEASE}"
                 )
             },
             release: format!(
                 "UPDATE {SEQ_LIST} j
                  STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
-                 SET m.available_at = UTC_TIMESTAMP(6), m.lease_token = NULL, m.lease_until = NULL"
+                 SET m.available_at = UTC_TIMESTAMP(6), {CLEAR_LEASE}"
             ),
             fail: format!(
                 "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (
@@ -550,7 +587,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                      m.state = IF(f.dead = 1, 'dead', 'pending'),
                      m.available_at = IF(f.dead = 1, m.available_at,
                                          UTC_TIMESTAMP(6) + INTERVAL f.delay_us MICROSECOND),
-                     m.lease_token = NULL, m.lease_until = NULL"
+                     {CLEAR_LEASE}"
             ),
             // No index on lease_token (a claim would write it): the token's rows are found by
             // scanning the pending rows; extend is called rarely, once per long publish.
@@ -579,7 +616,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                 "UPDATE {ID_LIST} j
                  STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
                  SET m.state = 'pending', m.attempts = 0, m.available_at = UTC_TIMESTAMP(6),
-                     m.lease_token = NULL, m.lease_until = NULL
+                     {CLEAR_LEASE}
                  WHERE m.state = 'dead'"
             ),
             discard: format!(
@@ -593,7 +630,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  UPDATE {SEQ_LIST} j
                  STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
                  SET m.state = 'pending', m.attempts = 0, m.available_at = UTC_TIMESTAMP(6),
-                     m.lease_token = NULL, m.lease_until = NULL
+                     {CLEAR_LEASE}
                  WHERE m.state = 'dead'"
             ),
             discard_seqs: format!(
@@ -617,13 +654,14 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  WHERE m.state = 'published'"
             ),
             counts: format!(
-                "SELECT COUNT(CASE WHEN state = 'pending' AND lease_token IS NULL THEN 1 END)
+                "SELECT COUNT(CASE WHEN state = 'pending' AND {free} THEN 1 END)
                             AS pending,
-                        COUNT(CASE WHEN state = 'pending' AND lease_token IS NOT NULL THEN 1 END)
+                        COUNT(CASE WHEN state = 'pending' AND NOT {free} THEN 1 END)
                             AS leased,
                         COUNT(CASE WHEN state = 'published' THEN 1 END) AS published,
                         COUNT(CASE WHEN state = 'dead' THEN 1 END) AS dead
-                 FROM {t}"
+                 FROM {t}",
+                free = unleased("m").replace("m.", "")
             ),
             insert_head,
             key_locks,
@@ -682,5 +720,26 @@ mod tests {
             }
             assert_eq!(sql.complete.starts_with("DELETE"), delete_published);
         }
+    }
+
+    #[test]
+    fn ending_a_lease_writes_the_unleased_values_not_nulls() {
+        let sql = Sql::build(None, "t", false, 1024);
+        let ends = [
+            &sql.quarantine,
+            &sql.complete,
+            &sql.release,
+            &sql.fail,
+            &sql.requeue,
+            &sql.requeue_seqs,
+        ];
+        for statement in ends {
+            assert!(statement.contains(CLEAR_LEASE), "{statement}");
+            assert!(!statement.contains("= NULL"), "{statement}");
+        }
+        assert!(CLEAR_LEASE.ends_with(&format!("'{NO_LEASE_END}'")));
+        assert!(sql.migrate.contains(&format!(
+            "lease_until    DATETIME(6) DEFAULT '{NO_LEASE_END}'"
+        )));
     }
 }

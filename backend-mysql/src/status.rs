@@ -8,6 +8,7 @@ use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 
 use crate::row::{decode_error, optional_text, text, uuid};
+use crate::sql::unleased;
 use crate::MysqlStore;
 
 /// Dead heads, and pending heads waiting for a retry: rows with no earlier unfinished row of
@@ -17,12 +18,13 @@ fn blocked_from(t: &str) -> String {
         "FROM {t} b
          WHERE b.partition_key IS NOT NULL
            AND (b.state = 'dead'
-                OR (b.state = 'pending' AND b.attempts > 0 AND b.lease_token IS NULL
+                OR (b.state = 'pending' AND b.attempts > 0 AND {free}
                     AND b.available_at > UTC_TIMESTAMP(6)))
            AND NOT EXISTS (
                SELECT 1 FROM {t} e
                WHERE e.partition_key = b.partition_key AND e.state IN ('pending', 'dead')
-                 AND e.seq < b.seq)"
+                 AND e.seq < b.seq)",
+        free = unleased("b")
     )
 }
 
@@ -39,15 +41,16 @@ pub(crate) async fn status(store: &MysqlStore, limit: usize) -> Result<StoreStat
     };
     let figures = format!(
         "SELECT
-            (SELECT COUNT(*) FROM {t} WHERE state = 'pending' AND lease_token IS NULL) AS pending,
-            (SELECT COUNT(*) FROM {t} WHERE state = 'pending' AND lease_token IS NOT NULL)
+            (SELECT COUNT(*) FROM {t} m WHERE m.state = 'pending' AND {free}) AS pending,
+            (SELECT COUNT(*) FROM {t} m WHERE m.state = 'pending' AND NOT {free})
                 AS leased,
             (SELECT COUNT(*) FROM {t} WHERE state = 'dead') AS dead,
             (SELECT TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) FROM {t}
               WHERE state = 'pending' ORDER BY seq LIMIT 1) AS oldest_us,
             (SELECT COUNT(*) {blocked}) AS blocked_keys,
             {last_minute} AS last_minute",
-        blocked = blocked_from(t)
+        blocked = blocked_from(t),
+        free = unleased("m")
     );
     let row: MySqlRow = sqlx::query(&figures)
         .fetch_one(store.pool())

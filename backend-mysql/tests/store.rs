@@ -155,6 +155,92 @@ async fn the_lease_end_comes_from_the_database_clock() {
     db.drop().await;
 }
 
+/// The lease columns of every row, by seq: `(token, lease end)` as text, `NULL` for a NULL.
+async fn lease_columns(db: &Db) -> Vec<(String, String)> {
+    sqlx::query_as(&format!(
+        "SELECT CAST(IFNULL(lease_token, 'NULL') AS CHAR CHARACTER SET utf8mb4),
+                CAST(IFNULL(lease_until, 'NULL') AS CHAR CHARACTER SET utf8mb4)
+         FROM {} ORDER BY seq",
+        db.table()
+    ))
+    .fetch_all(db.pool())
+    .await
+    .unwrap()
+}
+
+/// A row that is not leased holds `''` and the epoch, never NULLs: written so by the column
+/// defaults and by every transition that ends a lease (so that a lease overwrites values of the
+/// same size, in place). Rows with NULLs, as older relays and tables left them, still count as
+/// not leased: claimed, and counted as pending.
+#[tokio::test]
+async fn unleased_rows_hold_same_size_values_and_nulls_still_mean_unleased() {
+    let Some(db) = db().await else { return };
+    let free = ("".to_owned(), "1970-01-01 00:00:00.000000".to_owned());
+    db.enqueue(&[
+        msg("a", "a1"),
+        msg("b", "b1"),
+        msg("c", "c1"),
+        msg("d", "d1"),
+    ])
+    .await;
+    assert_eq!(lease_columns(&db).await, vec![free.clone(); 4]);
+
+    let claim = db.claim(10, Block).await;
+    let [a1, b1, c1, d1] = ids(&claim)[..] else {
+        panic!("{claim:?}")
+    };
+    let leased = lease_columns(&db).await;
+    assert!(
+        leased
+            .iter()
+            .all(|(token, _)| *token == claim.token.0.to_string()),
+        "{leased:?}"
+    );
+    db.store.complete(claim.token, &[a1]).await.unwrap();
+    db.store.release(claim.token, &[b1]).await.unwrap();
+    db.store
+        .fail(
+            claim.token,
+            &[
+                Failure {
+                    id: c1,
+                    error: "later".into(),
+                    action: FailAction::Retry {
+                        delay: Duration::ZERO,
+                    },
+                },
+                Failure {
+                    id: d1,
+                    error: "poison".into(),
+                    action: FailAction::Dead,
+                },
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(lease_columns(&db).await, vec![free.clone(); 4]);
+    db.store.requeue(&[d1]).await.unwrap();
+    assert_eq!(lease_columns(&db).await, vec![free.clone(); 4]);
+
+    // An older relay's rows: NULLs. Pending, not leased, and claimed like the others.
+    sqlx::query(&format!(
+        "UPDATE {} SET lease_token = NULL, lease_until = NULL WHERE state = 'pending'",
+        db.table()
+    ))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.leased), (3, 0), "{counts:?}");
+    let status = db.store.status(10).await.unwrap();
+    assert_eq!((status.pending, status.leased), (3, 0), "{status:?}");
+    let again = db.claim(10, Block).await;
+    assert_eq!(names(&again), ["b1", "c1", "d1"]);
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.leased), (0, 3), "{counts:?}");
+    db.drop().await;
+}
+
 #[tokio::test]
 async fn a_row_locked_by_a_concurrent_claim_holds_back_its_key() {
     let Some(db) = db().await else { return };

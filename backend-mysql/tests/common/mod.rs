@@ -75,10 +75,10 @@ impl Db {
     }
 
     /// The state of message `id`: its state column, or `leased` for a pending row with a lease
-    /// token (a leased row stays `pending`).
+    /// token (a leased row stays `pending`; `''` or NULL is no token).
     pub async fn state(&self, id: uuid::Uuid) -> String {
         sqlx::query_scalar(&format!(
-            "SELECT CAST(IF(state = 'pending' AND lease_token IS NOT NULL, 'leased', state)
+            "SELECT CAST(IF(state = 'pending' AND COALESCE(lease_token, '') <> '', 'leased', state)
                          AS CHAR CHARACTER SET utf8mb4)
              FROM {} WHERE id = ?",
             self.table()

@@ -91,7 +91,7 @@ struct Opts {
     pgmq: Vec<(i32, usize)>,
     /// Whether to run oxide-outbox in the Kafka section.
     peer: bool,
-    /// This project's Postgres drains delete published rows (`delete_published(true)`).
+    /// This project's drains (every store) delete published rows (`delete_published(true)`).
     delete_published: bool,
 }
 
@@ -525,7 +525,9 @@ async fn kafka_ours(pool: &sqlx::PgPool, brokers: &str, o: &Opts) -> BoxResult<R
 async fn sqlite_ours(o: &Opts) -> BoxResult<Run> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("bench.sqlite");
-    let config = SqliteConfig::builder().build()?;
+    let config = SqliteConfig::builder()
+        .delete_published(o.delete_published)
+        .build()?;
     let store = SqliteStore::open(&path, config.clone()).await?;
     store.migrate().await?;
     let (messages, keys) = (o.messages, o.keys);
@@ -538,7 +540,10 @@ async fn sqlite_ours(o: &Opts) -> BoxResult<Run> {
 
 async fn mysql_ours(pool: &sqlx::MySqlPool, o: &Opts) -> BoxResult<Run> {
     let table = format!("bench_{}", outbox_e2e::unique_suffix());
-    let config = MysqlConfig::builder().table(&table).build()?;
+    let config = MysqlConfig::builder()
+        .table(&table)
+        .delete_published(o.delete_published)
+        .build()?;
     let store = Arc::new(MysqlStore::new(pool.clone(), config.clone()));
     store.migrate().await?;
     let result = async {

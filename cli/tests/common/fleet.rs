@@ -267,7 +267,8 @@ impl Db {
                 // whole lease.
                 end_mysql_sessions(store.pool(), name).await?;
                 let leased: Vec<i64> = sqlx::query_scalar(&format!(
-                    "SELECT seq FROM `{table}` WHERE state = 'pending' AND lease_until IS NOT NULL"
+                    "SELECT seq FROM `{table}` WHERE state = 'pending' \
+                     AND COALESCE(lease_token, '') <> ''"
                 ))
                 .fetch_all(store.pool())
                 .await?;
@@ -279,7 +280,7 @@ impl Db {
                     sqlx::query(&format!(
                         "UPDATE `{table}` FORCE INDEX (PRIMARY) \
                          SET lease_until = UTC_TIMESTAMP(6) - INTERVAL 1 SECOND \
-                         WHERE seq = ? AND state = 'pending' AND lease_until IS NOT NULL"
+                         WHERE seq = ? AND state = 'pending' AND COALESCE(lease_token, '') <> ''"
                     ))
                     .bind(seq)
                     .execute(store.pool())
