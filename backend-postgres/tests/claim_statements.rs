@@ -19,9 +19,9 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-/// Mirrors `CLAIM_WINDOW` in `src/store.rs`: a claim of `limit` rows reads at most
+/// Mirrors `CLAIM_WINDOW` in `src/claim.rs`: a claim of `limit` rows reads at most
 /// `limit * CLAIM_WINDOW` unpublished rows before it looks past them.
-const CLAIM_WINDOW: usize = 4;
+const CLAIM_WINDOW: usize = 2;
 
 /// A statement the client sent, in the order the proxy forwarded it.
 #[derive(Clone, Debug, PartialEq)]
@@ -222,6 +222,18 @@ fn queried(sent: &[Sent]) -> Vec<&str> {
         .collect()
 }
 
+/// The claim's transaction is two simple Queries: `BEGIN` with the plan settings in one round
+/// trip, and `COMMIT`.
+fn assert_one_transaction(sent: &[Sent], wire: &str) {
+    let q = queried(sent);
+    assert_eq!(q.len(), 2, "{wire}");
+    assert!(
+        q[0].starts_with("BEGIN; SELECT set_config('enable_bitmapscan', 'off', true)"),
+        "{wire}"
+    );
+    assert_eq!(q[1], "COMMIT", "{wire}");
+}
+
 /// `sent` one line per statement (`Q` a simple Query, `E` an Execute), each cut to its first 60
 /// characters, for failure messages.
 fn summary(sent: &[Sent]) -> String {
@@ -272,51 +284,51 @@ async fn a_claim_runs_its_second_statement_only_when_short_from_a_full_window() 
         .unwrap();
     let store = PostgresStore::new(pool, db.config.clone());
 
-    // Every claim is one transaction: a simple-protocol BEGIN, the Executes, a simple COMMIT.
-    // The Executes are the plan settings (`CLAIM_PLAN`) and the claim statement: two.
+    // Every claim is one transaction: a simple-protocol BEGIN that also sets the plan settings,
+    // the Executes, a simple COMMIT. The one Execute is the claim statement.
     let (idle, sent) = claim(&store, &proxy, 10).await;
     let wire = summary(&sent);
     assert!(idle.messages.is_empty());
-    assert_eq!(queried(&sent), ["BEGIN", "COMMIT"], "{wire}");
+    assert_one_transaction(&sent, &wire);
     let one = executed(&sent);
-    assert_eq!(one.len(), 2, "an idle poll:{wire}");
+    assert_eq!(one.len(), 1, "an idle poll:{wire}");
 
-    // A backlog smaller than the window (3 rows; limit 10 reads up to 40) comes back short,
-    // but its window held every unpublished row: nothing past it, the same two statements.
+    // A backlog smaller than the window (3 rows; limit 10 reads up to 20) comes back short,
+    // but its window held every unpublished row: nothing past it, the same one statement.
     db.enqueue(&[msg("a", "a1"), msg("b", "b1"), msg("c", "c1")])
         .await;
     let (small, sent) = claim(&store, &proxy, 10).await;
     let wire = summary(&sent);
     assert_eq!(names(&small), ["a1", "b1", "c1"]);
-    assert_eq!(queried(&sent), ["BEGIN", "COMMIT"], "{wire}");
-    assert_eq!(executed(&sent).len(), 2, "a small backlog:{wire}");
+    assert_one_transaction(&sent, &wire);
+    assert_eq!(executed(&sent).len(), 1, "a small backlog:{wire}");
     assert!(executed(&sent) == one, "a small backlog:{wire}");
     db.store.complete(small.token, &ids(&small)).await.unwrap();
 
-    // Fill a limit-2 claim's window (8 rows) with key w, then one row of key p past it.
+    // Fill a limit-2 claim's window (4 rows) with key w, then one row of key p past it.
     let limit = 2;
     let window = limit * CLAIM_WINDOW;
     let mut messages: Vec<_> = (1..=window).map(|i| msg("w", &format!("w{i}"))).collect();
     messages.push(msg("p", "p1"));
     db.enqueue(&messages).await;
-    // An earlier claim leases w's head. It is full (1 of 1), so it too runs two statements.
+    // An earlier claim leases w's head. It is full (1 of 1), so it too runs one statement.
     let (head, sent) = claim(&store, &proxy, 1).await;
     let wire = summary(&sent);
     assert_eq!(names(&head), ["w1"]);
-    assert_eq!(executed(&sent).len(), 2, "a full claim:{wire}");
+    assert_eq!(executed(&sent).len(), 1, "a full claim:{wire}");
     assert!(executed(&sent) == one, "a full claim:{wire}");
 
-    // Now the window is w1 (leased) and w2..w8 (behind a leased head): nothing in it is
+    // Now the window is w1 (leased) and w2..w4 (behind a leased head): nothing in it is
     // claimable, the claim comes back short from a full window, and the second statement finds
-    // p1, the claimable head past it. Three Executes: the same two, then that one.
+    // p1, the claimable head past it. Two Executes: the same one, then that one.
     let (past, sent) = claim(&store, &proxy, limit).await;
     let wire = summary(&sent);
     assert_eq!(names(&past), ["p1"], "{wire}");
-    assert_eq!(queried(&sent), ["BEGIN", "COMMIT"], "{wire}");
-    let three = executed(&sent);
-    assert_eq!(three.len(), 3, "short from a full window:{wire}");
-    assert!(three[..2] == one, "short from a full window:{wire}");
-    assert!(!one.contains(&three[2]), "short from a full window:{wire}");
+    assert_one_transaction(&sent, &wire);
+    let two = executed(&sent);
+    assert_eq!(two.len(), 2, "short from a full window:{wire}");
+    assert!(two[..1] == one, "short from a full window:{wire}");
+    assert!(!one.contains(&two[1]), "short from a full window:{wire}");
 
     {
         let wire = proxy.wire.lock().unwrap();
