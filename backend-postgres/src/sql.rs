@@ -431,7 +431,6 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
 
         let returning = CLAIM_RETURNING;
         let claim = |dead_blocks: bool| -> String {
-            let ordered_states = ordered_states(dead_blocks);
             // Under Block a dead row holds back every later row of its key. Dead rows are not
             // in the window: one probe per candidate of the per-key index, run only when the
             // table holds a dead row at all (a one-time check of the dead-letter index).
@@ -459,18 +458,18 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     FROM {t} w WHERE w.state = 'pending' ORDER BY w.seq LIMIT $4
 ),
 cand AS MATERIALIZED (
-    SELECT c.tid, c.id, c.seq, c.partition_key, c.is_head
+    SELECT c.tid, c.id, c.seq, c.partition_key, c.key_rank
     FROM (
         -- The window is a prefix of the unpublished rows in seq order, so every unpublished
         -- row of a key before a window row is in the window too: a row's place in its key,
         -- and whether every earlier row of its key is claimable, come from the window alone,
-        -- sorted by key, with no probe of the per-key index per row (a probe cost more than
-        -- the rest of the claim: it steps over the index entries that the key's finished rows
-        -- left behind). Only dead rows, which are not in the window, need a probe, and only
-        -- when the table holds one.
+        -- sorted by key, with no probe of the per-key index (a probe cost more than the rest
+        -- of the claim: it steps over the index entries that the key's finished rows left
+        -- behind). Only dead rows, which are not in the window, need a probe, and only when
+        -- the table holds one.
         SELECT win.*,
-               -- Unordered messages (no key) are their own heads.
-               win.partition_key IS NULL OR row_number() OVER keyed = 1 AS is_head,
+               -- The row's place among its key's unpublished rows: 1 for the key's head.
+               row_number() OVER keyed AS key_rank,
                bool_and(win.claimable) OVER keyed AS prefix_claimable
         FROM win
         WINDOW keyed AS (PARTITION BY win.partition_key ORDER BY win.seq
@@ -496,53 +495,18 @@ locked AS MATERIALIZED (
     WHERE l.ctid = ANY(ARRAY(SELECT tid FROM cand))
     FOR UPDATE SKIP LOCKED
 ),
-lc AS (
-    SELECT c.* FROM cand c JOIN locked l ON l.tid = c.tid
-),
--- Keys with a candidate behind their head. Only their candidates need the prefix check below;
--- a key whose only candidate is its head passes as it is (most keys of a claim).
-behind AS (
-    SELECT DISTINCT partition_key FROM lc WHERE NOT is_head
-),
-ranked AS (
-    SELECT c.tid, c.seq, c.partition_key,
-           row_number() OVER (PARTITION BY c.partition_key ORDER BY c.seq) AS rn
-    FROM lc c
-    JOIN behind b ON b.partition_key = c.partition_key
-),
--- Prefix check: the i-th locked candidate of such a key may go only if it is the key's i-th
--- unpublished row; then every earlier row of the key is a candidate too. A row skipped because
--- another claim locked it, or one not due, breaks the match, so nothing passes an earlier
--- message of its key. One probe per key, reading its first n rows.
-heads AS (
-    SELECT k.partition_key, e.seq,
-           row_number() OVER (PARTITION BY k.partition_key ORDER BY e.seq) AS rn
-    FROM (SELECT partition_key, count(*) AS n FROM ranked GROUP BY partition_key) k
-    CROSS JOIN LATERAL (
-        SELECT h.seq FROM {t} h
-        WHERE h.partition_key = k.partition_key AND h.state IN {ordered_states}
-        ORDER BY h.seq
-        LIMIT k.n
-    ) e
-),
+-- Prefix check: the i-th locked candidate of a key may go only if it is the key's i-th
+-- unpublished row (its `key_rank`, from the window, read in this statement's snapshot as the
+-- locks were). A key's candidates are its first unpublished rows, so a row skipped by the lock
+-- breaks the match for every later row of its key: nothing passes an earlier message of its
+-- key. Unordered messages (no key) go as they are.
 chosen AS (
-    -- Unordered messages (is_head is true for them), and heads of keys with nothing behind.
-    SELECT c.tid FROM lc c
-    WHERE c.is_head
-      AND (c.partition_key IS NULL
-           OR NOT EXISTS (SELECT 1 FROM behind b WHERE b.partition_key = c.partition_key))
-    UNION ALL
-    -- A candidate of a key with one behind its head passes when `heads` has the same
-    -- (key, rank, seq). Matched by grouping rather than a join: with poor statistics the
-    -- planner ran a join here as a nested loop that recomputed `heads` for every candidate.
-    SELECT (array_agg(tid) FILTER (WHERE tid IS NOT NULL))[1]
-    FROM (
-        SELECT partition_key, rn, seq, tid FROM ranked
-        UNION ALL
-        SELECT partition_key, rn, seq, NULL FROM heads
-    ) both_sides
-    GROUP BY partition_key, rn, seq
-    HAVING count(*) = 2
+    SELECT r.tid FROM (
+        SELECT c.tid, c.partition_key, c.key_rank,
+               row_number() OVER (PARTITION BY c.partition_key ORDER BY c.seq) AS rn
+        FROM cand c JOIN locked l ON l.tid = c.tid
+    ) r
+    WHERE r.partition_key IS NULL OR r.rn = r.key_rank
 ),
 upd AS (
     -- Only the lease columns change: a HOT update when the page has room. By row address:
