@@ -323,7 +323,8 @@ impl Db {
     }
 
     /// The ids of the messages whose lease ends within `secs` seconds by the store's clock
-    /// (Postgres and MariaDB).
+    /// (Postgres and MariaDB; a MariaDB row that is not leased holds the epoch, so its token
+    /// tells).
     pub async fn leases_ending_within(&self, secs: u32) -> Result<Vec<String>, BoxError> {
         Ok(match self {
             Db::Postgres { store, schema, .. } => {
@@ -338,6 +339,7 @@ impl Db {
             Db::Mysql { store, table, .. } => {
                 let ids: Vec<Vec<u8>> = sqlx::query_scalar(&format!(
                     "SELECT id FROM `{table}` WHERE state = 'pending' \
+                     AND COALESCE(lease_token, '') <> '' \
                      AND lease_until < UTC_TIMESTAMP(6) + INTERVAL ? SECOND"
                 ))
                 .bind(secs)
