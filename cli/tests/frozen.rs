@@ -159,11 +159,19 @@ async fn frozen(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
         .filter(|l| l.contains("store call failed") || l.contains("could not extend"))
         .count();
     eprintln!("{what}: the other relay retried {retried} store calls");
-    // Its late completions of what the other relay took over were refused.
+    // Its late completions of what the other relay took over were refused. Or, when the freeze
+    // caught it inside a completion's transaction (a MariaDB completion is several statements;
+    // the freeze comes right after a delivery, when a completion is due), the server ended that
+    // idle transaction and closed the session (`IDLE_TRANSACTION_SECS`): on waking the relay
+    // finds its connection gone and gives the batch up, so no late completion reaches the
+    // store at all. Either way nothing it held was completed by it after the takeover; the
+    // delivery check below shows every message published once, in key order.
     let lease_lost = stat(&frozen_log, "lease_lost")?;
+    let ended_by_server =
+        stat(&frozen_log, "store_errors")? > 0 && frozen_log.contains("giving up on this batch");
     assert!(
-        lease_lost > 0,
-        "{what}: the frozen relay lost no lease:\n{frozen_log}"
+        lease_lost > 0 || ended_by_server,
+        "{what}: the frozen relay lost no lease, and no transaction of its was ended:\n{frozen_log}"
     );
     for log in [&frozen_log, &other_log] {
         assert_eq!(stat(log, "order_violations")?, 0, "{log}");
