@@ -654,14 +654,14 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  WHERE m.state = 'published'"
             ),
             counts: format!(
-                "SELECT COUNT(CASE WHEN state = 'pending' AND {free} THEN 1 END)
+                "SELECT COUNT(CASE WHEN m.state = 'pending' AND {free} THEN 1 END)
                             AS pending,
-                        COUNT(CASE WHEN state = 'pending' AND NOT {free} THEN 1 END)
+                        COUNT(CASE WHEN m.state = 'pending' AND NOT {free} THEN 1 END)
                             AS leased,
-                        COUNT(CASE WHEN state = 'published' THEN 1 END) AS published,
-                        COUNT(CASE WHEN state = 'dead' THEN 1 END) AS dead
-                 FROM {t}",
-                free = unleased("m").replace("m.", "")
+                        COUNT(CASE WHEN m.state = 'published' THEN 1 END) AS published,
+                        COUNT(CASE WHEN m.state = 'dead' THEN 1 END) AS dead
+                 FROM {t} m",
+                free = unleased("m")
             ),
             insert_head,
             key_locks,

@@ -54,8 +54,11 @@ fn claim_settings() -> String {
 /// `BEGIN` and [`claim_settings`] as one simple query: one round trip where two were (no
 /// parameters, so sqlx sends it as text and the server runs both statements). Serial claims
 /// bound a drain (the relay runs one claim at a time), so each round trip off a claim counts.
-fn claim_begin() -> String {
-    format!("BEGIN; {}", claim_settings())
+/// Built once, not per claim.
+fn claim_begin() -> &'static str {
+    static BEGIN: std::sync::LazyLock<String> =
+        std::sync::LazyLock::new(|| format!("BEGIN; {}", claim_settings()));
+    BEGIN.as_str()
 }
 
 /// A claim of `limit` rows reads at most `limit * CLAIM_WINDOW` unpublished rows in seq order

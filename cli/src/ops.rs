@@ -364,7 +364,6 @@ pub async fn drain_progress(
     total: u64,
     mut finished: tokio::sync::oneshot::Receiver<()>,
 ) {
-    let backlog = drain_backlog;
     let mut progress = Progress::new("drained", Some(total));
     // Each update is a status query: once a second for a bar, once per summary line otherwise.
     let mut tick = tokio::time::interval(progress.update_every());
@@ -375,11 +374,11 @@ pub async fn drain_progress(
             _ = tick.tick() => {}
         }
         if let Ok(now) = admin.status(0).await {
-            progress.set(total.saturating_sub(backlog(&now)));
+            progress.set(total.saturating_sub(drain_backlog(&now)));
         }
     }
     if let Ok(now) = admin.status(0).await {
-        progress.set(total.saturating_sub(backlog(&now)));
+        progress.set(total.saturating_sub(drain_backlog(&now)));
     }
     progress.finish();
 }
