@@ -57,6 +57,7 @@ async fn concurrent_relays_never_overlap_and_keep_key_order() {
                         limit,
                         lease: Duration::from_secs(60),
                         head_policy: Block,
+                        shard: None,
                     })
                     .await
                     .unwrap();
@@ -569,6 +570,7 @@ async fn invalid_messages_are_refused_before_anything_is_sent() {
             limit: 0,
             lease: Duration::from_secs(1),
             head_policy: Block,
+            shard: None,
         })
         .await
         .unwrap_err();
@@ -640,6 +642,7 @@ async fn a_missing_table_is_a_permanent_error_that_says_to_migrate() {
             limit: 1,
             lease: Duration::from_secs(1),
             head_policy: Block,
+            shard: None,
         })
         .await
         .unwrap_err();

@@ -258,6 +258,7 @@ async fn claim(store: &PostgresStore, proxy: &Proxy, limit: usize) -> (Claim, Ve
             limit,
             lease: Duration::from_secs(30),
             head_policy: HeadPolicy::Block,
+            shard: None,
         })
         .await
         .unwrap();

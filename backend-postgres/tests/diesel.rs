@@ -200,6 +200,7 @@ impl Db {
                 limit: 100,
                 lease: Duration::from_secs(30),
                 head_policy: HeadPolicy::Block,
+                shard: None,
             })
             .await
             .unwrap();

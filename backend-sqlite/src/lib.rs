@@ -68,7 +68,7 @@
 //!
 //! // What a relay does (the `outbox-relay` engine runs this loop for you).
 //! let claim = store
-//!     .claim(&ClaimRequest { limit: 100, lease: Duration::from_secs(30), head_policy: HeadPolicy::Block })
+//!     .claim(&ClaimRequest { limit: 100, lease: Duration::from_secs(30), head_policy: HeadPolicy::Block, shard: None })
 //!     .await?;
 //! assert_eq!(claim.messages.len(), 1);
 //! assert_eq!(claim.messages[0].id, event.id);

@@ -198,6 +198,7 @@ impl Db {
                 limit: 100,
                 lease: Duration::from_secs(30),
                 head_policy: HeadPolicy::Block,
+                shard: None,
             })
             .await
             .unwrap();

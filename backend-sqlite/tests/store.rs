@@ -94,6 +94,7 @@ fn req(limit: usize) -> ClaimRequest {
         limit,
         lease: Duration::from_secs(60),
         head_policy: HeadPolicy::Block,
+        shard: None,
     }
 }
 

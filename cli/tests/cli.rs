@@ -136,6 +136,7 @@ async fn lists_requeues_and_discards_dead_letters() -> TestResult {
                 limit: 2,
                 lease: Duration::from_secs(30),
                 head_policy: HeadPolicy::Block,
+                shard: None,
             })
             .await?;
         let failures: Vec<Failure> = ids

@@ -197,6 +197,7 @@ async fn settle(store: &dyn OutboxStore, ids: &[Uuid]) -> TestResult {
             limit: 100,
             lease: Duration::from_secs(60),
             head_policy: HeadPolicy::Block,
+            shard: None,
         })
         .await?;
     assert_eq!(claim.messages.len(), 6);
@@ -377,6 +378,7 @@ async fn dead_letters_by_key_event_type_and_all() -> TestResult {
             limit: 100,
             lease: Duration::from_secs(60),
             head_policy: HeadPolicy::Skip,
+            shard: None,
         })
         .await?;
     let failures: Vec<Failure> = claim

@@ -430,6 +430,7 @@ async fn claim(store: &dyn OutboxStore, n: usize) -> Result<outbox::Claim, BoxEr
             limit: n,
             lease: Duration::from_secs(60),
             head_policy: HeadPolicy::Block,
+            shard: None,
         })
         .await?;
     assert_eq!(claim.messages.len(), n, "claimed the next {n}");

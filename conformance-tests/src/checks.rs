@@ -4,13 +4,13 @@
 //! in words. Pick single checks with the `pub async fn`s, or run them all through
 //! [`Check::ALL`] or the [`conformance_suite!`](crate::conformance_suite) macro.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_traits::{
-    Claim, ClaimRequest, Error, FailAction, Failure, HeadPolicy, LeaseToken, NewMessage,
-    OutboxAdmin, OutboxStore,
+    Claim, ClaimRequest, ClaimShard, Error, FailAction, Failure, HeadPolicy, LeaseToken,
+    NewMessage, OutboxAdmin, OutboxStore,
 };
 use uuid::Uuid;
 
@@ -40,6 +40,15 @@ fn req(limit: usize, head_policy: HeadPolicy) -> ClaimRequest {
         limit,
         lease: LEASE,
         head_policy,
+        shard: None,
+    }
+}
+
+/// [`req`] under `Block` for shard `index` of `count` (not validated: checks send bad ones too).
+fn sharded_req(limit: usize, index: u32, count: u32) -> ClaimRequest {
+    ClaimRequest {
+        shard: Some(ClaimShard { index, count }),
+        ..req(limit, HeadPolicy::Block)
     }
 }
 
@@ -1334,6 +1343,226 @@ pub async fn many_keys_behind_a_blocked_backlog(harness: &dyn Harness) -> Result
     f.finish().await
 }
 
+/// A claim with a shard no store can serve (a count of 0, an index not below the count) is
+/// refused with [`Error::InvalidInput`] before anything is leased: a following unsharded claim
+/// still gets every message. Stores declaring
+/// [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims) only.
+pub async fn invalid_shard_is_refused(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    if !f.store.capabilities().store.sharded_claims {
+        return f.finish().await;
+    }
+    f.enqueue(&[
+        msg("a", "a#1"),
+        msg("b", "b#1"),
+        msg("u", "u#1").unordered(),
+    ])
+    .await?;
+    for (index, count) in [(0, 0), (1, 0), (2, 2), (3, 3), (1, 1)] {
+        let result = f.relay.claim(&sharded_req(10, index, count)).await;
+        ensure!(
+            matches!(result, Err(Error::InvalidInput(_))),
+            "a claim of shard {index} of {count} returned {}, expected InvalidInput",
+            match &result {
+                Ok(claim) => format!("Ok with {:?}", labels(claim)),
+                Err(e) => format!("the error {e:?}"),
+            }
+        );
+    }
+    let counts = f.counts().await?;
+    ensure!(
+        counts.pending == 3 && counts.leased == 0,
+        "after refused claims with bad shards: counts {counts:?}, expected 3 pending and none \
+         leased"
+    );
+    let all = f.claim(10).await?;
+    ensure!(
+        labels(&all) == ["a#1", "b#1", "u#1"],
+        "after refused claims with bad shards, an unsharded claim returned {:?}; expected \
+         [\"a#1\", \"b#1\", \"u#1\"]",
+        labels(&all)
+    );
+    f.finish().await
+}
+
+/// How many keys, messages per key and unordered messages [`shards_partition_keys`] enqueues.
+const SHARD_KEYS: usize = 24;
+const SHARD_ROUNDS: usize = 3;
+const SHARD_UNORDERED: usize = 4;
+
+/// Sharded claims split the keys between shards: two relays claiming shard 0 and shard 1 of 2
+/// in turn (completing what they get) publish every message exactly once, each key's messages
+/// all under one shard and in `seq` order, and both shards get keys; a claim of shard 0 of 1
+/// is an unsharded claim. Stores declaring
+/// [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims) only.
+pub async fn shards_partition_keys(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    if !f.store.capabilities().store.sharded_claims {
+        return f.finish().await;
+    }
+    // 24 keys, 3 messages each (one round of every key after the other), and unordered
+    // messages before, between and after the rounds.
+    let mut expected = Vec::new();
+    let mut unordered = 0;
+    let mut add_unordered = |batch: &mut Vec<NewMessage>, expected: &mut Vec<String>| {
+        unordered += 1;
+        let label = format!("u#{unordered}");
+        batch.push(msg("u", &label).unordered());
+        expected.push(label);
+    };
+    for round in 1..=SHARD_ROUNDS {
+        let mut batch = Vec::new();
+        add_unordered(&mut batch, &mut expected);
+        for key in 0..SHARD_KEYS {
+            let label = format!("key-{key:02}#{round}");
+            batch.push(msg(&format!("key-{key:02}"), &label));
+            expected.push(label);
+        }
+        if round == SHARD_ROUNDS {
+            add_unordered(&mut batch, &mut expected);
+        }
+        f.enqueue(&batch).await?;
+    }
+    ensure!(
+        unordered == SHARD_UNORDERED,
+        "test setup: {unordered} unordered messages"
+    );
+    let total = expected.len();
+    let relays = [
+        f.relay.clone(),
+        f.store.relay().await.map_err(err("relay handle"))?,
+    ];
+    // label -> (shard index, seq); key -> shard indexes and labels in the order returned.
+    let mut seen: BTreeMap<String, (u32, i64)> = BTreeMap::new();
+    let mut key_shards: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();
+    let mut key_order: BTreeMap<String, Vec<(String, i64)>> = BTreeMap::new();
+    let mut drained = false;
+    // Each round publishes at least one message until both shards come back empty.
+    for _ in 0..=total {
+        let mut got = 0;
+        for (index, relay) in relays.iter().enumerate() {
+            let index = index as u32;
+            let claim = relay
+                .claim(&sharded_req(7, index, 2))
+                .await
+                .map_err(err("sharded claim"))?;
+            got += claim.messages.len();
+            for (m, label) in claim.messages.iter().zip(labels(&claim)) {
+                if let Some((other, _)) = seen.insert(label.clone(), (index, m.seq)) {
+                    return Err(format!(
+                        "{label} was returned twice, by a claim of shard {other} of 2 and then of \
+                         shard {index} of 2 (it was completed the first time)"
+                    ));
+                }
+                if let Some(key) = &m.partition_key {
+                    key_shards.entry(key.clone()).or_default().insert(index);
+                    key_order
+                        .entry(key.clone())
+                        .or_default()
+                        .push((label, m.seq));
+                }
+            }
+            if !claim.messages.is_empty() {
+                relay
+                    .complete(claim.token, &ids(&claim))
+                    .await
+                    .map_err(err("complete"))?;
+            }
+        }
+        if got == 0 {
+            drained = true;
+            break;
+        }
+    }
+    ensure!(
+        drained,
+        "claims of shards 0 and 1 of 2 still returned messages after {} rounds",
+        total + 1
+    );
+    let missing: Vec<&String> = expected.iter().filter(|l| !seen.contains_key(*l)).collect();
+    ensure!(
+        missing.is_empty() && seen.len() == total,
+        "claims of shards 0 and 1 of 2, until both came back empty, never returned {missing:?} \
+         (each of the {total} messages must be in exactly one shard)"
+    );
+    for (key, shards) in &key_shards {
+        ensure!(
+            shards.len() == 1,
+            "the messages of key {key} were returned by claims of shards {shards:?} of 2: every \
+             message of a key must be in the key's one shard ({:?})",
+            key_order.get(key)
+        );
+    }
+    for (key, returned) in &key_order {
+        let want: Vec<String> = (1..=SHARD_ROUNDS).map(|r| format!("{key}#{r}")).collect();
+        let got: Vec<&String> = returned.iter().map(|(l, _)| l).collect();
+        ensure!(
+            got == want.iter().collect::<Vec<_>>() && returned.windows(2).all(|w| w[0].1 < w[1].1),
+            "the messages of key {key} were returned as {returned:?} (label, seq); expected \
+             {want:?} with rising seqs"
+        );
+    }
+    // A sane hash puts all 24 keys in one shard of 2 with odds of 2 in 2^24 (about one in
+    // eight million): a store whose claims of one shard get every key does not split them.
+    let per_shard: Vec<usize> = (0..2)
+        .map(|i| key_shards.values().filter(|s| s.contains(&i)).count())
+        .collect();
+    ensure!(
+        per_shard.iter().all(|&n| n > 0),
+        "the {SHARD_KEYS} keys were split {per_shard:?} between shards 0 and 1 of 2: a shard \
+         function must spread keys"
+    );
+
+    // Shard 0 of 1 is every key: per-key order and completeness as for an unsharded claim.
+    f.enqueue(&[
+        msg("one", "one#1"),
+        msg("one", "one#2"),
+        msg("two", "two#1"),
+        msg("u", "v#1").unordered(),
+    ])
+    .await?;
+    let head = f
+        .relay
+        .claim(&sharded_req(1, 0, 1))
+        .await
+        .map_err(err("claim of shard 0 of 1"))?;
+    ensure!(
+        labels(&head) == ["one#1"],
+        "a claim(1) of shard 0 of 1 returned {:?}; expected the oldest [\"one#1\"], as \
+         unsharded",
+        labels(&head)
+    );
+    let rest = f
+        .relay
+        .claim(&sharded_req(10, 0, 1))
+        .await
+        .map_err(err("claim of shard 0 of 1"))?;
+    ensure!(
+        labels(&rest) == ["two#1", "v#1"],
+        "with one#1 leased, a claim of shard 0 of 1 returned {:?}; expected [\"two#1\", \
+         \"v#1\"] (one#2 waits for one#1), as unsharded",
+        labels(&rest)
+    );
+    for claim in [&head, &rest] {
+        f.relay
+            .complete(claim.token, &ids(claim))
+            .await
+            .map_err(err("complete"))?;
+    }
+    let last = f
+        .relay
+        .claim(&sharded_req(10, 0, 1))
+        .await
+        .map_err(err("claim of shard 0 of 1"))?;
+    ensure!(
+        labels(&last) == ["one#2"],
+        "after one#1 was completed, a claim of shard 0 of 1 returned {:?}; expected \
+         [\"one#2\"]",
+        labels(&last)
+    );
+    f.finish().await
+}
+
 /// Every check, by name, so the macro and pickers can run them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -1382,11 +1611,15 @@ pub enum Check {
     BlockedBacklogHidesNoKey,
     /// [`many_keys_behind_a_blocked_backlog`]
     ManyKeysBehindABlockedBacklog,
+    /// [`invalid_shard_is_refused`]
+    InvalidShardIsRefused,
+    /// [`shards_partition_keys`]
+    ShardsPartitionKeys,
 }
 
 impl Check {
     /// Every check.
-    pub const ALL: [Check; 22] = [
+    pub const ALL: [Check; 24] = [
         Check::ClaimRespectsLimit,
         Check::NoPhantoms,
         Check::LateCommitIsClaimed,
@@ -1409,6 +1642,8 @@ impl Check {
         Check::DedupKeyOutlivesItsMessageOnlyWhileKept,
         Check::BlockedBacklogHidesNoKey,
         Check::ManyKeysBehindABlockedBacklog,
+        Check::InvalidShardIsRefused,
+        Check::ShardsPartitionKeys,
     ];
 
     /// The checks that go through the enqueue path: transactions that commit late, roll back or
@@ -1456,6 +1691,8 @@ impl Check {
             Check::ManyKeysBehindABlockedBacklog => {
                 many_keys_behind_a_blocked_backlog(harness).await
             }
+            Check::InvalidShardIsRefused => invalid_shard_is_refused(harness).await,
+            Check::ShardsPartitionKeys => shards_partition_keys(harness).await,
         }
     }
 

@@ -18,12 +18,13 @@
 //!   own connections (the outcome must be what some order of their moves gives). Open
 //!   transactions write the same keys (concurrent writers of a key), and with
 //!   [`HarnessCapabilities::key_locks`] a second writer's enqueue must wait for the first
-//!   transaction to end. After every step and at the end a reference model checks no loss, no
-//!   phantom, per-key order (by the contract's rule for concurrent writers: an earlier message
-//!   of a key may be passed only while it is uncommitted), duplicates only from listed causes,
-//!   fencing, claim limits and
-//!   eligibility, exact attempts, dead-letter reasons and accounting. A failure prints the
-//!   broken invariant and the shrunk scenario in words, step by step.
+//!   transaction to end. Against a store declaring sharded claims, some claims ask for one
+//!   shard, and the model learns the store's shard function from what they return. After every
+//!   step and at the end a reference model checks no loss, no phantom, per-key order (by the
+//!   contract's rule for concurrent writers: an earlier message of a key may be passed only
+//!   while it is uncommitted), duplicates only from listed causes, fencing, claim limits and
+//!   eligibility, shard consistency, exact attempts, dead-letter reasons and accounting. A
+//!   failure prints the broken invariant and the shrunk scenario in words, step by step.
 //! - [`engine::check_engine`]: the same invariants end to end through the real
 //!   [`outbox_relay::Relay`], with a fault-injecting publisher and the engine aborted at random
 //!   await points (before or after a store or broker call took effect), then restarted until
@@ -59,7 +60,9 @@ pub mod skewed;
 pub use harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx, MIN_CLOCK_SKEW};
 pub use memory::{MemoryHarness, MemoryHarnessStore};
 pub use model::{run_scenario, run_scenario_with_coverage, Coverage, Violation};
-pub use scenario::{scenario, Advance, Move, MsgSpec, OutcomeSpec, Phase, Scenario, Step, TxEnd};
+pub use scenario::{
+    scenario, Advance, Move, MsgSpec, OutcomeSpec, Phase, Scenario, ShardSpec, Step, TxEnd,
+};
 
 #[doc(hidden)]
 pub use proptest as __proptest;

@@ -50,6 +50,8 @@ macro_rules! conformance_suite {
             dedup_key_outlives_its_message_only_while_kept DedupKeyOutlivesItsMessageOnlyWhileKept,
             blocked_backlog_hides_no_key BlockedBacklogHidesNoKey,
             many_keys_behind_a_blocked_backlog ManyKeysBehindABlockedBacklog,
+            invalid_shard_is_refused InvalidShardIsRefused,
+            shards_partition_keys ShardsPartitionKeys,
         );
     };
     ($harness:expr, reduced: $divisor:expr) => {

@@ -25,6 +25,27 @@
 //!   other wrote, also after the waiter began). Insert order is then commit order, and the
 //!   allowance above never applies; `seq`s that do not follow that order fail "seq follows
 //!   insert order".
+//!
+//! # Sharded claims
+//!
+//! Against a store that declares
+//! [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims), some claims
+//! ask for one shard ([`ShardSpec`]). The shard function is the store's own, so the model
+//! learns it: for every partition key (all of whose messages share a shard) and every
+//! unordered message, and every shard count, it keeps the shards it may still be in.
+//!
+//! - A sharded claim is checked like any other (eligibility, exclusivity, per-key order,
+//!   attempts, payload, `seq`), and each message it returns pins its key (or itself) to the
+//!   claim's shard: returned earlier by a claim of another shard of the same count, or ruled
+//!   out of this one, is a broken "shard consistency".
+//! - Completeness is the unsharded rule restricted to the shard: a sharded claim that returns
+//!   fewer than its limit must return what an unsharded claim would if only the keys (and
+//!   unordered messages) of its shard were stored, the window counting only their rows. Where
+//!   the model does not know yet whether a key is in the shard, a claimable message the claim
+//!   had to return if it were rules that shard out for the key (counting every message that may
+//!   be in the shard towards the window, so the inference is sound); where it knows (pinned by
+//!   an earlier claim, or every other shard ruled out), leaving it out breaks "claim
+//!   completeness". A shard count of 1 is every key, so such a claim is held to the full rule.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
@@ -33,15 +54,15 @@ use std::time::Duration;
 
 use outbox_traits::chrono::{self, DateTime, Utc};
 use outbox_traits::{
-    Claim, ClaimRequest, Error, FailAction, Failure, HeadPolicy, LeaseToken, Message, NewMessage,
-    OutboxAdmin, OutboxStore,
+    Claim, ClaimRequest, ClaimShard, Error, FailAction, Failure, HeadPolicy, LeaseToken, Message,
+    NewMessage, OutboxAdmin, OutboxStore,
 };
 use uuid::Uuid;
 
 use crate::harness::{HarnessCapabilities, HarnessStore, HarnessTx};
 use crate::scenario::{
-    relay_name, Advance, Move, MsgSpec, OutcomeSpec, Phase, Scenario, Step, TxEnd, KEYS, LEASE,
-    MAX_ATTEMPTS, NOT_BEFORE, PURGE_AGE, RELAYS, TX_SLOTS,
+    relay_name, Advance, Move, MsgSpec, OutcomeSpec, Phase, Scenario, ShardSpec, Step, TxEnd, KEYS,
+    LEASE, MAX_ATTEMPTS, NOT_BEFORE, PURGE_AGE, RELAYS, TX_SLOTS,
 };
 
 /// A broken invariant: which one, and what was seen.
@@ -108,6 +129,12 @@ pub struct Coverage {
     /// Enqueues that waited for a key lock until the key's other writer ended (stores with
     /// [`HarnessCapabilities::key_locks`] only).
     pub waited: u64,
+    /// Claims of one shard that returned messages (stores declaring
+    /// [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims) only).
+    pub sharded: u64,
+    /// Claimable messages a claim of one shard, returning fewer than its limit, left out: the
+    /// model learned that their key (or they, unordered) is in another shard.
+    pub shard_ruled_out: u64,
 }
 
 impl std::ops::AddAssign for Coverage {
@@ -130,6 +157,8 @@ impl std::ops::AddAssign for Coverage {
         self.same_key_writers += o.same_key_writers;
         self.overtaken += o.overtaken;
         self.waited += o.waited;
+        self.sharded += o.sharded;
+        self.shard_ruled_out += o.shard_ruled_out;
     }
 }
 
@@ -236,18 +265,96 @@ struct SettleAnswers {
     release: Option<Result<(), Error>>,
 }
 
-/// A claim of `limit` with the property's lease.
+/// A claim of `limit` with the property's lease, of one shard if `shard` says so.
 async fn claim_call(
     handle: &dyn OutboxStore,
     limit: usize,
     head_policy: HeadPolicy,
+    shard: Option<ShardSpec>,
 ) -> Result<Claim, Error> {
     let req = ClaimRequest {
         limit,
         lease: LEASE,
         head_policy,
+        shard: shard.map(|s| ClaimShard {
+            index: u32::from(s.index),
+            count: u32::from(s.count),
+        }),
     };
     handle.claim(&req).await
+}
+
+/// What shares a shard: a partition key (every message of it) or one unordered message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum ShardUnit {
+    Key(u8),
+    Unordered(Uuid),
+}
+
+/// What the model has learned of the store's shard function (see the module docs): per unit
+/// and shard count, the shards the unit may still be in (a bit per shard; no entry: any), and
+/// the claims that narrowed it, for reports.
+#[derive(Debug, Clone, Default)]
+struct ShardMap {
+    learned: HashMap<(ShardUnit, u8), (u8, Vec<String>)>,
+}
+
+impl ShardMap {
+    fn mask(&self, unit: ShardUnit, count: u8) -> u8 {
+        self.learned
+            .get(&(unit, count))
+            .map_or((1u8 << count) - 1, |(mask, _)| *mask)
+    }
+
+    /// `unit` may be in `shard`.
+    fn may_be_in(&self, unit: ShardUnit, shard: ShardSpec) -> bool {
+        self.mask(unit, shard.count) & (1 << shard.index) != 0
+    }
+
+    /// `unit` is in `shard`: pinned there, or every other shard ruled out.
+    fn is_in(&self, unit: ShardUnit, shard: ShardSpec) -> bool {
+        self.mask(unit, shard.count) == 1 << shard.index
+    }
+
+    /// How the model learned where `unit` is, for a report.
+    fn why(&self, unit: ShardUnit, count: u8) -> String {
+        self.learned
+            .get(&(unit, count))
+            .map_or_else(|| "nothing learned".to_string(), |(_, why)| why.join("; "))
+    }
+
+    /// `unit` is in `shard` (a claim of it returned one of its messages); `Err` if it cannot be.
+    fn pin(&mut self, unit: ShardUnit, shard: ShardSpec, why: String) -> Result<(), ()> {
+        let bit = 1 << shard.index;
+        let mask = self.mask(unit, shard.count);
+        if mask & bit == 0 {
+            return Err(());
+        }
+        if mask != bit {
+            let entry = self
+                .learned
+                .entry((unit, shard.count))
+                .or_insert((mask, Vec::new()));
+            entry.0 = bit;
+            entry.1.push(why);
+        }
+        Ok(())
+    }
+
+    /// `unit` is not in `shard` (a complete claim of it left out a message it had to return if
+    /// it were); the caller has checked that it may be elsewhere.
+    fn rule_out(&mut self, unit: ShardUnit, shard: ShardSpec, why: String) {
+        let bit = 1 << shard.index;
+        let mask = self.mask(unit, shard.count);
+        if mask & bit != 0 {
+            let entry = self
+                .learned
+                .entry((unit, shard.count))
+                .or_insert((mask, Vec::new()));
+            entry.0 = mask & !bit;
+            entry.1.push(why);
+        }
+    }
 }
 
 /// Send what `plan` says, in the engine's order: complete, fail, release.
@@ -271,7 +378,7 @@ async fn settle_calls(handle: &dyn OutboxStore, plan: &SettlePlan) -> SettleAnsw
 
 /// One relay's part of a [`Step::Together`], planned from the model before the calls.
 enum Planned {
-    Claim(usize),
+    Claim(usize, Option<ShardSpec>),
     Settle(SettlePlan),
     Extend(LeaseToken),
     Skip(&'static str),
@@ -317,6 +424,7 @@ struct Snapshot {
     next_claim: u64,
     attributed: BTreeMap<&'static str, u32>,
     coverage: Coverage,
+    shards: ShardMap,
     last_log: Option<String>,
 }
 
@@ -349,6 +457,8 @@ pub struct Runner<'a> {
     /// The claim being checked ran at the same moment as another relay's call
     /// ([`Step::Together`]): completeness is not required of it (see [`Runner::together`]).
     concurrent_claim: bool,
+    /// What sharded claims taught the model about the store's shard function.
+    shards: ShardMap,
 }
 
 /// Play `scenario` against `store` and then drain it; on a broken invariant, return a report in
@@ -408,6 +518,7 @@ impl<'a> Runner<'a> {
             attributed: BTreeMap::new(),
             coverage: Coverage::default(),
             concurrent_claim: false,
+            shards: ShardMap::default(),
         })
     }
 
@@ -502,17 +613,25 @@ impl<'a> Runner<'a> {
             }
             Step::Commit { tx } => self.end_tx(*tx, true).await,
             Step::Rollback { tx } => self.end_tx(*tx, false).await,
-            Step::Claim { relay, limit } => {
+            Step::Claim {
+                relay,
+                limit,
+                shard,
+            } => {
                 let relay = usize::from(*relay);
                 if self.relays[relay].batch.is_some() {
                     self.note("skipped: it still holds a batch");
                     return Ok(());
                 }
-                self.claim(relay, usize::from(*limit)).await.map(|_| ())
+                let shard = self.shard_for(*shard);
+                self.claim(relay, usize::from(*limit), shard)
+                    .await
+                    .map(|_| ())
             }
             Step::Cycle {
                 relay,
                 limit,
+                shard,
                 outcomes,
                 until,
             } => {
@@ -521,7 +640,8 @@ impl<'a> Runner<'a> {
                     self.note("skipped: it still holds a batch");
                     return Ok(());
                 }
-                self.claim(relay, usize::from(*limit)).await?;
+                let shard = self.shard_for(*shard);
+                self.claim(relay, usize::from(*limit), shard).await?;
                 if *until == Phase::Claimed {
                     return Ok(());
                 }
@@ -541,7 +661,7 @@ impl<'a> Runner<'a> {
                     self.note("skipped: it still holds a batch");
                     return Ok(());
                 }
-                if self.claim(relay, 4).await? == 0 {
+                if self.claim(relay, 4, None).await? == 0 {
                     self.relays[relay].batch = None;
                     return Ok(());
                 }
@@ -555,7 +675,7 @@ impl<'a> Runner<'a> {
                             relay_name(other as u8)
                         ));
                     } else {
-                        self.claim(other, 4).await?;
+                        self.claim(other, 4, None).await?;
                     }
                 }
                 self.settle(relay).await
@@ -573,6 +693,16 @@ impl<'a> Runner<'a> {
             Step::Discard { pick } => self.operator(*pick, false).await,
             Step::Purge { batch } => self.purge(usize::from(*batch)).await,
         }
+    }
+
+    /// The shard a generated claim asks for, if the store shards claims; otherwise the claim
+    /// goes unsharded (noted), as a relay would send it.
+    fn shard_for(&mut self, spec: Option<ShardSpec>) -> Option<ShardSpec> {
+        if spec.is_some() && !self.caps.store.sharded_claims {
+            self.note("the store does not declare sharded claims: claims unsharded");
+            return None;
+        }
+        spec
     }
 
     /// A new message of `spec` for transaction slot `slot`, and its model entry (not yet in
@@ -965,21 +1095,29 @@ impl<'a> Runner<'a> {
         Ok(())
     }
 
-    /// Claim for `relay` and check the claim against the model; returns the claimed count.
-    async fn claim(&mut self, relay: usize, limit: usize) -> Result<usize, Violation> {
+    /// Claim for `relay` (of one shard, if `shard` says so) and check the claim against the
+    /// model; returns the claimed count.
+    async fn claim(
+        &mut self,
+        relay: usize,
+        limit: usize,
+        shard: Option<ShardSpec>,
+    ) -> Result<usize, Violation> {
         let handle = self.handle(relay).await?;
         let before = self.store_now().await?;
-        let claim = claim_call(&*handle, limit, self.policy).await;
+        let claim = claim_call(&*handle, limit, self.policy, shard).await;
         let after = self.store_now().await?;
-        self.apply_claim(relay, limit, &claim, before, after)
+        self.apply_claim(relay, limit, shard, &claim, before, after)
     }
 
-    /// Check what a claim of `limit` by `relay` returned against the model and record it;
-    /// `before` and `after` are the store's clock just before and just after the call.
+    /// Check what a claim of `limit` (of `shard`, if any) by `relay` returned against the model
+    /// and record it; `before` and `after` are the store's clock just before and just after
+    /// the call.
     fn apply_claim(
         &mut self,
         relay: usize,
         limit: usize,
+        shard: Option<ShardSpec>,
         claim: &Result<Claim, Error>,
         before: DateTime<Utc>,
         after: DateTime<Utc>,
@@ -988,7 +1126,13 @@ impl<'a> Runner<'a> {
         let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
         self.note(format!("got {}", self.labels(&ids)));
         self.check_claim(claim, limit)?;
-        self.check_complete(&ids, limit)?;
+        if let Some(shard) = shard {
+            self.check_shard(&ids, shard)?;
+            if !ids.is_empty() {
+                self.coverage.sharded += 1;
+            }
+        }
+        self.check_complete(&ids, limit, shard)?;
         if !ids.is_empty() {
             check_lease_end(
                 "claim",
@@ -1062,18 +1206,89 @@ impl<'a> Runner<'a> {
         self.store.now().await.map_err(|e| store_error("now", &e))
     }
 
+    /// The unit whose shard message `i` is in: its key, or itself when unordered.
+    fn unit_of(&self, i: usize) -> ShardUnit {
+        match self.msgs[i].key {
+            Some(k) => ShardUnit::Key(k),
+            None => ShardUnit::Unordered(self.msgs[i].id),
+        }
+    }
+
+    fn unit_name(&self, unit: ShardUnit) -> String {
+        match unit {
+            ShardUnit::Key(k) => format!("key k{k}"),
+            ShardUnit::Unordered(id) => format!("the unordered {}", self.label(&id)),
+        }
+    }
+
+    /// Shard consistency: every message a claim of `shard` returned may be in that shard by
+    /// what the model learned so far, and is then known to be there.
+    fn check_shard(&mut self, claimed: &[Uuid], shard: ShardSpec) -> Result<(), Violation> {
+        for id in claimed {
+            let i = self.by_id[id];
+            let unit = self.unit_of(i);
+            let label = self.msgs[i].label.clone();
+            let why = format!("a claim of {shard:?} returned {label}");
+            if self.shards.pin(unit, shard, why).is_err() {
+                return Err(violation(
+                    "shard consistency",
+                    format!(
+                        "a claim of {shard:?} returned {label}, but {} is not in that shard ({}): every message of a key must be in one shard, and each unordered message in one",
+                        self.unit_name(unit),
+                        self.shards.why(unit, shard.count)
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Completeness: a claim that came back with fewer than `limit` messages returned every
     /// message the contract requires of it (see [`required_by_claim`](Self::required_by_claim)).
-    fn check_complete(&self, claimed: &[Uuid], limit: usize) -> Result<(), Violation> {
+    /// For a claim of one shard, a required message whose key (or itself) may be in another
+    /// shard rules this one out for it instead (see the module docs).
+    fn check_complete(
+        &mut self,
+        claimed: &[Uuid],
+        limit: usize,
+        shard: Option<ShardSpec>,
+    ) -> Result<(), Violation> {
         if claimed.len() >= limit || self.concurrent_claim {
             return Ok(());
         }
-        let missing: Vec<Uuid> = self
-            .required_by_claim(limit)
+        let mut missing: Vec<Uuid> = self
+            .required_by_claim(limit, shard)
             .into_iter()
             .map(|i| self.msgs[i].id)
             .filter(|id| !claimed.contains(id))
             .collect();
+        let mut in_shard = String::new();
+        if let Some(shard) = shard {
+            let mut sure = Vec::new();
+            for id in missing {
+                let i = self.by_id[&id];
+                let unit = self.unit_of(i);
+                if self.shards.is_in(unit, shard) {
+                    if sure.is_empty() {
+                        in_shard = format!(
+                            "; {} is in {shard:?} ({})",
+                            self.unit_name(unit),
+                            self.shards.why(unit, shard.count)
+                        );
+                    }
+                    sure.push(id);
+                } else {
+                    let why = format!(
+                        "a claim of {shard:?} with limit {limit} returned {} message(s) without the claimable {}",
+                        claimed.len(),
+                        self.msgs[i].label
+                    );
+                    self.shards.rule_out(unit, shard, why);
+                    self.coverage.shard_ruled_out += 1;
+                }
+            }
+            missing = sure;
+        }
         if missing.is_empty() {
             return Ok(());
         }
@@ -1082,10 +1297,11 @@ impl<'a> Runner<'a> {
             Some(k) => format!("nothing earlier of key k{k} holds it back"),
             None => "it is unordered".to_string(),
         };
+        let of = shard.map_or_else(String::new, |s| format!(" of {s:?}"));
         Err(violation(
             "claim completeness",
             format!(
-                "claim with limit {limit} returned {} message(s) but left out {}, which it had to return: {} is {} and {key_note}",
+                "claim{of} with limit {limit} returned {} message(s) but left out {}, which it had to return: {} is {} and {key_note}{in_shard}",
                 claimed.len(),
                 self.labels(&missing),
                 self.msgs[i].label,
@@ -1108,7 +1324,10 @@ impl<'a> Runner<'a> {
     /// Required: every head, and every eligible message within the minimal window. A store that
     /// reads a bounded stretch of the backlog may leave out a key's later eligible messages
     /// past its window, but not heads, and its window is at least `limit` rows long.
-    fn required_by_claim(&self, limit: usize) -> Vec<usize> {
+    ///
+    /// For a claim of one shard, only messages that may be in the shard count, for the window
+    /// too: each message returned is required if its key (or it, unordered) is in the shard.
+    fn required_by_claim(&self, limit: usize, shard: Option<ShardSpec>) -> Vec<usize> {
         let now = self.now;
         let claimable = |m: &Msg| match m.status {
             Status::Pending => m.due <= now && !m.due_unknown,
@@ -1125,6 +1344,9 @@ impl<'a> Runner<'a> {
         let mut window_left = limit;
         let mut required = Vec::new();
         for (i, m) in self.msgs.iter().enumerate() {
+            if shard.is_some_and(|s| !self.shards.may_be_in(self.unit_of(i), s)) {
+                continue;
+            }
             let in_window = window_left > 0
                 && matches!(
                     m.status,
@@ -1648,7 +1870,9 @@ impl<'a> Runner<'a> {
         for (relay, m) in moves.iter().enumerate() {
             let holds = self.relays[relay].batch.as_ref().map(|b| b.token);
             planned.push(match (m, holds) {
-                (Move::Claim { limit }, None) => Planned::Claim(usize::from(*limit)),
+                (Move::Claim { limit, shard }, None) => {
+                    Planned::Claim(usize::from(*limit), self.shard_for(*shard))
+                }
                 (Move::Claim { .. }, Some(_)) => Planned::Skip("it still holds a batch"),
                 (Move::Settle, Some(_)) => match self.settle_plan(relay) {
                     Some(plan) => Planned::Settle(plan),
@@ -1668,7 +1892,9 @@ impl<'a> Runner<'a> {
         let answers: Vec<Answer> =
             futures::future::join_all(planned.iter().zip(&handles).map(|(p, h)| async move {
                 match p {
-                    Planned::Claim(limit) => Answer::Claim(claim_call(&**h, *limit, policy).await),
+                    Planned::Claim(limit, shard) => {
+                        Answer::Claim(claim_call(&**h, *limit, policy, *shard).await)
+                    }
                     Planned::Settle(plan) => Answer::Settle(settle_calls(&**h, plan).await),
                     Planned::Extend(token) => Answer::Extend(h.extend(*token, LEASE).await),
                     Planned::Skip(_) => Answer::Skipped,
@@ -1721,9 +1947,9 @@ impl<'a> Runner<'a> {
         for &relay in order {
             self.note(format!("relay {}", relay_name(relay as u8)));
             match (&planned[relay], &answers[relay]) {
-                (Planned::Claim(limit), Answer::Claim(claim)) => {
+                (Planned::Claim(limit, shard), Answer::Claim(claim)) => {
                     self.concurrent_claim = running > 1;
-                    self.apply_claim(relay, *limit, claim, before, after)?;
+                    self.apply_claim(relay, *limit, *shard, claim, before, after)?;
                     self.concurrent_claim = false;
                 }
                 (Planned::Settle(plan), Answer::Settle(settled)) => {
@@ -1746,6 +1972,7 @@ impl<'a> Runner<'a> {
             next_claim: self.next_claim,
             attributed: self.attributed.clone(),
             coverage: self.coverage,
+            shards: self.shards.clone(),
             last_log: self.log.last().cloned(),
         }
     }
@@ -1758,6 +1985,7 @@ impl<'a> Runner<'a> {
         self.next_claim = s.next_claim;
         self.attributed.clone_from(&s.attributed);
         self.coverage = s.coverage;
+        self.shards.clone_from(&s.shards);
         if let (Some(last), Some(saved)) = (self.log.last_mut(), &s.last_log) {
             last.clone_from(saved);
         }
@@ -2099,7 +2327,7 @@ impl<'a> Runner<'a> {
         for _ in 0..=committed + 1 {
             self.log
                 .push(format!("relay {} claims 4", relay_name(RELAYS)));
-            let n = self.claim(drain_relay, 4).await?;
+            let n = self.claim(drain_relay, 4, None).await?;
             if n == 0 {
                 self.relays[drain_relay].batch = None;
                 break;

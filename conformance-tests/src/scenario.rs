@@ -132,6 +132,36 @@ impl fmt::Debug for OutcomeSpec {
     }
 }
 
+/// The shard a generated claim asks for: shard `index` of `count`
+/// ([`ClaimShard`](outbox_traits::ClaimShard)). Sent only to stores that declare
+/// [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims); to others the
+/// claim goes unsharded, as a relay would send it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct ShardSpec {
+    /// Which shard, below `count`.
+    pub index: u8,
+    /// How many shards (1 to 3 when generated).
+    pub count: u8,
+}
+
+impl fmt::Debug for ShardSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "shard {}/{}", self.index, self.count)
+    }
+}
+
+/// ` of shard i/n` for a sharded claim, nothing otherwise.
+struct OfShard(Option<ShardSpec>);
+
+impl fmt::Display for OfShard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(shard) => write!(f, " of {shard:?}"),
+            None => Ok(()),
+        }
+    }
+}
+
 /// What one relay does in a [`Step::Together`].
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Move {
@@ -139,6 +169,8 @@ pub enum Move {
     Claim {
         /// Claim limit.
         limit: u8,
+        /// The shard claimed, if any (see [`ShardSpec`]).
+        shard: Option<ShardSpec>,
     },
     /// Settle its batch as the broker answered (release it all if it has not published).
     Settle,
@@ -149,7 +181,7 @@ pub enum Move {
 impl fmt::Debug for Move {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Move::Claim { limit } => write!(f, "claims {limit}"),
+            Move::Claim { limit, shard } => write!(f, "claims {limit}{}", OfShard(*shard)),
             Move::Settle => write!(f, "settles"),
             Move::Extend => write!(f, "extends its lease"),
         }
@@ -192,6 +224,8 @@ pub enum Step {
         relay: u8,
         /// Claim limit.
         limit: u8,
+        /// The shard claimed, if any (see [`ShardSpec`]).
+        shard: Option<ShardSpec>,
     },
     /// A relay publishes its claimed batch; outcomes repeat over the batch.
     Publish {
@@ -206,6 +240,8 @@ pub enum Step {
         relay: u8,
         /// Claim limit.
         limit: u8,
+        /// The shard claimed, if any (see [`ShardSpec`]).
+        shard: Option<ShardSpec>,
         /// Broker answers, cycled over the batch.
         outcomes: Vec<OutcomeSpec>,
         /// Where the relay stops: after the claim, after publishing, or after settling.
@@ -282,8 +318,17 @@ impl fmt::Debug for Step {
             Step::Writers { key } => write!(f, "tx1 then tx2 enqueue [k{key}], both stay open"),
             Step::Commit { tx } => write!(f, "tx{} commit", tx + 1),
             Step::Rollback { tx } => write!(f, "tx{} rollback", tx + 1),
-            Step::Claim { relay, limit } => {
-                write!(f, "relay {} claims {limit}", relay_name(*relay))
+            Step::Claim {
+                relay,
+                limit,
+                shard,
+            } => {
+                write!(
+                    f,
+                    "relay {} claims {limit}{}",
+                    relay_name(*relay),
+                    OfShard(*shard)
+                )
             }
             Step::Publish { relay, outcomes } => {
                 write!(f, "relay {} publishes ({outcomes:?})", relay_name(*relay))
@@ -291,19 +336,21 @@ impl fmt::Debug for Step {
             Step::Cycle {
                 relay,
                 limit,
+                shard,
                 outcomes,
                 until,
             } => {
                 let r = relay_name(*relay);
+                let of = OfShard(*shard);
                 match until {
-                    Phase::Claimed => write!(f, "relay {r} claims {limit} and stops"),
+                    Phase::Claimed => write!(f, "relay {r} claims {limit}{of} and stops"),
                     Phase::Published => write!(
                         f,
-                        "relay {r} claims {limit}, publishes ({outcomes:?}) and stops before completing"
+                        "relay {r} claims {limit}{of}, publishes ({outcomes:?}) and stops before completing"
                     ),
                     Phase::Settled => write!(
                         f,
-                        "relay {r} claims {limit}, publishes ({outcomes:?}), settles"
+                        "relay {r} claims {limit}{of}, publishes ({outcomes:?}), settles"
                     ),
                 }
             }
@@ -370,6 +417,15 @@ fn outcome() -> impl Strategy<Value = OutcomeSpec> {
     ]
 }
 
+/// No shard two times in three; otherwise shard `index` of `count`, `count` from 1 to 3.
+fn shard() -> impl Strategy<Value = Option<ShardSpec>> {
+    prop_oneof![
+        2 => Just(None),
+        1 => (1u8..=3)
+            .prop_flat_map(|count| (0..count).prop_map(move |index| Some(ShardSpec { index, count }))),
+    ]
+}
+
 fn step() -> impl Strategy<Value = Step> {
     let key = prop_oneof![4 => (0..KEYS).prop_map(Some), 1 => Just(None)];
     let message =
@@ -406,10 +462,11 @@ fn step() -> impl Strategy<Value = Step> {
         2 => (0..KEYS).prop_map(|key| Step::Writers { key }),
         3 => (0..TX_SLOTS).prop_map(|tx| Step::Commit { tx }),
         1 => (0..TX_SLOTS).prop_map(|tx| Step::Rollback { tx }),
-        2 => (0..RELAYS, 1u8..=4).prop_map(|(relay, limit)| Step::Claim { relay, limit }),
+        2 => (0..RELAYS, 1u8..=4, shard())
+            .prop_map(|(relay, limit, shard)| Step::Claim { relay, limit, shard }),
         6 => (
             0..RELAYS,
-            1u8..=4,
+            (1u8..=4, shard()),
             prop::collection::vec(outcome(), 1..=3),
             prop_oneof![
                 1 => Just(Phase::Claimed),
@@ -417,9 +474,10 @@ fn step() -> impl Strategy<Value = Step> {
                 3 => Just(Phase::Settled)
             ]
         )
-            .prop_map(|(relay, limit, outcomes, until)| Step::Cycle {
+            .prop_map(|(relay, (limit, shard), outcomes, until)| Step::Cycle {
                 relay,
                 limit,
+                shard,
                 outcomes,
                 until
             }),
@@ -432,7 +490,7 @@ fn step() -> impl Strategy<Value = Step> {
         // settles and extends against claims (fencing, what a transition's locks hide).
         4 => prop::collection::vec(
             prop_oneof![
-                3 => (1u8..=4).prop_map(|limit| Move::Claim { limit }),
+                3 => (1u8..=4, shard()).prop_map(|(limit, shard)| Move::Claim { limit, shard }),
                 2 => Just(Move::Settle),
                 1 => Just(Move::Extend),
             ],

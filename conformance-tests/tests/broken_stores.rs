@@ -56,10 +56,11 @@ meta! {
     no_dead_lettering_is_caught => NoDeadLettering,
     published_at_claim_is_caught => PublishedAtClaim,
     relay_clock_leases_is_caught => RelayClockLeases,
+    shard_ignored_is_caught => ShardIgnored,
 }
 
 #[test]
 fn every_defect_has_a_meta_test() {
     // Adding a defect without a line above fails here.
-    assert_eq!(Defect::ALL.len(), 9);
+    assert_eq!(Defect::ALL.len(), 10);
 }

@@ -41,6 +41,11 @@ fn generated_scenarios_reach_every_situation() {
             "messages claimed while an earlier message of their key was uncommitted",
             c.overtaken,
         ),
+        ("claims of one shard that returned messages", c.sharded),
+        (
+            "claimable messages a claim of one shard left out as another shard's",
+            c.shard_ruled_out,
+        ),
     ];
     let missing: Vec<&str> = reached
         .iter()

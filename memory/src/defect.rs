@@ -29,12 +29,16 @@ pub enum Defect {
     /// Compute lease ends from the relay host's clock (the real wall clock) instead of the
     /// store's clock.
     RelayClockLeases,
+    /// Declare [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims)
+    /// but ignore [`ClaimRequest::shard`](outbox_traits::ClaimRequest::shard): every claim
+    /// looks at every key, so relays claiming different shards take each other's keys.
+    ShardIgnored,
 }
 
 #[cfg_attr(not(feature = "defects"), allow(dead_code))]
 impl Defect {
     /// Every defect, for meta-tests that loop over them.
-    pub const ALL: [Defect; 9] = [
+    pub const ALL: [Defect; 10] = [
         Defect::CursorClaim,
         Defect::OverClaim,
         Defect::NoHeadOfLine,
@@ -44,5 +48,6 @@ impl Defect {
         Defect::NoDeadLettering,
         Defect::PublishedAtClaim,
         Defect::RelayClockLeases,
+        Defect::ShardIgnored,
     ];
 }

@@ -2,7 +2,7 @@
 //! [`Publisher`](outbox_traits::Publisher).
 //!
 //! [`MemoryStore`] follows the store contract to the letter: transactions whose messages become
-//! visible at commit, per-key order with both head policies, fencing by token and unexpired
+//! visible at commit, per-key order with both head policies, sharded claims, fencing by token and unexpired
 //! lease, retries, dead letters, purge and counts, all on a manual [`Clock`] so tests control
 //! time without sleeping. The conformance suite is checked against it.
 //!

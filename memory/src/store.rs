@@ -75,6 +75,8 @@ struct Inner {
     defect: Option<Defect>,
     /// Completing a message deletes it (see [`MemoryStore::deleting_published`]).
     deletes_published: bool,
+    /// Claims honour [`ClaimRequest::shard`] (see [`MemoryStore::unsharded`]).
+    sharded_claims: bool,
 }
 
 /// An in-memory [`OutboxStore`] + [`OutboxAdmin`] that follows the contract to the letter.
@@ -82,6 +84,12 @@ struct Inner {
 /// It is the reference the conformance suite is checked against, and a store for examples and
 /// unit tests of code built on the relay. Cloning is cheap and shares the same messages, so one
 /// clone can serve as the relay's store while the test enqueues through another.
+///
+/// It declares concurrent claimers, wake-ups (one per commit) and, unless built with
+/// [`MemoryStore::unsharded`], sharded claims ([`Capabilities::sharded_claims`]): a claim with a
+/// [`ClaimShard`](outbox_traits::ClaimShard) looks only at the rows of that shard, a partition
+/// key's shard being the FNV-1a hash of its bytes modulo the shard count, and an unordered
+/// message's its `seq` modulo the count.
 ///
 /// Time comes from its own [`Clock`], which starts at the real current time and moves only when
 /// the test calls [`Clock::advance`] (via [`MemoryStore::clock`]).
@@ -94,7 +102,7 @@ struct Inner {
 ///
 /// let store = MemoryStore::new();
 /// store.enqueue([NewMessage::new("order", "o-1", "order.placed", serde_json::json!({}))]).unwrap();
-/// let req = ClaimRequest { limit: 10, lease: Duration::from_secs(30), head_policy: HeadPolicy::Block };
+/// let req = ClaimRequest { limit: 10, lease: Duration::from_secs(30), head_policy: HeadPolicy::Block, shard: None };
 /// let claim = store.claim(&req).await.unwrap();
 /// assert_eq!(claim.messages.len(), 1);
 /// store.complete(claim.token, &[claim.messages[0].id]).await.unwrap();
@@ -131,19 +139,19 @@ impl MemoryStore {
     /// An empty store reading time from `clock` (share one clock between stores to move them
     /// together).
     pub fn with_clock(clock: Arc<Clock>) -> Self {
-        Self::build(clock, Limits::default(), None, false)
+        Self::build(clock, Limits::default(), None, false, true)
     }
 
     /// The same store with other enqueue limits.
     pub fn with_limits(clock: Arc<Clock>, limits: Limits) -> Self {
-        Self::build(clock, limits, None, false)
+        Self::build(clock, limits, None, false, true)
     }
 
     /// An empty store reading time from `clock` that deletes messages as they are published
     /// instead of keeping them ([`Capabilities::deletes_published`]), like a database store
     /// configured to delete on publish.
     pub fn deleting_published(clock: Arc<Clock>) -> Self {
-        Self::build(clock, Limits::default(), None, true)
+        Self::build(clock, Limits::default(), None, true, true)
     }
 
     /// A store that breaks the contract on purpose, as `defect` says. Only for proving that a
@@ -155,7 +163,15 @@ impl MemoryStore {
             Limits::default(),
             Some(defect),
             false,
+            true,
         )
+    }
+
+    /// An empty store reading time from `clock` that does not declare
+    /// [`Capabilities::sharded_claims`] and ignores [`ClaimRequest::shard`], like the SQLite and
+    /// MariaDB stores: every claim looks at every key.
+    pub fn unsharded(clock: Arc<Clock>) -> Self {
+        Self::build(clock, Limits::default(), None, false, false)
     }
 
     fn build(
@@ -163,6 +179,7 @@ impl MemoryStore {
         limits: Limits,
         defect: Option<Defect>,
         deletes_published: bool,
+        sharded_claims: bool,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -176,6 +193,7 @@ impl MemoryStore {
                 commits: watch::Sender::new(0),
                 defect,
                 deletes_published,
+                sharded_claims,
             }),
         }
     }
@@ -366,6 +384,26 @@ fn remove_row(state: &mut State, seq: i64) {
     }
 }
 
+/// The shard of `count` a row with partition key `key` and sequence number `seq` belongs to:
+/// FNV-1a (64 bits) of the key's bytes modulo `count`, the same in every process and run, and
+/// for an unordered row (no key) its `seq` modulo `count`. `count` is at least 1 (the claim
+/// request was validated).
+fn shard_of(key: Option<&str>, seq: i64, count: u32) -> u32 {
+    const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+    let count = u64::from(count.max(1));
+    let slot = match key {
+        Some(key) => {
+            key.bytes().fold(FNV_OFFSET, |hash, byte| {
+                (hash ^ u64::from(byte)).wrapping_mul(FNV_PRIME)
+            }) % count
+        }
+        None => seq.unsigned_abs() % count,
+    };
+    // Below `count`, which is a `u32`.
+    u32::try_from(slot).unwrap_or(0)
+}
+
 fn to_chrono(d: Duration, what: &str) -> Result<chrono::Duration, Error> {
     chrono::Duration::from_std(d).map_err(|_| {
         Error::invalid_input(format!(
@@ -399,6 +437,9 @@ impl OutboxStore for MemoryStore {
             req.limit
         };
         let ordered = !self.has(Defect::NoHeadOfLine);
+        let shard = req
+            .shard
+            .filter(|_| self.inner.sharded_claims && !self.has(Defect::ShardIgnored));
         let mut state = self.state();
         let cursor = state.cursor;
         let mut blocked: HashSet<&str> = HashSet::new();
@@ -415,6 +456,11 @@ impl OutboxStore for MemoryStore {
                 continue;
             }
             let key = row.message.partition_key.as_deref();
+            // Another shard's rows are not looked at: every row of a key is in the key's shard,
+            // so skipping them changes nothing for the keys of this one.
+            if shard.is_some_and(|shard| shard_of(key, *seq, shard.count) != shard.index) {
+                continue;
+            }
             let claimable = match row.state {
                 RowState::Published { .. } => continue,
                 RowState::Dead => {
@@ -547,6 +593,7 @@ impl OutboxStore for MemoryStore {
             .with_deletes_published(self.inner.deletes_published)
             .with_concurrent_claimers(true)
             .with_wakeups(true)
+            .with_sharded_claims(self.inner.sharded_claims)
     }
 
     async fn wakeups(&self) -> Result<Option<Box<dyn WakeSource>>, Error> {

@@ -32,6 +32,7 @@ async fn status_reports_blocked_heads_and_ages_by_the_store_clock() {
             limit: 10,
             lease: Duration::from_secs(60),
             head_policy: HeadPolicy::Block,
+            shard: None,
         })
         .await
         .unwrap();

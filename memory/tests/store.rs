@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use outbox_memory::MemoryStore;
 use outbox_traits::{
-    ClaimRequest, Error, FailAction, Failure, HeadPolicy, LeaseToken, NewMessage, OutboxAdmin,
-    OutboxStore,
+    ClaimRequest, ClaimShard, Error, FailAction, Failure, HeadPolicy, LeaseToken, NewMessage,
+    OutboxAdmin, OutboxStore,
 };
 use uuid::Uuid;
 
@@ -20,6 +20,7 @@ fn req(limit: usize) -> ClaimRequest {
         limit,
         lease: LEASE,
         head_policy: HeadPolicy::Block,
+        shard: None,
     }
 }
 
@@ -74,6 +75,98 @@ async fn bad_claim_requests_are_refused() {
         store.claim(&zero_lease).await,
         Err(Error::InvalidInput(_))
     ));
+}
+
+fn sharded(limit: usize, index: u32, count: u32) -> ClaimRequest {
+    ClaimRequest {
+        shard: Some(ClaimShard { index, count }),
+        ..req(limit)
+    }
+}
+
+fn keys(claim: &outbox_traits::Claim) -> Vec<Option<&str>> {
+    claim
+        .messages
+        .iter()
+        .map(|m| m.partition_key.as_deref())
+        .collect()
+}
+
+#[tokio::test]
+async fn bad_shards_are_refused_before_anything_is_leased() {
+    let store = MemoryStore::new();
+    assert!(store.capabilities().sharded_claims);
+    store.enqueue([msg("a", 1), msg("b", 1)]).unwrap();
+    for (index, count) in [(0, 0), (2, 2), (3, 1)] {
+        assert!(matches!(
+            store.claim(&sharded(10, index, count)).await,
+            Err(Error::InvalidInput(_))
+        ));
+    }
+    assert_eq!(store.claim(&req(10)).await.unwrap().messages.len(), 2);
+}
+
+#[tokio::test]
+async fn a_sharded_claim_takes_only_its_shard_by_a_fixed_hash() {
+    let store = MemoryStore::new();
+    // FNV-1a of the key modulo 2: "a", "order-2" -> 0; "b", "order-1" -> 1. Unordered messages
+    // go by seq modulo 2: the one with seq 5 -> 1, seq 6 -> 0.
+    store
+        .enqueue([
+            msg("a", 1),
+            msg("b", 1),
+            msg("order-1", 1),
+            msg("order-2", 1),
+            msg("u", 1).unordered(),
+            msg("u", 2).unordered(),
+            msg("a", 2),
+        ])
+        .unwrap();
+    let zero = store.claim(&sharded(10, 0, 2)).await.unwrap();
+    assert_eq!(keys(&zero), [Some("a"), Some("order-2"), None, Some("a")]);
+    assert_eq!(zero.messages[2].seq, 6);
+    let one = store.claim(&sharded(10, 1, 2)).await.unwrap();
+    assert_eq!(keys(&one), [Some("b"), Some("order-1"), None]);
+    assert_eq!(one.messages[2].seq, 5);
+    assert!(store.claim(&req(10)).await.unwrap().messages.is_empty());
+}
+
+#[tokio::test]
+async fn per_key_order_holds_within_a_shard_and_one_shard_is_everything() {
+    let store = MemoryStore::new();
+    store
+        .enqueue([
+            msg("a", 1),
+            msg("a", 2),
+            msg("b", 1),
+            msg("u", 1).unordered(),
+        ])
+        .unwrap();
+    let head = store.claim(&sharded(1, 0, 1)).await.unwrap();
+    assert_eq!(keys(&head), [Some("a")]);
+    // a#2 waits behind the leased a#1, as for an unsharded claim.
+    let rest = store.claim(&sharded(10, 0, 1)).await.unwrap();
+    assert_eq!(keys(&rest), [Some("b"), None]);
+    store.complete(head.token, &ids(&head)).await.unwrap();
+    let last = store.claim(&sharded(10, 0, 2)).await.unwrap();
+    assert_eq!(keys(&last), [Some("a")]);
+    assert!(store
+        .claim(&sharded(10, 1, 2))
+        .await
+        .unwrap()
+        .messages
+        .is_empty());
+}
+
+#[tokio::test]
+async fn an_unsharded_store_ignores_the_shard() {
+    let store = MemoryStore::unsharded(std::sync::Arc::new(outbox_memory::Clock::new()));
+    assert!(!store.capabilities().sharded_claims);
+    store
+        .enqueue([msg("a", 1), msg("b", 1), msg("u", 1).unordered()])
+        .unwrap();
+    let all = store.claim(&sharded(10, 1, 2)).await.unwrap();
+    assert_eq!(keys(&all), [Some("a"), Some("b"), None]);
 }
 
 #[tokio::test]
@@ -247,6 +340,7 @@ async fn dead_letters_block_or_skip_and_can_be_requeued_or_discarded() {
     assert!(store.claim(&req(10)).await.unwrap().messages.is_empty());
     let skip = ClaimRequest {
         head_policy: HeadPolicy::Skip,
+        shard: None,
         ..req(10)
     };
     let second = store.claim(&skip).await.unwrap();

@@ -130,8 +130,9 @@ pub use message::{
 pub use publisher::{PublishOutcome, Publisher};
 pub use secret::{error_chain_line, read_secret_file};
 pub use store::{
-    validate_purge_batch, BlockedKey, Capabilities, Claim, ClaimRequest, Counts, DeadMessage,
-    FailAction, Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, StoreStatus, WakeSource,
+    validate_purge_batch, BlockedKey, Capabilities, Claim, ClaimRequest, ClaimShard, Counts,
+    DeadMessage, FailAction, Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore,
+    StoreStatus, WakeSource,
 };
 
 /// Re-exported so backends and users name the same versions.

@@ -55,6 +55,65 @@ pub struct ClaimRequest {
     pub lease: Duration,
     /// How dead head messages affect their key.
     pub head_policy: HeadPolicy,
+    /// Claim only the messages of one shard of the partition keys (`None`: every key).
+    ///
+    /// Honoured by stores that declare [`Capabilities::sharded_claims`]; others ignore it, and
+    /// the relay never sets it for them. See [`ClaimShard`].
+    pub shard: Option<ClaimShard>,
+}
+
+/// One shard of the partition keys, for claims that run side by side without meeting.
+///
+/// A store that declares [`Capabilities::sharded_claims`] maps every partition key to one of
+/// `count` shards by a fixed function of the key and `count` (its own, e.g. a hash), and a claim
+/// with `shard: Some(ClaimShard { index, count })` returns only messages whose key maps to
+/// `index`. Every message of a key maps to the same shard, so two claims of different shards
+/// never hold back each other's keys: they can run at the same time, on two connections, and
+/// neither finds the other's candidates locked. Unordered messages (no partition key) may map to
+/// any shard, each to exactly one.
+///
+/// Sharding only narrows what a claim looks at: every guarantee (per-key order, fencing,
+/// exclusive claims) still comes from the claim itself, so relays that shard differently, or do
+/// not shard, may share one table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ClaimShard {
+    /// Which shard, `0..count`.
+    pub index: u32,
+    /// How many shards the keys are split into; at least 1 (1: every key).
+    pub count: u32,
+}
+
+impl ClaimShard {
+    /// Shard `index` of `count`, or a typed error if `count` is 0 or `index` is not below it.
+    ///
+    /// ```
+    /// use outbox_traits::ClaimShard;
+    /// assert!(ClaimShard::new(1, 2).is_ok());
+    /// assert!(ClaimShard::new(2, 2).is_err());
+    /// assert!(ClaimShard::new(0, 0).is_err());
+    /// ```
+    pub fn new(index: u32, count: u32) -> Result<Self, Error> {
+        let shard = Self { index, count };
+        shard.validate()?;
+        Ok(shard)
+    }
+
+    /// Refuse a shard no store can serve: a count of 0, or an index not below the count.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.count == 0 {
+            return Err(Error::invalid_input(
+                "claim shard count is 0; split the keys into at least 1 shard",
+            ));
+        }
+        if self.index >= self.count {
+            return Err(Error::invalid_input(format!(
+                "claim shard index {} is not below the shard count {}; shards are numbered \
+                 from 0",
+                self.index, self.count
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl ClaimRequest {
@@ -71,6 +130,9 @@ impl ClaimRequest {
             return Err(Error::invalid_input(
                 "claim lease is 0; give the relay time to publish, e.g. 30s",
             ));
+        }
+        if let Some(shard) = &self.shard {
+            shard.validate()?;
         }
         Ok(())
     }
@@ -144,15 +206,19 @@ pub struct Capabilities {
     /// finds none to delete, and a dedup key is free again once its message is published.
     /// Nothing else changes: a deleted message was published, and fencing still holds.
     pub deletes_published: bool,
+    /// [`ClaimRequest::shard`] is honoured (see [`ClaimShard`]): the relay may run one claim
+    /// per shard at a time instead of one claim in all.
+    pub sharded_claims: bool,
 }
 
 impl Capabilities {
-    /// Neither concurrent claimers nor wake-ups; published messages are kept.
+    /// Neither concurrent claimers nor wake-ups nor sharded claims; published messages are kept.
     pub const fn none() -> Self {
         Self {
             concurrent_claimers: false,
             wakeups: false,
             deletes_published: false,
+            sharded_claims: false,
         }
     }
 
@@ -171,6 +237,12 @@ impl Capabilities {
     /// Set [`Capabilities::deletes_published`].
     pub const fn with_deletes_published(mut self, yes: bool) -> Self {
         self.deletes_published = yes;
+        self
+    }
+
+    /// Set [`Capabilities::sharded_claims`].
+    pub const fn with_sharded_claims(mut self, yes: bool) -> Self {
+        self.sharded_claims = yes;
         self
     }
 }

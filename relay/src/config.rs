@@ -6,6 +6,9 @@ use outbox_traits::{Error, HeadPolicy};
 
 use crate::backoff::Backoff;
 
+/// The most claim shards a relay accepts ([`RelayConfig::claim_shards`]).
+pub const MAX_CLAIM_SHARDS: usize = 256;
+
 /// Settings of a [`Relay`](crate::Relay). Build with struct update syntax over the defaults:
 ///
 /// ```
@@ -33,6 +36,24 @@ pub struct RelayConfig {
     pub store_backoff: Backoff,
     /// Batches in flight at once: while one is being published the next is claimed. Default: 2.
     pub concurrency: usize,
+    /// Claims that may run at once, each over its own shard of the partition keys. Default: 1.
+    ///
+    /// Takes effect only when the store declares
+    /// [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims): the relay
+    /// then splits the keys into `claim_shards` shards (see
+    /// [`ClaimShard`](outbox_traits::ClaimShard)) and runs one claim per shard at a time, so a
+    /// claim's latency no longer bounds the drain alone. With any other store it runs one claim
+    /// at a time, as with 1, and logs a warning saying so when its loop starts.
+    ///
+    /// [`concurrency`](Self::concurrency) stays the total of batches in flight across the
+    /// shards (a running claim counts as one, since it becomes one), and each shard has at most
+    /// `ceil(concurrency / claim_shards)` in flight. More shards than `concurrency` are allowed:
+    /// each shard then has at most 1 batch in flight, and within the total not all of them at
+    /// once. Per-key order and fencing never depend on this setting; it only lets claims run
+    /// side by side. Recommended: 2 on Postgres, with `concurrency` 2. At most
+    /// [`MAX_CLAIM_SHARDS`]: each shard is a claim request and a pacing state the loop looks at
+    /// on every turn, and beyond `concurrency` shards no more claims can run at once.
+    pub claim_shards: usize,
     /// What a dead head message does to its key's later messages. Default: [`HeadPolicy::Block`].
     pub head_policy: HeadPolicy,
     /// First wait after an empty claim; it doubles on each further empty claim up to
@@ -67,6 +88,7 @@ impl Default for RelayConfig {
                 ..Backoff::default()
             },
             concurrency: 2,
+            claim_shards: 1,
             head_policy: HeadPolicy::Block,
             poll_min: Duration::from_millis(10),
             poll_max: Duration::from_millis(100),
@@ -90,6 +112,18 @@ impl RelayConfig {
         }
         if self.concurrency == 0 {
             return bad("concurrency is 0; at least 1 batch must be in flight (default 2)".into());
+        }
+        if self.claim_shards == 0 {
+            return bad(
+                "claim_shards is 0; at least 1 claim must be able to run (default 1)".into(),
+            );
+        }
+        if self.claim_shards > MAX_CLAIM_SHARDS {
+            return bad(format!(
+                "claim_shards is {}; it must be at most {MAX_CLAIM_SHARDS} (default 1; more \
+                 shards than batches in flight cannot claim at once)",
+                self.claim_shards,
+            ));
         }
         check_backoff("backoff", &self.backoff)?;
         check_backoff("store_backoff", &self.store_backoff)?;
@@ -149,6 +183,7 @@ mod tests {
         assert_eq!(c.lease, Duration::from_secs(30));
         assert_eq!(c.max_attempts, 10);
         assert_eq!(c.concurrency, 2);
+        assert_eq!(c.claim_shards, 1);
         assert_eq!(c.head_policy, HeadPolicy::Block);
         assert_eq!(c.poll_min, Duration::from_millis(10));
         assert_eq!(c.poll_max, Duration::from_millis(100));
@@ -164,7 +199,7 @@ mod tests {
     #[test]
     fn each_bad_setting_is_named() {
         let d = RelayConfig::default;
-        let cases: Vec<(RelayConfig, &str)> = vec![
+        let mut cases: Vec<(RelayConfig, &str)> = vec![
             (
                 RelayConfig {
                     batch_size: 0,
@@ -192,6 +227,13 @@ mod tests {
                     ..d()
                 },
                 "concurrency",
+            ),
+            (
+                RelayConfig {
+                    claim_shards: 0,
+                    ..d()
+                },
+                "claim_shards is 0",
             ),
             (
                 RelayConfig {
@@ -258,6 +300,13 @@ mod tests {
                 "poll_min (2s) is greater than poll_max (100ms)",
             ),
         ];
+        cases.push((
+            RelayConfig {
+                claim_shards: MAX_CLAIM_SHARDS + 1,
+                ..d()
+            },
+            "claim_shards is 257; it must be at most 256",
+        ));
         for (config, needle) in cases {
             let msg = message_of(config);
             assert!(msg.contains(needle), "{msg:?} should mention {needle:?}");
@@ -270,6 +319,7 @@ mod tests {
             batch_size: 1,
             max_attempts: 1,
             concurrency: 1,
+            claim_shards: 1,
             backoff: Backoff {
                 jitter: 1.0,
                 multiplier: 1.0,
@@ -280,5 +330,17 @@ mod tests {
             ..RelayConfig::default()
         };
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn claim_shards_above_concurrency_and_up_to_the_maximum_are_accepted() {
+        for claim_shards in [3, MAX_CLAIM_SHARDS] {
+            let c = RelayConfig {
+                concurrency: 2,
+                claim_shards,
+                ..RelayConfig::default()
+            };
+            c.validate().unwrap();
+        }
     }
 }

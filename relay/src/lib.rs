@@ -50,6 +50,12 @@
 //!   keeps up to [`RelayConfig::concurrency`] batches in flight: the next claim overlaps the
 //!   current publish. Each batch is settled in bulk: one `complete` with every acknowledged id,
 //!   one `fail` with every failure, one `release` with every message not attempted.
+//! - **Sharded claims.** With a store that declares
+//!   [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims),
+//!   [`RelayConfig::claim_shards`] above 1 splits the partition keys into that many shards and
+//!   runs one claim per shard at a time (each with its own polling and back-off), so a slow
+//!   claim no longer holds up the others; `concurrency` stays the total in flight. Other stores
+//!   get one claim at a time, as with the default of 1.
 //! - **Outcomes.** `Acked` → complete. `Failed { Transient }` and `Ambiguous` → retry after a
 //!   [`Backoff`] delay, or dead-letter once the attempt is the [`RelayConfig::max_attempts`]-th.
 //!   `Failed { Permanent }` → dead-letter at once. `NotAttempted` → release (no attempt counted),
@@ -126,7 +132,7 @@ mod wait;
 mod wake;
 
 pub use backoff::Backoff;
-pub use config::RelayConfig;
+pub use config::{RelayConfig, MAX_CLAIM_SHARDS};
 pub use engine::Relay;
 pub use handle::RelayHandle;
 pub use notifier::Notifier;

@@ -2,19 +2,26 @@
 //! wake-ups), backs off on store outages, stops claiming while the broker is down (probing it
 //! back, see [`crate::outage`]) and shuts down gracefully.
 //!
+//! Claims run one at a time, or, when the store declares
+//! [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims) and
+//! [`RelayConfig::claim_shards`](crate::RelayConfig::claim_shards) is above 1, one per shard of
+//! the partition keys at a time: each [`Shard`] has its own claim request and its own
+//! [`Pacing`], while the wake-up subscription, the broker's and the store's availability, the
+//! batches in flight and the shutdown stay the loop's.
+//!
 //! [`RunLoop`] holds the loop's state; each turn of [`RunLoop::run`] checks the shutdown
-//! deadline, starts a subscription or a claim if one is due, then waits for the first of: an
+//! deadline, starts a subscription or the claims that are due, then waits for the first of: an
 //! event of its own futures (a claim, a batch settling, a subscription), a wake-up, the stop
 //! signal, or the next timer. Each of those is handled by one named transition.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
-use outbox_traits::{Claim, ClaimRequest, Error, LeaseToken, WakeSource};
+use outbox_traits::{Claim, ClaimRequest, ClaimShard, Error, LeaseToken, WakeSource};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, error, info, info_span, warn, Instrument};
@@ -44,7 +51,10 @@ pub(crate) enum Mode {
 
 /// What the loop's own futures come back with.
 enum Event {
+    /// A claim of shard `shard` (an index into [`RunLoop::shards`]) that started at `started`
+    /// returned.
     Claimed {
+        shard: usize,
         result: Result<Claim, Error>,
         started: Instant,
     },
@@ -65,13 +75,43 @@ pub(crate) async fn run_loop(
     mode: Mode,
     stop: Pin<&mut impl Future<Output = Duration>>,
 ) -> Result<(), Error> {
+    let requests = claim_requests(shared)?;
+    RunLoop::new(shared, rec, mode, &requests).run(stop).await
+}
+
+/// The claim request of each shard: one per shard (`shard: Some(..)`) when the store declares
+/// sharded claims and [`RelayConfig::claim_shards`](crate::RelayConfig::claim_shards) is above
+/// 1, else a single one over every key (`shard: None`), with a warning if shards were asked of
+/// a store that cannot honour them.
+fn claim_requests(shared: &Shared) -> Result<Vec<ClaimRequest>, Error> {
     let cfg = &shared.config;
-    let request = ClaimRequest {
+    let request = |shard| ClaimRequest {
         limit: cfg.batch_size,
         lease: cfg.lease,
         head_policy: cfg.head_policy,
+        shard,
     };
-    RunLoop::new(shared, rec, mode, &request).run(stop).await
+    if cfg.claim_shards <= 1 {
+        return Ok(vec![request(None)]);
+    }
+    if !shared.store.capabilities().sharded_claims {
+        warn!(
+            claim_shards = cfg.claim_shards,
+            "the store does not declare sharded claims; claim_shards is ignored and the relay \
+             runs one claim at a time"
+        );
+        return Ok(vec![request(None)]);
+    }
+    let count = u32::try_from(cfg.claim_shards).map_err(|_| {
+        Error::invalid_input(format!(
+            "relay config: claim_shards is {}; it must be at most {}",
+            cfg.claim_shards,
+            u32::MAX
+        ))
+    })?;
+    (0..count)
+        .map(|index| Ok(request(Some(ClaimShard::new(index, count)?))))
+        .collect()
 }
 
 /// The shutdown side of the loop's state.
@@ -84,17 +124,32 @@ struct Stopping {
     abandon_rx: watch::Receiver<bool>,
 }
 
+/// One shard's claims: what they ask the store for, and when (a loop that does not shard has a
+/// single shard over every key).
+struct Shard<'a> {
+    /// The shard's claim request.
+    request: &'a ClaimRequest,
+    /// The shard's own claim pacing: whether it is claiming, is quiet, backs off or polls.
+    pacing: Pacing,
+}
+
 /// The state of one running loop.
 struct RunLoop<'a> {
     shared: &'a Shared,
     rec: &'a Recorder,
-    request: &'a ClaimRequest,
     serve: bool,
     events: FuturesUnordered<BoxFuture<'a, Event>>,
-    pacing: Pacing,
+    /// The claim shards, at least one; claims run one per shard at a time.
+    shards: Vec<Shard<'a>>,
+    /// Most batches one shard may have in flight: `ceil(concurrency / shards)`.
+    per_shard: usize,
+    /// The shard to offer a claim first on the next turn (the one after the last to claim), so
+    /// that no shard is starved when there are more shards than room in flight.
+    next_shard: usize,
     wake: Wake,
     stopping: Stopping,
-    in_flight: HashSet<LeaseToken>,
+    /// The batches in flight, each with the shard whose claim it came from.
+    in_flight: HashMap<LeaseToken, usize>,
     /// Whether the broker is down (then no claims, only probes).
     broker: Broker,
     /// Whether the store is down (claims fail with transient errors).
@@ -104,16 +159,30 @@ struct RunLoop<'a> {
 }
 
 impl<'a> RunLoop<'a> {
-    fn new(shared: &'a Shared, rec: &'a Recorder, mode: Mode, request: &'a ClaimRequest) -> Self {
+    /// A loop with one shard per request of `requests` (at least one).
+    fn new(
+        shared: &'a Shared,
+        rec: &'a Recorder,
+        mode: Mode,
+        requests: &'a [ClaimRequest],
+    ) -> Self {
         let serve = mode == Mode::Serve;
         let (abandon_tx, abandon_rx) = watch::channel(false);
+        let shards: Vec<Shard<'a>> = requests
+            .iter()
+            .map(|request| Shard {
+                request,
+                pacing: Pacing::new(&shared.config, serve),
+            })
+            .collect();
         Self {
             shared,
             rec,
-            request,
             serve,
             events: FuturesUnordered::new(),
-            pacing: Pacing::new(&shared.config, serve),
+            per_shard: shared.config.concurrency.div_ceil(shards.len().max(1)),
+            shards,
+            next_shard: 0,
             wake: Wake::new(serve),
             stopping: Stopping {
                 deadline: None,
@@ -121,7 +190,7 @@ impl<'a> RunLoop<'a> {
                 abandon_tx,
                 abandon_rx,
             },
-            in_flight: HashSet::new(),
+            in_flight: HashMap::new(),
             broker: Broker::new(),
             store: Availability::new("store"),
             fatal: None,
@@ -147,18 +216,26 @@ impl<'a> RunLoop<'a> {
             if listening && self.broker.probe_at().is_some_and(|at| at <= now) {
                 self.probe();
             }
-            let may_claim = self.may_claim();
-            if may_claim && self.pacing.claim_at().is_none_or(|at| at <= now) {
-                self.claim();
+            // From the shard after the last one to claim, so that every shard gets its turn.
+            let first = self.next_shard;
+            for shard in (first..self.shards.len()).chain(0..first) {
+                if self.may_claim(shard)
+                    && self.shards[shard]
+                        .pacing
+                        .claim_at()
+                        .is_none_or(|at| at <= now)
+                {
+                    self.claim(shard);
+                }
             }
-            let timer = self.timer(may_claim, listening);
+            let timer = self.timer(listening);
             tokio::select! {
                 Some(event) = self.events.next(), if !self.events.is_empty() => self.on_event(event),
-                () = shared.notifier.notified(), if listening => self.pacing.woken_up(),
+                () = shared.notifier.notified(), if listening => self.woken_up(),
                 hint = self.wake.next_hint(), if listening && self.wake.has_source() => match hint {
                     Ok(()) => {
                         self.wake.hinted();
-                        self.pacing.woken_up();
+                        self.woken_up();
                     }
                     Err(e) => self.wake.failed(&e, &shared.config.store_backoff),
                 },
@@ -174,26 +251,41 @@ impl<'a> RunLoop<'a> {
         self.serve && self.stopping.deadline.is_none()
     }
 
-    /// Whether a claim may start (when its time comes).
-    fn may_claim(&self) -> bool {
-        self.stopping.deadline.is_none()
-            && self.fatal.is_none()
-            && !self.pacing.claiming()
-            && !self.broker.is_down()
-            && self.in_flight.len() < self.shared.config.concurrency
-            && (self.serve || !self.pacing.quiet())
+    /// Claims running, over every shard.
+    fn claims_running(&self) -> usize {
+        self.shards.iter().filter(|s| s.pacing.claiming()).count()
     }
 
-    /// The next time the loop must act on its own: a claim, a subscription, or the shutdown
-    /// deadline (then the end of the release grace).
-    fn timer(&self, may_claim: bool, listening: bool) -> Option<Instant> {
+    /// Batches in flight that came from a claim of `shard`.
+    fn in_flight_of(&self, shard: usize) -> usize {
+        self.in_flight.values().filter(|s| **s == shard).count()
+    }
+
+    /// Whether a claim of `shard` may start (when its time comes): the shard is not claiming
+    /// and has room ([`RunLoop::per_shard`]), and the batches in flight plus the claims running
+    /// (each of which becomes a batch) stay below `concurrency`. With a single shard this is
+    /// exactly "no claim running and fewer than `concurrency` batches in flight".
+    fn may_claim(&self, shard: usize) -> bool {
+        let pacing = &self.shards[shard].pacing;
+        self.stopping.deadline.is_none()
+            && self.fatal.is_none()
+            && !pacing.claiming()
+            && !self.broker.is_down()
+            && self.in_flight.len() + self.claims_running() < self.shared.config.concurrency
+            && self.in_flight_of(shard) < self.per_shard
+            && (self.serve || !pacing.quiet())
+    }
+
+    /// The next time the loop must act on its own: a claim (the earliest over the shards that
+    /// may claim), a subscription, or the shutdown deadline (then the end of the release grace).
+    fn timer(&self, listening: bool) -> Option<Instant> {
         let stopping = &self.stopping;
         earliest([
-            if may_claim && !self.pacing.claiming() {
-                self.pacing.claim_at()
-            } else {
-                None
-            },
+            earliest(
+                (0..self.shards.len())
+                    .filter(|shard| self.may_claim(*shard))
+                    .map(|shard| self.shards[shard].pacing.claim_at()),
+            ),
             if listening {
                 self.wake.resubscribe_at()
             } else {
@@ -216,13 +308,13 @@ impl<'a> RunLoop<'a> {
 
     /// Transition (shutdown): past the deadline, tell in-flight batches to give up. Says whether
     /// the loop is over: stopping with nothing left in flight (or past the release grace), or
-    /// draining with nothing left to claim.
+    /// draining with nothing left to claim (every shard quiet, or a fatal error).
     fn finished(&mut self, now: Instant) -> bool {
         let Some(deadline) = self.stopping.deadline else {
             return !self.serve
-                && !self.pacing.claiming()
+                && self.claims_running() == 0
                 && self.in_flight.is_empty()
-                && (self.pacing.quiet() || self.fatal.is_some());
+                && (self.fatal.is_some() || self.shards.iter().all(|s| s.pacing.quiet()));
         };
         if !self.stopping.abandoned && now >= deadline {
             self.stopping.abandoned = true;
@@ -239,7 +331,7 @@ impl<'a> RunLoop<'a> {
             );
             return true;
         }
-        !self.pacing.claiming() && self.in_flight.is_empty()
+        self.claims_running() == 0 && self.in_flight.is_empty()
     }
 
     /// Transition (shutdown): the stop signal came with `grace` to finish in.
@@ -257,14 +349,28 @@ impl<'a> RunLoop<'a> {
         }));
     }
 
-    /// Transition (claim): start a claim.
-    fn claim(&mut self) {
-        self.pacing.start_claim();
-        let (shared, request) = (self.shared, self.request);
+    /// Transition (wake): a wake-up (notifier, the store's source, or the broker back up)
+    /// arrived; it may concern any shard's keys, so every shard hears it.
+    fn woken_up(&mut self) {
+        for shard in &mut self.shards {
+            shard.pacing.woken_up();
+        }
+    }
+
+    /// Transition (claim): start a claim of `shard`.
+    fn claim(&mut self, shard: usize) {
+        self.next_shard = (shard + 1) % self.shards.len();
+        let Shard { request, pacing } = &mut self.shards[shard];
+        pacing.start_claim();
+        let (shared, request) = (self.shared, *request);
         self.events.push(Box::pin(async move {
             let started = Instant::now();
             let result = shared.store.claim(request).await;
-            Event::Claimed { result, started }
+            Event::Claimed {
+                shard,
+                result,
+                started,
+            }
         }));
     }
 
@@ -282,7 +388,7 @@ impl<'a> RunLoop<'a> {
     fn probed(&mut self, down: Option<String>) {
         if self.broker.probed(down) {
             self.rec.broker_up(true);
-            self.pacing.woken_up();
+            self.woken_up();
         }
     }
 
@@ -300,7 +406,11 @@ impl<'a> RunLoop<'a> {
     /// Dispatch an event of the loop's own futures to its transition.
     fn on_event(&mut self, event: Event) {
         match event {
-            Event::Claimed { result, started } => self.claimed(result, started),
+            Event::Claimed {
+                shard,
+                result,
+                started,
+            } => self.claimed(shard, result, started),
             Event::Settled { token, end } => self.settled(token, end),
             Event::Probed(down) => self.probed(down),
             Event::Subscribed(result) => self
@@ -309,33 +419,36 @@ impl<'a> RunLoop<'a> {
         }
     }
 
-    /// Transition (claim): the claim that started at `started` returned.
-    fn claimed(&mut self, result: Result<Claim, Error>, started: Instant) {
+    /// Transition (claim): the claim of `shard` that started at `started` returned.
+    fn claimed(&mut self, shard: usize, result: Result<Claim, Error>, started: Instant) {
         self.rec.claim_took(started.elapsed());
-        let overlapped_settle = self.pacing.claim_returned();
+        let pacing = &mut self.shards[shard].pacing;
+        let overlapped_settle = pacing.claim_returned();
         if result.is_ok() && self.store.came_back() {
             self.rec.store_up(true);
         }
         match result {
-            Ok(claim) if claim.messages.is_empty() => self.pacing.found_nothing(overlapped_settle),
+            Ok(claim) if claim.messages.is_empty() => pacing.found_nothing(overlapped_settle),
             Ok(claim) => {
-                self.pacing.found(claim.messages.len(), overlapped_settle);
-                self.start_batch(claim, started);
+                pacing.found(claim.messages.len(), overlapped_settle);
+                self.start_batch(shard, claim, started);
             }
-            Err(e) => self.claim_failed(e),
+            Err(e) => self.claim_failed(shard, e),
         }
     }
 
-    /// Transition (claim): a claim failed. Drain mode stops claiming on a permanent error;
-    /// otherwise the loop backs off and claims again.
-    fn claim_failed(&mut self, e: Error) {
+    /// Transition (claim): a claim of `shard` failed. Drain mode stops claiming on a permanent
+    /// error; otherwise that shard backs off and claims again.
+    fn claim_failed(&mut self, shard: usize, e: Error) {
         self.rec.add(Counter::StoreErrors, 1);
         if !self.serve && !e.is_transient() {
             error!(error = %e, "permanent error from claim; stopping");
             self.fatal = Some(e);
             return;
         }
-        let pause = self.pacing.back_off(&self.shared.config.store_backoff);
+        let pause = self.shards[shard]
+            .pacing
+            .back_off(&self.shared.config.store_backoff);
         if e.is_transient() {
             if self.store.went_down(&e.to_string()) {
                 self.rec.store_up(false);
@@ -346,15 +459,15 @@ impl<'a> RunLoop<'a> {
         }
     }
 
-    /// Transition (claim): publish and settle a non-empty claim in its own future, or give it
-    /// straight back if it arrived while stopping.
-    fn start_batch(&mut self, claim: Claim, started: Instant) {
+    /// Transition (claim): publish and settle a non-empty claim of `shard` in its own future, or
+    /// give it straight back if it arrived while stopping.
+    fn start_batch(&mut self, shard: usize, claim: Claim, started: Instant) {
         let size = claim.messages.len();
         self.rec.add(Counter::Claimed, size as u64);
         self.rec.add(Counter::Batches, 1);
         self.rec.batch_size(size);
         let token = claim.token;
-        self.in_flight.insert(token);
+        self.in_flight.insert(token, shard);
         let batch = Batch {
             shared: self.shared,
             rec: self.rec,
@@ -391,18 +504,22 @@ impl<'a> RunLoop<'a> {
         }
     }
 
-    /// Transition (settle): a batch finished. A broker it found down stops the claims (see
-    /// [`RunLoop::broker_went_down`]); a permanent store error from it pauses claims (serve
-    /// mode) or ends a drain.
+    /// Transition (settle): a batch finished, which may free its shard's keys (only its shard's:
+    /// the keys of other shards never meet it). A broker it found down stops the claims (see
+    /// [`RunLoop::broker_went_down`]); a permanent store error from it pauses every shard's
+    /// claims (serve mode) or ends a drain.
     fn settled(&mut self, token: LeaseToken, end: BatchEnd) {
-        self.in_flight.remove(&token);
-        self.pacing.settled();
+        if let Some(shard) = self.in_flight.remove(&token) {
+            self.shards[shard].pacing.settled();
+        }
         if let Some(reason) = end.broker_down {
             self.broker_went_down(&reason);
         }
         if let Some(e) = end.fatal {
             if self.serve {
-                self.pacing.back_off(&self.shared.config.store_backoff);
+                for shard in &mut self.shards {
+                    shard.pacing.back_off(&self.shared.config.store_backoff);
+                }
             } else if self.fatal.is_none() {
                 self.fatal = Some(e);
             }

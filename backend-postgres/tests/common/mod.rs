@@ -75,6 +75,7 @@ impl Db {
                 limit,
                 lease: Duration::from_secs(30),
                 head_policy,
+                shard: None,
             })
             .await
             .unwrap()
