@@ -7,8 +7,8 @@ use chrono::{DateTime, Utc};
 use outbox_sqlx_support::row::{micros, truncate_error};
 use outbox_traits::quarantine::held_back;
 use outbox_traits::{
-    async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, HeadPolicy, LeaseToken,
-    Message, OutboxStore, WakeSource,
+    async_trait, Capabilities, Claim, ClaimRequest, ClaimShard, Error, Failure, HeadPolicy,
+    LeaseToken, Message, OutboxStore, WakeSource,
 };
 use sqlx::postgres::PgRow;
 use sqlx::Row;
@@ -73,9 +73,10 @@ fn claim_begin() -> &'static str {
 /// so often that the look-past statement makes them slower (63,808 and 66,037).
 const CLAIM_WINDOW: i64 = 2;
 
-/// A claim statement (`Sql::claim_*` or `Sql::claim_past_*`) with its parameters bound:
-/// `$1` how many messages, `$2` the token, `$3` the lease in microseconds, `$4` the window
-/// (`claim_past_*` takes a fifth, the window's last seq).
+/// A claim statement (`Sql::claim_*` or `Sql::claim_past_*`) with its first parameters bound:
+/// `$1` how many messages, `$2` the token, `$3` the lease in microseconds, `$4` the window.
+/// `claim_*` takes the shard next (`$5` how many, `$6` which: see [`shard_params`]);
+/// `claim_past_*` takes the window's last seq (`$5`), then the shard (`$6`, `$7`).
 fn claim_statement(
     sql: &str,
     limit: i64,
@@ -88,6 +89,25 @@ fn claim_statement(
         .bind(token.0)
         .bind(lease_us)
         .bind(window)
+}
+
+/// The claim's shard as the statements' parameters: how many shards, and which (`(1, 0)`, every
+/// key, for an unsharded claim). The request was validated, so the index is below the count;
+/// both fit an `int` (a count past `i32::MAX` is refused as invalid input).
+fn shard_params(shard: Option<ClaimShard>) -> Result<(i32, i32), Error> {
+    let Some(shard) = shard else {
+        return Ok((1, 0));
+    };
+    let count = i32::try_from(shard.count).map_err(|_| {
+        Error::invalid_input(format!(
+            "claim shard count {} is too large for Postgres; use at most {}",
+            shard.count,
+            i32::MAX
+        ))
+    })?;
+    // Below the count, so it fits too.
+    let index = i32::try_from(shard.index).unwrap_or(i32::MAX);
+    Ok((count, index))
 }
 
 /// How many of a claim's rows are messages (an empty claim's single row carries only the lease
@@ -103,6 +123,7 @@ impl OutboxStore for PostgresStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
         req.validate()?;
         let lease_us = micros("claim lease", req.lease)?;
+        let (shards, shard) = shard_params(req.shard)?;
         let limit = i64::try_from(req.limit).unwrap_or(i64::MAX);
         let token = LeaseToken::new();
         let all = self.config().sql();
@@ -131,6 +152,8 @@ impl OutboxStore for PostgresStore {
             let err = |e| map_sqlx(e, "claim", &table);
             let mut tx = pool.begin_with(claim_begin()).await.map_err(err)?;
             let mut rows: Vec<PgRow> = claim_statement(&sql, limit, token, lease_us, window)
+                .bind(shards)
+                .bind(shard)
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(err)?;
@@ -146,6 +169,8 @@ impl OutboxStore for PostgresStore {
                 let rest = i64::try_from(max - got).unwrap_or(i64::MAX);
                 let more = claim_statement(&past, rest, token, lease_us, window)
                     .bind(window_end)
+                    .bind(shards)
+                    .bind(shard)
                     .fetch_all(&mut *tx)
                     .await
                     .map_err(err)?;
@@ -271,6 +296,7 @@ impl OutboxStore for PostgresStore {
             .with_concurrent_claimers(true)
             .with_wakeups(self.config().notify())
             .with_deletes_published(self.config().delete_published())
+            .with_sharded_claims(true)
     }
 
     async fn wakeups(&self) -> Result<Option<Box<dyn WakeSource>>, Error> {
@@ -357,11 +383,12 @@ mod tests {
                     pool.begin().await?
                 };
                 tx.execute(
-                    format!("PREPARE claim_plan(bigint, uuid, bigint, bigint) AS {sql}").as_str(),
+                    format!("PREPARE claim_plan(bigint, uuid, bigint, bigint, int, int) AS {sql}")
+                        .as_str(),
                 )
                 .await?;
                 let lines: Vec<String> = sqlx::query_scalar(
-                    "EXPLAIN EXECUTE claim_plan(500, gen_random_uuid(), 30000000, 2000)",
+                    "EXPLAIN EXECUTE claim_plan(500, gen_random_uuid(), 30000000, 2000, 1, 0)",
                 )
                 .fetch_all(&mut *tx)
                 .await?;

@@ -113,6 +113,29 @@ const MESSAGE_COLUMNS: &str =
      headers::text AS headers, partition_key COLLATE \"default\" AS partition_key, dedup_key, \
      attempts, created_at";
 
+/// Whether row `alias` belongs to the claim's shard: parameter `$count` is how many shards
+/// the keys are split into (1: every row, the unsharded claim), `$index` which one this claim
+/// takes (see [`outbox_traits::ClaimShard`]). A key maps by `hashtext` of the key, so every row
+/// of a key is in one shard and per-key order needs nothing across shards; an unordered row
+/// (no key) by its seq. The hash is computed on the rows the claim reads anyway (no index holds
+/// it), which costs a sharded claim the rows of other shards it steps over in the claim index.
+fn shard_predicate(alias: &str, count: u8, index: u8) -> String {
+    shard_of(
+        &format!("{alias}.partition_key"),
+        &format!("{alias}.seq"),
+        count,
+        index,
+    )
+}
+
+/// [`shard_predicate`] for a row whose key and seq are the expressions `key` and `seq`.
+fn shard_of(key: &str, seq: &str, count: u8, index: u8) -> String {
+    format!(
+        "(${count}::int <= 1 OR (CASE WHEN {key} IS NULL THEN {seq} \
+         ELSE hashtext({key})::bigint & 2147483647 END) % ${count}::int = ${index}::int)"
+    )
+}
+
 /// What a claim returns for each leased row (`m`), in the order `row::decode` reads by name.
 /// `partition_key` with the default collation: see [`MESSAGE_COLUMNS`].
 const CLAIM_RETURNING: &str =
@@ -455,7 +478,7 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     SELECT w.ctid AS tid, w.id, w.seq, w.partition_key,
            w.available_at <= now() AND (w.lease_until IS NULL OR w.lease_until <= now())
                AS claimable
-    FROM {t} w WHERE w.state = 'pending' ORDER BY w.seq LIMIT $4
+    FROM {t} w WHERE w.state = 'pending' AND {shard_w} ORDER BY w.seq LIMIT $4
 ),
 cand AS MATERIALIZED (
     SELECT c.tid, c.id, c.seq, c.partition_key, c.key_rank
@@ -527,7 +550,8 @@ FROM (SELECT now() + $3::bigint * interval '1 microsecond' AS lease_until,
                  SELECT max(w.seq) FROM win w HAVING count(*) >= $4
              ) END AS window_end) l
 LEFT JOIN upd ON true
-ORDER BY upd.seq"#
+ORDER BY upd.seq"#,
+                shard_w = shard_predicate("w", 5, 6),
             )
         };
 
@@ -544,7 +568,8 @@ ORDER BY upd.seq"#
             let ordered_states = ordered_states(dead_blocks);
             format!(
                 r#"WITH RECURSIVE bound AS MATERIALIZED (
-    -- The last row of `claim`'s full window ($5, its `window_end`).
+    -- The last row of `claim`'s full window ($5, its `window_end`). Like `claim`, it looks
+    -- only at the keys of its shard ($6 shards, this one $7; see `shard_predicate`).
     SELECT $5::bigint AS seq WHERE $5::bigint IS NOT NULL
 ),
 keys AS (
@@ -580,11 +605,12 @@ cand AS MATERIALIZED (
             LIMIT 1
         ) h
         WHERE (SELECT all_keys FROM walked) AND h.claimable AND h.seq > (SELECT seq FROM bound)
+          AND {shard_h}
         UNION ALL
         (SELECT u.ctid, u.seq FROM {t} u
          WHERE (SELECT all_keys FROM walked)
            AND u.partition_key IS NULL AND u.state = 'pending'
-           AND u.seq > (SELECT seq FROM bound)
+           AND u.seq > (SELECT seq FROM bound) AND {shard_u}
            AND u.available_at <= now() AND (u.lease_until IS NULL OR u.lease_until <= now())
          ORDER BY u.seq
          LIMIT $1)
@@ -602,7 +628,7 @@ cand AS MATERIALIZED (
              LIMIT 1
          ) head ON true
          WHERE NOT (SELECT all_keys FROM walked)
-           AND c.state = 'pending' AND c.seq > (SELECT seq FROM bound)
+           AND c.state = 'pending' AND c.seq > (SELECT seq FROM bound) AND {shard_c}
            AND c.available_at <= now() AND (c.lease_until IS NULL OR c.lease_until <= now())
            AND (c.partition_key IS NULL OR (head.claimable AND head.seq = c.seq))
          ORDER BY c.seq
@@ -625,7 +651,10 @@ upd AS (
     WHERE m.ctid = ANY(ARRAY(SELECT tid FROM locked))
     RETURNING {returning}
 )
-SELECT upd.* FROM upd ORDER BY upd.seq"#
+SELECT upd.* FROM upd ORDER BY upd.seq"#,
+                shard_h = shard_of("keys.key", "h.seq", 6, 7),
+                shard_u = shard_predicate("u", 6, 7),
+                shard_c = shard_predicate("c", 6, 7),
             )
         };
 

@@ -10,7 +10,8 @@ use std::time::Duration;
 use common::{db, db_with, ids, msg, names, random_schema, Db};
 use outbox_backend_postgres::{enqueue, enqueue_batch, migrate, PostgresConfig, PostgresStore};
 use outbox_traits::{
-    ClaimRequest, Error, ErrorKind, FailAction, Failure, HeadPolicy, OutboxAdmin, OutboxStore,
+    ClaimRequest, ClaimShard, Error, ErrorKind, FailAction, Failure, HeadPolicy, OutboxAdmin,
+    OutboxStore,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use uuid::Uuid;
@@ -47,6 +48,7 @@ async fn two_relays_on_separate_pools_never_overlap_and_keep_key_order() {
                         limit,
                         lease: Duration::from_secs(60),
                         head_policy: Block,
+                        shard: None,
                     })
                     .await
                     .unwrap();
@@ -104,6 +106,67 @@ async fn a_row_locked_by_a_concurrent_claim_holds_back_its_key() {
     db.drop().await;
 }
 
+/// Claims of two shards run side by side: the rows that one shard's claim holds locked (its
+/// candidates, between its lock and its commit) hold back nothing of the other shard's claim,
+/// which still fills its batch. An unsharded claim at that moment comes back short, its window
+/// half full of locked rows: the control, which is why the relay used to run one claim at a
+/// time.
+#[tokio::test]
+async fn a_claim_of_one_shard_is_not_held_back_by_another_shard_s_claim_in_progress() {
+    let Some(db) = db().await else { return };
+    let messages: Vec<_> = (0..400)
+        .map(|i| msg(&format!("k{}", i % 40), &format!("{i}")))
+        .collect();
+    db.enqueue(&messages).await;
+    // The shard of each row, as the claim computes it (`shard_predicate` in sql.rs).
+    let shard = "(hashtext(partition_key)::bigint & 2147483647) % 2";
+    let mut other = db.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {} WHERE {shard} = 0 FOR UPDATE",
+        db.table()
+    ))
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    let req = |shard| ClaimRequest {
+        limit: 50,
+        lease: Duration::from_secs(60),
+        head_policy: Block,
+        shard,
+    };
+    let sharded = db
+        .store
+        .claim(&req(Some(ClaimShard::new(1, 2).unwrap())))
+        .await
+        .unwrap();
+    assert_eq!(sharded.messages.len(), 50, "shard 1 was held back");
+    let in_shard_1: Vec<bool> = sqlx::query_scalar(&format!(
+        "SELECT {shard} = 1 FROM {} WHERE id = ANY($1)",
+        db.table()
+    ))
+    .bind(ids(&sharded))
+    .fetch_all(db.pool())
+    .await
+    .unwrap();
+    assert!(
+        in_shard_1.iter().all(|&yes| yes),
+        "a row of shard 0 came back"
+    );
+    db.store
+        .release(sharded.token, &ids(&sharded))
+        .await
+        .unwrap();
+    let unsharded = db.store.claim(&req(None)).await.unwrap();
+    assert!(
+        unsharded.messages.len() < 50,
+        "control: the unsharded claim was expected to come back short, held back by the \
+         locked rows; it got {}",
+        unsharded.messages.len()
+    );
+    other.rollback().await.unwrap();
+    db.drop().await;
+}
+
 #[tokio::test]
 async fn the_limit_holds_even_when_the_planner_must_use_nested_loops() {
     let Some(db) = db().await else { return };
@@ -128,6 +191,7 @@ async fn the_limit_holds_even_when_the_planner_must_use_nested_loops() {
                 limit: 7,
                 lease: Duration::from_secs(60),
                 head_policy: Block,
+                shard: None,
             })
             .await
             .unwrap();
@@ -246,6 +310,7 @@ async fn invalid_messages_are_refused_before_anything_is_sent() {
             limit: 0,
             lease: Duration::from_secs(1),
             head_policy: Block,
+            shard: None,
         })
         .await
         .unwrap_err();
@@ -309,6 +374,7 @@ async fn a_missing_table_is_a_permanent_error_that_says_to_migrate() {
             limit: 1,
             lease: Duration::from_secs(1),
             head_policy: Block,
+            shard: None,
         })
         .await
         .unwrap_err();
@@ -625,6 +691,7 @@ async fn the_transitions_lock_timeout_stays_in_their_statements() {
             limit: 10,
             lease: Duration::from_secs(30),
             head_policy: Block,
+            shard: None,
         })
         .await
         .unwrap();
