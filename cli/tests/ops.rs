@@ -478,6 +478,7 @@ store = "postgres://app:filesecret@db:5432/app"
 broker = "kafka://u:brokersecret@k:9092?topic=t&sasl.password=saslsecret&acks=all"
 batch_size = 7
 concurrency = 3
+claim_shards = 2
 lease = "45s"
 head_policy = "skip"
 metrics_addr = "127.0.0.1:9100"
@@ -513,6 +514,11 @@ log_format = "json"
         "file over default: {text}"
     );
     assert_eq!(effective["head_policy"].as_str(), Some("skip"));
+    assert_eq!(
+        effective["claim_shards"].as_integer(),
+        Some(2),
+        "file over default: {text}"
+    );
     assert_eq!(
         effective["max_attempts"].as_integer(),
         Some(10),

@@ -5,6 +5,7 @@
 //! eval "$(scripts/services)"
 //! cargo run --release -p outbox-bench --bin sidebyside -- [postgres,kafka,sqlite,mysql|all]
 //!     [rounds=3] [messages=100000] [keys=1000] [peer_messages=10000] [batch=N] [concurrency=N]
+//!     [claim_shards=N]
 //!     [kafka_props=a=b;c=d] [pgmq=100x1,100x2,1000x1,1000x2|none] [peer=true|false] [delete_published=false|true]
 //! ```
 //!
@@ -27,7 +28,7 @@
 //! - `sqlite`, `mysql`: this project's drain alone, as `postgres` (no peer).
 //!
 //! `pgmq=none` and `peer=false` leave the peers out, to compare this project's settings
-//! (`batch=`, `concurrency=`, `kafka_props=`) run against run.
+//! (`batch=`, `concurrency=`, `claim_shards=`, `kafka_props=`) run against run.
 //!
 //! For each drain it reads the CPU time (user + system) from `/proc` before and after: the relay
 //! (this process; for SQLite the database too, it is in-process), the database server (for
@@ -86,6 +87,8 @@ struct Opts {
     peer_messages: usize,
     batch: Option<usize>,
     concurrency: Option<usize>,
+    /// The relay's `claim_shards` (claims that run side by side over disjoint keys).
+    claim_shards: Option<usize>,
     kafka_props: Vec<(String, String)>,
     /// pgmq loops: (batch, workers).
     pgmq: Vec<(i32, usize)>,
@@ -105,6 +108,7 @@ impl Opts {
             peer_messages: 10_000,
             batch: None,
             concurrency: None,
+            claim_shards: None,
             kafka_props: vec![],
             pgmq: vec![(100, 1), (100, 2), (1_000, 1), (1_000, 2)],
             peer: true,
@@ -134,6 +138,7 @@ impl Opts {
                 "peer_messages" => o.peer_messages = value.parse()?,
                 "batch" => o.batch = Some(value.parse()?),
                 "concurrency" => o.concurrency = Some(value.parse()?),
+                "claim_shards" => o.claim_shards = Some(value.parse()?),
                 "kafka_props" => {
                     for pair in value.split(';').filter(|p| !p.is_empty()) {
                         let (k, v) = pair.split_once('=').ok_or_else(|| {
@@ -159,7 +164,7 @@ impl Opts {
                 _ => {
                     return Err(format!(
                         "unknown option {key:?}; use rounds, messages, keys, peer_messages, batch, \
-                         concurrency, kafka_props, pgmq, peer, delete_published"
+                         concurrency, claim_shards, kafka_props, pgmq, peer, delete_published"
                     )
                     .into())
                 }
@@ -176,6 +181,7 @@ impl Opts {
         RelayConfig {
             batch_size: self.batch.unwrap_or(defaults.batch_size),
             concurrency: self.concurrency.unwrap_or(defaults.concurrency),
+            claim_shards: self.claim_shards.unwrap_or(defaults.claim_shards),
             ..defaults
         }
     }
@@ -183,9 +189,14 @@ impl Opts {
     fn relay_settings(&self) -> String {
         let c = self.relay();
         format!(
-            "batch {}, {} in flight, order + fencing on{}",
+            "batch {}, {} in flight{}, order + fencing on{}",
             c.batch_size,
             c.concurrency,
+            if c.claim_shards > 1 {
+                format!(", {} claim shards", c.claim_shards)
+            } else {
+                String::new()
+            },
             if self.delete_published {
                 ", published rows deleted"
             } else {
