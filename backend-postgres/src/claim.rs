@@ -53,7 +53,8 @@ fn claim_settings() -> String {
 
 /// `BEGIN` and [`claim_settings`] as one simple query: one round trip where two were (no
 /// parameters, so sqlx sends it as text and the server runs both statements). Serial claims
-/// bound a drain (the relay runs one claim at a time), so each round trip off a claim counts.
+/// bound a drain (the relay runs one claim per claim shard at a time), so each round trip off a
+/// claim counts.
 /// Built once, not per claim.
 fn claim_begin() -> &'static str {
     static BEGIN: std::sync::LazyLock<String> =
@@ -66,8 +67,9 @@ fn claim_begin() -> &'static str {
 ///
 /// Twice the limit: room for one other batch in flight (the relay's default of 2), whose
 /// leased rows sit at the head of the window, and for the claimable rows behind them. Reading,
-/// sorting and ranking the window is most of a claim's cost, and the relay runs one claim at a
-/// time, so the window bounds a drain. Measured side by side (`bench --bin sidebyside`, 100,000
+/// sorting and ranking the window is most of a claim's cost, and the relay runs one claim per
+/// claim shard at a time, so the window bounds a drain. A sharded claim's window holds only its
+/// shard's rows (it steps over the others' in the claim index). Measured side by side (`bench --bin sidebyside`, 100,000
 /// messages over 1,000 keys, batch 500, 2 in flight, published rows deleted): a window of 4×
 /// the limit 81,514 msg/s, 3× 87,961, **2× 90,278**; 1.5× and 1× come back short of the limit
 /// so often that the look-past statement makes them slower (63,808 and 66,037).

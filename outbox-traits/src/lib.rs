@@ -105,6 +105,13 @@
 //!      all of the other's (also those written while it waited): insert order is commit order.
 //!      A writer never writes a key held by a transaction whose enqueue waits (that would
 //!      deadlock).
+//!    - **Sharded claims** ([`Capabilities::sharded_claims`], optional). A store that declares
+//!      them gets about a third of the property's claims with a [`ClaimShard`] (1 to 3 shards)
+//!      and two example checks: invalid shards are refused before anything is leased, and
+//!      shards partition the keys (each key under one shard, every message once, in order). The
+//!      model does not know your shard function; it learns which shard each key is in from what
+//!      claims return, and holds each sharded claim to exactly what an unsharded claim would
+//!      return restricted to the keys that may be in its shard.
 //!
 //!    `scripts/mutants` in the repository plants realistic bugs in the three SQL backends
 //!    one at a time and requires the suite to catch each. Run it with `PROPTEST_CASES=1000` as CI

@@ -7,6 +7,7 @@
 //!     [rounds=3] [messages=100000] [keys=1000] [peer_messages=10000] [batch=N] [concurrency=N]
 //!     [claim_shards=N]
 //!     [kafka_props=a=b;c=d] [pgmq=100x1,100x2,1000x1,1000x2|none] [peer=true|false] [delete_published=false|true]
+//!     [recommended=false|true]
 //! ```
 //!
 //! Sections, each round running them in turn (this project first, then its peer):
@@ -26,6 +27,11 @@
 //!   Its migration is read from the crate's source that cargo downloaded (nothing of it is kept
 //!   in this repository).
 //! - `sqlite`, `mysql`: this project's drain alone, as `postgres` (no peer).
+//!
+//! `recommended=true` runs each store at the settings the README's "Speed" recommends for it,
+//! each setting unless given explicitly: every store deletes published rows; Postgres (and
+//! Postgres → Kafka) claims over 2 claim shards in batches of 2,000; MariaDB takes batches of
+//! 1,000 with one in flight; SQLite keeps the defaults otherwise.
 //!
 //! `pgmq=none` and `peer=false` leave the peers out, to compare this project's settings
 //! (`batch=`, `concurrency=`, `claim_shards=`, `kafka_props=`) run against run.
@@ -95,7 +101,9 @@ struct Opts {
     /// Whether to run oxide-outbox in the Kafka section.
     peer: bool,
     /// This project's drains (every store) delete published rows (`delete_published(true)`).
-    delete_published: bool,
+    delete_published: Option<bool>,
+    /// Each store at the README's recommended settings (see [`Opts::for_store`]).
+    recommended: bool,
 }
 
 impl Opts {
@@ -112,7 +120,8 @@ impl Opts {
             kafka_props: vec![],
             pgmq: vec![(100, 1), (100, 2), (1_000, 1), (1_000, 2)],
             peer: true,
-            delete_published: false,
+            delete_published: None,
+            recommended: false,
         };
         for arg in std::env::args().skip(1) {
             let Some((key, value)) = arg.split_once('=') else {
@@ -148,7 +157,8 @@ impl Opts {
                     }
                 }
                 "peer" => o.peer = value.parse()?,
-                "delete_published" => o.delete_published = value.parse()?,
+                "delete_published" => o.delete_published = Some(value.parse()?),
+                "recommended" => o.recommended = value.parse()?,
                 "pgmq" if value == "none" => o.pgmq.clear(),
                 "pgmq" => {
                     o.pgmq = value
@@ -164,7 +174,8 @@ impl Opts {
                 _ => {
                     return Err(format!(
                         "unknown option {key:?}; use rounds, messages, keys, peer_messages, batch, \
-                         concurrency, claim_shards, kafka_props, pgmq, peer, delete_published"
+                         concurrency, claim_shards, kafka_props, pgmq, peer, delete_published, \
+                         recommended"
                     )
                     .into())
                 }
@@ -197,12 +208,40 @@ impl Opts {
             } else {
                 String::new()
             },
-            if self.delete_published {
+            if self.deletes() {
                 ", published rows deleted"
             } else {
                 ""
             }
         )
+    }
+
+    /// Whether this project's drains delete published rows.
+    fn deletes(&self) -> bool {
+        self.delete_published.unwrap_or(false)
+    }
+
+    /// The options for `store` (`postgres`, which the Kafka section uses too, `sqlite` or
+    /// `mysql`): with `recommended=true`, the README's recommended settings for that store where
+    /// none was given explicitly.
+    fn for_store(&self, store: &str) -> Opts {
+        let mut o = self.clone();
+        if !self.recommended {
+            return o;
+        }
+        o.delete_published.get_or_insert(true);
+        match store {
+            "postgres" => {
+                o.batch.get_or_insert(2_000);
+                o.claim_shards.get_or_insert(2);
+            }
+            "mysql" => {
+                o.batch.get_or_insert(1_000);
+                o.concurrency.get_or_insert(1);
+            }
+            _ => {}
+        }
+        o
     }
 
     fn has(&self, section: &str) -> bool {
@@ -442,7 +481,7 @@ async fn postgres_store(
     let config = PostgresConfig::builder()
         .schema(&schema)
         .notify(false)
-        .delete_published(o.delete_published)
+        .delete_published(o.deletes())
         .build()?;
     let store = Arc::new(PostgresStore::new(pool.clone(), config.clone()));
     store.migrate().await?;
@@ -537,7 +576,7 @@ async fn sqlite_ours(o: &Opts) -> BoxResult<Run> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("bench.sqlite");
     let config = SqliteConfig::builder()
-        .delete_published(o.delete_published)
+        .delete_published(o.deletes())
         .build()?;
     let store = SqliteStore::open(&path, config.clone()).await?;
     store.migrate().await?;
@@ -553,7 +592,7 @@ async fn mysql_ours(pool: &sqlx::MySqlPool, o: &Opts) -> BoxResult<Run> {
     let table = format!("bench_{}", outbox_e2e::unique_suffix());
     let config = MysqlConfig::builder()
         .table(&table)
-        .delete_published(o.delete_published)
+        .delete_published(o.deletes())
         .build()?;
     let store = Arc::new(MysqlStore::new(pool.clone(), config.clone()));
     store.migrate().await?;
@@ -885,16 +924,20 @@ async fn main() -> BoxResult<()> {
     };
 
     let mut r = Results::default();
-    let settings = o.relay_settings();
+    let (pg_o, sqlite_o, mysql_o) = (
+        o.for_store("postgres"),
+        o.for_store("sqlite"),
+        o.for_store("mysql"),
+    );
     let load_start = load_average();
     for round in 1..=o.rounds {
         eprintln!("round {round} of {}", o.rounds);
         if let Some(q) = &q {
             r.add(
                 "postgres (this project)",
-                &settings,
+                &pg_o.relay_settings(),
                 o.messages,
-                postgres_ours(&pg, &o).await?,
+                postgres_ours(&pg, &pg_o).await?,
             );
             for &(batch, workers) in &o.pgmq {
                 let name = format!("pgmq, read {batch} + delete, {workers} worker(s)");
@@ -907,7 +950,7 @@ async fn main() -> BoxResult<()> {
             }
         }
         if o.has("kafka") {
-            let mut settings = format!("{settings}, idempotent, acks=all");
+            let mut settings = format!("{}, idempotent, acks=all", pg_o.relay_settings());
             for (k, v) in &o.kafka_props {
                 settings.push_str(&format!(", {k}={v}"));
             }
@@ -915,7 +958,7 @@ async fn main() -> BoxResult<()> {
                 "this project → kafka",
                 &settings,
                 o.messages,
-                kafka_ours(&pg, &brokers, &o).await?,
+                kafka_ours(&pg, &brokers, &pg_o).await?,
             );
             if o.peer {
                 r.add(
@@ -927,10 +970,20 @@ async fn main() -> BoxResult<()> {
             }
         }
         if o.has("sqlite") {
-            r.add("sqlite", &settings, o.messages, sqlite_ours(&o).await?);
+            r.add(
+                "sqlite",
+                &sqlite_o.relay_settings(),
+                o.messages,
+                sqlite_ours(&sqlite_o).await?,
+            );
         }
         if let Some(mysql) = &mysql {
-            r.add("mysql", &settings, o.messages, mysql_ours(mysql, &o).await?);
+            r.add(
+                "mysql",
+                &mysql_o.relay_settings(),
+                o.messages,
+                mysql_ours(mysql, &mysql_o).await?,
+            );
         }
     }
     print_tables(&o, &r, (load_start, load_average()));
