@@ -778,6 +778,7 @@ pub fn check_engine(harness: &dyn Harness, config: Config) -> Result<(), String>
         harness,
         config,
         engine_scenario(),
+        &[],
         "end-to-end property",
         |store, scenario| Box::pin(run_engine_scenario(store, scenario)),
     )

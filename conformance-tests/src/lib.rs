@@ -61,7 +61,8 @@ pub use harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx, MIN_CLO
 pub use memory::{MemoryHarness, MemoryHarnessStore};
 pub use model::{run_scenario, run_scenario_with_coverage, Coverage, Violation};
 pub use scenario::{
-    scenario, Advance, Move, MsgSpec, OutcomeSpec, Phase, Scenario, ShardSpec, Step, TxEnd,
+    recorded, scenario, Advance, Move, MsgSpec, OutcomeSpec, Phase, Scenario, ShardSpec, Step,
+    TxEnd,
 };
 
 #[doc(hidden)]

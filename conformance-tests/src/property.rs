@@ -45,28 +45,32 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
         .map_err(|e| format!("cannot start a tokio runtime: {e}"))
 }
 
-/// Run the model property against `harness` with `config`: every generated scenario is played
-/// on a fresh store and must keep every invariant.
+/// Run the model property against `harness` with `config`: the scenarios that once broke a
+/// backend ([`recorded`](crate::recorded)) first, then every generated scenario, each
+/// played on a fresh store, must keep every invariant.
 ///
 /// Blocking (it owns its runtime): call it from a plain `#[test]`, not from async code.
-/// Returns the report of the shrunk failing scenario, in words.
+/// Returns the report of the failing (for generated ones, shrunk) scenario, in words.
 pub fn check_model(harness: &dyn Harness, config: Config) -> Result<(), String> {
     run_property(
         harness,
         config,
         scenario(),
+        &crate::scenario::recorded(),
         "model property",
         |store, scenario| Box::pin(run_scenario(store, scenario)),
     )
 }
 
-/// Play every scenario `strategy` generates on a fresh store of `harness`, with `case`, and turn
-/// a failure into a report naming `what` broke and the shrunk scenario. Shared by the model and
-/// the end-to-end properties so that both create, tear down and report alike.
+/// Play the `recorded` scenarios, then every scenario `strategy` generates, each on a fresh store
+/// of `harness`, with `case`, and turn a failure into a report naming `what` broke and the
+/// (shrunk) scenario. Shared by the model and the end-to-end properties so that both create,
+/// tear down and report alike. One runtime for all: a harness may keep a pool made on it.
 pub(crate) fn run_property<S>(
     harness: &dyn Harness,
     config: Config,
     strategy: S,
+    recorded: &[S::Value],
     what: &str,
     case: impl for<'a> Fn(&'a dyn HarnessStore, &'a S::Value) -> LocalBoxFuture<'a, Result<(), String>>,
 ) -> Result<(), String>
@@ -74,6 +78,26 @@ where
     S: Strategy,
 {
     let rt = runtime()?;
+    for (n, scenario) in recorded.iter().enumerate() {
+        rt.block_on(async {
+            let store = harness
+                .fresh()
+                .await
+                .map_err(|e| format!("harness could not make a store: {e}"))?;
+            case(&*store, scenario).await.map_err(|reason| {
+                format!(
+                    "{} broke the {what} on recorded scenario {}.\n{reason}\nscenario:\n\
+                     {scenario:?}",
+                    harness.name(),
+                    n + 1
+                )
+            })?;
+            store
+                .teardown()
+                .await
+                .map_err(|e| format!("harness teardown failed: {e}"))
+        })?;
+    }
     let mut runner = TestRunner::new(config);
     let result = runner.run(&strategy, |scenario| {
         rt.block_on(async {
