@@ -50,7 +50,8 @@ pub struct RelayConfig {
     /// `ceil(concurrency / claim_shards)` in flight. More shards than `concurrency` are allowed:
     /// each shard then has at most 1 batch in flight, and within the total not all of them at
     /// once. Per-key order and fencing never depend on this setting; it only lets claims run
-    /// side by side. Recommended: 2 on Postgres, with `concurrency` 2. At most
+    /// side by side. Recommended on Postgres: 2, with `concurrency` 2 and batches of 2,000 (see
+    /// the README's "Speed"). At most
     /// [`MAX_CLAIM_SHARDS`]: each shard is a claim request and a pacing state the loop looks at
     /// on every turn, and beyond `concurrency` shards no more claims can run at once.
     pub claim_shards: usize,

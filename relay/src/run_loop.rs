@@ -28,6 +28,7 @@ use tracing::{debug, error, info, info_span, warn, Instrument};
 use uuid::Uuid;
 
 use crate::batch::{Batch, BatchEnd};
+use crate::config::MAX_CLAIM_SHARDS;
 use crate::outage::{broker_down, drain_error, Availability, Broker};
 use crate::pacing::{earliest, Pacing};
 use crate::shared::Shared;
@@ -75,7 +76,7 @@ pub(crate) async fn run_loop(
     mode: Mode,
     stop: Pin<&mut impl Future<Output = Duration>>,
 ) -> Result<(), Error> {
-    let requests = claim_requests(shared)?;
+    let requests = claim_requests(shared);
     RunLoop::new(shared, rec, mode, &requests).run(stop).await
 }
 
@@ -83,7 +84,7 @@ pub(crate) async fn run_loop(
 /// sharded claims and [`RelayConfig::claim_shards`](crate::RelayConfig::claim_shards) is above
 /// 1, else a single one over every key (`shard: None`), with a warning if shards were asked of
 /// a store that cannot honour them.
-fn claim_requests(shared: &Shared) -> Result<Vec<ClaimRequest>, Error> {
+fn claim_requests(shared: &Shared) -> Vec<ClaimRequest> {
     let cfg = &shared.config;
     let request = |shard| ClaimRequest {
         limit: cfg.batch_size,
@@ -92,7 +93,7 @@ fn claim_requests(shared: &Shared) -> Result<Vec<ClaimRequest>, Error> {
         shard,
     };
     if cfg.claim_shards <= 1 {
-        return Ok(vec![request(None)]);
+        return vec![request(None)];
     }
     if !shared.store.capabilities().sharded_claims {
         warn!(
@@ -100,17 +101,13 @@ fn claim_requests(shared: &Shared) -> Result<Vec<ClaimRequest>, Error> {
             "the store does not declare sharded claims; claim_shards is ignored and the relay \
              runs one claim at a time"
         );
-        return Ok(vec![request(None)]);
+        return vec![request(None)];
     }
-    let count = u32::try_from(cfg.claim_shards).map_err(|_| {
-        Error::invalid_input(format!(
-            "relay config: claim_shards is {}; it must be at most {}",
-            cfg.claim_shards,
-            u32::MAX
-        ))
-    })?;
+    // Validated when the relay was built (at most `MAX_CLAIM_SHARDS`), so it fits; each index is
+    // below the count by construction.
+    let count = u32::try_from(cfg.claim_shards.min(MAX_CLAIM_SHARDS)).unwrap_or(1);
     (0..count)
-        .map(|index| Ok(request(Some(ClaimShard::new(index, count)?))))
+        .map(|index| request(Some(ClaimShard { index, count })))
         .collect()
 }
 

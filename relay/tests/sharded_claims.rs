@@ -383,14 +383,8 @@ async fn a_settled_batch_lets_its_own_shard_claim_again_at_once() {
     assert!(claims_of_shard_1 >= 3, "{:?}", track.shards);
 }
 
-#[tokio::test(start_paused = true)]
-async fn one_claim_shard_by_default_claims_unsharded_one_at_a_time() {
-    assert_eq!(RelayConfig::default().claim_shards, 1);
-    let store = ShardedStore::new(true);
-    let total = store.enqueue(0..8, 20);
-
-    let track = drain(&store, config(1), total).await;
-
+/// Several claims, all unsharded, never two at once: the relay as it was before claim shards.
+fn assert_one_unsharded_claim_at_a_time(track: &Track) {
     assert!(track.shards.len() > 1, "several claims");
     assert!(
         track.shards.iter().all(Option::is_none),
@@ -401,19 +395,24 @@ async fn one_claim_shard_by_default_claims_unsharded_one_at_a_time() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn one_claim_shard_by_default_claims_unsharded_one_at_a_time() {
+    assert_eq!(RelayConfig::default().claim_shards, 1);
+    let store = ShardedStore::new(true);
+    let total = store.enqueue(0..8, 20);
+
+    let track = drain(&store, config(1), total).await;
+
+    assert_one_unsharded_claim_at_a_time(&track);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_store_without_sharded_claims_gets_one_unsharded_claim_at_a_time() {
     let store = ShardedStore::new(false);
     let total = store.enqueue(0..8, 20);
 
     let track = drain(&store, config(2), total).await;
 
-    assert!(track.shards.len() > 1, "several claims");
-    assert!(
-        track.shards.iter().all(Option::is_none),
-        "{:?}",
-        track.shards
-    );
-    assert_eq!(track.max_running, 1, "never two claims at once");
+    assert_one_unsharded_claim_at_a_time(&track);
 }
 
 #[tokio::test(start_paused = true)]
