@@ -118,6 +118,10 @@ const CLEAR_LEASE: &str = concat!(
     "'"
 );
 
+/// [`CLEAR_LEASE`] without the alias, for a single-table `UPDATE`.
+const CLEAR_LEASE_UNALIASED: &str =
+    concat!("lease_token = '', lease_until = '", no_lease_end!(), "'");
+
 /// A row holds no lease token, through alias `a`: `''`, or NULL as older relays wrote.
 pub(crate) fn unleased(a: &str) -> String {
     format!("COALESCE({a}.lease_token, '') = ''")
@@ -229,8 +233,13 @@ pub(crate) struct Sql {
 ///
 /// MariaDB syntax: MySQL 8 has no `ADD CONSTRAINT IF NOT EXISTS` nor `SET STATEMENT ... FOR`
 /// (see the README for its variant).
-fn sql_contract(t: &str, table: &str, key_trigger: &str) -> String {
+fn sql_contract(t: &str, table: &str, key_trigger: &str, id_trigger: &Trigger) -> String {
     let headers_check = derived_name(table, "headers_strings");
+    let Trigger {
+        schema: id_trigger_schema,
+        name: id_trigger_name,
+        qualified: id_trigger,
+    } = id_trigger;
     format!(
         r#"
 -- SQL enqueue contract. Tables made before it get the id default (a metadata-only change).
@@ -261,8 +270,38 @@ CREATE TRIGGER IF NOT EXISTS {key_trigger} BEFORE INSERT ON {t} FOR EACH ROW
         WHEN NEW.partition_key = '' THEN NULL
         ELSE NEW.partition_key
     END;
+
+-- Ids are stored in lower case, the form the relay completes by: an id written in upper or
+-- mixed case (the id check allows A-F) is lowered before it is stored, so claims, completions
+-- and the admin statements find it with a plain comparison on the unique index. A table that
+-- did not have this trigger may already hold such ids: they are lowered once, right after the
+-- trigger is made (later migrations read `@outbox_lower_ids = 0` and skip the scan: an
+-- impossible WHERE). A row whose lowered id another row already holds keeps its id (IGNORE)
+-- and, if unpublished, is dead-lettered with a reason. Checks off, as for the relay's own
+-- updates of old rows.
+SET @outbox_lower_ids = NOT EXISTS (
+    SELECT 1 FROM information_schema.TRIGGERS
+    WHERE TRIGGER_SCHEMA = {id_trigger_schema} AND TRIGGER_NAME = '{id_trigger_name}');
+CREATE TRIGGER IF NOT EXISTS {id_trigger} BEFORE INSERT ON {t} FOR EACH ROW
+    SET NEW.id = LOWER(NEW.id);
+SET STATEMENT check_constraint_checks = 0 FOR
+UPDATE IGNORE {t} SET id = LOWER(id) WHERE @outbox_lower_ids AND id <> LOWER(id);
+SET STATEMENT check_constraint_checks = 0 FOR
+UPDATE {t} SET state = 'dead', {CLEAR_LEASE_UNALIASED},
+    last_error = CONCAT('id ', id, ' differs only in case from the id of another message, so ',
+        'the relay cannot complete it; discard it (outbox-relay dead discard --seq ', seq,
+        ') or give it an id of its own and requeue it')
+WHERE @outbox_lower_ids AND id <> LOWER(id) AND state = 'pending';
+SET @outbox_lower_ids = NULL;
 "#
     )
+}
+
+/// A trigger's schema (as a SQL expression), bare name and quoted, qualified name.
+struct Trigger {
+    schema: String,
+    name: String,
+    qualified: String,
 }
 
 impl Sql {
@@ -279,6 +318,15 @@ impl Sql {
         };
         let t = qualify(table);
         let key_trigger = qualify(&derived_name(table, "partition_key"));
+        let id_trigger_name = derived_name(table, "id_case");
+        let id_trigger = Trigger {
+            schema: match database {
+                Some(db) => format!("'{db}'"),
+                None => "DATABASE()".to_owned(),
+            },
+            qualified: qualify(&id_trigger_name),
+            name: id_trigger_name,
+        };
         let key_locks = qualify(&derived_name(table, "key_locks"));
         let create_database = database
             .map(|db| format!("CREATE DATABASE IF NOT EXISTS `{db}`;\n\n"))
@@ -331,7 +379,7 @@ impl Sql {
 -- Binary, no-pad comparison: keys are equal only when their bytes are ('a' <> 'A' <> 'a ').
 ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
 {contract}"#,
-            contract = sql_contract(&t, table, &key_trigger),
+            contract = sql_contract(&t, table, &key_trigger, &id_trigger),
             payload_check = derived_name(table, "payload_size"),
         ) + &key_locks_ddl(&key_locks);
 

@@ -993,3 +993,73 @@ async fn the_store_s_connections_end_idle_transactions() {
     assert!((1..=10).contains(&timeout), "{timeout}");
     db.drop().await;
 }
+
+/// Ids written by plain SQL in upper or mixed case (the id check allows A-F) are stored in
+/// lower case, the form completions match, so each such row is claimed once and ends
+/// `published`; a table made before the id trigger gets it from `migrate`, which also lowers
+/// the ids already stored, once (a row whose lowered id is taken is dead-lettered with a reason
+/// instead of being republished forever).
+#[tokio::test]
+async fn ids_in_any_case_are_completed_and_migrate_lowers_old_ones() {
+    const UPPER: &str = "BF3D6C4D-09A7-46F2-9F2F-5F7372B91D29";
+    const MIXED: &str = "bf3d6c4d-09A7-46f2-9F2F-5f7372b91d2a";
+    const TAKEN: &str = "BF3D6C4D-09A7-46F2-9F2F-5F7372B91D2B";
+    const NEW: &str = "0B1E5A52-6C0E-4B8E-9D7E-6D1C2A0000FF";
+    let Some(db) = db().await else { return };
+    let pool = db.pool().clone();
+    let table = db.table().to_owned();
+    let insert = |id: String, n: u32| {
+        let sql = format!(
+            "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload) \
+             VALUES (?, 'o', 'k', 't', '{{\"n\": {n}}}')"
+        );
+        let pool = pool.clone();
+        async move { sqlx::query(&sql).bind(id).execute(&pool).await }
+    };
+    // A table made before the trigger: rows keep the case they were written in.
+    let trigger = format!("`{}_id_case`", db.config.table());
+    sqlx::query(&format!("DROP TRIGGER {trigger}"))
+        .execute(db.pool())
+        .await
+        .unwrap();
+    insert(UPPER.into(), 1).await.unwrap();
+    insert(MIXED.into(), 2).await.unwrap();
+    insert(TAKEN.into(), 3).await.unwrap();
+    insert(TAKEN.to_lowercase(), 4).await.unwrap();
+    db.store.migrate().await.unwrap();
+    db.store.migrate().await.unwrap();
+    let rows: Vec<(String, String, Option<String>)> = sqlx::query_as(&format!(
+        "SELECT CAST(id AS CHAR CHARACTER SET utf8mb4), CAST(state AS CHAR CHARACTER SET utf8mb4), \
+                CAST(last_error AS CHAR CHARACTER SET utf8mb4) FROM {} ORDER BY seq",
+        db.table()
+    ))
+    .fetch_all(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(rows[0].0, UPPER.to_lowercase());
+    assert_eq!(rows[1].0, MIXED.to_lowercase());
+    assert_eq!((rows[2].0.as_str(), rows[2].1.as_str()), (TAKEN, "dead"));
+    let reason = rows[2].2.as_deref().unwrap_or_default();
+    assert!(reason.contains("differs only in case"), "{reason}");
+    assert_eq!(rows[3].0, TAKEN.to_lowercase());
+    // The trigger is back: a new row is lowered on insert; the same id in another case is the
+    // same id.
+    insert(NEW.into(), 5).await.unwrap();
+    assert!(insert(NEW.to_lowercase(), 6).await.is_err());
+
+    let claim = db.claim(10, Skip).await;
+    let claimed: Vec<String> = claim.messages.iter().map(|m| m.id.to_string()).collect();
+    let expected = [UPPER, MIXED, TAKEN, NEW].map(|id| id.to_lowercase());
+    assert_eq!(claimed, expected);
+    // Each completion matches its row: all published, none left leased to come round again.
+    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!(
+        (counts.published, counts.leased, counts.pending, counts.dead),
+        (4, 0, 0, 1)
+    );
+    for id in expected {
+        assert_eq!(db.state(Uuid::parse_str(&id).unwrap()).await, "published");
+    }
+    db.drop().await;
+}

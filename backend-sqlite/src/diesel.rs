@@ -170,8 +170,9 @@ fn classify(err: DieselError, table: &str) -> Error {
         return Error::permanent(
             format!(
                 "sqlite: {what}: {text}; run `outbox-relay migrate` for table \
-                 {table:?} first (or call `outbox_backend_sqlite::migrate()`; `SqliteStore::open` \
-                 does it)"
+                 {table:?} first (or call `SqliteStore::migrate()` or `outbox_backend_sqlite::migrate()`, \
+                 or apply `SqliteConfig::migration_sql()`; opening a store does not create the \
+                 table)"
             ),
             Some(Box::new(err)),
         );

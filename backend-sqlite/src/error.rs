@@ -69,7 +69,8 @@ pub(crate) fn map_err(err: rusqlite::Error, ctx: Ctx, table: &str) -> Error {
         _ if text.contains("no such table") || text.contains("no such index") => Error::permanent(
             format!(
                 "sqlite: {what}: {text}; run `outbox-relay migrate` for table {table:?} \
-                 first (or call `outbox_backend_sqlite::migrate()`; `SqliteStore::open` does it)"
+                 first (or call `SqliteStore::migrate()` or `outbox_backend_sqlite::migrate()`, or apply \
+                 `SqliteConfig::migration_sql()`; opening a store does not create the table)"
             ),
             Some(Box::new(err)),
         ),
@@ -108,6 +109,12 @@ mod tests {
         assert_eq!(missing.kind(), ErrorKind::Permanent);
         assert!(
             missing.to_string().contains("run `outbox-relay migrate`"),
+            "{missing}"
+        );
+        // Opening a store no longer migrates: the hint must not say it does.
+        assert!(
+            missing.to_string().contains("SqliteStore::migrate()")
+                && missing.to_string().contains("does not create the table"),
             "{missing}"
         );
     }

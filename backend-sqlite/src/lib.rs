@@ -205,11 +205,21 @@
 //! -- to the aggregate id and '' is stored as NULL (AFTER INSERT, when it is NULL or '').
 //! CREATE TRIGGER IF NOT EXISTS outbox_headers BEFORE INSERT ON outbox ...;
 //! CREATE TRIGGER IF NOT EXISTS outbox_partition_key AFTER INSERT ON outbox ...;
+//! -- Ids are stored in lower case (AFTER INSERT, only when the id has an upper-case letter),
+//! -- the form the relay completes by.
+//! CREATE TRIGGER IF NOT EXISTS outbox_id_case AFTER INSERT ON outbox ...;
 //! ```
 //!
 //! The schema, its defaults, checks and triggers work on SQLite 3.35 and later, so that a
 //! service using its platform's SQLite can write rows. A table made by an earlier version of
-//! this crate is rebuilt once by `migrate`, keeping its rows and `seq` counter.
+//! this crate is rebuilt once by `migrate`, keeping its rows and `seq` counter; when `migrate`
+//! adds the id trigger to an existing table it also lowers the ids already stored in upper or
+//! mixed case, once.
+//!
+//! Why normalise on insert rather than match case-insensitively: claims, completions and the
+//! admin calls find a row by `id = ?` on the unique index, as fast as before; a `lower(id)` or
+//! `COLLATE NOCASE` comparison would need another index or a table rebuild. The trigger costs
+//! a lower-case writer (the Rust enqueue, most SQL writers) one comparison per row.
 //!
 //! Times are integer milliseconds since the Unix epoch (`available_at` is the due time of a
 //! pending message: its not-before time or its retry time).

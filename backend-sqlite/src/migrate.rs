@@ -7,7 +7,7 @@ use outbox_traits::Error;
 
 use crate::config::SqliteConfig;
 use crate::error::{map_err, Ctx};
-use crate::sql::{schema_sql, upgrade_sql, CONTRACT_MARK};
+use crate::sql::{lower_ids_sql, schema_sql, upgrade_sql, CONTRACT_MARK, ID_TRIGGER_SUFFIX};
 
 /// Columns the store needs; checked by [`migrate`] on an existing table.
 pub(crate) const COLUMNS: [&str; 17] = [
@@ -55,8 +55,17 @@ pub fn migrate(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
     let mut ddl = schema_sql(table, max_payload_bytes);
     // A table made before the SQL enqueue contract has no id default and lacks its checks:
     // rebuilt in place, rows and seq counter kept, in the same transaction.
-    if existing.is_some_and(|sql| !sql.contains(CONTRACT_MARK)) {
+    if existing
+        .as_deref()
+        .is_some_and(|sql| !sql.contains(CONTRACT_MARK))
+    {
         ddl = format!("{}{ddl}", upgrade_sql(table, max_payload_bytes));
+    }
+    // A table made before the id trigger may hold ids in upper or mixed case, which the relay
+    // could never complete: lowered once, after the DDL has made the trigger (same
+    // transaction, so no row slips in between). Later migrations skip the table scan.
+    if existing.is_some() && !has_id_trigger(conn, table)? {
+        ddl.push_str(&lower_ids_sql(table));
     }
     let script = if conn.is_autocommit() {
         format!("BEGIN IMMEDIATE;\n{ddl}COMMIT;")
@@ -76,6 +85,16 @@ pub fn migrate(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
         return Err(map_err(err, Ctx::Migrate, table));
     }
     Ok(())
+}
+
+/// Whether `table` has the trigger that lowers ids ([`ID_TRIGGER_SUFFIX`]).
+fn has_id_trigger(conn: &Connection, table: &str) -> Result<bool, Error> {
+    conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'trigger' AND name = ?1)",
+        [format!("{table}_{ID_TRIGGER_SUFFIX}")],
+        |row| row.get(0),
+    )
+    .map_err(|e| map_err(e, Ctx::Migrate, table))
 }
 
 /// The DDL of the existing table `table`, after checking that the store can use it; `None`
@@ -206,6 +225,54 @@ mod tests {
         // Once is enough: a second migration changes nothing.
         migrate(&conn, &SqliteConfig::default())?;
         assert_eq!(ddl(&conn)?, upgraded);
+        Ok(())
+    }
+
+    #[test]
+    fn ids_are_stored_in_lower_case_and_migrate_lowers_old_ones_once(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        const UPPER: &str = "BF3D6C4D-09A7-46F2-9F2F-5F7372B91D29";
+        const MIXED: &str = "bf3d6c4d-09A7-46f2-9F2F-5f7372b91d2a";
+        const TAKEN: &str = "BF3D6C4D-09A7-46F2-9F2F-5F7372B91D2B";
+        let conn = Connection::open_in_memory()?;
+        migrate(&conn, &SqliteConfig::default())?;
+        let insert = |id: &str| {
+            conn.execute(
+                "INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload) \
+                 VALUES (?1, 'o', 'o-1', 't', '{}')",
+                [id],
+            )
+        };
+        let ids = |conn: &Connection| -> rusqlite::Result<Vec<(String, String)>> {
+            conn.prepare("SELECT id, state FROM outbox ORDER BY seq")?
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect()
+        };
+        // A table made before the trigger: rows keep the case they were written in.
+        conn.execute_batch("DROP TRIGGER outbox_id_case")?;
+        insert(UPPER)?;
+        insert(MIXED)?;
+        insert(TAKEN)?;
+        insert(&TAKEN.to_lowercase())?;
+        migrate(&conn, &SqliteConfig::default())?;
+        let rows = ids(&conn)?;
+        assert_eq!(rows[0], (UPPER.to_lowercase(), "pending".into()));
+        assert_eq!(rows[1], (MIXED.to_lowercase(), "pending".into()));
+        // Two rows whose ids differ only in case: the one that cannot be lowered is
+        // dead-lettered with a reason, not republished forever.
+        assert_eq!(rows[2], (TAKEN.into(), "dead".into()));
+        assert_eq!(rows[3], (TAKEN.to_lowercase(), "pending".into()));
+        let reason: String =
+            conn.query_row("SELECT last_error FROM outbox WHERE seq = 3", [], |r| {
+                r.get(0)
+            })?;
+        assert!(reason.contains("differs only in case"), "{reason}");
+        // The trigger is back: a new row is lowered on insert, and the same id in another
+        // case is the same id.
+        let new = "0B1E5A52-6C0E-4B8E-9D7E-6D1C2A0000FF";
+        insert(new)?;
+        assert_eq!(ids(&conn)?[4].0, new.to_lowercase());
+        assert!(insert(&new.to_lowercase()).is_err());
         Ok(())
     }
 

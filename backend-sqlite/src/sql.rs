@@ -109,6 +109,14 @@ CREATE TRIGGER IF NOT EXISTS {t}_headers BEFORE INSERT ON {t}
 BEGIN
     SELECT RAISE(ABORT, 'CHECK constraint failed: headers_strings (headers must be a JSON object of string values)');
 END;
+-- Ids are stored in lower case, the form the relay completes by: an id written in upper or
+-- mixed case (the id check allows A-F) is lowered after the insert, so claims and completions
+-- match it with a plain comparison on the unique index. Runs only for such ids.
+CREATE TRIGGER IF NOT EXISTS {t}_{ID_TRIGGER_SUFFIX} AFTER INSERT ON {t}
+    WHEN NEW.id <> lower(NEW.id)
+BEGIN
+    UPDATE {t} SET id = lower(NEW.id) WHERE seq = NEW.seq;
+END;
 -- partition_key defaults to the aggregate id; '' asks for an unordered message (stored as
 -- NULL). A column default cannot read another column and a BEFORE trigger cannot change the
 -- row, hence an update after the insert, only when the key was left out or ''.
@@ -119,6 +127,28 @@ BEGIN
     WHERE seq = NEW.seq;
 END;
 "
+    )
+}
+
+/// Suffix of the trigger that lowers ids written in upper or mixed case: `{table}_id_case`.
+pub(crate) const ID_TRIGGER_SUFFIX: &str = "id_case";
+
+/// Lower the ids of rows written in upper or mixed case before `table` had its id trigger
+/// ([`crate::migrate`] appends this once, when it creates the trigger on an existing table).
+/// Only ids of the UUID form are lowered (others are dead-lettered by the claim, as they
+/// are). A row whose lowered id another row already holds keeps its id and, if not yet
+/// published, is dead-lettered with a reason: the relay could not complete it.
+pub(crate) fn lower_ids_sql(table: &str) -> String {
+    let t = table;
+    format!(
+        "UPDATE OR IGNORE {t} SET id = lower(id) WHERE id <> lower(id) AND id GLOB '{glob}';
+UPDATE {t} SET state = 'dead', lease_token = NULL, lease_until = NULL,
+    last_error = 'id ' || id || ' differs only in case from the id of another message, so the \
+relay cannot complete it; discard it (outbox-relay dead discard --seq ' || seq || ') or give it \
+an id of its own and requeue it'
+WHERE id <> lower(id) AND id GLOB '{glob}' AND state IN ('pending', 'leased');
+",
+        glob = uuid_glob(),
     )
 }
 

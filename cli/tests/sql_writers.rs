@@ -1,12 +1,14 @@
 //! The SQL enqueue contract (README, "Writing from any language (SQL)") as a service in another
 //! language meets it: rows written by the databases' own command-line clients (`psql`, the
 //! `mariadb` client, the `sqlite3` shell), which no one here wrote, with the minimal INSERT and
-//! its variants (explicit key, unordered, headers), relayed by `outbox-relay drain` to
+//! its variants (explicit key, unordered, headers, ids in upper and mixed case), relayed by `outbox-relay drain` to
 //! `stdout://` and read back: ids are UUIDs made by the database, partition keys as documented,
 //! headers as written, each key's messages in insert order. Bad values are refused by the
 //! database. Each table is first made by the previous release's migration (kept as
 //! `fixtures/previous-*.sql`) with rows written the old way, and `outbox-relay migrate`
-//! upgrades it in place (twice: it is idempotent) keeping those rows.
+//! upgrades it in place (twice: it is idempotent) keeping those rows (an old row's upper-case
+//! id is lowered, so it is completed). Every row ends `published`: none is left leased to go
+//! out again.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -184,8 +186,29 @@ fn writes(t: &str) -> Vec<(u32, String)> {
                  '{{\"n\": 5}}', '{{\"tenant\": \"acme\", \"traceparent\": \"{TRACEPARENT}\"}}');"
             ),
         ),
+        // Ids the writer made, in upper and in mixed case: each published once, and completed.
+        (
+            6,
+            format!(
+                "INSERT INTO {t} (id, {}) VALUES ('{UPPER_ID}', 'order', 'order-4', 'order.placed', \
+                 '{{\"n\": 6}}');",
+                &cols[1..]
+            ),
+        ),
+        (
+            7,
+            format!(
+                "INSERT INTO {t} (id, {}) VALUES ('{MIXED_ID}', 'order', 'order-4', 'order.paid', \
+                 '{{\"n\": 7}}');",
+                &cols[1..]
+            ),
+        ),
     ]
 }
+
+/// Ids a writer made in upper and in mixed case (rows 6 and 7).
+const UPPER_ID: &str = "BF3D6C4D-09A7-46F2-9F2F-5F7372B91D29";
+const MIXED_ID: &str = "bf3d6c4d-09A7-46f2-9F2F-5f7372b91d2a";
 
 /// Values the contract says the database refuses.
 fn bad_writes(t: &str) -> Vec<String> {
@@ -234,15 +257,20 @@ async fn exercise(db: &Db, legacy: Option<String>) -> TestResult {
         .collect();
     assert_eq!(by_n.len(), writes(t).len(), "{lines:?}");
     for (n, (_, line)) in &by_n {
-        let id = Uuid::parse_str(line["id"].as_str().ok_or("no id")?)?;
-        assert_eq!(
-            id.get_version_num(),
-            db.uuid_version,
-            "row {n}: the database's UUID {id}"
-        );
+        let id = line["id"].as_str().ok_or("no id")?;
+        match n {
+            6 => assert_eq!(id, UPPER_ID.to_lowercase(), "row {n}"),
+            7 => assert_eq!(id, MIXED_ID.to_lowercase(), "row {n}"),
+            _ => assert_eq!(
+                Uuid::parse_str(id)?.get_version_num(),
+                db.uuid_version,
+                "row {n}: the database's UUID {id}"
+            ),
+        }
         let key = match n {
             1 | 2 | 5 => json!("order-1"),
             3 => json!("customer-7"),
+            6 | 7 => json!("order-4"),
             _ => Value::Null,
         };
         assert_eq!(line["partition_key"], key, "row {n}: {line}");
@@ -313,7 +341,8 @@ fn legacy_rows(t: &str, times: Option<&str>) -> String {
         )
     };
     [
-        insert(LEGACY_KEYED, 1, "'legacy'"),
+        // In upper case: `migrate` lowers it (Postgres' uuid type already does).
+        insert(&LEGACY_KEYED.to_uppercase(), 1, "'legacy'"),
         insert(LEGACY_UNORDERED, 2, "NULL"),
         insert(LEGACY_PURGED, 3, "'legacy'"),
         format!("DELETE FROM {t} WHERE id = '{LEGACY_PURGED}';\n"),
