@@ -1,0 +1,288 @@
+//! The decoded envelope of an outbox message, as the project's publishers write it.
+
+use std::collections::BTreeMap;
+
+use outbox_routing::{
+    HEADER_AGGREGATE_ID, HEADER_AGGREGATE_TYPE, HEADER_EVENT_TYPE, HEADER_MESSAGE_ID,
+    HEADER_PARTITION_KEY, STANDARD_HEADER_NAMES,
+};
+use serde::de::DeserializeOwned;
+use uuid::Uuid;
+
+use crate::handler::HandlerError;
+
+/// One message handed to a [`Handler`](crate::Handler): the outbox envelope, decoded, plus where
+/// the broker keeps it.
+///
+/// The fields are those `outbox-publisher-nats`, `outbox-publisher-kafka` and
+/// `outbox-publisher-redis` write: the standard headers of [`outbox_routing::standard_headers`]
+/// (NATS and Kafka) or the entry fields `id`, `event_type`, `aggregate_type`, `aggregate_id`,
+/// `partition_key`, `payload` and `headers` (Redis).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delivery {
+    /// The outbox message id: stable across redeliveries and republishes. Deduplicate on it
+    /// (e.g. with the `outbox-inbox` crate, in the handler's own transaction).
+    pub message_id: Uuid,
+    /// The event type, e.g. `order.placed`.
+    pub event_type: String,
+    /// The aggregate type, e.g. `order`.
+    pub aggregate_type: String,
+    /// The aggregate id, e.g. `order-42`.
+    pub aggregate_id: String,
+    /// The partition (ordering) key; `None` for an unordered message.
+    pub partition_key: Option<String>,
+    /// The user's headers (e.g. `traceparent`, `tenant`): every header that is not one of the
+    /// standard ones above (nor NATS's own `Nats-Msg-Id`).
+    pub headers: BTreeMap<String, String>,
+    /// The JSON payload.
+    pub payload: serde_json::Value,
+    /// Where the broker keeps the message.
+    pub source: Source,
+    /// This consumer's attempt at the message, from 1: it grows by one for each handler error
+    /// that counts toward [`RetryPolicy::max_attempts`](crate::RetryPolicy::max_attempts). It
+    /// restarts at 1 when the broker redelivers the message to another consumer (or after a
+    /// restart).
+    pub attempt: u32,
+}
+
+impl Delivery {
+    /// The payload deserialized as `T`. A payload of another shape gives a
+    /// [permanent](crate::FailureKind::Permanent) [`HandlerError`]: retrying cannot fix it, so
+    /// `?` in a handler sends the message to the dead letters.
+    pub fn payload_as<T: DeserializeOwned>(&self) -> Result<T, HandlerError> {
+        T::deserialize(&self.payload).map_err(|e| {
+            HandlerError::permanent(format!(
+                "payload of message {} ({}) does not have the expected shape: {e}",
+                self.message_id, self.event_type
+            ))
+        })
+    }
+}
+
+/// Where a broker keeps a [`Delivery`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Source {
+    /// A NATS JetStream message.
+    Nats {
+        /// The stream.
+        stream: String,
+        /// The subject it was published on.
+        subject: String,
+        /// Its sequence in the stream.
+        stream_sequence: u64,
+        /// How many times JetStream has delivered it (1 on the first delivery).
+        delivered: i64,
+    },
+    /// A Redis Streams entry.
+    Redis {
+        /// The stream key.
+        stream: String,
+        /// The entry id, e.g. `1700000000000-0`.
+        entry_id: String,
+    },
+    /// A Kafka record.
+    Kafka {
+        /// The topic.
+        topic: String,
+        /// The partition.
+        partition: i32,
+        /// The offset in the partition.
+        offset: i64,
+    },
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Nats {
+                stream,
+                stream_sequence,
+                ..
+            } => write!(f, "NATS stream {stream} sequence {stream_sequence}"),
+            Source::Redis { stream, entry_id } => {
+                write!(f, "Redis stream {stream} entry {entry_id}")
+            }
+            Source::Kafka {
+                topic,
+                partition,
+                offset,
+            } => write!(
+                f,
+                "Kafka topic {topic} partition {partition} offset {offset}"
+            ),
+        }
+    }
+}
+
+/// Why a message could not be decoded into a [`Delivery`]. Such a message is dead-lettered at
+/// once with this text as its reason: it is never acknowledged silently, never retried.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("undecodable message at {source_text}: {problem}")]
+pub struct DecodeError {
+    /// Where the message is.
+    pub source_text: String,
+    /// What is wrong with it.
+    pub problem: String,
+}
+
+/// The envelope's fields as read from a broker message, before they are checked.
+#[derive(Debug, Default)]
+pub(crate) struct RawEnvelope<'a> {
+    pub message_id: Option<&'a [u8]>,
+    pub event_type: Option<&'a [u8]>,
+    pub aggregate_type: Option<&'a [u8]>,
+    pub aggregate_id: Option<&'a [u8]>,
+    pub partition_key: Option<&'a [u8]>,
+    /// Non-standard headers, in the order the broker gave them (a later one of the same name
+    /// wins).
+    pub headers: Vec<(&'a str, &'a [u8])>,
+}
+
+impl<'a> RawEnvelope<'a> {
+    /// Sort one header of a header-carrying broker (NATS, Kafka) into the envelope. Names are
+    /// compared ignoring ASCII case; `Nats-Msg-Id` is dropped (it repeats the message id).
+    pub(crate) fn header(&mut self, name: &'a str, value: &'a [u8]) {
+        let slot = match STANDARD_HEADER_NAMES
+            .iter()
+            .find(|std| std.eq_ignore_ascii_case(name))
+        {
+            Some(&HEADER_MESSAGE_ID) => &mut self.message_id,
+            Some(&HEADER_EVENT_TYPE) => &mut self.event_type,
+            Some(&HEADER_AGGREGATE_TYPE) => &mut self.aggregate_type,
+            Some(&HEADER_AGGREGATE_ID) => &mut self.aggregate_id,
+            Some(&HEADER_PARTITION_KEY) => &mut self.partition_key,
+            _ if name.eq_ignore_ascii_case("Nats-Msg-Id") => return,
+            _ => {
+                self.headers.push((name, value));
+                return;
+            }
+        };
+        if slot.is_none() {
+            *slot = Some(value);
+        }
+    }
+
+    /// Check every field and build the delivery.
+    pub(crate) fn decode(self, payload: &[u8], source: Source) -> Result<Delivery, DecodeError> {
+        let fail = |problem: String| DecodeError {
+            source_text: source.to_string(),
+            problem,
+        };
+        let text = |field: &str, value: Option<&[u8]>| -> Result<String, DecodeError> {
+            let value = value.ok_or_else(|| {
+                fail(format!(
+                    "no {field:?}; outbox publishers always send it, so this message was not \
+                     written by one (or was altered)"
+                ))
+            })?;
+            String::from_utf8(value.to_vec())
+                .map_err(|_| fail(format!("{field:?} is not UTF-8 text")))
+        };
+        let id_text = text(HEADER_MESSAGE_ID, self.message_id)?;
+        let message_id = Uuid::parse_str(id_text.trim()).map_err(|e| {
+            fail(format!(
+                "{HEADER_MESSAGE_ID:?} {id_text:?} is not a UUID: {e}"
+            ))
+        })?;
+        let event_type = text(HEADER_EVENT_TYPE, self.event_type)?;
+        let aggregate_type = text(HEADER_AGGREGATE_TYPE, self.aggregate_type)?;
+        let aggregate_id = text(HEADER_AGGREGATE_ID, self.aggregate_id)?;
+        let partition_key = match self.partition_key {
+            Some(key) => Some(text(HEADER_PARTITION_KEY, Some(key))?),
+            None => None,
+        };
+        let mut headers = BTreeMap::new();
+        for (name, value) in self.headers {
+            let value = std::str::from_utf8(value)
+                .map_err(|_| fail(format!("header {name:?} is not UTF-8 text")))?;
+            headers.insert(name.to_owned(), value.to_owned());
+        }
+        let payload: serde_json::Value = serde_json::from_slice(payload).map_err(|e| {
+            fail(format!(
+                "payload ({} bytes) is not JSON: {e}",
+                payload.len()
+            ))
+        })?;
+        Ok(Delivery {
+            message_id,
+            event_type,
+            aggregate_type,
+            aggregate_id,
+            partition_key,
+            headers,
+            payload,
+            source,
+            attempt: 1,
+        })
+    }
+}
+
+/// Decode the user headers of a Redis entry (the publisher's `headers` field: one JSON object of
+/// strings).
+pub(crate) fn json_headers(text: &[u8]) -> Result<Vec<(String, String)>, String> {
+    let map: BTreeMap<String, String> = serde_json::from_slice(text)
+        .map_err(|e| format!("field \"headers\" is not a JSON object of strings: {e}"))?;
+    Ok(map.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source() -> Source {
+        Source::Kafka {
+            topic: "t".into(),
+            partition: 0,
+            offset: 7,
+        }
+    }
+
+    fn full(id: &str) -> RawEnvelope<'_> {
+        let mut raw = RawEnvelope::default();
+        raw.header("message-id", id.as_bytes());
+        raw.header("event-type", b"order.placed");
+        raw.header("aggregate-type", b"order");
+        raw.header("aggregate-id", b"o-1");
+        raw
+    }
+
+    #[test]
+    fn decodes_standard_and_user_headers() {
+        let id = Uuid::now_v7().to_string();
+        let mut raw = full(&id);
+        raw.header("Partition-Key", b"k");
+        raw.header("Nats-Msg-Id", id.as_bytes());
+        raw.header("traceparent", b"00-1-2-01");
+        let d = raw.decode(br#"{"n":1}"#, source()).unwrap();
+        assert_eq!(d.message_id.to_string(), id);
+        assert_eq!(d.partition_key.as_deref(), Some("k"));
+        assert_eq!(d.headers.len(), 1);
+        assert_eq!(d.headers["traceparent"], "00-1-2-01");
+        assert_eq!(d.payload, serde_json::json!({"n": 1}));
+        assert_eq!(d.attempt, 1);
+    }
+
+    #[test]
+    fn refuses_what_a_publisher_never_writes() {
+        let cases: Vec<(RawEnvelope<'_>, &[u8], &str)> = vec![
+            (full("not-a-uuid"), b"{}", "not a UUID"),
+            (RawEnvelope::default(), b"{}", "no \"message-id\""),
+            (
+                full("0190b6e4-8f4e-7c2a-9a4e-0b8f6a1d2c3e"),
+                b"{oops",
+                "not JSON",
+            ),
+        ];
+        for (raw, payload, expected) in cases {
+            let err = raw.decode(payload, source()).unwrap_err();
+            assert!(err.to_string().contains(expected), "{err}");
+            assert!(err.to_string().contains("offset 7"), "{err}");
+        }
+        assert!(json_headers(b"[1]").is_err());
+        assert_eq!(
+            json_headers(br#"{"a":"b"}"#).unwrap(),
+            vec![("a".to_string(), "b".to_string())]
+        );
+    }
+}
