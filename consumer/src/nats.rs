@@ -1,0 +1,500 @@
+//! NATS JetStream: a durable pull consumer with explicit acknowledgements.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::header::{HeaderMap, HeaderValue};
+use async_nats::jetstream::{self, consumer::pull, AckKind};
+use futures::StreamExt;
+use outbox_traits::{redact_url, Error};
+use tokio_util::sync::CancellationToken;
+
+use crate::core::{broker_pause, in_lanes, Core, Verdict};
+use crate::delivery::{DecodeError, Delivery, RawEnvelope, Source};
+use crate::handler::Handler;
+use crate::options::{self, ConsumerOptions};
+use crate::telemetry::Meters;
+use crate::{DEAD_ATTEMPTS, DEAD_CONSUMER, DEAD_REASON, DEAD_SOURCE};
+
+const BROKER: &str = "NATS";
+
+/// The query options [`NatsConsumerConfig::from_url`] understands besides
+/// [`COMMON_URL_OPTIONS`](crate::COMMON_URL_OPTIONS).
+pub const NATS_URL_OPTIONS: &[&str] = &[
+    "stream",
+    "consumer",
+    "subject",
+    "dead_subject",
+    "dead_stream",
+    "ack_wait_ms",
+    "timeout_ms",
+];
+
+/// Default [`NatsConsumerConfig::ack_wait`].
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+/// Default connection and request timeout.
+pub const DEFAULT_NATS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Everything [`NatsConsumer::connect`] needs. `Debug` shows the URL without its password.
+#[derive(Clone)]
+pub struct NatsConsumerConfig {
+    /// Server URL, e.g. `nats://user:pass@127.0.0.1:4222` (credentials never appear in errors).
+    pub url: String,
+    /// The stream to consume (it must exist: the relay's publisher creates it).
+    pub stream: String,
+    /// The durable consumer's name; created on first connect. Processes that share it share
+    /// the messages. Also the `consumer` label of the metrics.
+    pub consumer: String,
+    /// Only messages of this subject (wildcards allowed); `None`: the whole stream.
+    pub subject: Option<String>,
+    /// Subject of dead letters. Default: `dead.<stream>.<consumer>`.
+    pub dead_letter_subject: String,
+    /// A stream to create (if missing) capturing `dead.<stream>.>`, for the default dead-letter
+    /// subject. Default: `Some("<stream>_DEAD")`. With `None`, or a dead-letter subject of your
+    /// own, a stream must already capture the dead-letter subject; `connect` checks it.
+    pub dead_letter_stream: Option<String>,
+    /// How long JetStream waits for an acknowledgement before redelivering. While a message is
+    /// between retries the consumer tells JetStream it is in progress every half of this; a
+    /// single handler call longer than this gets the message redelivered meanwhile. Default:
+    /// [`DEFAULT_ACK_WAIT`].
+    pub ack_wait: Duration,
+    /// Connection and request timeout. Default: [`DEFAULT_NATS_TIMEOUT`].
+    pub timeout: Duration,
+    /// Retries, batch size and concurrency.
+    pub options: ConsumerOptions,
+}
+
+impl std::fmt::Debug for NatsConsumerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsConsumerConfig")
+            .field("url", &redact_url(&self.url))
+            .field("stream", &self.stream)
+            .field("consumer", &self.consumer)
+            .field("subject", &self.subject)
+            .field("dead_letter_subject", &self.dead_letter_subject)
+            .field("dead_letter_stream", &self.dead_letter_stream)
+            .field("ack_wait", &self.ack_wait)
+            .field("timeout", &self.timeout)
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+impl NatsConsumerConfig {
+    /// A configuration with the defaults for `stream` and durable consumer `consumer`.
+    pub fn new(url: impl Into<String>, stream: &str, consumer: &str) -> Self {
+        Self {
+            url: url.into(),
+            stream: stream.to_owned(),
+            consumer: consumer.to_owned(),
+            subject: None,
+            dead_letter_subject: format!("dead.{stream}.{consumer}"),
+            dead_letter_stream: Some(format!("{stream}_DEAD")),
+            ack_wait: DEFAULT_ACK_WAIT,
+            timeout: DEFAULT_NATS_TIMEOUT,
+            options: ConsumerOptions::default(),
+        }
+    }
+
+    /// Consume only `subject` (wildcards allowed).
+    pub fn with_subject(mut self, subject: impl Into<String>) -> Self {
+        self.subject = Some(subject.into());
+        self
+    }
+
+    /// Send dead letters to `subject`, captured by `stream` (created if missing) or, with
+    /// `None`, by a stream that already exists.
+    pub fn with_dead_letters(mut self, subject: impl Into<String>, stream: Option<String>) -> Self {
+        self.dead_letter_subject = subject.into();
+        self.dead_letter_stream = stream;
+        self
+    }
+
+    /// Set [`NatsConsumerConfig::ack_wait`].
+    pub fn with_ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.ack_wait = ack_wait;
+        self
+    }
+
+    /// Set the retries, batch size and concurrency.
+    pub fn with_options(mut self, options: ConsumerOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Parse `nats://[user:pass@]host:4222?stream=ORDERS&consumer=payments[&subject=orders.>]`.
+    ///
+    /// Options: [`NATS_URL_OPTIONS`] (`stream` and `consumer` required; `dead_subject`,
+    /// `dead_stream` (empty: none), `ack_wait_ms`, `timeout_ms`) and
+    /// [`COMMON_URL_OPTIONS`](crate::COMMON_URL_OPTIONS). An unknown option, a bad value or a
+    /// missing required one gives [`Error::InvalidInput`] naming the valid options.
+    ///
+    /// ```
+    /// use outbox_consumer::nats::NatsConsumerConfig;
+    /// let c = NatsConsumerConfig::from_url(
+    ///     "nats://127.0.0.1:4222?stream=OUTBOX&consumer=payments&subject=outbox.order.>&max_attempts=3",
+    /// ).unwrap();
+    /// assert_eq!(c.url, "nats://127.0.0.1:4222");
+    /// assert_eq!(c.dead_letter_subject, "dead.OUTBOX.payments");
+    /// assert_eq!(c.options.retry.max_attempts, 3);
+    /// assert!(NatsConsumerConfig::from_url("nats://h?stream=S&consumer=c&colour=red").is_err());
+    /// ```
+    pub fn from_url(url: &str) -> Result<Self, Error> {
+        let shown = redact_url(url);
+        let parsed = url::Url::parse(url).map_err(|e| {
+            Error::invalid_input(format!("NATS consumer URL {shown:?} is not a URL: {e}"))
+        })?;
+        if !matches!(parsed.scheme(), "nats" | "tls" | "ws" | "wss") {
+            return Err(Error::invalid_input(format!(
+                "NATS consumer URL {shown:?} has scheme {:?}; use nats:// (or tls://, ws://, wss://)",
+                parsed.scheme()
+            )));
+        }
+        let (mut stream, mut consumer) = (None, None);
+        let (mut subject, mut dead_subject, mut dead_stream) = (None, None, None);
+        let (mut ack_wait, mut timeout) = (DEFAULT_ACK_WAIT, DEFAULT_NATS_TIMEOUT);
+        let mut common = ConsumerOptions::default();
+        for (key, value) in parsed.query_pairs() {
+            let value = value.into_owned();
+            match key.as_ref() {
+                "stream" => stream = Some(value),
+                "consumer" => consumer = Some(value),
+                "subject" => subject = Some(value),
+                "dead_subject" => dead_subject = Some(value),
+                "dead_stream" => dead_stream = Some(value),
+                "ack_wait_ms" => ack_wait = options::millis(BROKER, &key, &value)?,
+                "timeout_ms" => timeout = options::millis(BROKER, &key, &value)?,
+                other => {
+                    if !common.apply(BROKER, other, &value)? {
+                        return Err(options::unknown_option(
+                            BROKER,
+                            other,
+                            &shown,
+                            NATS_URL_OPTIONS,
+                        ));
+                    }
+                }
+            }
+        }
+        let example = "?stream=OUTBOX&consumer=payments";
+        let stream =
+            stream.ok_or_else(|| options::missing_option(BROKER, "stream", &shown, example))?;
+        let consumer =
+            consumer.ok_or_else(|| options::missing_option(BROKER, "consumer", &shown, example))?;
+        let mut server = parsed.clone();
+        server.set_query(None);
+        server.set_fragment(None);
+        let mut config = Self::new(server.to_string().trim_end_matches('/'), &stream, &consumer);
+        config.subject = subject;
+        if let Some(dead_subject) = dead_subject {
+            config.dead_letter_subject = dead_subject;
+        }
+        if let Some(dead_stream) = dead_stream {
+            config.dead_letter_stream = (!dead_stream.is_empty()).then_some(dead_stream);
+        }
+        config.ack_wait = ack_wait;
+        config.timeout = timeout;
+        config.options = common;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Check the values without connecting.
+    pub fn validate(&self) -> Result<(), Error> {
+        self.options.validate()?;
+        for (what, name) in [("stream", &self.stream), ("consumer", &self.consumer)] {
+            options::non_empty(BROKER, what, name)?;
+            if name.contains(['.', '*', '>', ' ', '\t', '/', '\\']) {
+                return Err(Error::invalid_input(format!(
+                    "NATS {what} name {name:?} may not contain '.', '*', '>', '/', '\\' or \
+                     whitespace"
+                )));
+            }
+        }
+        options::non_empty(BROKER, "dead-letter subject", &self.dead_letter_subject)?;
+        if self.ack_wait < Duration::from_millis(100) {
+            return Err(Error::invalid_input(format!(
+                "NATS ack_wait {:?} is too short (at least 100 ms; default 30 s)",
+                self.ack_wait
+            )));
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::invalid_input(
+                "NATS timeout must be positive (timeout_ms=5000, for example)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A durable JetStream pull consumer. Build it with [`NatsConsumer::connect`], then
+/// [`run`](NatsConsumer::run) it with your handler.
+#[derive(Debug)]
+pub struct NatsConsumer {
+    jetstream: jetstream::Context,
+    consumer: jetstream::consumer::PullConsumer,
+    config: NatsConsumerConfig,
+}
+
+impl NatsConsumer {
+    /// Connect, create (or open) the durable consumer and the dead-letter stream, and check that
+    /// a stream captures the dead-letter subject.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a bad configuration, a missing stream or an uncaptured
+    /// dead-letter subject; [`Error::Unavailable`] when the server cannot be reached;
+    /// [`Error::Backend`] when the server refuses the consumer. No message contains the password.
+    pub async fn connect(config: NatsConsumerConfig) -> Result<Self, Error> {
+        config.validate()?;
+        let shown = redact_url(&config.url);
+        let client = async_nats::ConnectOptions::new()
+            .name("outbox-consumer")
+            .connection_timeout(config.timeout)
+            .request_timeout(Some(config.timeout))
+            .connect(config.url.as_str())
+            .await
+            .map_err(|e| {
+                let detail = redact_url(&outbox_traits::error_chain_line(&e));
+                Error::unavailable(
+                    "nats",
+                    format!("cannot connect to {shown}: {detail}"),
+                    detail,
+                )
+            })?;
+        let mut jetstream = jetstream::new(client);
+        jetstream.set_timeout(config.timeout);
+        let backend = |what: String, e: &dyn std::fmt::Display| {
+            let detail = redact_url(&e.to_string());
+            Error::permanent(format!("{what} on {shown}: {detail}"), Some(detail.into()))
+        };
+        let stream = jetstream.get_stream(&config.stream).await.map_err(|e| {
+            Error::invalid_input(format!(
+                "cannot open stream {:?} on {shown}: {}; the relay's NATS publisher creates it \
+                 (create_stream=true)",
+                config.stream,
+                redact_url(&e.to_string())
+            ))
+        })?;
+        let consumer = stream
+            .get_or_create_consumer(
+                &config.consumer,
+                pull::Config {
+                    durable_name: Some(config.consumer.clone()),
+                    filter_subject: config.subject.clone().unwrap_or_default(),
+                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                    ack_wait: config.ack_wait,
+                    deliver_policy: jetstream::consumer::DeliverPolicy::All,
+                    max_deliver: -1,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| backend(format!("cannot create consumer {:?}", config.consumer), &e))?;
+        if let Some(name) = &config.dead_letter_stream {
+            jetstream
+                .get_or_create_stream(jetstream::stream::Config {
+                    name: name.clone(),
+                    subjects: vec![format!("dead.{}.>", config.stream)],
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| backend(format!("cannot create dead-letter stream {name:?}"), &e))?;
+        }
+        jetstream
+            .stream_by_subject(config.dead_letter_subject.clone())
+            .await
+            .map_err(|e| {
+                Error::invalid_input(format!(
+                    "no stream on {shown} captures the dead-letter subject {:?} ({}); create \
+                     one, or keep the default dead-letter subject and stream",
+                    config.dead_letter_subject,
+                    redact_url(&e.to_string())
+                ))
+            })?;
+        Ok(Self {
+            jetstream,
+            consumer,
+            config,
+        })
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &NatsConsumerConfig {
+        &self.config
+    }
+
+    /// Consume until the task is dropped. See [`NatsConsumer::run_until`].
+    pub async fn run(self, handler: impl Handler + 'static) {
+        self.run_until(handler, CancellationToken::new()).await;
+    }
+
+    /// Consume until `shutdown` is cancelled: a message being handled is finished (and
+    /// acknowledged), one waiting for a retry is left unacknowledged for redelivery. Broker
+    /// outages are waited out; nothing here returns an error.
+    pub async fn run_until(self, handler: impl Handler + 'static, shutdown: CancellationToken) {
+        let core = Core {
+            handler: Arc::new(handler),
+            retry: self.config.options.retry,
+            meters: Meters::new(&self.config.consumer),
+            shutdown: shutdown.clone(),
+            name: self.config.consumer.clone(),
+        };
+        let batch = self.config.options.batch;
+        let mut failures = 0u32;
+        while !shutdown.is_cancelled() {
+            let Some(messages) = core
+                .until_ok("opening the NATS message stream", || {
+                    self.consumer
+                        .stream()
+                        .max_messages_per_batch(batch)
+                        .expires(Duration::from_secs(5))
+                        .messages()
+                })
+                .await
+            else {
+                break;
+            };
+            let mut chunks = messages.ready_chunks(batch);
+            loop {
+                let chunk = tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    chunk = chunks.next() => chunk,
+                };
+                let Some(chunk) = chunk else { break };
+                let mut ready = Vec::with_capacity(chunk.len());
+                for item in chunk {
+                    match item {
+                        Ok(message) => ready.push(message),
+                        Err(e) => {
+                            core.meters.broker_error();
+                            tracing::warn!(consumer = %core.name, error = %redact_url(&e.to_string()), "NATS message stream error");
+                        }
+                    }
+                }
+                if ready.is_empty() {
+                    failures = failures.saturating_add(1);
+                    if !core.pause(broker_pause(failures)).await {
+                        return;
+                    }
+                    continue;
+                }
+                failures = 0;
+                in_lanes(
+                    ready,
+                    |m| Some(m.subject.to_string()),
+                    self.config.options.concurrency,
+                    |m| self.one(&core, m),
+                )
+                .await;
+            }
+        }
+    }
+
+    /// Handle one message to its end: acknowledged, or dead-lettered then acknowledged; `false`
+    /// when the consumer stopped first.
+    fn one<'a>(
+        &'a self,
+        core: &'a Core,
+        message: jetstream::Message,
+    ) -> impl Future<Output = ((), bool)> + 'a {
+        async move {
+            let decoded = decode(&message);
+            let progress_every = Some(self.config.ack_wait / 2);
+            let verdict = core
+                .settle(decoded, progress_every, || async {
+                    // Best effort: a lost progress note only risks an early redelivery.
+                    let _ = message.ack_with(AckKind::Progress).await;
+                })
+                .await;
+            match verdict {
+                Verdict::Ack => {}
+                Verdict::Dead { reason, attempts } => {
+                    let stored = core
+                        .until_ok("publishing a NATS dead letter", || {
+                            self.dead_letter(&message, &reason, attempts)
+                        })
+                        .await;
+                    if stored.is_none() {
+                        return ((), false);
+                    }
+                }
+                Verdict::Stopped => return ((), false),
+            }
+            if let Err(e) = message.ack().await {
+                // The message comes again after ack_wait; the handler sees a duplicate.
+                core.meters.broker_error();
+                tracing::warn!(consumer = %core.name, error = %e, "NATS ack failed");
+            }
+            ((), true)
+        }
+    }
+
+    async fn dead_letter(
+        &self,
+        message: &jetstream::Message,
+        reason: &str,
+        attempts: u32,
+    ) -> Result<(), Error> {
+        let mut headers = message.headers.clone().unwrap_or_else(HeaderMap::new);
+        let source = match message.info() {
+            Ok(info) => format!(
+                "nats stream {} sequence {} subject {}",
+                info.stream, info.stream_sequence, message.subject
+            ),
+            Err(_) => format!("nats subject {}", message.subject),
+        };
+        // A header value cannot hold a line break.
+        let one_line = |text: &str| text.replace(['\r', '\n'], " ");
+        headers.insert(DEAD_REASON, HeaderValue::from(one_line(reason).as_str()));
+        headers.insert(
+            DEAD_ATTEMPTS,
+            HeaderValue::from(attempts.to_string().as_str()),
+        );
+        headers.insert(DEAD_SOURCE, HeaderValue::from(one_line(&source).as_str()));
+        headers.insert(
+            DEAD_CONSUMER,
+            HeaderValue::from(self.config.consumer.as_str()),
+        );
+        let fail = |e: &dyn std::fmt::Display| {
+            Error::transient(format!("dead letter not stored: {e}"), None)
+        };
+        self.jetstream
+            .publish_with_headers(
+                self.config.dead_letter_subject.clone(),
+                headers,
+                message.payload.clone(),
+            )
+            .await
+            .map_err(|e| fail(&e))?
+            .await
+            .map_err(|e| fail(&e))?;
+        Ok(())
+    }
+}
+
+fn decode(message: &jetstream::Message) -> Result<Delivery, DecodeError> {
+    let source = match message.info() {
+        Ok(info) => Source::Nats {
+            stream: info.stream.to_owned(),
+            subject: message.subject.to_string(),
+            stream_sequence: info.stream_sequence,
+            delivered: info.delivered,
+        },
+        Err(_) => Source::Nats {
+            stream: String::new(),
+            subject: message.subject.to_string(),
+            stream_sequence: 0,
+            delivered: 0,
+        },
+    };
+    let mut raw = RawEnvelope::default();
+    if let Some(headers) = &message.headers {
+        for (name, values) in headers.iter() {
+            for value in values {
+                raw.header(name.as_ref(), value.as_str().as_bytes());
+            }
+        }
+    }
+    raw.decode(&message.payload, source)
+}

@@ -1,0 +1,262 @@
+//! The JetStream consumer against the real NATS server (`OUTBOX_TEST_NATS_URL`), each test on
+//! its own stream, fed by the project's own NATS publisher.
+
+mod common;
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use common::*;
+use outbox_conformance_tests::env::service_url;
+use outbox_consumer::nats::{NatsConsumer, NatsConsumerConfig};
+use outbox_consumer::{CancellationToken, Source, DEAD_ATTEMPTS, DEAD_REASON, DEAD_SOURCE};
+use outbox_publisher_nats::{NatsConfig, NatsPublisher};
+use outbox_traits::{Message, PublishOutcome, Publisher};
+
+const VAR: &str = "OUTBOX_TEST_NATS_URL";
+
+struct Fixture {
+    url: String,
+    stream: String,
+    prefix: String,
+    publisher: NatsPublisher,
+    jetstream: jetstream::Context,
+}
+
+async fn fixture() -> Option<Fixture> {
+    let url = service_url(VAR)?;
+    let s = suffix();
+    let stream = format!("C_{s}");
+    let prefix = format!("c{s}");
+    let publisher = NatsPublisher::connect(
+        NatsConfig::from_url(&format!(
+            "{url}?subject={prefix}.{{aggregate_type}}.{{partition_key}}&stream={stream}&create_stream=true"
+        ))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let jetstream = jetstream::new(publisher.client().clone());
+    Some(Fixture {
+        url,
+        stream,
+        prefix,
+        publisher,
+        jetstream,
+    })
+}
+
+impl Fixture {
+    fn config(&self, consumer: &str) -> NatsConsumerConfig {
+        NatsConsumerConfig::new(self.url.clone(), &self.stream, consumer)
+    }
+
+    async fn publish(&self, batch: &[Message]) {
+        let outcomes = self.publisher.publish(batch).await;
+        assert!(
+            outcomes.iter().all(|o| *o == PublishOutcome::Acked),
+            "{outcomes:?}"
+        );
+    }
+
+    /// The consumer's acknowledgement floor reaches the stream's last sequence, with nothing
+    /// pending or waiting for an ack.
+    async fn all_acked(&self, consumer: &str) {
+        let stream = self.jetstream.get_stream(&self.stream).await.unwrap();
+        eventually("every message acknowledged", || {
+            let stream = stream.clone();
+            async move {
+                let last = stream.get_info().await.ok()?.state.last_sequence;
+                let mut c: jetstream::consumer::PullConsumer =
+                    stream.get_consumer(consumer).await.ok()?;
+                let info = c.info().await.ok()?;
+                (info.ack_floor.stream_sequence == last
+                    && info.num_ack_pending == 0
+                    && info.num_pending == 0)
+                    .then_some(())
+            }
+        })
+        .await;
+    }
+
+    /// The dead letters stored so far, as (headers, payload).
+    async fn dead_letters(&self) -> Vec<(async_nats::HeaderMap, Vec<u8>)> {
+        let dead = self
+            .jetstream
+            .get_stream(format!("{}_DEAD", self.stream))
+            .await
+            .unwrap();
+        let state = dead.cached_info().state.clone();
+        let mut out = Vec::new();
+        if state.messages == 0 {
+            return out;
+        }
+        for seq in state.first_sequence..=state.last_sequence {
+            let m = dead.get_raw_message(seq).await.unwrap();
+            out.push((m.headers, m.payload.to_vec()));
+        }
+        out
+    }
+}
+
+fn header<'a>(headers: &'a async_nats::HeaderMap, name: &str) -> &'a str {
+    headers.get(name).map(|v| v.as_str()).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn decodes_what_the_publisher_wrote_and_acks_each_once() {
+    let Some(f) = fixture().await else { return };
+    let mut batch = vec![
+        message(
+            Some("k1"),
+            1,
+            serde_json::json!({"total": 12.5, "items": [1, 2]}),
+        ),
+        message(Some("k2"), 2, serde_json::json!("text")),
+        message(Some("k1"), 3, serde_json::json!({"nested": {"a": null}})),
+    ];
+    batch[1].headers.clear();
+    f.publish(&batch).await;
+
+    let (handler, mut calls) = Scripted::new();
+    let consumer = NatsConsumer::connect(f.config("decode")).await.unwrap();
+    let task = tokio::spawn(consumer.run(handler));
+    let seen = calls_until(&mut calls, |c| c.len() >= 3).await;
+    for msg in &batch {
+        let got = of(&seen, msg.id);
+        assert_eq!(got.len(), 1, "{} handled once", msg.id);
+        assert_decoded(got[0], msg);
+        match &got[0].source {
+            Source::Nats {
+                stream,
+                subject,
+                delivered,
+                ..
+            } => {
+                assert_eq!(stream, &f.stream);
+                let key = msg.partition_key.as_deref().unwrap_or_default();
+                assert_eq!(subject, &format!("{}.order.{key}", f.prefix));
+                assert_eq!(*delivered, 1);
+            }
+            other => panic!("not a NATS source: {other:?}"),
+        }
+    }
+    // Per-subject order: k1's messages in publishing order.
+    let k1: Vec<_> = seen
+        .iter()
+        .filter(|c| c.delivery.partition_key.as_deref() == Some("k1"))
+        .map(|c| c.delivery.message_id)
+        .collect();
+    assert_eq!(k1, vec![batch[0].id, batch[2].id]);
+    f.all_acked("decode").await;
+    task.abort();
+}
+
+#[tokio::test]
+async fn retries_then_acks_and_dead_letters_poison_and_undecodable_ones() {
+    let Some(f) = fixture().await else { return };
+    let flaky = message(Some("a"), 1, serde_json::json!({"n": 1}));
+    let poison = message(Some("b"), 2, serde_json::json!({"n": 2}));
+    let hopeless = message(Some("c"), 3, serde_json::json!({"n": 3}));
+    f.publish(&[flaky.clone(), poison.clone(), hopeless.clone()])
+        .await;
+    // A message no outbox publisher wrote: no envelope headers, a payload that is not JSON.
+    f.jetstream
+        .publish(format!("{}.order.b", f.prefix), "not json {".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let after = message(Some("b"), 4, serde_json::json!({"n": 4}));
+    f.publish(std::slice::from_ref(&after)).await;
+
+    let (handler, mut calls) = Scripted::new();
+    handler.plan(flaky.id, Plan::FailFirst(2));
+    handler.plan(poison.id, Plan::Poison);
+    handler.plan(hopeless.id, Plan::AlwaysFail);
+    let consumer = NatsConsumer::connect(f.config("retry").with_options(fast_options(3)))
+        .await
+        .unwrap();
+    let task = tokio::spawn(consumer.run(handler));
+    let seen = calls_until(&mut calls, |c| {
+        of(c, after.id).len() == 1 && of(c, flaky.id).len() == 3 && of(c, hopeless.id).len() == 3
+    })
+    .await;
+    let attempts: Vec<u32> = of(&seen, flaky.id).iter().map(|d| d.attempt).collect();
+    assert_eq!(attempts, vec![1, 2, 3]);
+    // Retried in process: JetStream delivered it once.
+    assert!(of(&seen, flaky.id)
+        .iter()
+        .all(|d| matches!(d.source, Source::Nats { delivered: 1, .. })));
+    assert_eq!(of(&seen, poison.id).len(), 1);
+    f.all_acked("retry").await;
+
+    let dead = f.dead_letters().await;
+    assert_eq!(dead.len(), 3, "poison, hopeless and undecodable");
+    let by_id = |id: uuid::Uuid| {
+        dead.iter()
+            .find(|(h, _)| header(h, "message-id") == id.to_string())
+            .unwrap_or_else(|| panic!("no dead letter for {id}"))
+    };
+    let (h, payload) = by_id(poison.id);
+    assert_eq!(payload, poison.payload.as_bytes());
+    assert_eq!(header(h, DEAD_ATTEMPTS), "1");
+    assert!(header(h, DEAD_REASON).contains("poison: cannot apply"));
+    assert_eq!(header(h, "traceparent"), poison.headers["traceparent"]);
+    let (h, _) = by_id(hopeless.id);
+    assert_eq!(header(h, DEAD_ATTEMPTS), "3");
+    assert!(header(h, DEAD_REASON).contains("gave up after 3 attempts"));
+    let (h, payload) = dead
+        .iter()
+        .find(|(h, _)| h.get("message-id").is_none())
+        .expect("the undecodable message is dead-lettered");
+    assert_eq!(payload, b"not json {");
+    assert_eq!(header(h, DEAD_ATTEMPTS), "0");
+    assert!(
+        header(h, DEAD_REASON).contains("no \"message-id\""),
+        "{}",
+        header(h, DEAD_REASON)
+    );
+    assert!(header(h, DEAD_SOURCE).contains(&f.stream));
+    task.abort();
+}
+
+#[tokio::test]
+async fn a_message_unacked_by_a_dead_consumer_is_redelivered() {
+    let Some(f) = fixture().await else { return };
+    let msg = message(Some("k"), 1, serde_json::json!({"n": 1}));
+    f.publish(std::slice::from_ref(&msg)).await;
+    let config = f.config("crash").with_ack_wait(Duration::from_millis(500));
+
+    // The first consumer dies while its handler runs: the message was not acknowledged.
+    let (first, mut first_calls) = Scripted::new();
+    first.plan(msg.id, Plan::Hang);
+    let consumer = NatsConsumer::connect(config.clone()).await.unwrap();
+    let task = tokio::spawn(consumer.run(first));
+    calls_until(&mut first_calls, |c| !c.is_empty()).await;
+    let stream = f.jetstream.get_stream(&f.stream).await.unwrap();
+    let mut durable: jetstream::consumer::PullConsumer =
+        stream.get_consumer("crash").await.unwrap();
+    let info = durable.info().await.unwrap();
+    assert_eq!(
+        info.num_ack_pending, 1,
+        "not acknowledged while the handler runs"
+    );
+    assert_eq!(info.ack_floor.stream_sequence, 0);
+    task.abort();
+    let _ = task.await;
+
+    let (second, mut second_calls) = Scripted::new();
+    let consumer = NatsConsumer::connect(config).await.unwrap();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(consumer.run_until(second, shutdown.clone()));
+    let seen = calls_until(&mut second_calls, |c| !c.is_empty()).await;
+    assert_eq!(seen[0].delivery.message_id, msg.id);
+    assert!(matches!(
+        seen[0].delivery.source,
+        Source::Nats { delivered: 2, .. }
+    ));
+    f.all_acked("crash").await;
+    shutdown.cancel();
+    task.await.unwrap();
+}
