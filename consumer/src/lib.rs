@@ -52,6 +52,8 @@ mod handler;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod options;
+#[cfg(feature = "redis")]
+pub mod redis;
 pub mod telemetry;
 
 pub use async_trait::async_trait;
