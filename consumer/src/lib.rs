@@ -49,6 +49,8 @@
 mod core;
 mod delivery;
 mod handler;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod options;
