@@ -309,17 +309,8 @@ impl RedisConsumer {
         .await
         .map_err(|_| unavailable(&format!("no connection within {:?}", config.timeout)))?
         .map_err(|e| unavailable(&e))?;
-        let created: redis::RedisResult<()> = redis::cmd("XGROUP")
-            .arg("CREATE")
-            .arg(&config.stream)
-            .arg(&config.group)
-            .arg("0")
-            .arg("MKSTREAM")
-            .query_async(&mut connection)
-            .await;
-        match created {
+        match create_group(&mut connection, &config).await {
             Ok(()) => {}
-            Err(e) if e.code() == Some("BUSYGROUP") => {}
             Err(e) if e.code() == Some("WRONGTYPE") => {
                 return Err(Error::invalid_input(format!(
                     "Redis key {:?} on {shown} is not a stream",
@@ -382,6 +373,21 @@ impl RedisConsumer {
             };
             let entries = match read {
                 Ok(entries) => entries,
+                Err(e) if e.code() == Some("NOGROUP") => {
+                    // The stream or its group is gone (deleted, or a server restarted without
+                    // persistence): make them again and read from the stream's start.
+                    tracing::warn!(consumer = %core.name, "Redis consumer group missing; creating it again");
+                    if let Err(e) = create_group(&mut self.connection.clone(), &self.config).await {
+                        core.meters.broker_error();
+                        tracing::warn!(consumer = %core.name, error = %redact_url(&e.to_string()), "Redis consumer group not created");
+                        failures = failures.saturating_add(1);
+                        if !core.pause(broker_pause(failures)).await {
+                            return;
+                        }
+                    }
+                    own_pending = true;
+                    continue;
+                }
                 Err(e) => {
                     core.meters.broker_error();
                     failures = failures.saturating_add(1);
@@ -562,6 +568,25 @@ impl RedisConsumer {
         cmd.query_async::<Value>(&mut self.connection.clone())
             .await
             .map(|_| ())
+    }
+}
+
+/// `XGROUP CREATE ... 0 MKSTREAM`; an existing group is fine.
+async fn create_group(
+    connection: &mut ConnectionManager,
+    config: &RedisConsumerConfig,
+) -> redis::RedisResult<()> {
+    let created: redis::RedisResult<()> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&config.stream)
+        .arg(&config.group)
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(connection)
+        .await;
+    match created {
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+        other => other,
     }
 }
 

@@ -297,3 +297,25 @@ async fn a_consumer_restarted_under_its_name_takes_back_its_pending_entry() {
     f.all_acked("restart", 1).await;
     task.abort();
 }
+
+#[tokio::test]
+async fn a_consumer_whose_stream_vanished_makes_its_group_again_and_goes_on() {
+    let Some(f) = fixture().await else { return };
+    let first = message(Some("k"), 1, serde_json::json!({"n": 1}));
+    f.publish(std::slice::from_ref(&first)).await;
+    let (handler, mut calls) = Scripted::new();
+    let consumer = RedisConsumer::connect(f.config("vanish")).await.unwrap();
+    let task = tokio::spawn(consumer.run(handler));
+    calls_until(&mut calls, |c| !c.is_empty()).await;
+    f.all_acked("vanish", 1).await;
+
+    // As after a restart of a server that keeps nothing on disk: stream and group are gone.
+    let _: () = f.redis.clone().del(&f.stream).await.unwrap();
+    let second = message(Some("k"), 2, serde_json::json!({"n": 2}));
+    f.publish(std::slice::from_ref(&second)).await;
+    let seen = calls_until(&mut calls, |c| !c.is_empty()).await;
+    assert_eq!(seen[0].delivery.message_id, second.id);
+    assert_eq!(seen[0].delivery.attempt, 1);
+    f.all_acked("vanish", 1).await;
+    task.abort();
+}
