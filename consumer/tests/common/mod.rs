@@ -83,6 +83,10 @@ pub enum Plan {
     Poison,
     /// Never returns (a consumer that dies while handling).
     Hang,
+    /// Already processed: a duplicate dropped.
+    Duplicate,
+    /// `Unavailable` errors (the database is down) on the first `n` calls, then success.
+    UnavailableFirst(u32),
 }
 
 /// One handler call, reported on the channel (before the handler returns).
@@ -134,6 +138,16 @@ impl Handler for Scripted {
             Some(Plan::AlwaysFail) => Err(HandlerError::transient("always fails")),
             Some(Plan::Poison) => Err(HandlerError::permanent("poison: cannot apply")),
             Some(Plan::Hang) => futures::future::pending().await,
+            Some(Plan::Duplicate) => Ok(Handled::Duplicate),
+            Some(Plan::UnavailableFirst(n)) => {
+                let mut plans = self.plans.lock().unwrap();
+                if n == 0 {
+                    Ok(Handled::Processed)
+                } else {
+                    plans.insert(delivery.message_id, Plan::UnavailableFirst(n - 1));
+                    Err(HandlerError::unavailable("database down"))
+                }
+            }
             _ => Ok(Handled::Processed),
         }
     }
