@@ -3,13 +3,18 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
 use common::*;
 use outbox_conformance_tests::env::service_url;
 use outbox_consumer::nats::{NatsConsumer, NatsConsumerConfig};
-use outbox_consumer::{CancellationToken, Source, DEAD_ATTEMPTS, DEAD_REASON, DEAD_SOURCE};
+use outbox_consumer::{
+    handler_fn, CancellationToken, Delivery, Handled, Source, DEAD_ATTEMPTS, DEAD_REASON,
+    DEAD_SOURCE,
+};
+use outbox_e2e::private::PlainNats;
 use outbox_publisher_nats::{NatsConfig, NatsPublisher};
 use outbox_traits::{Message, PublishOutcome, Publisher};
 
@@ -24,7 +29,10 @@ struct Fixture {
 }
 
 async fn fixture() -> Option<Fixture> {
-    let url = service_url(VAR)?;
+    Some(fixture_at(service_url(VAR)?).await)
+}
+
+async fn fixture_at(url: String) -> Fixture {
     let s = suffix();
     let stream = format!("C_{s}");
     let prefix = format!("c{s}");
@@ -37,13 +45,13 @@ async fn fixture() -> Option<Fixture> {
     .await
     .unwrap();
     let jetstream = jetstream::new(publisher.client().clone());
-    Some(Fixture {
+    Fixture {
         url,
         stream,
         prefix,
         publisher,
         jetstream,
-    })
+    }
 }
 
 impl Fixture {
@@ -259,4 +267,85 @@ async fn a_message_unacked_by_a_dead_consumer_is_redelivered() {
     f.all_acked("crash").await;
     shutdown.cancel();
     task.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_broker_outage_costs_no_attempt() {
+    let Some(mut server) = PlainNats::start().unwrap() else {
+        return;
+    };
+    let f = fixture_at(server.url()).await;
+    let before = message(Some("k"), 1, serde_json::json!({"n": 1}));
+    f.publish(std::slice::from_ref(&before)).await;
+
+    // The handler of `before` waits until the server is down, so its acknowledgement is sent
+    // during the outage. One attempt only: an outage that cost one would dead-letter.
+    let (calls, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let release = gate.clone();
+    let handler = handler_fn(move |d: Delivery| {
+        let calls = calls.clone();
+        let gate = gate.clone();
+        async move {
+            let _ = calls.send(d.clone());
+            if d.event_type == "order.placed"
+                && d.aggregate_id == "order-1"
+                && d.source_delivered() == 1
+            {
+                gate.notified().await;
+            }
+            Ok(Handled::Processed)
+        }
+    });
+    let consumer = NatsConsumer::connect(
+        f.config("outage")
+            .with_ack_wait(Duration::from_millis(500))
+            .with_options(fast_options(1)),
+    )
+    .await
+    .unwrap();
+    let task = tokio::spawn(consumer.run(handler));
+    let first = tokio::time::timeout(WAIT, seen.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.message_id, before.id);
+    server.stop();
+    release.notify_one();
+
+    server.resume().unwrap();
+    let after = message(Some("k"), 2, serde_json::json!({"n": 2}));
+    eventually("the publisher is back", || async {
+        let outcomes = f.publisher.publish(std::slice::from_ref(&after)).await;
+        (outcomes == [PublishOutcome::Acked]).then_some(())
+    })
+    .await;
+    let mut handled = vec![first];
+    while !handled.iter().any(|d| d.message_id == after.id) {
+        handled.push(
+            tokio::time::timeout(WAIT, seen.recv())
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    // Every call was a first attempt (a redelivery of `before` is allowed, an attempt lost to
+    // the outage is not), and nothing was dead-lettered.
+    assert!(handled.iter().all(|d| d.attempt == 1), "{handled:?}");
+    f.all_acked("outage").await;
+    assert!(f.dead_letters().await.is_empty());
+    task.abort();
+}
+
+trait Delivered {
+    fn source_delivered(&self) -> i64;
+}
+
+impl Delivered for Delivery {
+    fn source_delivered(&self) -> i64 {
+        match self.source {
+            Source::Nats { delivered, .. } => delivered,
+            _ => 0,
+        }
+    }
 }
