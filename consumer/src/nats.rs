@@ -1,10 +1,9 @@
 //! NATS JetStream: a durable pull consumer with explicit acknowledgements.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::header::{HeaderMap, HeaderValue};
+use async_nats::header::HeaderValue;
 use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::StreamExt;
 use outbox_traits::{redact_url, Error};
@@ -393,41 +392,35 @@ impl NatsConsumer {
 
     /// Handle one message to its end: acknowledged, or dead-lettered then acknowledged; `false`
     /// when the consumer stopped first.
-    fn one<'a>(
-        &'a self,
-        core: &'a Core,
-        message: jetstream::Message,
-    ) -> impl Future<Output = ((), bool)> + 'a {
-        async move {
-            let decoded = decode(&message);
-            let progress_every = Some(self.config.ack_wait / 2);
-            let verdict = core
-                .settle(decoded, progress_every, || async {
-                    // Best effort: a lost progress note only risks an early redelivery.
-                    let _ = message.ack_with(AckKind::Progress).await;
-                })
-                .await;
-            match verdict {
-                Verdict::Ack => {}
-                Verdict::Dead { reason, attempts } => {
-                    let stored = core
-                        .until_ok("publishing a NATS dead letter", || {
-                            self.dead_letter(&message, &reason, attempts)
-                        })
-                        .await;
-                    if stored.is_none() {
-                        return ((), false);
-                    }
+    async fn one(&self, core: &Core, message: jetstream::Message) -> ((), bool) {
+        let decoded = decode(&message);
+        let progress_every = Some(self.config.ack_wait / 2);
+        let verdict = core
+            .settle(decoded, progress_every, || async {
+                // Best effort: a lost progress note only risks an early redelivery.
+                let _ = message.ack_with(AckKind::Progress).await;
+            })
+            .await;
+        match verdict {
+            Verdict::Ack => {}
+            Verdict::Dead { reason, attempts } => {
+                let stored = core
+                    .until_ok("publishing a NATS dead letter", || {
+                        self.dead_letter(&message, &reason, attempts)
+                    })
+                    .await;
+                if stored.is_none() {
+                    return ((), false);
                 }
-                Verdict::Stopped => return ((), false),
             }
-            if let Err(e) = message.ack().await {
-                // The message comes again after ack_wait; the handler sees a duplicate.
-                core.meters.broker_error();
-                tracing::warn!(consumer = %core.name, error = %e, "NATS ack failed");
-            }
-            ((), true)
+            Verdict::Stopped => return ((), false),
         }
+        if let Err(e) = message.ack().await {
+            // The message comes again after ack_wait; the handler sees a duplicate.
+            core.meters.broker_error();
+            tracing::warn!(consumer = %core.name, error = %e, "NATS ack failed");
+        }
+        ((), true)
     }
 
     async fn dead_letter(
@@ -436,7 +429,7 @@ impl NatsConsumer {
         reason: &str,
         attempts: u32,
     ) -> Result<(), Error> {
-        let mut headers = message.headers.clone().unwrap_or_else(HeaderMap::new);
+        let mut headers = message.headers.clone().unwrap_or_default();
         let source = match message.info() {
             Ok(info) => format!(
                 "nats stream {} sequence {} subject {}",

@@ -225,8 +225,10 @@ mod tests {
         let mut o = ConsumerOptions::default();
         o.retry.jitter = 2.0;
         assert!(o.validate().is_err());
-        let mut o = ConsumerOptions::default();
-        o.batch = 0;
+        let o = ConsumerOptions {
+            batch: 0,
+            ..ConsumerOptions::default()
+        };
         assert!(o.validate().is_err());
         let mut o = ConsumerOptions::default();
         assert!(o.apply("NATS", "batch", "-1").is_err());
