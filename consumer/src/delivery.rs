@@ -126,6 +126,14 @@ pub struct DecodeError {
     pub problem: String,
 }
 
+const STANDARD_NAMES: [&str; 5] = [
+    HEADER_MESSAGE_ID,
+    HEADER_EVENT_TYPE,
+    HEADER_AGGREGATE_TYPE,
+    HEADER_AGGREGATE_ID,
+    HEADER_PARTITION_KEY,
+];
+
 /// The envelope's fields as read from a broker message, before they are checked.
 #[derive(Debug, Default)]
 pub(crate) struct RawEnvelope<'a> {
@@ -137,7 +145,19 @@ pub(crate) struct RawEnvelope<'a> {
     /// Non-standard headers, in the order the broker gave them (a later one of the same name
     /// wins).
     pub headers: Vec<(&'a str, &'a [u8])>,
+    /// How the broker names the id, event type, aggregate type, aggregate id and partition key
+    /// (for error messages); `None`: the standard header names.
+    pub names: Option<[&'static str; 5]>,
 }
+
+/// The Redis publisher's entry field names of the envelope.
+pub(crate) const REDIS_FIELD_NAMES: [&str; 5] = [
+    "id",
+    "event_type",
+    "aggregate_type",
+    "aggregate_id",
+    "partition_key",
+];
 
 impl<'a> RawEnvelope<'a> {
     /// Sort one header of a header-carrying broker (NATS, Kafka) into the envelope. Names are
@@ -179,17 +199,16 @@ impl<'a> RawEnvelope<'a> {
             String::from_utf8(value.to_vec())
                 .map_err(|_| fail(format!("{field:?} is not UTF-8 text")))
         };
-        let id_text = text(HEADER_MESSAGE_ID, self.message_id)?;
-        let message_id = Uuid::parse_str(id_text.trim()).map_err(|e| {
-            fail(format!(
-                "{HEADER_MESSAGE_ID:?} {id_text:?} is not a UUID: {e}"
-            ))
-        })?;
-        let event_type = text(HEADER_EVENT_TYPE, self.event_type)?;
-        let aggregate_type = text(HEADER_AGGREGATE_TYPE, self.aggregate_type)?;
-        let aggregate_id = text(HEADER_AGGREGATE_ID, self.aggregate_id)?;
+        let [id_name, event_name, type_name, aggregate_name, key_name] =
+            self.names.unwrap_or(STANDARD_NAMES);
+        let id_text = text(id_name, self.message_id)?;
+        let message_id = Uuid::parse_str(id_text.trim())
+            .map_err(|e| fail(format!("{id_name:?} {id_text:?} is not a UUID: {e}")))?;
+        let event_type = text(event_name, self.event_type)?;
+        let aggregate_type = text(type_name, self.aggregate_type)?;
+        let aggregate_id = text(aggregate_name, self.aggregate_id)?;
         let partition_key = match self.partition_key {
-            Some(key) => Some(text(HEADER_PARTITION_KEY, Some(key))?),
+            Some(key) => Some(text(key_name, Some(key))?),
             None => None,
         };
         let mut headers = BTreeMap::new();

@@ -10,7 +10,9 @@ use redis::Value;
 use tokio_util::sync::CancellationToken;
 
 use crate::core::{broker_pause, in_lanes, Core, Verdict};
-use crate::delivery::{json_headers, DecodeError, Delivery, RawEnvelope, Source};
+use crate::delivery::{
+    json_headers, DecodeError, Delivery, RawEnvelope, Source, REDIS_FIELD_NAMES,
+};
 use crate::handler::Handler;
 use crate::options::{self, ConsumerOptions};
 use crate::telemetry::Meters;
@@ -469,6 +471,7 @@ impl RedisConsumer {
                 .iter()
                 .map(|(n, v)| (n.as_str(), v.as_bytes()))
                 .collect(),
+            names: Some(REDIS_FIELD_NAMES),
         };
         let Some(payload) = entry.field("payload") else {
             return Err(DecodeError {

@@ -234,6 +234,7 @@ async fn retries_then_acks_and_dead_letters_poison_and_undecodable_ones() {
         .find(|d| d.contains_key("garbage"))
         .expect("the entry without an envelope is dead-lettered");
     assert_eq!(d["garbage"], "x");
+    assert!(d[DEAD_REASON].contains("no \"payload\" field"), "{d:?}");
     assert!(d[DEAD_SOURCE].contains(&f.stream));
     task.abort();
 }

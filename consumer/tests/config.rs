@@ -1,0 +1,115 @@
+//! Consumer URLs and options: typed errors for bad input before anything connects, and no
+//! password in any of them. No server needed.
+
+use std::time::Duration;
+
+use outbox_consumer::kafka::KafkaConsumerConfig;
+use outbox_consumer::nats::NatsConsumerConfig;
+use outbox_consumer::redis::RedisConsumerConfig;
+use outbox_consumer::Error;
+
+fn invalid(result: Result<impl std::fmt::Debug, Error>, url: &str) -> String {
+    match result {
+        Err(Error::InvalidInput(text)) => {
+            assert!(!text.contains("s3cret"), "{url}: password shown: {text}");
+            text
+        }
+        other => panic!("{url}: expected InvalidInput, got {other:?}"),
+    }
+}
+
+#[test]
+fn nats_urls() {
+    let c = NatsConsumerConfig::from_url(
+        "nats://u:s3cret@127.0.0.1:4222?stream=S&consumer=c&subject=o.>&dead_subject=d.x\
+         &dead_stream=&ack_wait_ms=2000&timeout_ms=100&batch=10&concurrency=2&max_attempts=7\
+         &backoff_ms=5&max_backoff_ms=50&unavailable_budget_ms=60000",
+    )
+    .unwrap();
+    assert_eq!(c.url, "nats://u:s3cret@127.0.0.1:4222");
+    assert_eq!(c.subject.as_deref(), Some("o.>"));
+    assert_eq!(c.dead_letter_subject, "d.x");
+    assert_eq!(c.dead_letter_stream, None);
+    assert_eq!(c.ack_wait, Duration::from_secs(2));
+    assert_eq!((c.options.batch, c.options.concurrency), (10, 2));
+    assert_eq!(c.options.retry.max_attempts, 7);
+    assert_eq!(c.options.retry.max_backoff, Duration::from_millis(50));
+    assert_eq!(
+        c.options.retry.unavailable_budget,
+        Some(Duration::from_secs(60))
+    );
+    assert!(!format!("{c:?}").contains("s3cret"));
+    for url in [
+        "nats://u:s3cret@h:4222?stream=S&consumer=c&colour=red",
+        "nats://u:s3cret@h:4222?consumer=c",
+        "nats://u:s3cret@h:4222?stream=S",
+        "nats://u:s3cret@h:4222?stream=S.x&consumer=c",
+        "nats://u:s3cret@h:4222?stream=S&consumer=c&ack_wait_ms=1",
+        "nats://u:s3cret@h:4222?stream=S&consumer=c&max_attempts=0",
+        "nats://u:s3cret@h:4222?stream=S&consumer=c&batch=many",
+        "redis://u:s3cret@h:4222?stream=S&consumer=c",
+    ] {
+        invalid(NatsConsumerConfig::from_url(url), url);
+    }
+    let text = invalid(
+        NatsConsumerConfig::from_url("nats://h?stream=S&consumer=c&colour=red"),
+        "",
+    );
+    assert!(
+        text.contains("dead_subject") && text.contains("max_attempts"),
+        "{text}"
+    );
+}
+
+#[test]
+fn redis_urls() {
+    let c = RedisConsumerConfig::from_url(
+        "rediss://:s3cret@h:6380/2?stream=s&group=g&consumer=me&dead_stream=dl&claim_idle_ms=500&block_ms=100",
+    )
+    .unwrap();
+    assert_eq!(c.url, "rediss://:s3cret@h:6380/2");
+    assert_eq!(
+        (c.consumer.as_str(), c.dead_letter_stream.as_str()),
+        ("me", "dl")
+    );
+    assert_eq!(c.claim_idle, Duration::from_millis(500));
+    assert!(!format!("{c:?}").contains("s3cret"));
+    for url in [
+        "redis://:s3cret@h?stream=s",
+        "redis://:s3cret@h?group=g",
+        "redis://:s3cret@h?stream=s&group=g&dead_stream=s",
+        "redis://:s3cret@h?stream=s&group=g&claim_idle_ms=0",
+        "redis://:s3cret@h?stream=s&group=g&colour=red",
+        "redis://:s3cret@h?stream=s&group=g&concurrency=0",
+        "nats://:s3cret@h?stream=s&group=g",
+    ] {
+        invalid(RedisConsumerConfig::from_url(url), url);
+    }
+}
+
+#[test]
+fn kafka_urls() {
+    let c = KafkaConsumerConfig::from_url(
+        "kafka://user:s3cret@h1:9092,h2:9093?topic=t&group=g&dead_topic=t-dlq&timeout_ms=500\
+         &session.timeout.ms=6000&security.protocol=sasl_plaintext&sasl.mechanism=PLAIN",
+    )
+    .unwrap();
+    assert_eq!(c.brokers, "h1:9092,h2:9093");
+    assert_eq!(c.dead_letter_topic, "t-dlq");
+    assert_eq!(c.properties["sasl.username"], "user");
+    assert_eq!(c.properties["sasl.password"], "s3cret");
+    assert!(!format!("{c:?}").contains("s3cret"));
+    for url in [
+        "kafka://user:s3cret@h:9092?group=g",
+        "kafka://user:s3cret@h:9092?topic=t",
+        "kafka://user:s3cret@h?topic=t&group=g",
+        "kafka://user:s3cret@h:9092/x?topic=t&group=g",
+        "kafka://user:s3cret@h:9092?topic=t&group=g&colour=red",
+        "kafka://user:s3cret@h:9092?topic=t&group=g&dead_topic=t",
+        "kafka://user:s3cret@h:9092?topic=t&group=g&enable.auto.commit=true",
+        "kafka://user:s3cret@h:9092?topic=t&group=g&no.such.property=1",
+        "nats://user:s3cret@h:9092?topic=t&group=g",
+    ] {
+        invalid(KafkaConsumerConfig::from_url(url), url);
+    }
+}
