@@ -46,6 +46,13 @@
 //! See [`telemetry`]: processed, duplicates dropped, retried, dead-lettered, broker errors and a
 //! handler latency histogram, each labelled by consumer.
 
+// Without a broker feature only the broker-independent core is built, and nothing uses it.
+#![cfg_attr(
+    not(any(feature = "nats", feature = "redis", feature = "kafka")),
+    allow(dead_code)
+)]
+
+mod any;
 mod core;
 mod delivery;
 mod handler;
@@ -58,6 +65,7 @@ mod options;
 pub mod redis;
 pub mod telemetry;
 
+pub use any::Consumer;
 pub use async_trait::async_trait;
 pub use delivery::{DecodeError, Delivery, Source};
 pub use handler::{handler_fn, FailureKind, Handled, Handler, HandlerError, HandlerFn};

@@ -113,3 +113,14 @@ fn kafka_urls() {
         invalid(KafkaConsumerConfig::from_url(url), url);
     }
 }
+
+#[tokio::test]
+async fn an_unknown_scheme_is_refused_before_connecting() {
+    for url in [
+        "amqp://u:s3cret@h:5672/x",
+        "no-scheme",
+        "kafka://h:9092?group=g",
+    ] {
+        invalid(outbox_consumer::Consumer::connect(url).await, url);
+    }
+}

@@ -305,7 +305,14 @@ async fn a_consumer_whose_stream_vanished_makes_its_group_again_and_goes_on() {
     let first = message(Some("k"), 1, serde_json::json!({"n": 1}));
     f.publish(std::slice::from_ref(&first)).await;
     let (handler, mut calls) = Scripted::new();
-    let consumer = RedisConsumer::connect(f.config("vanish")).await.unwrap();
+    // Connected by URL, as a service configured from its environment would.
+    let consumer = outbox_consumer::Consumer::connect(&format!(
+        "{}?stream={}&group=vanish&claim_idle_ms=30000",
+        f.url, f.stream
+    ))
+    .await
+    .unwrap();
+    assert!(matches!(consumer, outbox_consumer::Consumer::Redis(_)));
     let task = tokio::spawn(consumer.run(handler));
     calls_until(&mut calls, |c| !c.is_empty()).await;
     f.all_acked("vanish", 1).await;
