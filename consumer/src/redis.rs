@@ -56,8 +56,10 @@ pub struct RedisConsumerConfig {
     /// Stream key of dead letters. Default: `<stream>:dead`.
     pub dead_letter_stream: String,
     /// Entries pending (delivered, not acknowledged) in any consumer of the group for longer
-    /// than this are taken over with `XAUTOCLAIM`. Keep it above your longest handler call plus
-    /// retries, or a live consumer's entry is handled twice. Default: [`DEFAULT_CLAIM_IDLE`].
+    /// than this are taken over with `XAUTOCLAIM`. While an entry waits between retries its
+    /// consumer resets its idle time every half of this (`XCLAIM ... JUSTID`); keep it above
+    /// your longest single handler call, or a live consumer's entry is handled twice. Default:
+    /// [`DEFAULT_CLAIM_IDLE`].
     pub claim_idle: Duration,
     /// How long one `XREADGROUP` waits for new entries (shortened to half of `claim_idle`).
     /// Default: [`DEFAULT_BLOCK`].
@@ -432,7 +434,15 @@ impl RedisConsumer {
             return (Some(entry.id), true);
         }
         let decoded = self.decode(&entry);
-        match core.settle(decoded, None, || async {}).await {
+        // Between retries, reset the entry's idle time so that no other consumer of the group
+        // takes it over while this one still works on it.
+        let progress_every = Some(self.config.claim_idle / 2);
+        let progress = || async {
+            if let Err(e) = self.touch(&entry.id).await {
+                tracing::debug!(consumer = %core.name, error = %redact_url(&e.to_string()), "XCLAIM to keep an entry failed");
+            }
+        };
+        match core.settle(decoded, progress_every, progress).await {
             Verdict::Ack => (Some(entry.id), true),
             Verdict::Dead { reason, attempts } => {
                 match core
@@ -534,6 +544,20 @@ impl RedisConsumer {
             tracing::info!(consumer = %self.config.group, count = claimed.len(), "took over entries idle for {:?}", self.config.claim_idle);
         }
         Ok(claimed)
+    }
+
+    /// `XCLAIM ... 0 id JUSTID`: keep the entry, resetting its idle time.
+    async fn touch(&self, id: &str) -> redis::RedisResult<()> {
+        redis::cmd("XCLAIM")
+            .arg(&self.config.stream)
+            .arg(&self.config.group)
+            .arg(&self.config.consumer)
+            .arg(0)
+            .arg(id)
+            .arg("JUSTID")
+            .query_async::<Value>(&mut self.connection.clone())
+            .await
+            .map(|_| ())
     }
 
     async fn xack(&self, ids: &[String]) -> redis::RedisResult<()> {

@@ -327,3 +327,43 @@ async fn a_consumer_whose_stream_vanished_makes_its_group_again_and_goes_on() {
     f.all_acked("vanish", 1).await;
     task.abort();
 }
+
+#[tokio::test]
+async fn an_entry_between_retries_is_not_taken_over_by_another_consumer() {
+    let Some(f) = fixture().await else { return };
+    let msg = message(Some("k"), 1, serde_json::json!({"n": 1}));
+    f.publish(std::slice::from_ref(&msg)).await;
+    let claim_idle = Duration::from_millis(200);
+    // One retry, after a pause three times the claim idle time.
+    let mut options = fast_options(2);
+    options.retry.initial_backoff = claim_idle * 3;
+    options.retry.max_backoff = claim_idle * 3;
+
+    let (first, mut first_calls) = Scripted::new();
+    first.plan(msg.id, Plan::FailFirst(1));
+    let config = f
+        .config("keep")
+        .with_claim_idle(claim_idle)
+        .with_options(options);
+    let a = RedisConsumer::connect(config.clone().with_consumer("a"))
+        .await
+        .unwrap();
+    let task_a = tokio::spawn(a.run(first));
+    calls_until(&mut first_calls, |c| !c.is_empty()).await;
+
+    // A second consumer of the group, claiming entries idle for 200 ms, runs through the pause.
+    let (second, mut second_calls) = Scripted::new();
+    let b = RedisConsumer::connect(config.with_consumer("b"))
+        .await
+        .unwrap();
+    let task_b = tokio::spawn(b.run(second));
+    let seen = calls_until(&mut first_calls, |c| !c.is_empty()).await;
+    assert_eq!(seen[0].delivery.attempt, 2);
+    f.all_acked("keep", 1).await;
+    assert!(
+        second_calls.try_recv().is_err(),
+        "the other consumer took over an entry still being retried"
+    );
+    task_a.abort();
+    task_b.abort();
+}
