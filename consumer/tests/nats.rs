@@ -9,12 +9,12 @@ use std::time::Duration;
 use async_nats::jetstream;
 use common::*;
 use outbox_conformance_tests::env::service_url;
+use outbox_conformance_tests::servers::{free_port, installed, missing, wait_port};
 use outbox_consumer::nats::{NatsConsumer, NatsConsumerConfig};
 use outbox_consumer::{
     handler_fn, CancellationToken, Delivery, Handled, Source, DEAD_ATTEMPTS, DEAD_REASON,
     DEAD_SOURCE,
 };
-use outbox_e2e::private::PlainNats;
 use outbox_publisher_nats::{NatsConfig, NatsPublisher};
 use outbox_traits::{Message, PublishOutcome, Publisher};
 
@@ -271,7 +271,7 @@ async fn a_message_unacked_by_a_dead_consumer_is_redelivered() {
 
 #[tokio::test]
 async fn a_broker_outage_costs_no_attempt() {
-    let Some(mut server) = PlainNats::start().unwrap() else {
+    let Some(mut server) = PrivateNats::start().unwrap() else {
         return;
     };
     let f = fixture_at(server.url()).await;
@@ -313,7 +313,7 @@ async fn a_broker_outage_costs_no_attempt() {
     server.stop();
     release.notify_one();
 
-    server.resume().unwrap();
+    server.resume();
     let after = message(Some("k"), 2, serde_json::json!({"n": 2}));
     eventually("the publisher is back", || async {
         let outcomes = f.publisher.publish(std::slice::from_ref(&after)).await;
@@ -347,5 +347,71 @@ impl Delivered for Delivery {
             Source::Nats { delivered, .. } => delivered,
             _ => 0,
         }
+    }
+}
+
+/// A private `nats-server` with JetStream, killed by its pid on [`stop`](Self::stop) and on drop;
+/// [`resume`](Self::resume) starts it again on the same port and JetStream directory.
+struct PrivateNats {
+    program: &'static str,
+    child: Option<std::process::Child>,
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl PrivateNats {
+    fn start() -> Result<Option<Self>, String> {
+        let Some(program) = ["/usr/sbin/nats-server", "nats-server"]
+            .into_iter()
+            .find(|p| installed(p))
+        else {
+            return missing("nats-server");
+        };
+        let mut server = Self {
+            program,
+            child: None,
+            dir: tempfile::tempdir().map_err(|e| e.to_string())?,
+            port: free_port()?,
+        };
+        server.resume();
+        Ok(Some(server))
+    }
+
+    fn resume(&mut self) {
+        let log = self.dir.path().join("log");
+        let file = std::fs::File::create(&log).unwrap();
+        let mut child = std::process::Command::new(self.program)
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(self.dir.path().join("js"))
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        wait_port(self.port, Some(&mut child), &log).unwrap();
+        self.child = Some(child);
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
