@@ -39,6 +39,10 @@
 //!   order within one consumer. A consumer group shares entries between its consumers without
 //!   any order between them: use one consumer per group where order matters.
 //!
+//! A lane whose message waits between retries holds back the next batch (not the other lanes
+//! of its batch). Messages the client already fetched wait meanwhile; on NATS they are
+//! redelivered if that wait passes the ack deadline (a duplicate for the handler, never a loss).
+//!
 //! On every broker a redelivery (after a crash, an ack deadline, a taken-over pending entry) can
 //! bring a message after later ones of its key: order is per delivery, not across redeliveries.
 //!

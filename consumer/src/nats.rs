@@ -55,7 +55,8 @@ pub struct NatsConsumerConfig {
     pub dead_letter_stream: Option<String>,
     /// How long JetStream waits for an acknowledgement before redelivering. While a message is
     /// between retries the consumer tells JetStream it is in progress every half of this; a
-    /// single handler call longer than this gets the message redelivered meanwhile. Default:
+    /// single handler call longer than this gets the message redelivered meanwhile. It is set
+    /// when the durable consumer is created; an existing one keeps its own. Default:
     /// [`DEFAULT_ACK_WAIT`].
     pub ack_wait: Duration,
     /// Connection and request timeout. Default: [`DEFAULT_NATS_TIMEOUT`].
