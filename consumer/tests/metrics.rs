@@ -61,7 +61,8 @@ fn counters_and_the_latency_histogram_carry_the_consumer_label() {
             let (handler, mut calls) = Scripted::new();
             handler.plan(dup.id, Plan::Duplicate);
             handler.plan(flaky.id, Plan::FailFirst(1));
-            handler.plan(down.id, Plan::UnavailableFirst(2));
+            // More outage errors than max_attempts: counted, they would dead-letter the message.
+            handler.plan(down.id, Plan::UnavailableFirst(5));
             handler.plan(poison.id, Plan::Poison);
             let consumer = RedisConsumer::connect(
                 RedisConsumerConfig::new(url.clone(), &stream, "metered")
@@ -71,7 +72,7 @@ fn counters_and_the_latency_histogram_carry_the_consumer_label() {
             .unwrap();
             let shutdown = CancellationToken::new();
             let run = tokio::spawn(consumer.run_until(handler, shutdown.clone()));
-            calls_until(&mut calls, |c| c.len() >= 8).await;
+            calls_until(&mut calls, |c| c.len() >= 11).await;
             eventually("all acknowledged", || {
                 let mut redis = redis.clone();
                 let stream = stream.clone();
@@ -120,13 +121,13 @@ fn counters_and_the_latency_histogram_carry_the_consumer_label() {
             .copied()
             .unwrap_or(0)
     };
-    // ok, flaky (after 1 retry) and down (after 2 outage errors): processed.
+    // ok, flaky (after 1 retry) and down (after 5 outage errors): processed.
     assert_eq!(get(m::PROCESSED_TOTAL, &[]), 3);
     assert_eq!(get(m::DUPLICATES_TOTAL, &[]), 1);
     assert_eq!(get(m::RETRIED_TOTAL, &[("kind", "transient")]), 1);
-    assert_eq!(get(m::RETRIED_TOTAL, &[("kind", "unavailable")]), 2);
+    assert_eq!(get(m::RETRIED_TOTAL, &[("kind", "unavailable")]), 5);
     assert_eq!(get(m::DEAD_TOTAL, &[("cause", "handler")]), 1);
     assert_eq!(get(m::DEAD_TOTAL, &[("cause", "undecodable")]), 1);
-    // One handler call each: ok, dup, flaky x2, down x3, poison.
-    assert_eq!(histogram_samples, 8);
+    // One sample per handler call: ok, dup, flaky x2, down x6, poison.
+    assert_eq!(histogram_samples, 11);
 }
