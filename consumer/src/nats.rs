@@ -30,6 +30,9 @@ pub const NATS_URL_OPTIONS: &[&str] = &[
     "timeout_ms",
 ];
 
+/// How long one pull request waits for messages.
+const PULL_EXPIRES: Duration = Duration::from_secs(2);
+
 /// Default [`NatsConsumerConfig::ack_wait`].
 pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
 /// Default connection and request timeout.
@@ -252,6 +255,17 @@ impl NatsConsumer {
             .name("outbox-consumer")
             .connection_timeout(config.timeout)
             .request_timeout(Some(config.timeout))
+            .reconnect_delay_callback(|attempts| {
+                // At once, then doubling from 2 ms to 1 s: resume soon after an outage ends.
+                let exp = u32::try_from(attempts.saturating_sub(1))
+                    .unwrap_or(u32::MAX)
+                    .min(10);
+                if exp == 0 {
+                    Duration::ZERO
+                } else {
+                    Duration::from_millis(2u64.saturating_pow(exp).min(1000))
+                }
+            })
             .connect(config.url.as_str())
             .await
             .map_err(|e| {
@@ -348,7 +362,9 @@ impl NatsConsumer {
                     self.consumer
                         .stream()
                         .max_messages_per_batch(batch)
-                        .expires(Duration::from_secs(5))
+                        // An idle consumer renews its pull every 2 s, with heartbeats every
+                        // 1 s: a pull lost to a server restart is noticed within seconds.
+                        .expires(PULL_EXPIRES)
                         .messages()
                 })
                 .await
