@@ -15,7 +15,8 @@
 //! | [`PrivateNats`] | `nats-server -c conf` with JetStream | optional `tls {}` block with `verify: true` | user/password, token, NKey or operator JWTs (`.creds`) |
 //! | [`PlainPostgres`] | `initdb` + `pg_ctl`, stopped and resumed by outage tests | no | `trust` |
 //! | [`PlainNats`] | `nats-server -js`, killed and resumed by outage tests | no | none |
-//! | [`PlainRedis`] | `redis-server --port N`, killed by outage tests | no | none |
+//! | [`PlainRedis`] | `redis-server --port N`, killed and resumed (empty) by outage tests | no | none |
+//! | [`PlainKafka`] | Tansu with memory storage, killed and resumed (empty) by outage tests | no | none |
 //!
 //! A server whose program is not installed gives `Ok(None)` after printing why the test skips,
 //! or fails when `OUTBOX_REQUIRE_SERVICES=1`.
@@ -719,11 +720,13 @@ impl PlainNats {
 }
 
 /// A private `redis-server` on a plain TCP port that keeps nothing on disk, for outage tests:
-/// [`stop`](Self::stop) kills it (by its pid). Killed when dropped.
+/// [`stop`](Self::stop) kills it (by its pid) and [`resume`](Self::resume) starts it again on
+/// the same port, empty (its streams are gone, as on a replaced server). Killed when dropped.
 #[derive(Debug)]
 pub struct PlainRedis {
     child: Option<Owned>,
-    _dir: TempDir,
+    program: &'static str,
+    dir: TempDir,
     /// Its port on 127.0.0.1.
     pub port: u16,
 }
@@ -737,21 +740,14 @@ impl PlainRedis {
         let Some(program) = program else {
             return Ok(missing("redis-server")?);
         };
-        let dir = tempfile::Builder::new().prefix("outbox-redis-").tempdir()?;
-        let port = free_port()?;
-        let log = dir.path().join("log");
-        let mut child = spawn(
-            Command::new(program)
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"]),
-            &log,
-        )?;
-        wait_port(port, Some(&mut child.0), &log)?;
-        Ok(Some(Self {
-            child: Some(child),
-            _dir: dir,
-            port,
-        }))
+        let mut server = Self {
+            child: None,
+            program,
+            dir: tempfile::Builder::new().prefix("outbox-redis-").tempdir()?,
+            port: free_port()?,
+        };
+        server.resume()?;
+        Ok(Some(server))
     }
 
     /// Kill it.
@@ -759,9 +755,91 @@ impl PlainRedis {
         self.child = None;
     }
 
+    /// Start it (again, empty) on its port and wait until it accepts connections.
+    pub fn resume(&mut self) -> Result<(), BoxError> {
+        let log = self.dir.path().join("log");
+        let mut child = spawn(
+            Command::new(self.program)
+                .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"]),
+            &log,
+        )?;
+        wait_port(self.port, Some(&mut child.0), &log)?;
+        self.child = Some(child);
+        Ok(())
+    }
+
     /// `redis://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+/// The Tansu binary that `scripts/tansu install` puts in `$OUTBOX_TANSU_HOME/bin` (default
+/// `~/.local/share/outbox/bin`), if it is there.
+fn tansu_program() -> Option<PathBuf> {
+    let home = std::env::var_os("OUTBOX_TANSU_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share/outbox")))
+        .unwrap_or_default();
+    let tansu = home.join("bin/tansu");
+    tansu.is_file().then_some(tansu)
+}
+
+/// A private Tansu (Kafka API) in plaintext with memory storage, for outage tests:
+/// [`stop`](Self::stop) kills it (by its pid) and [`resume`](Self::resume) starts it again on
+/// the same port, empty: its topics and records are gone, like a broker replaced by an empty
+/// one. Killed when dropped.
+#[derive(Debug)]
+pub struct PlainKafka {
+    child: Option<Owned>,
+    program: PathBuf,
+    dir: TempDir,
+    /// Its port on 127.0.0.1 (also the advertised listener).
+    pub port: u16,
+}
+
+impl PlainKafka {
+    /// Start it and wait until it accepts connections.
+    pub fn start() -> Result<Option<Self>, BoxError> {
+        let Some(program) = tansu_program() else {
+            return Ok(missing("tansu (scripts/tansu install)")?);
+        };
+        let mut server = Self {
+            child: None,
+            program,
+            dir: tempfile::Builder::new().prefix("outbox-kafka-").tempdir()?,
+            port: free_port()?,
+        };
+        server.resume()?;
+        Ok(Some(server))
+    }
+
+    /// Kill it.
+    pub fn stop(&mut self) {
+        self.child = None;
+    }
+
+    /// Start it (again, empty) on its port and wait until it accepts connections.
+    pub fn resume(&mut self) -> Result<(), BoxError> {
+        let log = self.dir.path().join("log");
+        let listener = format!("tcp://127.0.0.1:{}", self.port);
+        let mut child = spawn(
+            Command::new(&self.program)
+                .arg("broker")
+                .args(["--listener-url", &listener])
+                .args(["--advertised-listener-url", &listener])
+                .args(["--storage-engine", "memory://tansu/"]),
+            &log,
+        )?;
+        wait_port(self.port, Some(&mut child.0), &log)?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// `127.0.0.1:PORT`, the bootstrap list of a `kafka://` URL.
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
     }
 }
 
@@ -782,16 +860,9 @@ impl PrivateKafkaTls {
     /// Start Tansu (the binary `scripts/tansu install` puts in
     /// `$OUTBOX_TANSU_HOME/bin`, default `~/.local/share/outbox/bin`) and the TLS front.
     pub fn start(pki: &Pki) -> Result<Option<Self>, BoxError> {
-        let home = std::env::var_os("OUTBOX_TANSU_HOME")
-            .map(PathBuf::from)
-            .or_else(|| {
-                std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share/outbox"))
-            })
-            .unwrap_or_default();
-        let tansu = home.join("bin/tansu");
-        if !tansu.is_file() {
+        let Some(tansu) = tansu_program() else {
             return Ok(missing("tansu (scripts/tansu install)")?);
-        }
+        };
         let dir = tempfile::Builder::new().prefix("outbox-kafka-").tempdir()?;
         let (inner, port) = (free_port()?, free_port()?);
         let log = dir.path().join("log");
