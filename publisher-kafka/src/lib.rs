@@ -75,6 +75,21 @@
 //! through the new producer. A new producer is a new idempotence session: its retries of the
 //! same messages can be stored twice; consumers drop duplicates by `message-id`.
 //!
+//! # Broker outages
+//! When librdkafka reports that the producer lost every broker connection (`ALL_BROKERS_DOWN`),
+//! a batch waiting for its reports does not wait for the message timeout: its undelivered
+//! messages are purged from the producer and reported [`PublishOutcome::Ambiguous`] at once
+//! (the broker may have stored some before it went away), so the relay asks
+//! [`Publisher::check`](outbox_traits::Publisher::check) while the brokers are still down and
+//! gives the batch back without counting an attempt. The producer is then replaced before its
+//! next use (a publish or a check): a broker that restarted may have lost the producer's
+//! idempotence session (Tansu and any broker replaced by an empty one answer the old producer
+//! id with `UNKNOWN_PRODUCER_ID`, a fatal error), and a new producer connects at once instead
+//! of after the old one's reconnect back-off. So the relay resumes as soon as a probe finds the
+//! brokers back. A topic the restarted cluster no longer has is created again only by the
+//! broker's auto-creation (`auto.create.topics.enable`, which librdkafka's producer requests);
+//! otherwise its messages fail as an unknown topic.
+//!
 //! # Timeouts
 //! `publish` returns within about [`KafkaConfig::message_timeout`] plus a margin whatever the
 //! broker does; keep the relay's lease longer than that.

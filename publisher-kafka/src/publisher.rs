@@ -4,13 +4,15 @@ use std::borrow::Cow;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use futures::FutureExt;
 use outbox_routing::{settle_in_key_order, standard_headers, KeyGate};
 use outbox_traits::{async_trait, Error, Message, PublishOutcome, Publisher};
 use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, FromClientConfigAndContext, RDKafkaLogLevel};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer, PurgeConfig};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::config::{check_topic_name, is_topic_char, KafkaConfig};
@@ -41,6 +43,9 @@ pub struct KafkaPublisher {
 struct Slot {
     producer: Option<FutureProducer<LogContext>>,
     generation: u64,
+    /// Becomes `true` once librdkafka reports that this producer lost every broker connection
+    /// (`ALL_BROKERS_DOWN`); it never goes back, the producer is replaced instead.
+    lost_brokers: watch::Receiver<bool>,
 }
 
 impl Drop for Slot {
@@ -56,9 +61,46 @@ impl Drop for Slot {
 }
 
 impl Slot {
+    /// A new producer made from `cc`, as generation `generation`.
+    fn new(cc: &ClientConfig, generation: u64) -> Result<Self, Error> {
+        let (tx, lost_brokers) = watch::channel(false);
+        let producer = create_producer(cc, LogContext { lost_brokers: tx })?;
+        Ok(Self {
+            producer: Some(producer),
+            generation,
+            lost_brokers,
+        })
+    }
+
     fn producer(&self) -> Option<&FutureProducer<LogContext>> {
         self.producer.as_ref()
     }
+
+    /// Why this producer must not be used again, if it must not: a fatal error, or every
+    /// broker connection lost.
+    fn unusable(&self) -> Option<Replace> {
+        let producer = self.producer()?;
+        if producer.client().fatal_error().is_some() {
+            Some(Replace::Fatal)
+        } else if *self.lost_brokers.borrow() {
+            Some(Replace::LostBrokers)
+        } else {
+            None
+        }
+    }
+}
+
+/// Why a producer is replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Replace {
+    /// librdkafka declared it fatally failed; it refuses all further work.
+    Fatal,
+    /// It lost every broker connection. Its idempotence session (producer id, epoch, sequence
+    /// numbers) may be gone with the broker's state (a broker replaced by an empty one answers
+    /// it with `UNKNOWN_PRODUCER_ID`, a fatal error that would cost the next batch an attempt),
+    /// and it reconnects only after its reconnect back-off (up to 10 s), while a new producer
+    /// connects at once and asks the brokers for a new producer id.
+    LostBrokers,
 }
 
 impl std::fmt::Debug for KafkaPublisher {
@@ -78,14 +120,11 @@ impl KafkaPublisher {
     /// values are never shown), [`Error::Unavailable`] when librdkafka cannot create a client.
     pub fn new(config: KafkaConfig) -> Result<Self, Error> {
         let client_config = config.client_config()?;
-        let producer = create_producer(&client_config)?;
+        let slot = Slot::new(&client_config, 0)?;
         Ok(Self {
             config,
             client_config,
-            slot: RwLock::new(Arc::new(Slot {
-                producer: Some(producer),
-                generation: 0,
-            })),
+            slot: RwLock::new(Arc::new(slot)),
         })
     }
 
@@ -103,12 +142,16 @@ impl KafkaPublisher {
         &self.config
     }
 
-    /// How many times the producer has been replaced after a fatal error.
+    /// How many times the producer has been replaced (after a fatal error, or after it lost
+    /// every broker connection).
     pub fn producer_generation(&self) -> u64 {
         self.current().generation
     }
 
-    /// Ask the cluster for its metadata, to fail fast at start-up when no broker answers.
+    /// Ask the cluster for its metadata, to fail fast at start-up when no broker answers (and,
+    /// as [`Publisher::check`], to tell whether the brokers are reachable now). A producer that
+    /// lost every broker connection is replaced first, so that a broker that came back is
+    /// seen at once rather than after the old producer's reconnect back-off.
     ///
     /// # Errors
     /// [`Error::Unavailable`] when no broker answered within `timeout`.
@@ -156,33 +199,42 @@ impl KafkaPublisher {
         }
     }
 
-    /// The current producer, replaced first if it has hit a fatal error.
+    /// The current producer, replaced first if it has hit a fatal error or lost every broker
+    /// connection.
     fn usable_slot(&self) -> Arc<Slot> {
         let slot = self.current();
-        match slot.producer() {
-            Some(p) if p.client().fatal_error().is_none() => slot,
-            _ => self.replace_producer(slot.generation),
+        if slot.producer().is_none() {
+            return self.replace_producer(slot.generation, Replace::Fatal);
+        }
+        match slot.unusable() {
+            None => slot,
+            Some(why) => self.replace_producer(slot.generation, why),
         }
     }
 
     /// Replace the producer of generation `seen` (unless another task already did) and return
     /// the current slot.
-    fn replace_producer(&self, seen: u64) -> Arc<Slot> {
+    fn replace_producer(&self, seen: u64, why: Replace) -> Arc<Slot> {
         let mut guard = match self.slot.write() {
             Ok(g) => g,
             Err(poisoned) => poisoned.into_inner(),
         };
         if guard.generation == seen {
-            match create_producer(&self.client_config) {
-                Ok(producer) => {
-                    tracing::warn!(
-                        generation = seen + 1,
-                        "kafka: replaced the producer after a fatal error"
-                    );
-                    *guard = Arc::new(Slot {
-                        producer: Some(producer),
-                        generation: seen + 1,
-                    });
+            match Slot::new(&self.client_config, seen + 1) {
+                Ok(slot) => {
+                    match why {
+                        Replace::Fatal => tracing::warn!(
+                            generation = seen + 1,
+                            "kafka: replaced the producer after a fatal error"
+                        ),
+                        // Logged once per outage by the relay ("broker is down"); a probe may
+                        // replace a producer every second while the brokers stay down.
+                        Replace::LostBrokers => tracing::debug!(
+                            generation = seen + 1,
+                            "kafka: replaced a producer that lost every broker connection"
+                        ),
+                    }
+                    *guard = Arc::new(slot);
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "kafka: could not create a new producer; will retry on the next batch");
@@ -213,8 +265,11 @@ fn sanitize_topic_value(value: &str) -> Cow<'_, str> {
     }
 }
 
-fn create_producer(cc: &ClientConfig) -> Result<FutureProducer<LogContext>, Error> {
-    FutureProducer::from_config_and_context(cc, LogContext).map_err(|e| match e {
+fn create_producer(
+    cc: &ClientConfig,
+    context: LogContext,
+) -> Result<FutureProducer<LogContext>, Error> {
+    FutureProducer::from_config_and_context(cc, context).map_err(|e| match e {
         KafkaError::ClientConfig(..) => Error::invalid_input(format!(
             "librdkafka refused the producer configuration: {}",
             redact_config_error(&e)
@@ -237,9 +292,11 @@ fn redact_config_error(err: &KafkaError) -> String {
     }
 }
 
-/// Sends librdkafka's own log lines and errors to `tracing`.
-#[derive(Clone, Copy)]
-struct LogContext;
+/// Sends librdkafka's own log lines and errors to `tracing`, and tells its producer's slot when
+/// every broker connection is lost.
+struct LogContext {
+    lost_brokers: watch::Sender<bool>,
+}
 
 impl ClientContext for LogContext {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
@@ -267,6 +324,10 @@ impl ClientContext for LogContext {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
+        if matches!(error, KafkaError::Global(RDKafkaErrorCode::AllBrokersDown)) {
+            // Before the rate limit: this must never be dropped.
+            self.lost_brokers.send_replace(true);
+        }
         // Connection errors repeat while a broker is down; each message's outcome carries what
         // matters to the relay, so these are warnings, not errors (and rate limited).
         let Some(dropped) = LIBRDKAFKA_LOG.admit(std::time::Instant::now()) else {
@@ -296,6 +357,11 @@ impl Publisher for KafkaPublisher {
                 .map(|_| PublishOutcome::transient("kafka: no producer could be created"))
                 .collect();
         };
+        let mut outage = Outage {
+            producer,
+            lost_brokers: slot.lost_brokers.clone(),
+            purged: false,
+        };
         let report_deadline = Instant::now() + self.config.message_timeout + REPORT_MARGIN;
         let queue_deadline = Instant::now() + self.config.message_timeout;
 
@@ -316,11 +382,14 @@ impl Publisher for KafkaPublisher {
                 topics.push(String::new());
                 continue;
             }
-            if fatal_while_enqueueing {
+            if fatal_while_enqueueing || outage.purged {
                 topics.push(String::new());
-                slots.push(Slotted::Done(PublishOutcome::transient(
-                    "kafka: not sent: the producer hit a fatal error and is being replaced",
-                )));
+                slots.push(Slotted::Done(PublishOutcome::transient(if outage.purged {
+                    "kafka: not sent: every broker connection was lost"
+                } else {
+                    "kafka: not sent: the producer hit a fatal error and is being replaced"
+                })));
+                gate.close(msg);
                 continue;
             }
             let topic = match self.topic_for(msg) {
@@ -364,7 +433,7 @@ impl Publisher for KafkaPublisher {
                         // polling in a loop.
                         if let Some(i) = next_pending(&slots, oldest) {
                             if let Slotted::Pending(fut) = &mut slots[i] {
-                                let report = await_report(fut, report_deadline, &topics[i]).await;
+                                let report = outage.report(fut, report_deadline, &topics[i]).await;
                                 slots[i] = Slotted::Reported(report);
                             }
                             oldest = i + 1;
@@ -399,7 +468,7 @@ impl Publisher for KafkaPublisher {
         for (i, s) in slots.into_iter().enumerate() {
             let (outcome, was_sent) = match s {
                 Slotted::Pending(mut fut) => (
-                    await_report(&mut fut, report_deadline, &topics[i]).await,
+                    outage.report(&mut fut, report_deadline, &topics[i]).await,
                     true,
                 ),
                 Slotted::Reported(o) => (o, true),
@@ -411,23 +480,27 @@ impl Publisher for KafkaPublisher {
 
         if let Some((code, reason)) = producer.client().fatal_error() {
             tracing::error!(%code, %reason, "kafka: fatal producer error; replacing the producer");
-            for (outcome, was_sent) in outcomes.iter_mut().zip(&sent) {
-                let own_permanent = matches!(
-                    outcome,
-                    PublishOutcome::Failed {
-                        kind: outbox_traits::ErrorKind::Permanent,
-                        ..
-                    }
-                );
-                if *was_sent && !outcome.is_acked() && !own_permanent {
-                    *outcome = PublishOutcome::Ambiguous {
-                        reason: format!("kafka: fatal producer error ({code}: {reason}); the producer was replaced"),
-                    };
-                }
-            }
+            in_doubt(&mut outcomes, &sent, |_| {
+                format!("kafka: fatal producer error ({code}: {reason}); the producer was replaced")
+            });
             let generation = slot.generation;
+            drop(outage);
             drop(slot);
-            self.replace_producer(generation);
+            self.replace_producer(generation, Replace::Fatal);
+        } else if outage.purged {
+            // Every broker connection was lost while this batch waited for its reports: the
+            // undelivered messages were purged rather than left to time out, so that the relay
+            // asks `check` while the brokers are still down (and releases the batch without
+            // counting an attempt) instead of minutes later, when they may be back. The
+            // producer is replaced before its next use.
+            tracing::debug!("kafka: every broker connection was lost during a batch; purged");
+            in_doubt(&mut outcomes, &sent, |i| {
+                format!(
+                    "kafka: every broker connection was lost before delivery to {} was \
+                     confirmed; the message may or may not be stored",
+                    topics[i]
+                )
+            });
         }
 
         keep_key_order(batch, &mut outcomes);
@@ -444,8 +517,62 @@ impl Publisher for KafkaPublisher {
     }
 }
 
-/// How long [`Publisher::check`] waits for the cluster's metadata.
-pub const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long [`Publisher::check`] waits for the cluster's metadata: under the relay's 5 s bound
+/// on a check, so that the relay logs this publisher's own reason when the brokers are down.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// Make every message that was handed to librdkafka and neither acknowledged nor refused for
+/// good [`PublishOutcome::Ambiguous`], with the reason `reason(index)`.
+fn in_doubt(outcomes: &mut [PublishOutcome], sent: &[bool], reason: impl Fn(usize) -> String) {
+    for (i, (outcome, was_sent)) in outcomes.iter_mut().zip(sent).enumerate() {
+        let own_permanent = matches!(
+            outcome,
+            PublishOutcome::Failed {
+                kind: outbox_traits::ErrorKind::Permanent,
+                ..
+            }
+        );
+        if *was_sent && !outcome.is_acked() && !own_permanent {
+            *outcome = PublishOutcome::Ambiguous { reason: reason(i) };
+        }
+    }
+}
+
+/// One batch's watch over its producer's broker connections while it waits for reports.
+struct Outage<'p> {
+    producer: &'p FutureProducer<LogContext>,
+    lost_brokers: watch::Receiver<bool>,
+    /// The producer's queues were purged because every broker connection was lost.
+    purged: bool,
+}
+
+impl Outage<'_> {
+    /// Wait for one delivery report (see [`await_report`]). If the producer loses every broker
+    /// connection meanwhile, purge its queued and in-flight messages first (once per batch), so
+    /// that their reports come at once (`PURGE_QUEUE` / `PURGE_INFLIGHT`) instead of after the
+    /// message timeout: an outage is then seen while it lasts.
+    async fn report(
+        &mut self,
+        fut: &mut DeliveryFuture,
+        deadline: Instant,
+        topic: &str,
+    ) -> PublishOutcome {
+        if !self.purged {
+            // The `Ref` of `wait_for` is dropped inside the future: no lock is held after it.
+            let lost = self.lost_brokers.wait_for(|lost| *lost).map(|r| r.is_ok());
+            tokio::select! {
+                biased;
+                outcome = await_report(fut, deadline, topic) => return outcome,
+                true = lost => {
+                    self.purged = true;
+                    self.producer
+                        .purge(PurgeConfig::default().queue().inflight().non_blocking());
+                }
+            }
+        }
+        await_report(fut, deadline, topic).await
+    }
+}
 
 fn next_pending(slots: &[Slotted], from: usize) -> Option<usize> {
     (from..slots.len()).find(|&i| matches!(slots[i], Slotted::Pending(_)))
