@@ -4,13 +4,18 @@
 //! relay must resume by itself, and its probes of the broker must stay bounded (about one a
 //! second at most). The 60 s is the outage being tested, not a wait for a retry; every other wait
 //! polls for an event.
+//!
+//! The same for a private Kafka (Tansu) and a private Redis, stopped for 15 s and started again
+//! EMPTY (both keep nothing across a restart, like a broker replaced by an empty one): no attempt
+//! may be counted, and the relay must resume soon after the broker's return without a restart.
+//! The tests of this file run concurrently, so the shorter ones add little to its wall time.
 
 use std::path::Path;
 use std::time::Duration;
 
 use outbox::sqlite::{SqliteConfig, SqliteStore};
 use outbox::OutboxAdmin;
-use outbox_e2e::private::{free_port, PlainNats, PlainPostgres};
+use outbox_e2e::private::{free_port, PlainKafka, PlainNats, PlainPostgres, PlainRedis};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
@@ -49,8 +54,8 @@ fn metric(text: &str, name: &str) -> f64 {
         .sum()
 }
 
-/// Write messages `range` into the SQLite outbox in one transaction.
-fn enqueue(path: &Path, range: std::ops::Range<usize>) -> TestResult {
+/// Write messages `range` into the SQLite outbox in one transaction; returns their ids.
+fn enqueue(path: &Path, range: std::ops::Range<usize>) -> Result<Vec<String>, BoxError> {
     let config = SqliteConfig::default();
     let mut conn = outbox::sqlite::open_connection(path, &config)?;
     outbox::sqlite::migrate(&conn, &config)?;
@@ -58,7 +63,7 @@ fn enqueue(path: &Path, range: std::ops::Range<usize>) -> TestResult {
     let tx = conn.transaction()?;
     outbox::sqlite::enqueue_batch(&tx, &config, &messages)?;
     tx.commit()?;
-    Ok(())
+    Ok(messages.iter().map(|m| m.id.to_string()).collect())
 }
 
 /// Poll the store's counts until `published` messages are published.
@@ -244,4 +249,190 @@ async fn a_postgres_restart_mid_stream_dead_letters_nothing_and_loses_nothing() 
         (BEFORE + DURING) as u64
     );
     Ok(())
+}
+
+/// How long the Kafka and Redis outages last: shorter than the Kafka publisher's default
+/// message timeout (30 s), the case where librdkafka would otherwise hold the batch until the
+/// broker is back and report it timed out then, when a check finds the broker up.
+const SHORT_OUTAGE: Duration = Duration::from_secs(15);
+
+/// How long after the broker's return every message must be published: a failure guard well
+/// under the 30 s message timeout (a relay that recovers only when librdkafka gives up on its
+/// old messages fails it) and far above the second or two a recovering relay takes.
+const RESUME_GUARD: Duration = Duration::from_secs(20);
+
+/// A private broker that forgets everything when restarted.
+enum Forgetful {
+    Kafka(PlainKafka),
+    Redis(PlainRedis),
+}
+
+/// Where the relay publishes: the Kafka topic or the Redis stream.
+const DESTINATION: &str = "outage";
+
+impl Forgetful {
+    fn relay_url(&self) -> String {
+        match self {
+            // Default message timeout (30 s). Tansu creates the topic when the producer's
+            // metadata request names it (librdkafka's producers allow auto-creation), before
+            // the outage and again after it.
+            Self::Kafka(k) => format!("kafka://{}?topic={DESTINATION}", k.brokers()),
+            Self::Redis(r) => format!("{}?stream={DESTINATION}", r.url()),
+        }
+    }
+
+    fn stop(&mut self) {
+        match self {
+            Self::Kafka(k) => k.stop(),
+            Self::Redis(r) => r.stop(),
+        }
+    }
+
+    fn resume(&mut self) -> TestResult {
+        match self {
+            Self::Kafka(k) => k.resume(),
+            Self::Redis(r) => r.resume(),
+        }
+    }
+
+    /// The message ids the broker holds, in its order.
+    async fn ids(&self) -> Result<Vec<String>, BoxError> {
+        let received = match self {
+            Self::Kafka(k) => {
+                let brokers = k.brokers();
+                let partitions = partitions(&brokers).await?;
+                outbox_e2e::kafka::read_topic(&brokers, DESTINATION, partitions).await?
+            }
+            Self::Redis(r) => outbox_e2e::redis::read_stream(&r.url(), DESTINATION).await?,
+        };
+        Ok(received.into_iter().map(|r| r.id).collect())
+    }
+}
+
+/// How many partitions the broker gave the topic it created.
+async fn partitions(brokers: &str) -> Result<i32, BoxError> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let brokers = brokers.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .create()?;
+        let metadata = consumer.fetch_metadata(Some(DESTINATION), Duration::from_secs(10))?;
+        let topic = metadata
+            .topics()
+            .iter()
+            .find(|t| t.name() == DESTINATION)
+            .ok_or("the topic is not in the broker's metadata")?;
+        Ok(i32::try_from(topic.partitions().len())?)
+    })
+    .await?
+}
+
+/// `ids` sorted, for comparing sets that must hold each id once.
+fn sorted(mut ids: Vec<String>) -> Vec<String> {
+    ids.sort();
+    ids
+}
+
+/// Messages with an attempt counted.
+fn attempted(path: &Path) -> Result<i64, BoxError> {
+    let conn = outbox::sqlite::open_connection(path, &SqliteConfig::default())?;
+    Ok(
+        conn.query_row("SELECT count(*) FROM outbox WHERE attempts > 0", [], |r| {
+            r.get(0)
+        })?,
+    )
+}
+
+/// The broker is stopped right after `BEFORE` messages are published and read back, `DURING`
+/// more are written, and after [`SHORT_OUTAGE`] it comes back empty: the relay must have seen
+/// the outage (one WARN, `outbox_broker_up` 0), counted no attempt, dead-lettered nothing, and
+/// published the `DURING` messages once each within [`RESUME_GUARD`] of the return.
+async fn forgetful_broker_outage(mut broker: Forgetful) -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("outbox.sqlite");
+    let before = enqueue(&path, 0..BEFORE)?;
+    let store = SqliteStore::open(&path, SqliteConfig::default()).await?;
+    let addr = format!("127.0.0.1:{}", free_port()?);
+    let sqlite = format!("sqlite://{}", path.display());
+    let relay = relay_process([
+        "run",
+        "--store",
+        &sqlite,
+        "--broker",
+        &broker.relay_url(),
+        "--max-attempts",
+        "2",
+        "--metrics-addr",
+        &addr,
+    ])?;
+    until_published(&store, BEFORE as u64).await?;
+    // Read back before the broker forgets them: every one, once.
+    assert_eq!(sorted(broker.ids().await?), sorted(before));
+
+    broker.stop();
+    let during = enqueue(&path, BEFORE..BEFORE + DURING)?;
+    // The outage under test (not a wait for a retry to come due).
+    tokio::time::sleep(SHORT_OUTAGE).await;
+    let text = metrics(&addr).await?;
+    assert_eq!(metric(&text, "outbox_broker_up"), 0.0, "{text}");
+    assert_eq!(store.counts().await?.published, BEFORE as u64);
+
+    broker.resume()?;
+    let back = tokio::time::Instant::now();
+    let all = (BEFORE + DURING) as u64;
+    tokio::time::timeout(RESUME_GUARD, until_published(&store, all))
+        .await
+        .map_err(|_| format!("not all published within {RESUME_GUARD:?} of the return"))??;
+    let resumed_in = back.elapsed();
+    let counts = store.counts().await?;
+    assert_eq!((counts.published, counts.dead), (all, 0));
+    assert_eq!(attempted(&path)?, 0, "the outage cost attempts");
+    let text = metrics(&addr).await?;
+    assert_eq!(metric(&text, "outbox_broker_up"), 1.0, "{text}");
+    assert_eq!(metric(&text, "outbox_retried_total"), 0.0, "{text}");
+    // The broker came back empty: it holds exactly what was published after its return.
+    assert_eq!(sorted(broker.ids().await?), sorted(during));
+
+    sigterm(&relay).await?;
+    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
+    assert!(out.status.success(), "{out:?}");
+    let log = String::from_utf8_lossy(&out.stderr);
+    let down: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("broker is down"))
+        .collect();
+    let back_lines = log
+        .lines()
+        .filter(|l| l.contains("broker is back after"))
+        .count();
+    assert_eq!(down.len(), 1, "one WARN when the broker went down:\n{log}");
+    assert!(down[0].contains("WARN"), "{}", down[0]);
+    assert_eq!(back_lines, 1, "one INFO when it came back:\n{log}");
+    assert!(!log.contains("dead-lettered"), "{log}");
+    eprintln!(
+        "resumed {resumed_in:?} after the broker's return; {}",
+        down[0]
+    );
+    Ok(())
+}
+
+/// Issue 27: a Kafka broker restarted empty after 15 s (Tansu keeps nothing) under
+/// `--max-attempts 2`. Before the fix the relay counted attempts for messages librdkafka held
+/// through the outage, its producer failed on the new broker, and it published nothing more.
+#[tokio::test]
+async fn a_kafka_broker_restarted_empty_costs_no_attempt_and_the_relay_resumes() -> TestResult {
+    let Some(kafka) = PlainKafka::start()? else {
+        return Ok(());
+    };
+    forgetful_broker_outage(Forgetful::Kafka(kafka)).await
+}
+
+/// The same outage on a Redis restarted empty.
+#[tokio::test]
+async fn a_redis_restarted_empty_costs_no_attempt_and_the_relay_resumes() -> TestResult {
+    let Some(redis) = PlainRedis::start()? else {
+        return Ok(());
+    };
+    forgetful_broker_outage(Forgetful::Redis(redis)).await
 }
