@@ -76,10 +76,12 @@
 //! same messages can be stored twice; consumers drop duplicates by `message-id`.
 //!
 //! # Broker outages
-//! When librdkafka reports that the producer lost every broker connection (`ALL_BROKERS_DOWN`),
-//! a batch waiting for its reports does not wait for the message timeout: its undelivered
-//! messages are purged from the producer and reported [`PublishOutcome::Ambiguous`] at once
-//! (the broker may have stored some before it went away), so the relay asks
+//! When librdkafka reports that the producer lost every broker connection (`ALL_BROKERS_DOWN`)
+//! and no broker then gives the cluster's metadata within 2 s (a dropped connection that comes
+//! back at once changes nothing: librdkafka retries by itself), a batch waiting for its reports
+//! does not wait for the message timeout: its undelivered messages are purged from the producer
+//! and reported [`PublishOutcome::Ambiguous`] at once (the broker may have stored some before it
+//! went away), so the relay asks
 //! [`Publisher::check`](outbox_traits::Publisher::check) while the brokers are still down and
 //! gives the batch back without counting an attempt. The producer is then replaced before its
 //! next use (a publish or a check): a broker that restarted may have lost the producer's

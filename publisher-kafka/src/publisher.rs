@@ -43,8 +43,8 @@ pub struct KafkaPublisher {
 struct Slot {
     producer: Option<FutureProducer<LogContext>>,
     generation: u64,
-    /// Becomes `true` once librdkafka reports that this producer lost every broker connection
-    /// (`ALL_BROKERS_DOWN`); it never goes back, the producer is replaced instead.
+    /// Set (again) each time librdkafka reports that this producer lost every broker connection
+    /// (`ALL_BROKERS_DOWN`); it never goes back, the producer is replaced before its next use.
     lost_brokers: watch::Receiver<bool>,
 }
 
@@ -358,7 +358,7 @@ impl Publisher for KafkaPublisher {
                 .collect();
         };
         let mut outage = Outage {
-            producer,
+            slot: Arc::clone(&slot),
             lost_brokers: slot.lost_brokers.clone(),
             purged: false,
         };
@@ -539,38 +539,60 @@ fn in_doubt(outcomes: &mut [PublishOutcome], sent: &[bool], reason: impl Fn(usiz
 }
 
 /// One batch's watch over its producer's broker connections while it waits for reports.
-struct Outage<'p> {
-    producer: &'p FutureProducer<LogContext>,
+struct Outage {
+    slot: Arc<Slot>,
     lost_brokers: watch::Receiver<bool>,
     /// The producer's queues were purged because every broker connection was lost.
     purged: bool,
 }
 
-impl Outage<'_> {
-    /// Wait for one delivery report (see [`await_report`]). If the producer loses every broker
-    /// connection meanwhile, purge its queued and in-flight messages first (once per batch), so
-    /// that their reports come at once (`PURGE_QUEUE` / `PURGE_INFLIGHT`) instead of after the
-    /// message timeout: an outage is then seen while it lasts.
+/// How long a batch that saw every broker connection lost waits for the cluster's metadata
+/// before it calls the brokers unreachable and purges its messages.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Outage {
+    /// Wait for one delivery report (see [`await_report`]). Each time the producer reports
+    /// every broker connection lost meanwhile, ask the cluster for its metadata: a broker that
+    /// dropped one connection and answers again (librdkafka then retries by itself) changes
+    /// nothing, while brokers that stay unreachable get the producer's queued and in-flight
+    /// messages purged (once per batch), so that their reports come at once (`PURGE_QUEUE` /
+    /// `PURGE_INFLIGHT`) instead of after the message timeout: an outage is then seen while
+    /// it lasts.
     async fn report(
         &mut self,
         fut: &mut DeliveryFuture,
         deadline: Instant,
         topic: &str,
     ) -> PublishOutcome {
-        if !self.purged {
-            // The `Ref` of `wait_for` is dropped inside the future: no lock is held after it.
-            let lost = self.lost_brokers.wait_for(|lost| *lost).map(|r| r.is_ok());
-            tokio::select! {
+        while !self.purged {
+            let lost = self.lost_brokers.changed().map(|r| r.is_ok());
+            let lost = tokio::select! {
                 biased;
-                outcome = await_report(fut, deadline, topic) => return outcome,
-                true = lost => {
+                outcome = await_report(&mut *fut, deadline, topic) => return outcome,
+                true = lost => true,
+            };
+            if lost {
+                self.lost_brokers.borrow_and_update();
+                if self.unreachable().await {
                     self.purged = true;
-                    self.producer
-                        .purge(PurgeConfig::default().queue().inflight().non_blocking());
+                    if let Some(producer) = self.slot.producer() {
+                        producer.purge(PurgeConfig::default().queue().inflight().non_blocking());
+                    }
                 }
             }
         }
         await_report(fut, deadline, topic).await
+    }
+
+    /// Whether no broker gives the cluster's metadata within [`CONFIRM_TIMEOUT`].
+    async fn unreachable(&self) -> bool {
+        let slot = Arc::clone(&self.slot);
+        let answered = tokio::task::spawn_blocking(move || {
+            slot.producer()
+                .is_some_and(|p| p.client().fetch_metadata(None, CONFIRM_TIMEOUT).is_ok())
+        })
+        .await;
+        !matches!(answered, Ok(true))
     }
 }
 
