@@ -321,7 +321,54 @@ async fn brokers_down_gives_retryable_outcomes_within_the_timeout_then_recovers(
     );
 }
 
-/// OUT_OF_ORDER_SEQUENCE_NUMBER on the head request is fatal for an idempotent producer: the
+/// Issue 27: with a message timeout far longer than the outage, a batch sent to brokers that
+/// went away does not sit in librdkafka's queue until the timeout: once every broker
+/// connection is lost and no broker answers, its messages are purged and reported ambiguous
+/// (so the relay checks the broker while it is still down), `check` says down, and the
+/// producer is replaced before its next use; once the broker is back the batch goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_brokers_end_the_batch_before_the_message_timeout_and_replace_the_producer() {
+    let cluster = cluster(1, 1);
+    // Ten minutes: a batch that waited for it would hang the test far past its guard.
+    let publisher = publisher(&cluster, Duration::from_secs(600), &[]);
+    let warm = publisher.publish(&batch(&["w"], 1)).await;
+    assert!(warm[0].is_acked());
+    let generation = publisher.producer_generation();
+    cluster.broker_down(-1).unwrap();
+
+    let down = batch(&["a", "b"], 2);
+    let outcomes = tokio::time::timeout(Duration::from_secs(120), publisher.publish(&down))
+        .await
+        .expect("publish ended by the outage, not by the message timeout");
+    // The head of each key carries the outcome; later messages of the key are given back.
+    for o in &outcomes[..2] {
+        match o {
+            PublishOutcome::Ambiguous { reason } => {
+                assert!(
+                    reason.contains("every broker connection was lost"),
+                    "{reason}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(outcomes[2..]
+        .iter()
+        .all(|o| *o == PublishOutcome::NotAttempted));
+    assert!(
+        publisher.check().await.is_err(),
+        "check passed with the broker down"
+    );
+    assert!(publisher.producer_generation() > generation);
+
+    cluster.broker_up(-1).unwrap();
+    let outcomes = publish_until_acked(&publisher, &down).await;
+    assert!(
+        outcomes.iter().all(PublishOutcome::is_acked),
+        "{outcomes:?}"
+    );
+}
+
 /// batch's messages become ambiguous, the producer is replaced, the next batch succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fatal_error_replaces_the_producer() {
