@@ -655,15 +655,72 @@ impl PrivateNats {
     }
 }
 
+/// A server process of an outage test: started by [`Restartable::start`], killed (by its pid)
+/// by [`Restartable::stop`] and started again on the same port, with the same arguments and
+/// directory, by [`Restartable::resume`]. Killed when dropped.
+#[derive(Debug)]
+struct Restartable {
+    child: Option<Owned>,
+    program: PathBuf,
+    args: Vec<std::ffi::OsString>,
+    dir: TempDir,
+    port: u16,
+}
+
+impl Restartable {
+    /// Start `program` with the arguments `args(port, dir)` (a free port, a new temporary
+    /// directory named after `prefix`) and wait until it accepts connections on the port.
+    fn start(
+        program: PathBuf,
+        prefix: &str,
+        args: impl FnOnce(u16, &Path) -> Vec<std::ffi::OsString>,
+    ) -> Result<Self, BoxError> {
+        let dir = tempfile::Builder::new().prefix(prefix).tempdir()?;
+        let port = free_port()?;
+        let mut server = Self {
+            child: None,
+            program,
+            args: args(port, dir.path()),
+            dir,
+            port,
+        };
+        server.resume()?;
+        Ok(server)
+    }
+
+    fn stop(&mut self) {
+        self.child = None;
+    }
+
+    fn resume(&mut self) -> Result<(), BoxError> {
+        let log = self.dir.path().join("log");
+        let mut child = spawn(Command::new(&self.program).args(&self.args), &log)?;
+        wait_port(self.port, Some(&mut child.0), &log)?;
+        self.child = Some(child);
+        Ok(())
+    }
+}
+
+/// The first of `candidates` that is installed.
+fn program(candidates: [&str; 2]) -> Option<PathBuf> {
+    candidates
+        .into_iter()
+        .find(|p| installed(p))
+        .map(PathBuf::from)
+}
+
+/// Arguments as `Command` takes them.
+fn os_args<const N: usize>(args: [&str; N]) -> Vec<std::ffi::OsString> {
+    args.into_iter().map(Into::into).collect()
+}
+
 /// A private `nats-server` with JetStream and no authentication, for outage tests:
 /// [`stop`](Self::stop) kills it (by its pid) and [`resume`](Self::resume) starts it again on the
 /// same port with the same JetStream directory, so streams and their messages survive.
 /// Killed when dropped.
 #[derive(Debug)]
 pub struct PlainNats {
-    child: Option<Owned>,
-    program: &'static str,
-    dir: TempDir,
+    server: Restartable,
     /// Its port on 127.0.0.1.
     pub port: u16,
 }
@@ -671,46 +728,28 @@ pub struct PlainNats {
 impl PlainNats {
     /// Start it and wait until it accepts connections.
     pub fn start() -> Result<Option<Self>, BoxError> {
-        let program = ["/usr/sbin/nats-server", "nats-server"]
-            .into_iter()
-            .find(|p| installed(p));
-        let Some(program) = program else {
+        let Some(program) = program(["/usr/sbin/nats-server", "nats-server"]) else {
             return Ok(missing("nats-server")?);
         };
-        let mut server = Self {
-            child: None,
-            program,
-            dir: tempfile::Builder::new().prefix("outbox-nats-").tempdir()?,
-            port: free_port()?,
-        };
-        server.resume()?;
-        Ok(Some(server))
+        let server = Restartable::start(program, "outbox-nats-", |port, dir| {
+            let mut args = os_args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"]);
+            args.push(dir.join("js").into());
+            args
+        })?;
+        Ok(Some(Self {
+            port: server.port,
+            server,
+        }))
     }
 
     /// Kill it; its JetStream directory stays.
     pub fn stop(&mut self) {
-        self.child = None;
+        self.server.stop();
     }
 
     /// Start it (again) on its port and wait until it accepts connections.
     pub fn resume(&mut self) -> Result<(), BoxError> {
-        let log = self.dir.path().join("log");
-        let mut child = spawn(
-            Command::new(self.program)
-                .args([
-                    "-a",
-                    "127.0.0.1",
-                    "-p",
-                    &self.port.to_string(),
-                    "-js",
-                    "-sd",
-                ])
-                .arg(self.dir.path().join("js")),
-            &log,
-        )?;
-        wait_port(self.port, Some(&mut child.0), &log)?;
-        self.child = Some(child);
-        Ok(())
+        self.server.resume()
     }
 
     /// `nats://127.0.0.1:PORT`.
@@ -724,9 +763,7 @@ impl PlainNats {
 /// the same port, empty (its streams are gone, as on a replaced server). Killed when dropped.
 #[derive(Debug)]
 pub struct PlainRedis {
-    child: Option<Owned>,
-    program: &'static str,
-    dir: TempDir,
+    server: Restartable,
     /// Its port on 127.0.0.1.
     pub port: u16,
 }
@@ -734,39 +771,29 @@ pub struct PlainRedis {
 impl PlainRedis {
     /// Start it and wait until it accepts connections.
     pub fn start() -> Result<Option<Self>, BoxError> {
-        let program = ["/usr/bin/redis-server", "redis-server"]
-            .into_iter()
-            .find(|p| installed(p));
-        let Some(program) = program else {
+        let Some(program) = program(["/usr/bin/redis-server", "redis-server"]) else {
             return Ok(missing("redis-server")?);
         };
-        let mut server = Self {
-            child: None,
-            program,
-            dir: tempfile::Builder::new().prefix("outbox-redis-").tempdir()?,
-            port: free_port()?,
-        };
-        server.resume()?;
-        Ok(Some(server))
+        let server = Restartable::start(program, "outbox-redis-", |port, _| {
+            os_args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .into_iter()
+                .chain(os_args(["--save", "", "--appendonly", "no"]))
+                .collect()
+        })?;
+        Ok(Some(Self {
+            port: server.port,
+            server,
+        }))
     }
 
     /// Kill it.
     pub fn stop(&mut self) {
-        self.child = None;
+        self.server.stop();
     }
 
     /// Start it (again, empty) on its port and wait until it accepts connections.
     pub fn resume(&mut self) -> Result<(), BoxError> {
-        let log = self.dir.path().join("log");
-        let mut child = spawn(
-            Command::new(self.program)
-                .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"]),
-            &log,
-        )?;
-        wait_port(self.port, Some(&mut child.0), &log)?;
-        self.child = Some(child);
-        Ok(())
+        self.server.resume()
     }
 
     /// `redis://127.0.0.1:PORT`.
@@ -792,9 +819,7 @@ fn tansu_program() -> Option<PathBuf> {
 /// one. Killed when dropped.
 #[derive(Debug)]
 pub struct PlainKafka {
-    child: Option<Owned>,
-    program: PathBuf,
-    dir: TempDir,
+    server: Restartable,
     /// Its port on 127.0.0.1 (also the advertised listener).
     pub port: u16,
 }
@@ -805,36 +830,32 @@ impl PlainKafka {
         let Some(program) = tansu_program() else {
             return Ok(missing("tansu (scripts/tansu install)")?);
         };
-        let mut server = Self {
-            child: None,
-            program,
-            dir: tempfile::Builder::new().prefix("outbox-kafka-").tempdir()?,
-            port: free_port()?,
-        };
-        server.resume()?;
-        Ok(Some(server))
+        let server = Restartable::start(program, "outbox-kafka-", |port, _| {
+            let listener = format!("tcp://127.0.0.1:{port}");
+            os_args([
+                "broker",
+                "--listener-url",
+                &listener,
+                "--advertised-listener-url",
+                &listener,
+                "--storage-engine",
+                "memory://tansu/",
+            ])
+        })?;
+        Ok(Some(Self {
+            port: server.port,
+            server,
+        }))
     }
 
     /// Kill it.
     pub fn stop(&mut self) {
-        self.child = None;
+        self.server.stop();
     }
 
     /// Start it (again, empty) on its port and wait until it accepts connections.
     pub fn resume(&mut self) -> Result<(), BoxError> {
-        let log = self.dir.path().join("log");
-        let listener = format!("tcp://127.0.0.1:{}", self.port);
-        let mut child = spawn(
-            Command::new(&self.program)
-                .arg("broker")
-                .args(["--listener-url", &listener])
-                .args(["--advertised-listener-url", &listener])
-                .args(["--storage-engine", "memory://tansu/"]),
-            &log,
-        )?;
-        wait_port(self.port, Some(&mut child.0), &log)?;
-        self.child = Some(child);
-        Ok(())
+        self.server.resume()
     }
 
     /// `127.0.0.1:PORT`, the bootstrap list of a `kafka://` URL.
