@@ -54,6 +54,50 @@ fn metric(text: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// `outbox-relay run --max-attempts 2` from the SQLite outbox at `path` to `broker`, with its
+/// metrics on a free port; returns the process and the metrics address.
+fn sqlite_relay(path: &Path, broker: &str) -> Result<(tokio::process::Child, String), BoxError> {
+    let addr = format!("127.0.0.1:{}", free_port()?);
+    let sqlite = format!("sqlite://{}", path.display());
+    let relay = relay_process([
+        "run",
+        "--store",
+        &sqlite,
+        "--broker",
+        broker,
+        "--max-attempts",
+        "2",
+        "--metrics-addr",
+        &addr,
+    ])?;
+    Ok((relay, addr))
+}
+
+/// Stop `relay` (SIGTERM) and check that it exits cleanly and that its log has exactly one WARN
+/// when the broker went down, one INFO when it came back, and nothing dead-lettered. Returns
+/// those two lines.
+async fn stop_checking_the_outage_log(
+    relay: tokio::process::Child,
+) -> Result<(String, String), BoxError> {
+    sigterm(&relay).await?;
+    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
+    assert!(out.status.success(), "{out:?}");
+    let log = String::from_utf8_lossy(&out.stderr);
+    let lines = |text: &str| -> Vec<String> {
+        log.lines()
+            .filter(|l| l.contains(text))
+            .map(str::to_owned)
+            .collect()
+    };
+    let (down, back) = (lines("broker is down"), lines("broker is back after"));
+    assert_eq!(down.len(), 1, "one WARN when the broker went down:\n{log}");
+    assert!(down[0].contains("WARN"), "{}", down[0]);
+    assert_eq!(back.len(), 1, "one INFO when it came back:\n{log}");
+    assert!(back[0].contains("INFO"), "{}", back[0]);
+    assert!(!log.contains("dead-lettered"), "{log}");
+    Ok((down[0].clone(), back[0].clone()))
+}
+
 /// Write messages `range` into the SQLite outbox in one transaction; returns their ids.
 fn enqueue(path: &Path, range: std::ops::Range<usize>) -> Result<Vec<String>, BoxError> {
     let config = SqliteConfig::default();
@@ -95,19 +139,7 @@ async fn a_minute_long_nats_outage_dead_letters_nothing_and_loses_nothing() -> T
     let store = SqliteStore::open(&path, SqliteConfig::default()).await?;
     let url = nats.url();
     let broker = format!("{url}?subject=outage.{{event_type}}&stream=OUTAGE&create_stream=true");
-    let addr = format!("127.0.0.1:{}", free_port()?);
-    let sqlite = format!("sqlite://{}", path.display());
-    let relay = relay_process([
-        "run",
-        "--store",
-        &sqlite,
-        "--broker",
-        &broker,
-        "--max-attempts",
-        "2",
-        "--metrics-addr",
-        &addr,
-    ])?;
+    let (relay, addr) = sqlite_relay(&path, &broker)?;
     until_published(&store, BEFORE as u64).await?;
 
     // Mid-stream: the broker goes away while more messages are written.
@@ -139,24 +171,8 @@ async fn a_minute_long_nats_outage_dead_letters_nothing_and_loses_nothing() -> T
         ((BEFORE + DURING) as u64, 0)
     );
 
-    sigterm(&relay).await?;
-    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
-    assert!(out.status.success(), "{out:?}");
-    let log = String::from_utf8_lossy(&out.stderr);
-    let down: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("broker is down"))
-        .collect();
-    let back: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("broker is back after"))
-        .collect();
-    assert_eq!(down.len(), 1, "one WARN when the broker went down:\n{log}");
-    assert!(down[0].contains("WARN"), "{}", down[0]);
-    assert_eq!(back.len(), 1, "one INFO when it came back:\n{log}");
-    assert!(back[0].contains("INFO"), "{}", back[0]);
-    assert!(!log.contains("dead-lettered"), "{log}");
-    eprintln!("{probes} probes; {}\n{}", down[0], back[0]);
+    let (down, back) = stop_checking_the_outage_log(relay).await?;
+    eprintln!("{probes} probes; {down}\n{back}");
 
     // Every message is in the stream exactly once (JetStream drops a republished id).
     let client = async_nats::connect(&url).await?;
@@ -353,19 +369,7 @@ async fn forgetful_broker_outage(mut broker: Forgetful) -> TestResult {
     let path = dir.path().join("outbox.sqlite");
     let before = enqueue(&path, 0..BEFORE)?;
     let store = SqliteStore::open(&path, SqliteConfig::default()).await?;
-    let addr = format!("127.0.0.1:{}", free_port()?);
-    let sqlite = format!("sqlite://{}", path.display());
-    let relay = relay_process([
-        "run",
-        "--store",
-        &sqlite,
-        "--broker",
-        &broker.relay_url(),
-        "--max-attempts",
-        "2",
-        "--metrics-addr",
-        &addr,
-    ])?;
+    let (relay, addr) = sqlite_relay(&path, &broker.relay_url())?;
     until_published(&store, BEFORE as u64).await?;
     // Read back before the broker forgets them: every one, once.
     assert_eq!(sorted(broker.ids().await?), sorted(before));
@@ -394,26 +398,8 @@ async fn forgetful_broker_outage(mut broker: Forgetful) -> TestResult {
     // The broker came back empty: it holds exactly what was published after its return.
     assert_eq!(sorted(broker.ids().await?), sorted(during));
 
-    sigterm(&relay).await?;
-    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
-    assert!(out.status.success(), "{out:?}");
-    let log = String::from_utf8_lossy(&out.stderr);
-    let down: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("broker is down"))
-        .collect();
-    let back_lines = log
-        .lines()
-        .filter(|l| l.contains("broker is back after"))
-        .count();
-    assert_eq!(down.len(), 1, "one WARN when the broker went down:\n{log}");
-    assert!(down[0].contains("WARN"), "{}", down[0]);
-    assert_eq!(back_lines, 1, "one INFO when it came back:\n{log}");
-    assert!(!log.contains("dead-lettered"), "{log}");
-    eprintln!(
-        "resumed {resumed_in:?} after the broker's return; {}",
-        down[0]
-    );
+    let (down, _) = stop_checking_the_outage_log(relay).await?;
+    eprintln!("resumed {resumed_in:?} after the broker's return; {down}");
     Ok(())
 }
 
