@@ -1,0 +1,30 @@
+#![cfg_attr(
+    all(feature = "postgres", feature = "mysql", feature = "sqlite", feature = "redis"),
+    doc = include_str!("../README.md")
+)]
+#![cfg_attr(
+    not(all(
+        feature = "postgres",
+        feature = "mysql",
+        feature = "sqlite",
+        feature = "redis"
+    )),
+    doc = "Consumer-side inbox for the transactional outbox: see the README (its examples \
+           compile as doctests with every feature on)."
+)]
+
+mod common;
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sqlx_common;
+
+pub use common::{InboxConfig, Outcome, Receipt, DEFAULT_TABLE, MAX_BATCH, MAX_CONSUMER_CHARS};
+pub use outbox_traits::Error;
+pub use uuid::Uuid;

@@ -1,0 +1,265 @@
+//! The MariaDB/MySQL inbox on sqlx (feature `mysql`): record deliveries in the handler's own
+//! transaction. Same calls and guarantees as [`crate::postgres`]; the batch form needs
+//! MariaDB 10.5 or later (`INSERT ... RETURNING`; on MySQL 8 call [`record`] per message).
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use outbox_traits::{BoxError, Error};
+use sqlx::mysql::MySqlDatabaseError;
+use sqlx::{Executor, MySql, MySqlPool, Row, Transaction};
+use uuid::Uuid;
+
+use crate::common::{
+    check_batch, check_consumer, check_purge, distinct, receipts, InboxConfig, Outcome, Receipt,
+};
+
+const WHAT: &str = "mysql";
+
+/// The statements that create the inbox table (and its database when one is set) if missing:
+/// apply them with your own migration tool, or call [`migrate`].
+///
+/// ```
+/// let sql = outbox_inbox::mysql::migration_sql(&outbox_inbox::InboxConfig::default());
+/// assert!(sql.contains("PRIMARY KEY (consumer, message_id)"));
+/// ```
+pub fn migration_sql(config: &InboxConfig) -> String {
+    let t = config.qualified('`');
+    let database = config
+        .schema()
+        .map(|s| format!("CREATE DATABASE IF NOT EXISTS `{s}`;\n"))
+        .unwrap_or_default();
+    let index = config.derived("processed_at", '`');
+    format!(
+        r#"{database}CREATE TABLE IF NOT EXISTS {t} (
+    consumer     VARCHAR(200) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL
+                 CHECK (CHAR_LENGTH(consumer) >= 1),
+    message_id   CHAR(36) CHARACTER SET ascii COLLATE ascii_bin NOT NULL
+                 CHECK (message_id REGEXP '^[0-9a-f]{{8}}-[0-9a-f]{{4}}-[0-9a-f]{{4}}-[0-9a-f]{{4}}-[0-9a-f]{{12}}$'),
+    processed_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+    PRIMARY KEY (consumer, message_id),
+    KEY {index} (processed_at)
+) ENGINE = InnoDB;
+"#
+    )
+}
+
+/// Create the inbox table if it is missing ([`migration_sql`]), holding a named lock so that
+/// consumers starting together do not race. Idempotent.
+///
+/// # Errors
+/// [`Error::Unavailable`] when the server cannot be reached; a permanent error when the
+/// statements fail (e.g. no right to create the database or table).
+pub async fn migrate(pool: &MySqlPool, config: &InboxConfig) -> Result<(), Error> {
+    let table = config.qualified('`');
+    let map = |e| map_sqlx(e, "migrate", &table);
+    let mut conn = pool.acquire().await.map_err(map)?;
+    let lock = format!("outbox_inbox migrate {table}");
+    sqlx::query("SELECT GET_LOCK(?, 60)")
+        .bind(&lock)
+        .execute(&mut *conn)
+        .await
+        .map_err(map)?;
+    let result = sqlx::raw_sql(&migration_sql(config))
+        .execute(&mut *conn)
+        .await
+        .map_err(map);
+    sqlx::query("SELECT RELEASE_LOCK(?)")
+        .bind(&lock)
+        .execute(&mut *conn)
+        .await
+        .map_err(map)?;
+    result.map(|_| ())
+}
+
+/// Mark message `id` as processed by `consumer`, through `executor` (pass `&mut *tx`, the
+/// transaction that applies the message's effect). One statement, one round trip.
+///
+/// [`Receipt::New`]: apply the effect in the same transaction, commit, then acknowledge;
+/// [`Receipt::Duplicate`]: skip it and acknowledge. A concurrent transaction recording the
+/// same id makes the call wait on InnoDB's row lock until it ends (commit: duplicate; rollback:
+/// new). InnoDB may instead pick one of them as a deadlock victim: a transient error; roll back
+/// and retry the delivery.
+///
+/// # Errors
+/// As [`crate::postgres::record`]; MariaDB does not abort the transaction on a failed
+/// statement, but roll back anyway: the mark may be missing.
+pub async fn record<'c, E>(
+    executor: E,
+    config: &InboxConfig,
+    consumer: &str,
+    id: Uuid,
+) -> Result<Receipt, Error>
+where
+    E: Executor<'c, Database = MySql>,
+{
+    check_consumer(consumer)?;
+    let table = config.qualified('`');
+    // The inputs are checked above, so IGNORE can only skip the duplicate key.
+    let sql = format!("INSERT IGNORE INTO {table} (consumer, message_id) VALUES (?, ?)");
+    let done = sqlx::query(&sql)
+        .bind(consumer)
+        .bind(id.hyphenated().to_string())
+        .execute(executor)
+        .await
+        .map_err(|e| map_sqlx(e, "record", &table))?;
+    Ok(if done.rows_affected() == 1 {
+        Receipt::New
+    } else {
+        Receipt::Duplicate
+    })
+}
+
+/// Mark several messages as processed by `consumer` in one statement (one round trip); one
+/// [`Receipt`] per id in the order given, an id given twice new at most once. An empty slice
+/// makes no round trip. Needs MariaDB 10.5 or later (`INSERT ... RETURNING`).
+///
+/// # Errors
+/// As [`record`]; more than [`MAX_BATCH`](crate::MAX_BATCH) ids is [`Error::InvalidInput`].
+pub async fn record_batch<'c, E>(
+    executor: E,
+    config: &InboxConfig,
+    consumer: &str,
+    ids: &[Uuid],
+) -> Result<Vec<Receipt>, Error>
+where
+    E: Executor<'c, Database = MySql>,
+{
+    check_batch(consumer, ids)?;
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let table = config.qualified('`');
+    // Sorted ids: concurrent batches lock their keys in one order.
+    let mut rows = distinct(ids);
+    rows.sort_unstable();
+    let values = vec!["(?, ?)"; rows.len()].join(", ");
+    let sql = format!(
+        "INSERT IGNORE INTO {table} (consumer, message_id) VALUES {values} RETURNING message_id"
+    );
+    let mut query = sqlx::query(&sql);
+    for id in &rows {
+        query = query.bind(consumer).bind(id.hyphenated().to_string());
+    }
+    let map = |e| map_sqlx(e, "record", &table);
+    let mut inserted = HashSet::with_capacity(rows.len());
+    for row in query.fetch_all(executor).await.map_err(map)? {
+        let text: String = row.try_get(0).map_err(map)?;
+        let id = Uuid::parse_str(&text).map_err(|e| {
+            Error::permanent(
+                format!("inbox record on {table} read back an id that is not a UUID: {e}"),
+                None,
+            )
+        })?;
+        inserted.insert(id);
+    }
+    Ok(receipts(ids, &inserted))
+}
+
+/// Handle one delivery exactly once: begin on `pool`, [`record`], run `handler` in the same
+/// transaction when new, commit. As [`crate::postgres::process`].
+///
+/// # Errors
+/// As [`crate::postgres::process`].
+pub async fn process<T, E, F>(
+    pool: &MySqlPool,
+    config: &InboxConfig,
+    consumer: &str,
+    id: Uuid,
+    handler: F,
+) -> Result<Outcome<T>, E>
+where
+    F: AsyncFnOnce(&mut Transaction<'static, MySql>) -> Result<T, E>,
+    E: From<Error>,
+{
+    crate::sqlx_common::process(
+        pool,
+        |e, op| map_sqlx(e, op, "the inbox transaction"),
+        async |conn: &mut sqlx::MySqlConnection| record(&mut *conn, config, consumer, id).await,
+        handler,
+    )
+    .await
+}
+
+/// Delete at most `batch` marks processed more than `older_than` ago (by the database's
+/// clock, UTC), oldest first, in one statement; returns how many. Call again while it returns
+/// `batch`. As [`crate::postgres::purge`], except that rows a running transaction holds make
+/// it wait.
+///
+/// # Errors
+/// As [`crate::postgres::purge`].
+pub async fn purge<'c, E>(
+    executor: E,
+    config: &InboxConfig,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error>
+where
+    E: Executor<'c, Database = MySql>,
+{
+    let micros = check_purge(older_than, batch)?;
+    let table = config.qualified('`');
+    let sql = format!(
+        "DELETE FROM {table} WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND \
+         ORDER BY processed_at LIMIT ?"
+    );
+    let done = sqlx::query(&sql)
+        .bind(micros)
+        .bind(batch)
+        .execute(executor)
+        .await
+        .map_err(|e| map_sqlx(e, "purge", &table))?;
+    Ok(done.rows_affected())
+}
+
+/// Map a sqlx error of operation `op` on `table`, by MariaDB error number.
+pub(crate) fn map_sqlx(err: sqlx::Error, op: &str, table: &str) -> Error {
+    outbox_sqlx_support::map_sqlx(err, WHAT, op, table, |err, text| {
+        let number = err
+            .as_database_error()
+            .and_then(|db| db.try_downcast_ref::<MySqlDatabaseError>())
+            .map(|db| db.number())
+            .unwrap_or_default();
+        classify(number, op, table, text, Box::new(err))
+    })
+}
+
+fn classify(number: u16, op: &str, table: &str, text: String, source: BoxError) -> Error {
+    let message = format!("inbox {op} on {table} failed: {text} (error {number})");
+    match number {
+        // no such table, unknown database, unknown column
+        1146 | 1049 | 1054 => Error::permanent(
+            format!(
+                "{message}; the inbox table is missing or outdated: call \
+                 `outbox_inbox::mysql::migrate` (or apply `migration_sql`)"
+            ),
+            Some(source),
+        ),
+        // deadlock, lock wait timeout, statement time limit, query interrupted
+        1213 | 1205 | 1969 | 3024 | 1317 => {
+            Error::transient(format!("{message}; retry the delivery"), Some(source))
+        }
+        // too many connections, server shutting down, read-only server
+        1040 | 1053 | 1290 | 1836 => Error::Unavailable {
+            what: WHAT.to_owned(),
+            message,
+            source: Some(source),
+        },
+        _ => Error::permanent(message, Some(source)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_traits::ErrorKind;
+
+    #[test]
+    fn error_numbers_are_classified() {
+        let c = |n| classify(n, "record", "t", "x".into(), "x".into());
+        assert!(c(1146).to_string().contains("mysql::migrate"));
+        assert_eq!(c(1213).kind(), ErrorKind::Transient);
+        assert!(matches!(c(1290), Error::Unavailable { .. }));
+        assert_eq!(c(1062).kind(), ErrorKind::Permanent);
+    }
+}
