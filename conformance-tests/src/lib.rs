@@ -47,6 +47,7 @@ pub mod checks;
 pub mod engine;
 pub mod env;
 pub mod harness;
+pub mod inbox;
 mod macros;
 pub mod memory;
 mod model;
