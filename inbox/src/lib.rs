@@ -27,4 +27,6 @@ mod sqlx_common;
 
 pub use common::{InboxConfig, Outcome, Receipt, DEFAULT_TABLE, MAX_BATCH, MAX_CONSUMER_CHARS};
 pub use outbox_traits::Error;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub use sqlx_common::HandlerFuture;
 pub use uuid::Uuid;

@@ -13,6 +13,7 @@ use uuid::Uuid;
 use crate::common::{
     check_batch, check_consumer, check_purge, distinct, receipts, InboxConfig, Outcome, Receipt,
 };
+use crate::sqlx_common::HandlerFuture;
 
 const WHAT: &str = "mysql";
 
@@ -60,8 +61,8 @@ pub async fn migrate(pool: &MySqlPool, config: &InboxConfig) -> Result<(), Error
         .execute(&mut *conn)
         .await
         .map_err(map)?;
-    let result = sqlx::raw_sql(&migration_sql(config))
-        .execute(&mut *conn)
+    let result = conn
+        .execute(migration_sql(config).as_str())
         .await
         .map_err(map);
     sqlx::query("SELECT RELEASE_LOCK(?)")
@@ -144,8 +145,9 @@ where
     let map = |e| map_sqlx(e, "record", &table);
     let mut inserted = HashSet::with_capacity(rows.len());
     for row in query.fetch_all(executor).await.map_err(map)? {
-        let text: String = row.try_get(0).map_err(map)?;
-        let id = Uuid::parse_str(&text).map_err(|e| {
+        // `ascii_bin` text comes back as bytes.
+        let bytes: Vec<u8> = row.try_get(0).map_err(map)?;
+        let id = Uuid::try_parse_ascii(&bytes).map_err(|e| {
             Error::permanent(
                 format!("inbox record on {table} read back an id that is not a UUID: {e}"),
                 None,
@@ -169,16 +171,13 @@ pub async fn process<T, E, F>(
     handler: F,
 ) -> Result<Outcome<T>, E>
 where
-    F: AsyncFnOnce(&mut Transaction<'static, MySql>) -> Result<T, E>,
+    F: for<'t> FnOnce(&'t mut Transaction<'static, MySql>) -> HandlerFuture<'t, T, E>,
     E: From<Error>,
 {
-    crate::sqlx_common::process(
-        pool,
-        |e, op| map_sqlx(e, op, "the inbox transaction"),
-        async |conn: &mut sqlx::MySqlConnection| record(&mut *conn, config, consumer, id).await,
-        handler,
-    )
-    .await
+    let map: fn(sqlx::Error, &str) -> Error = |e, op| map_sqlx(e, op, "the inbox transaction");
+    let mut tx = pool.begin().await.map_err(|e| map(e, "begin"))?;
+    let receipt = record(&mut *tx, config, consumer, id).await?;
+    crate::sqlx_common::finish(tx, receipt, map, handler).await
 }
 
 /// Delete at most `batch` marks processed more than `older_than` ago (by the database's

@@ -27,6 +27,7 @@ use uuid::Uuid;
 use crate::common::{
     check_batch, check_consumer, check_purge, distinct, receipts, InboxConfig, Outcome, Receipt,
 };
+use crate::sqlx_common::HandlerFuture;
 
 const WHAT: &str = "postgres";
 
@@ -71,8 +72,7 @@ pub async fn migrate(pool: &PgPool, config: &InboxConfig) -> Result<(), Error> {
         .execute(&mut *tx)
         .await
         .map_err(map)?;
-    sqlx::raw_sql(&migration_sql(config))
-        .execute(&mut *tx)
+    tx.execute(migration_sql(config).as_str())
         .await
         .map_err(map)?;
     tx.commit().await.map_err(map)
@@ -172,19 +172,23 @@ where
 ///
 /// A duplicate rolls back without calling `handler` and returns [`Outcome::Duplicate`]. A
 /// handler error rolls back (no effect, no mark: a redelivery runs the handler again) and is
-/// returned as is.
+/// returned as is. The handler returns a boxed `Send` future ([`HandlerFuture`], the shape of
+/// sqlx's `Connection::transaction`), so the whole call can run in a spawned task; as there,
+/// the future may borrow the transaction only: move what else it needs into the closure.
 ///
 /// ```no_run
 /// use outbox_inbox::{postgres, InboxConfig, Outcome};
 /// # async fn run(pool: sqlx::PgPool, id: uuid::Uuid) -> Result<(), outbox_inbox::Error> {
 /// let config = InboxConfig::default();
-/// let outcome = postgres::process(&pool, &config, "payments", id, async |tx| {
-///     sqlx::query("INSERT INTO payments (message_id) VALUES ($1)")
-///         .bind(id)
-///         .execute(&mut **tx)
-///         .await
-///         .map_err(|e| outbox_inbox::Error::permanent(e.to_string(), None))?;
-///     Ok::<_, outbox_inbox::Error>(())
+/// let outcome = postgres::process(&pool, &config, "payments", id, |tx| {
+///     Box::pin(async move {
+///         sqlx::query("INSERT INTO payments (message_id) VALUES ($1)")
+///             .bind(id)
+///             .execute(&mut **tx)
+///             .await
+///             .map_err(|e| outbox_inbox::Error::permanent(e.to_string(), None))?;
+///         Ok::<_, outbox_inbox::Error>(())
+///     })
 /// })
 /// .await?;
 /// assert!(matches!(outcome, Outcome::Handled(()) | Outcome::Duplicate));
@@ -203,16 +207,13 @@ pub async fn process<T, E, F>(
     handler: F,
 ) -> Result<Outcome<T>, E>
 where
-    F: AsyncFnOnce(&mut Transaction<'static, Postgres>) -> Result<T, E>,
+    F: for<'t> FnOnce(&'t mut Transaction<'static, Postgres>) -> HandlerFuture<'t, T, E>,
     E: From<Error>,
 {
-    crate::sqlx_common::process(
-        pool,
-        |e, op| map_sqlx(e, op, "the inbox transaction"),
-        async |conn: &mut sqlx::PgConnection| record(&mut *conn, config, consumer, id).await,
-        handler,
-    )
-    .await
+    let map: fn(sqlx::Error, &str) -> Error = |e, op| map_sqlx(e, op, "the inbox transaction");
+    let mut tx = pool.begin().await.map_err(|e| map(e, "begin"))?;
+    let receipt = record(&mut *tx, config, consumer, id).await?;
+    crate::sqlx_common::finish(tx, receipt, map, handler).await
 }
 
 /// Delete at most `batch` marks processed more than `older_than` ago (by the database's

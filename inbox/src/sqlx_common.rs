@@ -1,28 +1,33 @@
-//! What the two sqlx inboxes share: the `process` convenience around the caller's pool.
+//! What the two sqlx inboxes share: the end of the `process` convenience.
+
+use std::future::Future;
+use std::pin::Pin;
 
 use outbox_traits::Error;
-use sqlx::{Database, Pool, Transaction};
+use sqlx::{Database, Transaction};
 
 use crate::common::{Outcome, Receipt};
 
-/// Begin a transaction on `pool`, `record` the delivery in it, and when it is new run
-/// `handler` in the same transaction and commit; a duplicate rolls back without running the
-/// handler, a handler error rolls back and is returned. `map` classifies sqlx errors of
-/// operation `op`.
-pub(crate) async fn process<DB, T, E, R, F>(
-    pool: &Pool<DB>,
+/// The future a `process` handler returns: boxed and `Send`, borrowing the transaction, as
+/// sqlx's own `Connection::transaction` takes it, so that `process` can run in a spawned
+/// task. Write the handler as `|tx| Box::pin(async move { ... })`.
+pub type HandlerFuture<'t, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send + 't>>;
+
+/// Finish a delivery recorded in `tx` as `receipt`: when it is new run `handler` in the same
+/// transaction and commit; a duplicate rolls back without running the handler, a handler error
+/// rolls back and is returned. `map` classifies sqlx errors of operation `op`.
+pub(crate) async fn finish<DB, T, E, F>(
+    mut tx: Transaction<'static, DB>,
+    receipt: Receipt,
     map: fn(sqlx::Error, &str) -> Error,
-    record: R,
     handler: F,
 ) -> Result<Outcome<T>, E>
 where
     DB: Database,
-    R: AsyncFnOnce(&mut DB::Connection) -> Result<Receipt, Error>,
-    F: AsyncFnOnce(&mut Transaction<'static, DB>) -> Result<T, E>,
+    F: for<'t> FnOnce(&'t mut Transaction<'static, DB>) -> HandlerFuture<'t, T, E>,
     E: From<Error>,
 {
-    let mut tx = pool.begin().await.map_err(|e| map(e, "begin"))?;
-    if record(&mut tx).await? == Receipt::Duplicate {
+    if receipt == Receipt::Duplicate {
         tx.rollback().await.map_err(|e| map(e, "rollback"))?;
         return Ok(Outcome::Duplicate);
     }

@@ -12,7 +12,7 @@ use crate::property::runtime;
 
 /// The property's cases are `PROPTEST_CASES` divided by this (at least 16): each case is a
 /// scenario of up to 40 steps on a fresh inbox of a real database.
-pub const CASE_DIVISOR: u32 = 25;
+pub const CASE_DIVISOR: u32 = 50;
 
 /// How long a race waits for the second transaction to block before ending the first anyway.
 const RACE_PATIENCE: Duration = Duration::from_secs(5);

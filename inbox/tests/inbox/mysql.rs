@@ -1,0 +1,241 @@
+//! The MariaDB inbox on the real server.
+
+use std::time::Duration;
+
+use outbox_conformance_tests::env::service_url;
+use outbox_conformance_tests::inbox::{InboxCapabilities, InboxHarness, InboxStore, InboxTx, Mark};
+use outbox_inbox::{mysql, Error, InboxConfig, Outcome, Receipt, Uuid};
+use outbox_traits::async_trait;
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::{Executor, MySql, MySqlPool, Transaction};
+use tokio::sync::OnceCell;
+
+use crate::harness_error;
+
+const URL_VAR: &str = "OUTBOX_TEST_MYSQL_URL";
+
+/// Each case gets a database of its own, with the inbox and an effects table.
+pub struct MySqlInbox {
+    url: String,
+    pool: OnceCell<MySqlPool>,
+}
+
+impl MySqlInbox {
+    fn from_env() -> Option<Self> {
+        service_url(URL_VAR).map(|url| Self {
+            url,
+            pool: OnceCell::new(),
+        })
+    }
+
+    async fn pool(&self) -> Result<MySqlPool, Error> {
+        self.pool
+            .get_or_try_init(|| async {
+                MySqlPoolOptions::new()
+                    .max_connections(4)
+                    .connect(&self.url)
+                    .await
+                    .map_err(harness_error)
+            })
+            .await
+            .cloned()
+    }
+}
+
+struct MySqlStore {
+    pool: MySqlPool,
+    config: InboxConfig,
+    database: String,
+}
+
+struct MySqlTx {
+    tx: Transaction<'static, MySql>,
+    config: InboxConfig,
+    effects: String,
+}
+
+#[async_trait]
+impl InboxHarness for MySqlInbox {
+    fn name(&self) -> String {
+        "mariadb inbox (sqlx)".into()
+    }
+
+    async fn fresh(&self) -> Result<Box<dyn InboxStore>, Error> {
+        let pool = self.pool().await?;
+        let database = format!("inbox_{}", Uuid::new_v4().simple());
+        let config = InboxConfig::new("inbox")?.with_schema(&database)?;
+        mysql::migrate(&pool, &config).await?;
+        pool.execute(
+            format!(
+                "CREATE TABLE `{database}`.effects (consumer VARCHAR(200) CHARACTER SET utf8mb4 \
+                 COLLATE utf8mb4_bin NOT NULL, message_id CHAR(36) NOT NULL)"
+            )
+            .as_str(),
+        )
+        .await
+        .map_err(harness_error)?;
+        Ok(Box::new(MySqlStore {
+            pool,
+            config,
+            database,
+        }))
+    }
+}
+
+#[async_trait]
+impl InboxStore for MySqlStore {
+    fn capabilities(&self) -> InboxCapabilities {
+        InboxCapabilities::new()
+    }
+
+    async fn begin(&self) -> Result<Box<dyn InboxTx>, Error> {
+        Ok(Box::new(MySqlTx {
+            tx: self.pool.begin().await.map_err(harness_error)?,
+            config: self.config.clone(),
+            effects: format!("`{}`.effects", self.database),
+        }))
+    }
+
+    async fn marks(&self) -> Result<Vec<Mark>, Error> {
+        read_pairs(&self.pool, &format!("`{}`.inbox", self.database)).await
+    }
+
+    async fn effects(&self) -> Result<Vec<Mark>, Error> {
+        read_pairs(&self.pool, &format!("`{}`.effects", self.database)).await
+    }
+
+    async fn age_marks(&self, by: Duration) -> Result<(), Error> {
+        sqlx::query(&format!(
+            "UPDATE `{}`.inbox SET processed_at = processed_at - INTERVAL ? MICROSECOND",
+            self.database
+        ))
+        .bind(by.as_micros() as i64)
+        .execute(&self.pool)
+        .await
+        .map_err(harness_error)?;
+        Ok(())
+    }
+
+    async fn lock_waits(&self) -> Result<Option<u64>, Error> {
+        // An insert into this inbox still executing on the server: the second delivery of a
+        // race, blocked by the first's row lock. (Not `information_schema.innodb_trx`, whose
+        // snapshot is not refreshed while it is read more often than every 100 ms.)
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM information_schema.processlist \
+             WHERE info LIKE 'INSERT%' AND info LIKE CONCAT('%', ?, '%')",
+        )
+        .bind(&self.database)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(harness_error)?;
+        Ok(Some(n as u64))
+    }
+
+    async fn purge(&self, older_than: Duration, batch: u32) -> Result<u64, Error> {
+        mysql::purge(&self.pool, &self.config, older_than, batch).await
+    }
+
+    async fn teardown(self: Box<Self>) -> Result<(), Error> {
+        self.pool
+            .execute(format!("DROP DATABASE `{}`", self.database).as_str())
+            .await
+            .map_err(harness_error)?;
+        Ok(())
+    }
+}
+
+async fn read_pairs(pool: &MySqlPool, table: &str) -> Result<Vec<Mark>, Error> {
+    // Binary collations come back as bytes.
+    let rows: Vec<(Vec<u8>, Vec<u8>)> =
+        sqlx::query_as(&format!("SELECT consumer, message_id FROM {table}"))
+            .fetch_all(pool)
+            .await
+            .map_err(harness_error)?;
+    rows.into_iter()
+        .map(|(consumer, id)| {
+            Ok((
+                String::from_utf8(consumer).map_err(harness_error)?,
+                Uuid::try_parse_ascii(&id).map_err(harness_error)?,
+            ))
+        })
+        .collect()
+}
+
+#[async_trait]
+impl InboxTx for MySqlTx {
+    async fn record(&mut self, consumer: &str, ids: &[Uuid]) -> Result<Vec<bool>, Error> {
+        let receipts = match ids {
+            [id] => vec![mysql::record(&mut *self.tx, &self.config, consumer, *id).await?],
+            _ => mysql::record_batch(&mut *self.tx, &self.config, consumer, ids).await?,
+        };
+        Ok(receipts.into_iter().map(Receipt::is_new).collect())
+    }
+
+    async fn apply_effect(&mut self, consumer: &str, id: Uuid) -> Result<(), Error> {
+        sqlx::query(&format!(
+            "INSERT INTO {} (consumer, message_id) VALUES (?, ?)",
+            self.effects
+        ))
+        .bind(consumer)
+        .bind(id.to_string())
+        .execute(&mut *self.tx)
+        .await
+        .map_err(harness_error)?;
+        Ok(())
+    }
+
+    async fn commit(self: Box<Self>) -> Result<(), Error> {
+        self.tx.commit().await.map_err(harness_error)
+    }
+
+    async fn rollback(self: Box<Self>) -> Result<(), Error> {
+        self.tx.rollback().await.map_err(harness_error)
+    }
+}
+
+outbox_conformance_tests::inbox_suite!(optional: MySqlInbox::from_env());
+
+#[tokio::test]
+async fn process_runs_the_handler_once_and_a_missing_table_says_to_migrate() {
+    let Some(harness) = MySqlInbox::from_env() else {
+        return;
+    };
+    let pool = harness.pool().await.unwrap();
+    let database = format!("inbox_{}", Uuid::new_v4().simple());
+    let config = InboxConfig::new("inbox")
+        .unwrap()
+        .with_schema(&database)
+        .unwrap();
+    pool.execute(format!("CREATE DATABASE `{database}`").as_str())
+        .await
+        .unwrap();
+    let err = mysql::record(&pool, &config, "payments", Uuid::now_v7())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("mysql::migrate"), "{err}");
+
+    let (a, b) = tokio::join!(
+        mysql::migrate(&pool, &config),
+        mysql::migrate(&pool, &config)
+    );
+    assert!(a.is_ok() && b.is_ok(), "{a:?} {b:?}");
+    let id = Uuid::now_v7();
+    let failed = mysql::process(&pool, &config, "payments", id, |_tx| {
+        Box::pin(async { Err::<(), _>(Error::transient("card service down", None)) })
+    })
+    .await;
+    assert!(failed.is_err());
+    let first = mysql::process(&pool, &config, "payments", id, |_tx| {
+        Box::pin(async { Ok::<_, Error>(1) })
+    })
+    .await;
+    assert_eq!(first.unwrap(), Outcome::Handled(1));
+    let second = mysql::process(&pool, &config, "payments", id, |_tx| {
+        Box::pin(async { Ok::<_, Error>(2) })
+    })
+    .await;
+    assert_eq!(second.unwrap(), Outcome::Duplicate);
+    pool.execute(format!("DROP DATABASE `{database}`").as_str())
+        .await
+        .unwrap();
+}
