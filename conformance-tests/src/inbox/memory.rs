@@ -152,7 +152,7 @@ impl InboxStore for MemoryStore {
             .filter(|(_, age)| **age > older_than || self.defect == Some(Defect::PurgeIgnoresAge))
             .map(|(m, age)| (m.clone(), *age))
             .collect();
-        old.sort_by(|a, b| b.1.cmp(&a.1));
+        old.sort_by_key(|(_, age)| std::cmp::Reverse(*age));
         if self.defect != Some(Defect::PurgeUnbounded) {
             old.truncate(batch as usize);
         }
