@@ -14,6 +14,8 @@
 )]
 
 mod common;
+#[cfg(all(feature = "diesel", any(feature = "postgres", feature = "mysql")))]
+mod diesel_common;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(feature = "postgres")]

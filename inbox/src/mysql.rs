@@ -2,6 +2,10 @@
 //! transaction. Same calls and guarantees as [`crate::postgres`]; the batch form needs
 //! MariaDB 10.5 or later (`INSERT ... RETURNING`; on MySQL 8 call [`record`] per message).
 
+#[cfg(feature = "diesel")]
+#[path = "mysql_diesel.rs"]
+pub mod diesel;
+
 use std::collections::HashSet;
 use std::time::Duration;
 

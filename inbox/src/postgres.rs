@@ -17,6 +17,10 @@
 //! # }
 //! ```
 
+#[cfg(feature = "diesel")]
+#[path = "postgres_diesel.rs"]
+pub mod diesel;
+
 use std::collections::HashSet;
 use std::time::Duration;
 

@@ -55,10 +55,15 @@ pub use scenario::{
 /// outbox_conformance_tests::inbox_suite!(optional: PgInboxHarness::from_env());
 /// ```
 ///
-/// Invoke it once per module (the tests have fixed names).
+/// Invoke it once per module (the tests have fixed names). `reduced: N` runs the property at
+/// `1/N` of its cases (at least 16): for a second path to the same inbox (e.g. another driver)
+/// whose differences the property still covers.
 #[macro_export]
 macro_rules! inbox_suite {
     (optional: $harness:expr) => {
+        $crate::inbox_suite!(optional: $harness, reduced: 1);
+    };
+    (optional: $harness:expr, reduced: $divisor:expr) => {
         #[test]
         fn inbox_property() {
             if let ::core::option::Option::Some(harness) = $harness {
@@ -66,7 +71,7 @@ macro_rules! inbox_suite {
                     &harness,
                     $crate::property::reduced_cases(
                         ::core::file!(),
-                        $crate::inbox::CASE_DIVISOR,
+                        $crate::inbox::CASE_DIVISOR * $divisor,
                     ),
                 ) {
                     ::core::panic!("{}", report);
@@ -95,6 +100,9 @@ macro_rules! inbox_suite {
                 }
             }
         }
+    };
+    ($harness:expr, reduced: $divisor:expr) => {
+        $crate::inbox_suite!(optional: ::core::option::Option::Some($harness), reduced: $divisor);
     };
     ($harness:expr) => {
         $crate::inbox_suite!(optional: ::core::option::Option::Some($harness));

@@ -61,6 +61,12 @@ impl InboxHarness for MySqlInbox {
     }
 
     async fn fresh(&self) -> Result<Box<dyn InboxStore>, Error> {
+        Ok(Box::new(self.store().await?))
+    }
+}
+
+impl MySqlInbox {
+    async fn store(&self) -> Result<MySqlStore, Error> {
         let pool = self.pool().await?;
         let database = format!("inbox_{}", Uuid::new_v4().simple());
         let config = InboxConfig::new("inbox")?.with_schema(&database)?;
@@ -74,11 +80,11 @@ impl InboxHarness for MySqlInbox {
         )
         .await
         .map_err(harness_error)?;
-        Ok(Box::new(MySqlStore {
+        Ok(MySqlStore {
             pool,
             config,
             database,
-        }))
+        })
     }
 }
 
@@ -238,4 +244,190 @@ async fn process_runs_the_handler_once_and_a_missing_table_says_to_migrate() {
     pool.execute(format!("DROP DATABASE `{database}`").as_str())
         .await
         .unwrap();
+}
+
+/// The same inbox through diesel-async: transactions, records and purges on
+/// `AsyncMysqlConnection`s, reads through the sqlx store.
+mod diesel_async_inbox {
+    use std::sync::{Arc, Mutex};
+
+    use diesel::sql_types::Text;
+    use diesel_async::{AsyncConnection, AsyncMysqlConnection, RunQueryDsl, SimpleAsyncConnection};
+
+    use super::*;
+
+    type Idle = Arc<Mutex<Vec<AsyncMysqlConnection>>>;
+
+    struct DieselMySqlInbox(MySqlInbox);
+
+    struct DieselMySqlStore {
+        url: String,
+        inner: MySqlStore,
+        idle: Idle,
+    }
+
+    struct DieselMySqlTx {
+        conn: Option<AsyncMysqlConnection>,
+        idle: Idle,
+        config: InboxConfig,
+        effects: String,
+    }
+
+    impl DieselMySqlStore {
+        async fn connection(&self) -> Result<AsyncMysqlConnection, Error> {
+            let idle = self.idle.lock().map_err(harness_error)?.pop();
+            match idle {
+                Some(conn) => Ok(conn),
+                None => AsyncMysqlConnection::establish(&self.url)
+                    .await
+                    .map_err(harness_error),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl InboxHarness for DieselMySqlInbox {
+        fn name(&self) -> String {
+            "mariadb inbox (diesel-async)".into()
+        }
+
+        async fn fresh(&self) -> Result<Box<dyn InboxStore>, Error> {
+            Ok(Box::new(DieselMySqlStore {
+                url: self.0.url.clone(),
+                inner: self.0.store().await?,
+                idle: Idle::default(),
+            }))
+        }
+    }
+
+    #[async_trait]
+    impl InboxStore for DieselMySqlStore {
+        fn capabilities(&self) -> InboxCapabilities {
+            self.inner.capabilities()
+        }
+
+        async fn begin(&self) -> Result<Box<dyn InboxTx>, Error> {
+            let mut conn = self.connection().await?;
+            conn.batch_execute("BEGIN").await.map_err(harness_error)?;
+            Ok(Box::new(DieselMySqlTx {
+                conn: Some(conn),
+                idle: self.idle.clone(),
+                config: self.inner.config.clone(),
+                effects: format!("`{}`.effects", self.inner.database),
+            }))
+        }
+
+        async fn marks(&self) -> Result<Vec<Mark>, Error> {
+            self.inner.marks().await
+        }
+
+        async fn effects(&self) -> Result<Vec<Mark>, Error> {
+            self.inner.effects().await
+        }
+
+        async fn age_marks(&self, by: Duration) -> Result<(), Error> {
+            self.inner.age_marks(by).await
+        }
+
+        async fn lock_waits(&self) -> Result<Option<u64>, Error> {
+            self.inner.lock_waits().await
+        }
+
+        async fn purge(&self, older_than: Duration, batch: u32) -> Result<u64, Error> {
+            let mut conn = self.connection().await?;
+            let purged =
+                mysql::diesel::purge(&mut conn, &self.inner.config, older_than, batch).await;
+            self.idle.lock().map_err(harness_error)?.push(conn);
+            purged
+        }
+
+        async fn teardown(self: Box<Self>) -> Result<(), Error> {
+            Box::new(self.inner).teardown().await
+        }
+    }
+
+    impl DieselMySqlTx {
+        fn conn(&mut self) -> Result<&mut AsyncMysqlConnection, Error> {
+            self.conn
+                .as_mut()
+                .ok_or_else(|| harness_error("the transaction has ended"))
+        }
+
+        async fn end(mut self: Box<Self>, sql: &str) -> Result<(), Error> {
+            let mut conn = self
+                .conn
+                .take()
+                .ok_or_else(|| harness_error("the transaction has ended"))?;
+            conn.batch_execute(sql).await.map_err(harness_error)?;
+            self.idle.lock().map_err(harness_error)?.push(conn);
+            Ok(())
+        }
+    }
+
+    #[async_trait]
+    impl InboxTx for DieselMySqlTx {
+        async fn record(&mut self, consumer: &str, ids: &[Uuid]) -> Result<Vec<bool>, Error> {
+            let config = self.config.clone();
+            let conn = self.conn()?;
+            let receipts = match ids {
+                [id] => vec![mysql::diesel::record(conn, &config, consumer, *id).await?],
+                _ => mysql::diesel::record_batch(conn, &config, consumer, ids).await?,
+            };
+            Ok(receipts.into_iter().map(Receipt::is_new).collect())
+        }
+
+        async fn apply_effect(&mut self, consumer: &str, id: Uuid) -> Result<(), Error> {
+            let sql = format!(
+                "INSERT INTO {} (consumer, message_id) VALUES (?, ?)",
+                self.effects
+            );
+            diesel::sql_query(sql)
+                .bind::<Text, _>(consumer)
+                .bind::<Text, _>(id.to_string())
+                .execute(self.conn()?)
+                .await
+                .map_err(harness_error)?;
+            Ok(())
+        }
+
+        async fn commit(self: Box<Self>) -> Result<(), Error> {
+            self.end("COMMIT").await
+        }
+
+        async fn rollback(self: Box<Self>) -> Result<(), Error> {
+            self.end("ROLLBACK").await
+        }
+    }
+
+    outbox_conformance_tests::inbox_suite!(optional: MySqlInbox::from_env().map(DieselMySqlInbox), reduced: 2);
+
+    #[tokio::test]
+    async fn migrate_is_idempotent_and_a_missing_table_says_to_migrate() {
+        let Some(harness) = MySqlInbox::from_env() else {
+            return;
+        };
+        let mut conn = AsyncMysqlConnection::establish(&harness.url).await.unwrap();
+        let database = format!("inbox_{}", Uuid::new_v4().simple());
+        let config = InboxConfig::new("inbox")
+            .unwrap()
+            .with_schema(&database)
+            .unwrap();
+        conn.batch_execute(&format!("CREATE DATABASE `{database}`"))
+            .await
+            .unwrap();
+        let err = mysql::diesel::record(&mut conn, &config, "payments", Uuid::now_v7())
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("mysql::diesel::migrate"), "{err}");
+        mysql::diesel::migrate(&mut conn, &config).await.unwrap();
+        mysql::diesel::migrate(&mut conn, &config).await.unwrap();
+        let id = Uuid::now_v7();
+        let first = mysql::diesel::record(&mut conn, &config, "payments", id).await;
+        assert_eq!(first.unwrap(), Receipt::New);
+        let again = mysql::diesel::record(&mut conn, &config, "payments", id).await;
+        assert_eq!(again.unwrap(), Receipt::Duplicate);
+        conn.batch_execute(&format!("DROP DATABASE `{database}`"))
+            .await
+            .unwrap();
+    }
 }

@@ -69,23 +69,29 @@ impl InboxHarness for PgInbox {
     }
 
     async fn fresh(&self) -> Result<Box<dyn InboxStore>, Error> {
+        Ok(Box::new(self.store().await?))
+    }
+}
+
+impl PgInbox {
+    async fn store(&self) -> Result<PgStore, Error> {
         let pool = self.pool().await?;
         let schema = format!("inbox_{}", Uuid::new_v4().simple());
         let config = InboxConfig::new("inbox")?.with_schema(&schema)?;
         postgres::migrate(&pool, &config).await?;
         pool.execute(
             format!(
-            "CREATE TABLE \"{schema}\".effects (consumer TEXT NOT NULL, message_id UUID NOT NULL)"
-        )
+                "CREATE TABLE \"{schema}\".effects (consumer TEXT NOT NULL, message_id UUID NOT NULL)"
+            )
             .as_str(),
         )
         .await
         .map_err(harness_error)?;
-        Ok(Box::new(PgStore {
+        Ok(PgStore {
             pool,
             config,
             schema,
-        }))
+        })
     }
 }
 
@@ -283,5 +289,193 @@ async fn a_missing_table_says_to_migrate_and_bad_purges_are_refused() {
             .await
             .unwrap_err();
         assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    }
+}
+
+/// The same inbox through diesel-async: transactions, records and purges on
+/// `AsyncPgConnection`s, reads through the sqlx store.
+mod diesel_async_inbox {
+    use std::sync::{Arc, Mutex};
+
+    use diesel::sql_types::{Text, Uuid as SqlUuid};
+    use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+
+    use super::*;
+
+    type Idle = Arc<Mutex<Vec<AsyncPgConnection>>>;
+
+    struct DieselPgInbox(PgInbox);
+
+    struct DieselPgStore {
+        url: String,
+        inner: PgStore,
+        idle: Idle,
+    }
+
+    struct DieselPgTx {
+        conn: Option<AsyncPgConnection>,
+        idle: Idle,
+        config: InboxConfig,
+        effects: String,
+    }
+
+    impl DieselPgStore {
+        async fn connection(&self) -> Result<AsyncPgConnection, Error> {
+            let idle = self.idle.lock().map_err(harness_error)?.pop();
+            if let Some(conn) = idle {
+                return Ok(conn);
+            }
+            let mut conn = AsyncPgConnection::establish(&self.url)
+                .await
+                .map_err(harness_error)?;
+            conn.batch_execute("SET synchronous_commit = off")
+                .await
+                .map_err(harness_error)?;
+            Ok(conn)
+        }
+    }
+
+    #[async_trait]
+    impl InboxHarness for DieselPgInbox {
+        fn name(&self) -> String {
+            "postgres inbox (diesel-async)".into()
+        }
+
+        async fn fresh(&self) -> Result<Box<dyn InboxStore>, Error> {
+            Ok(Box::new(DieselPgStore {
+                url: self.0.url.clone(),
+                inner: self.0.store().await?,
+                idle: Idle::default(),
+            }))
+        }
+    }
+
+    #[async_trait]
+    impl InboxStore for DieselPgStore {
+        fn capabilities(&self) -> InboxCapabilities {
+            self.inner.capabilities()
+        }
+
+        async fn begin(&self) -> Result<Box<dyn InboxTx>, Error> {
+            let mut conn = self.connection().await?;
+            conn.batch_execute("BEGIN").await.map_err(harness_error)?;
+            Ok(Box::new(DieselPgTx {
+                conn: Some(conn),
+                idle: self.idle.clone(),
+                config: self.inner.config.clone(),
+                effects: format!("\"{}\".effects", self.inner.schema),
+            }))
+        }
+
+        async fn marks(&self) -> Result<Vec<Mark>, Error> {
+            self.inner.marks().await
+        }
+
+        async fn effects(&self) -> Result<Vec<Mark>, Error> {
+            self.inner.effects().await
+        }
+
+        async fn age_marks(&self, by: Duration) -> Result<(), Error> {
+            self.inner.age_marks(by).await
+        }
+
+        async fn lock_waits(&self) -> Result<Option<u64>, Error> {
+            self.inner.lock_waits().await
+        }
+
+        async fn purge(&self, older_than: Duration, batch: u32) -> Result<u64, Error> {
+            let mut conn = self.connection().await?;
+            let purged =
+                postgres::diesel::purge(&mut conn, &self.inner.config, older_than, batch).await;
+            self.idle.lock().map_err(harness_error)?.push(conn);
+            purged
+        }
+
+        async fn teardown(self: Box<Self>) -> Result<(), Error> {
+            Box::new(self.inner).teardown().await
+        }
+    }
+
+    impl DieselPgTx {
+        fn conn(&mut self) -> Result<&mut AsyncPgConnection, Error> {
+            self.conn
+                .as_mut()
+                .ok_or_else(|| harness_error("the transaction has ended"))
+        }
+
+        async fn end(mut self: Box<Self>, sql: &str) -> Result<(), Error> {
+            let mut conn = self
+                .conn
+                .take()
+                .ok_or_else(|| harness_error("the transaction has ended"))?;
+            conn.batch_execute(sql).await.map_err(harness_error)?;
+            self.idle.lock().map_err(harness_error)?.push(conn);
+            Ok(())
+        }
+    }
+
+    #[async_trait]
+    impl InboxTx for DieselPgTx {
+        async fn record(&mut self, consumer: &str, ids: &[Uuid]) -> Result<Vec<bool>, Error> {
+            let config = self.config.clone();
+            let conn = self.conn()?;
+            let receipts = match ids {
+                [id] => vec![postgres::diesel::record(conn, &config, consumer, *id).await?],
+                _ => postgres::diesel::record_batch(conn, &config, consumer, ids).await?,
+            };
+            Ok(receipts.into_iter().map(Receipt::is_new).collect())
+        }
+
+        async fn apply_effect(&mut self, consumer: &str, id: Uuid) -> Result<(), Error> {
+            let sql = format!(
+                "INSERT INTO {} (consumer, message_id) VALUES ($1, $2)",
+                self.effects
+            );
+            diesel::sql_query(sql)
+                .bind::<Text, _>(consumer)
+                .bind::<SqlUuid, _>(id)
+                .execute(self.conn()?)
+                .await
+                .map_err(harness_error)?;
+            Ok(())
+        }
+
+        async fn commit(self: Box<Self>) -> Result<(), Error> {
+            self.end("COMMIT").await
+        }
+
+        async fn rollback(self: Box<Self>) -> Result<(), Error> {
+            self.end("ROLLBACK").await
+        }
+    }
+
+    outbox_conformance_tests::inbox_suite!(optional: PgInbox::from_env().map(DieselPgInbox), reduced: 2);
+
+    #[tokio::test]
+    async fn migrate_is_idempotent_and_a_missing_table_says_to_migrate() {
+        let Some(harness) = PgInbox::from_env() else {
+            return;
+        };
+        let mut conn = AsyncPgConnection::establish(&harness.url).await.unwrap();
+        let schema = format!("inbox_{}", Uuid::new_v4().simple());
+        let config = InboxConfig::new("inbox")
+            .unwrap()
+            .with_schema(&schema)
+            .unwrap();
+        let err = postgres::diesel::record(&mut conn, &config, "payments", Uuid::now_v7())
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("postgres::diesel::migrate"),
+            "{err}"
+        );
+        postgres::diesel::migrate(&mut conn, &config).await.unwrap();
+        postgres::diesel::migrate(&mut conn, &config).await.unwrap();
+        let id = Uuid::now_v7();
+        let first = postgres::diesel::record(&mut conn, &config, "payments", id).await;
+        assert_eq!(first.unwrap(), Receipt::New);
+        conn.batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+            .await
+            .unwrap();
     }
 }

@@ -1,0 +1,129 @@
+//! What the diesel-async inboxes share: statements built from SQL text and bound values (cached
+//! per connection by their text, so each call is one round trip after the first), and the
+//! classification of diesel errors.
+
+use std::marker::PhantomData;
+
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::result::{DatabaseErrorKind, Error as DieselError, QueryResult};
+use diesel::sql_types::{BigInt, Text};
+use outbox_traits::Error;
+use uuid::Uuid;
+
+/// One piece of a statement.
+pub(crate) enum Part {
+    /// SQL text.
+    Sql(String),
+    /// A bound text value.
+    Text(String),
+    /// A bound UUID (Postgres).
+    #[allow(dead_code)] // Postgres only
+    Uuid(Uuid),
+    /// A bound UUID array (Postgres).
+    #[allow(dead_code)] // Postgres only
+    Uuids(Vec<Uuid>),
+    /// A bound integer.
+    BigInt(i64),
+}
+
+/// A statement whose rows, if loaded, have SQL type `ST`.
+pub(crate) struct Stmt<ST> {
+    parts: Vec<Part>,
+    row: PhantomData<ST>,
+}
+
+impl<ST> Stmt<ST> {
+    pub(crate) fn new(parts: Vec<Part>) -> Self {
+        Self {
+            parts,
+            row: PhantomData,
+        }
+    }
+}
+
+impl<ST> QueryId for Stmt<ST> {
+    type QueryId = ();
+    // Cached by its text, which depends on the config.
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl<ST: 'static> Query for Stmt<ST> {
+    type SqlType = ST;
+}
+
+#[cfg(feature = "postgres")]
+impl<ST> QueryFragment<diesel::pg::Pg> for Stmt<ST> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, diesel::pg::Pg>) -> QueryResult<()> {
+        use diesel::sql_types::{Array, Uuid as SqlUuid};
+        for part in &self.parts {
+            match part {
+                Part::Sql(sql) => out.push_sql(sql),
+                Part::Text(value) => out.push_bind_param::<Text, _>(value)?,
+                Part::Uuid(value) => out.push_bind_param::<SqlUuid, _>(value)?,
+                Part::Uuids(values) => out.push_bind_param::<Array<SqlUuid>, _>(values)?,
+                Part::BigInt(value) => out.push_bind_param::<BigInt, _>(value)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl<ST> QueryFragment<diesel::mysql::Mysql> for Stmt<ST> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, diesel::mysql::Mysql>) -> QueryResult<()> {
+        for part in &self.parts {
+            match part {
+                Part::Sql(sql) => out.push_sql(sql),
+                Part::Text(value) => out.push_bind_param::<Text, _>(value)?,
+                Part::BigInt(value) => out.push_bind_param::<BigInt, _>(value)?,
+                Part::Uuid(_) | Part::Uuids(_) => {
+                    return Err(DieselError::QueryBuilderError(
+                        "MariaDB statements bind ids as text".into(),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Map a diesel error of operation `op` on `table` (`what` names the database, `module` the
+/// inbox module whose `migrate` creates the table). diesel-async gives a kind and a message, no
+/// error code: a lost connection or read-only server is [`Error::Unavailable`], a
+/// serialization failure, deadlock or lock wait timeout transient, a missing table permanent
+/// with the fix, the rest permanent.
+pub(crate) fn classify(err: DieselError, op: &str, table: &str, what: &str, module: &str) -> Error {
+    let message = format!("inbox {op} on {table} failed: {err}");
+    let (kind, text) = match &err {
+        DieselError::DatabaseError(kind, info) => (*kind, info.message().to_owned()),
+        _ => return Error::permanent(message, Some(Box::new(err))),
+    };
+    if matches!(
+        kind,
+        DatabaseErrorKind::UnableToSendCommand
+            | DatabaseErrorKind::ClosedConnection
+            | DatabaseErrorKind::ReadOnlyTransaction
+    ) {
+        Error::unavailable(what, message, err)
+    } else if kind == DatabaseErrorKind::SerializationFailure
+        || text.contains("deadlock")
+        || text.contains("Deadlock")
+        || text.contains("Lock wait timeout")
+        || text.starts_with("canceling statement due to")
+    {
+        Error::transient(
+            format!("{message}; retry the delivery"),
+            Some(Box::new(err)),
+        )
+    } else if text.ends_with("does not exist") || text.ends_with("doesn't exist") {
+        Error::permanent(
+            format!(
+                "{message}; the inbox table is missing: call `outbox_inbox::{module}::diesel::migrate` \
+                 (or apply `outbox_inbox::{module}::migration_sql`)"
+            ),
+            Some(Box::new(err)),
+        )
+    } else {
+        Error::permanent(message, Some(Box::new(err)))
+    }
+}

@@ -1,0 +1,138 @@
+//! The MariaDB inbox on diesel-async (features `mysql` and `diesel`): the same statements,
+//! checks, answers and errors as the sqlx functions of [`crate::mysql`], on an
+//! [`AsyncMysqlConnection`], usually inside `conn.transaction(..)`.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use diesel::sql_types::Binary;
+use diesel_async::{AsyncMysqlConnection, RunQueryDsl, SimpleAsyncConnection};
+use outbox_traits::Error;
+use uuid::Uuid;
+
+use crate::common::{check_batch, check_consumer, check_purge, distinct, receipts};
+use crate::diesel_common::{classify, Part, Stmt};
+use crate::{InboxConfig, Receipt};
+
+/// Re-exported so users name the same diesel-async version as this crate.
+pub use diesel_async;
+
+fn map(err: diesel::result::Error, op: &str, table: &str) -> Error {
+    classify(err, op, table, "mysql", "mysql")
+}
+
+/// Create the inbox table if it is missing ([`crate::mysql::migration_sql`]). Idempotent.
+///
+/// # Errors
+/// As [`crate::mysql::migrate`].
+pub async fn migrate(conn: &mut AsyncMysqlConnection, config: &InboxConfig) -> Result<(), Error> {
+    let table = config.qualified('`');
+    conn.batch_execute(&crate::mysql::migration_sql(config))
+        .await
+        .map_err(|e| map(e, "migrate", &table))
+}
+
+/// [`crate::mysql::record`] on diesel-async: mark `id` as processed by `consumer` in the
+/// connection's open transaction. One statement, one round trip once prepared.
+///
+/// # Errors
+/// As [`crate::mysql::record`].
+pub async fn record(
+    conn: &mut AsyncMysqlConnection,
+    config: &InboxConfig,
+    consumer: &str,
+    id: Uuid,
+) -> Result<Receipt, Error> {
+    check_consumer(consumer)?;
+    let table = config.qualified('`');
+    let inserted = Stmt::<Binary>::new(vec![
+        Part::Sql(format!(
+            "INSERT IGNORE INTO {table} (consumer, message_id) VALUES ("
+        )),
+        Part::Text(consumer.to_owned()),
+        Part::Sql(", ".into()),
+        Part::Text(id.hyphenated().to_string()),
+        Part::Sql(")".into()),
+    ])
+    .execute(conn)
+    .await
+    .map_err(|e| map(e, "record", &table))?;
+    Ok(if inserted == 1 {
+        Receipt::New
+    } else {
+        Receipt::Duplicate
+    })
+}
+
+/// [`crate::mysql::record_batch`] on diesel-async: one statement, one [`Receipt`] per id in
+/// order (MariaDB 10.5 or later).
+///
+/// # Errors
+/// As [`crate::mysql::record_batch`].
+pub async fn record_batch(
+    conn: &mut AsyncMysqlConnection,
+    config: &InboxConfig,
+    consumer: &str,
+    ids: &[Uuid],
+) -> Result<Vec<Receipt>, Error> {
+    check_batch(consumer, ids)?;
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let table = config.qualified('`');
+    let mut rows = distinct(ids);
+    rows.sort_unstable();
+    let mut parts = vec![Part::Sql(format!(
+        "INSERT IGNORE INTO {table} (consumer, message_id) VALUES "
+    ))];
+    for (n, id) in rows.iter().enumerate() {
+        parts.push(Part::Sql(if n == 0 { "(" } else { ", (" }.into()));
+        parts.push(Part::Text(consumer.to_owned()));
+        parts.push(Part::Sql(", ".into()));
+        parts.push(Part::Text(id.hyphenated().to_string()));
+        parts.push(Part::Sql(")".into()));
+    }
+    parts.push(Part::Sql(" RETURNING message_id".into()));
+    let texts: Vec<Vec<u8>> = Stmt::<Binary>::new(parts)
+        .load(conn)
+        .await
+        .map_err(|e| map(e, "record", &table))?;
+    let mut inserted = HashSet::with_capacity(texts.len());
+    for text in texts {
+        let id = Uuid::try_parse_ascii(&text).map_err(|e| {
+            Error::permanent(
+                format!("inbox record on {table} read back an id that is not a UUID: {e}"),
+                None,
+            )
+        })?;
+        inserted.insert(id);
+    }
+    Ok(receipts(ids, &inserted))
+}
+
+/// [`crate::mysql::purge`] on diesel-async: delete at most `batch` marks older than
+/// `older_than`, oldest first; returns how many.
+///
+/// # Errors
+/// As [`crate::mysql::purge`].
+pub async fn purge(
+    conn: &mut AsyncMysqlConnection,
+    config: &InboxConfig,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error> {
+    let micros = check_purge(older_than, batch)?;
+    let table = config.qualified('`');
+    let deleted = Stmt::<Binary>::new(vec![
+        Part::Sql(format!(
+            "DELETE FROM {table} WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL "
+        )),
+        Part::BigInt(micros),
+        Part::Sql(" MICROSECOND ORDER BY processed_at LIMIT ".into()),
+        Part::BigInt(i64::from(batch)),
+    ])
+    .execute(conn)
+    .await
+    .map_err(|e| map(e, "purge", &table))?;
+    Ok(deleted as u64)
+}
