@@ -23,7 +23,8 @@ pub struct NatsPublisher {
 }
 
 impl NatsPublisher {
-    /// Connect to the server, then check (or create) the configured stream.
+    /// Connect to the server (for a list of servers, to any one of them that answers), then
+    /// check (or create) the configured stream.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad configuration or a missing stream that is not to be
@@ -42,7 +43,8 @@ impl NatsPublisher {
             .security
             .apply(options)
             .await?
-            .connect(config.url.as_str())
+            // Every seed: the client starts with any that answers.
+            .connect(config.servers())
             .await
             .map_err(|e| {
                 let detail = redact_url(&outbox_traits::error_chain_line(&e));
@@ -108,6 +110,9 @@ impl NatsPublisher {
             }
             if let Some(size) = setup.max_message_size {
                 config.max_message_size = size;
+            }
+            if let Some(replicas) = setup.replicas {
+                config.num_replicas = replicas;
             }
             self.jetstream
                 .get_or_create_stream(config)
