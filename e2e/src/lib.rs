@@ -13,6 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+pub mod cluster;
 pub mod private;
 
 /// Errors of the readers: test support, so any error is a failure report.

@@ -13,6 +13,10 @@ use outbox_traits::{redact_url, Error, Message, PublishOutcome, Publisher};
 use crate::config::{NatsConfig, StreamSetup};
 use crate::flight::Flight;
 
+/// How many times the stream is looked up (or created) at start-up when the server does not
+/// answer in time, each within the configured timeout.
+const STREAM_SETUP_ATTEMPTS: u32 = 3;
+
 /// Publishes outbox messages to NATS JetStream. Build it with [`NatsPublisher::connect`]; share it
 /// (it is cheap to clone: the connection is shared).
 #[derive(Debug, Clone)]
@@ -28,7 +32,8 @@ impl NatsPublisher {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad configuration or a missing stream that is not to be
-    /// created; [`Error::Unavailable`] when the server cannot be reached within the timeout;
+    /// created; [`Error::Unavailable`] when no server can be reached within the timeout, or the
+    /// stream does not answer within it three times in a row;
     /// [`Error::Backend`] for an authentication failure or a refused stream creation. No message
     /// contains the URL's password.
     pub async fn connect(config: NatsConfig) -> Result<Self, Error> {
@@ -82,7 +87,18 @@ impl NatsPublisher {
             config,
         };
         if let Some(setup) = publisher.config.stream.clone() {
-            publisher.ensure_stream(&setup).await?;
+            // In a cluster whose server just failed, the stream's replicas need a few seconds to
+            // elect a new leader; until then the lookup times out. Try a few times before
+            // giving up, so that a relay starts while one server of the cluster is down.
+            let mut attempt = 1;
+            loop {
+                match publisher.ensure_stream(&setup).await {
+                    Err(Error::Unavailable { .. }) if attempt < STREAM_SETUP_ATTEMPTS => {
+                        attempt += 1;
+                    }
+                    result => break result?,
+                }
+            }
         }
         Ok(publisher)
     }
@@ -123,9 +139,15 @@ impl NatsPublisher {
                         "cannot create or open stream {:?} on {shown}: {detail}",
                         setup.name
                     );
+                    // A cluster electing a JetStream or stream leader (a server just failed)
+                    // answers late or "temporarily unavailable": worth another try.
                     if matches!(
                         e.kind(),
                         jetstream::context::CreateStreamErrorKind::TimedOut
+                            | jetstream::context::CreateStreamErrorKind::JetStreamUnavailable
+                    ) || matches!(
+                        e.kind(),
+                        jetstream::context::CreateStreamErrorKind::JetStream(j) if j.code() == 503
                     ) {
                         Error::unavailable("nats", message, detail)
                     } else {

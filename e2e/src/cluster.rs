@@ -1,0 +1,616 @@
+//! Private broker clusters on loopback for the cluster tests (`tests/clusters.rs`), started by
+//! the test on free ports and stopped by pid (each node is a child process, killed and reaped
+//! when dropped; the shared servers are never touched).
+//!
+//! | cluster | how | waits for |
+//! |---|---|---|
+//! | [`NatsCluster`] | 3 × `nats-server -c conf`: JetStream, `server_name`, a `cluster {}` block with routes to all three | an R3 stream can be created (the JetStream meta group has its quorum) |
+//! | [`RedisCluster`] | 6 × `redis-server --cluster-enabled yes`, then `redis-cli --cluster create ... --cluster-replicas 1 --cluster-yes` (3 masters, 3 replicas) | every node reports `cluster_state:ok` and the same slot map |
+//!
+//! Nodes start all at once and are waited for together. A node can be SIGKILLed
+//! ([`NatsCluster::kill`], [`RedisCluster::kill`]) and a NATS node restarted on its port with its
+//! JetStream directory ([`NatsCluster::restart`]); [`NatsCluster::step_down`] moves a stream's
+//! leader through the JetStream API and [`RedisCluster::failover`] promotes a master's replica
+//! with `CLUSTER FAILOVER`. A program that is not installed gives `Ok(None)` after printing why
+//! the test skips, or fails when `OUTBOX_REQUIRE_SERVICES=1`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use outbox_conformance_tests::servers::{free_port, installed, missing, wait_port};
+use tempfile::TempDir;
+
+use crate::{BoxError, Received};
+
+/// The longest a cluster may take to form, or a state change to show: a failure guard, not a
+/// timed assertion (a passing test goes on as soon as the state is reached).
+pub const GUARD: Duration = Duration::from_secs(90);
+
+/// How often a wait looks at the cluster's state again.
+const POLL: Duration = Duration::from_millis(50);
+
+/// A node process, SIGKILLed (by its pid) and reaped when dropped.
+#[derive(Debug)]
+struct Node(Child);
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_node(command: &mut Command, log: &Path) -> Result<Node, BoxError> {
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    Ok(Node(
+        command
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()?,
+    ))
+}
+
+/// Wait until `check` gives `Some`, looking again every [`POLL`]; an error naming `what` after
+/// [`GUARD`].
+pub async fn wait_for<T, F, Fut>(what: &str, mut check: F) -> Result<T, BoxError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(value) = check().await {
+            return Ok(value);
+        }
+        if start.elapsed() > GUARD {
+            return Err(format!("{what}: not reached within {GUARD:?}").into());
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Three `nats-server`s with JetStream, routed into one cluster.
+#[derive(Debug)]
+pub struct NatsCluster {
+    nodes: Vec<Option<Node>>,
+    program: &'static str,
+    dir: TempDir,
+    /// Client port of each node on 127.0.0.1.
+    pub ports: Vec<u16>,
+}
+
+impl NatsCluster {
+    /// Start three nodes at once and wait until the cluster places a 3-replica stream.
+    pub async fn start() -> Result<Option<Self>, BoxError> {
+        let program = ["/usr/sbin/nats-server", "nats-server"]
+            .into_iter()
+            .find(|p| installed(p));
+        let Some(program) = program else {
+            return Ok(missing("nats-server")?);
+        };
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-nats-cluster-")
+            .tempdir()?;
+        let ports = (0..3).map(|_| free_port()).collect::<Result<Vec<_>, _>>()?;
+        let routes = (0..3).map(|_| free_port()).collect::<Result<Vec<_>, _>>()?;
+        let route_list = routes
+            .iter()
+            .map(|p| format!("\"nats-route://127.0.0.1:{p}\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        for (i, (port, route)) in ports.iter().zip(&routes).enumerate() {
+            let d = dir.path().display();
+            let conf = format!(
+                "server_name: n{i}\nlisten: \"127.0.0.1:{port}\"\n\
+                 jetstream {{ store_dir: \"{d}/js{i}\" }}\n\
+                 cluster {{\n  name: outbox\n  listen: \"127.0.0.1:{route}\"\n  \
+                 routes: [{route_list}]\n}}\n"
+            );
+            std::fs::write(dir.path().join(format!("n{i}.conf")), conf)?;
+        }
+        let mut cluster = Self {
+            nodes: (0..3).map(|_| None).collect(),
+            program,
+            dir,
+            ports,
+        };
+        for i in 0..3 {
+            cluster.spawn(i)?;
+        }
+        for i in 0..3 {
+            cluster.wait_listening(i)?;
+        }
+        cluster.wait_jetstream().await?;
+        Ok(Some(cluster))
+    }
+
+    fn log(&self, i: usize) -> PathBuf {
+        self.dir.path().join(format!("n{i}.log"))
+    }
+
+    fn spawn(&mut self, i: usize) -> Result<(), BoxError> {
+        let conf = self.dir.path().join(format!("n{i}.conf"));
+        let node = start_node(Command::new(self.program).arg("-c").arg(conf), &self.log(i))?;
+        self.nodes[i] = Some(node);
+        Ok(())
+    }
+
+    fn wait_listening(&mut self, i: usize) -> Result<(), BoxError> {
+        let log = self.log(i);
+        let child = self.nodes[i].as_mut().map(|n| &mut n.0);
+        wait_port(self.ports[i], child, &log)?;
+        Ok(())
+    }
+
+    /// Wait until JetStream places a stream with 3 replicas (meta leader elected, every peer
+    /// known), by creating one and deleting it.
+    async fn wait_jetstream(&self) -> Result<(), BoxError> {
+        let js = jetstream::new(self.client().await?);
+        wait_for("a 3-replica JetStream stream in the new cluster", || {
+            let js = js.clone();
+            async move {
+                let config = jetstream::stream::Config {
+                    name: "OUTBOX_READY".into(),
+                    subjects: vec!["outbox-ready".into()],
+                    num_replicas: 3,
+                    ..Default::default()
+                };
+                js.get_or_create_stream(config).await.ok()?;
+                js.delete_stream("OUTBOX_READY").await.ok()
+            }
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Every node as a seed list: `nats://127.0.0.1:P0,127.0.0.1:P1,127.0.0.1:P2`.
+    pub fn url(&self) -> String {
+        let seeds: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        format!("nats://{}", seeds.join(","))
+    }
+
+    /// Node `i` alone: `nats://127.0.0.1:Pi`.
+    pub fn node_url(&self, i: usize) -> String {
+        format!("nats://127.0.0.1:{}", self.ports[i])
+    }
+
+    /// A client that knows every node (and so survives any one of them failing).
+    pub async fn client(&self) -> Result<async_nats::Client, BoxError> {
+        let seeds: Vec<String> = (0..3).map(|i| self.node_url(i)).collect();
+        Ok(async_nats::ConnectOptions::new()
+            .request_timeout(Some(Duration::from_secs(5)))
+            .connect(seeds)
+            .await?)
+    }
+
+    /// The node listening on `port`, if any.
+    pub fn node_of_port(&self, port: u16) -> Option<usize> {
+        self.ports.iter().position(|p| *p == port)
+    }
+
+    /// SIGKILL node `i` (its JetStream directory stays).
+    pub fn kill(&mut self, i: usize) {
+        self.nodes[i] = None;
+    }
+
+    /// Start node `i` again on its port with its JetStream directory, and wait until it listens.
+    pub fn restart(&mut self, i: usize) -> Result<(), BoxError> {
+        self.spawn(i)?;
+        self.wait_listening(i)
+    }
+
+    /// The server name of `stream`'s leader (`n0`, `n1`, `n2`), once it has one, and whether
+    /// every replica is current.
+    pub async fn stream_state(
+        js: &jetstream::Context,
+        stream: &str,
+    ) -> Option<(String, bool, u64)> {
+        let mut stream = js.get_stream(stream).await.ok()?;
+        let info = stream.info().await.ok()?;
+        let cluster = info.cluster.clone()?;
+        let leader = cluster.leader?;
+        let current =
+            cluster.replicas.len() == 2 && cluster.replicas.iter().all(|r| r.current && !r.offline);
+        Some((leader, current, info.state.messages))
+    }
+
+    /// Ask `stream`'s leader to step down (`$JS.API.STREAM.LEADER.STEPDOWN`) and wait until
+    /// another node leads it; returns the new leader's name.
+    pub async fn step_down(
+        &self,
+        js: &jetstream::Context,
+        stream: &str,
+    ) -> Result<String, BoxError> {
+        let (old, _, _) =
+            wait_for("a leader of the stream", || Self::stream_state(js, stream)).await?;
+        let client = self.client().await?;
+        let reply = client
+            .request(
+                format!("$JS.API.STREAM.LEADER.STEPDOWN.{stream}"),
+                "".into(),
+            )
+            .await?;
+        let text = String::from_utf8_lossy(&reply.payload).into_owned();
+        if !text.contains("\"success\":true") {
+            return Err(format!("stream leader step-down refused: {text}").into());
+        }
+        wait_for("a new stream leader after the step-down", || async {
+            Self::stream_state(js, stream)
+                .await
+                .filter(|(leader, _, _)| *leader != old)
+                .map(|(leader, _, _)| leader)
+        })
+        .await
+    }
+}
+
+/// Every message stored in `stream`, read through `js`, in stream sequence order (a
+/// [`crate::nats::read_stream`] that works through any node of a cluster).
+pub async fn read_nats_stream(
+    js: &jetstream::Context,
+    stream: &str,
+) -> Result<Vec<Received>, BoxError> {
+    let mut stream = js.get_stream(stream).await?;
+    let state = stream.info().await?.state.clone();
+    let mut out = Vec::with_capacity(state.messages as usize);
+    if state.messages == 0 {
+        return Ok(out);
+    }
+    for seq in state.first_sequence..=state.last_sequence {
+        let stored = stream.get_raw_message(seq).await?;
+        out.push(Received {
+            id: stored
+                .headers
+                .get(async_nats::header::NATS_MESSAGE_ID)
+                .map(|v| v.as_str().to_owned())
+                .unwrap_or_default(),
+            payload: stored.payload.to_vec(),
+            key: stored
+                .headers
+                .get("partition-key")
+                .map(|v| v.as_str().to_owned()),
+        });
+    }
+    Ok(out)
+}
+
+/// A Redis Cluster of 3 masters and 3 replicas.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<Option<Node>>,
+    _dir: TempDir,
+    /// Port of each node on 127.0.0.1.
+    pub ports: Vec<u16>,
+}
+
+/// One line of `CLUSTER NODES`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterNode {
+    /// Node id.
+    pub id: String,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    /// Whether it is a master (else a replica).
+    pub master: bool,
+    /// The master's id, for a replica.
+    pub master_id: Option<String>,
+    /// Whether the cluster sees it as failing (`fail` or `fail?`).
+    pub failing: bool,
+    /// The slot ranges it serves (masters), as `(first, last)`.
+    pub slots: Vec<(u16, u16)>,
+}
+
+impl RedisCluster {
+    /// Start six nodes at once, join them with `redis-cli --cluster create` and wait until
+    /// every node reports `cluster_state:ok`.
+    pub async fn start() -> Result<Option<Self>, BoxError> {
+        let Some(server) = ["/usr/bin/redis-server", "redis-server"]
+            .into_iter()
+            .find(|p| installed(p))
+        else {
+            return Ok(missing("redis-server")?);
+        };
+        let Some(cli) = ["/usr/bin/redis-cli", "redis-cli"]
+            .into_iter()
+            .find(|p| installed(p))
+        else {
+            return Ok(missing("redis-cli")?);
+        };
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-redis-cluster-")
+            .tempdir()?;
+        let ports = (0..6).map(|_| free_port()).collect::<Result<Vec<_>, _>>()?;
+        let mut nodes = Vec::new();
+        for port in &ports {
+            let p = port.to_string();
+            nodes.push(Some(start_node(
+                Command::new(server)
+                    .args(["--port", &p, "--bind", "127.0.0.1"])
+                    .args(["--cluster-enabled", "yes"])
+                    .args(["--cluster-config-file", &format!("nodes-{p}.conf")])
+                    // A killed master is noticed (and its replica promoted) within seconds.
+                    .args(["--cluster-node-timeout", "2000"])
+                    .args(["--save", "", "--appendonly", "no"])
+                    .arg("--dir")
+                    .arg(dir.path()),
+                &dir.path().join(format!("{p}.log")),
+            )?));
+        }
+        let mut cluster = Self {
+            nodes,
+            _dir: dir,
+            ports,
+        };
+        for (i, port) in cluster.ports.clone().iter().enumerate() {
+            let log = cluster._dir.path().join(format!("{port}.log"));
+            wait_port(*port, cluster.nodes[i].as_mut().map(|n| &mut n.0), &log)?;
+        }
+        let output = Command::new(cli)
+            .arg("--cluster")
+            .arg("create")
+            .args(cluster.ports.iter().map(|p| format!("127.0.0.1:{p}")))
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()?;
+        if !output.status.success() {
+            return Err(format!(
+                "redis-cli --cluster create failed: {}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            )
+            .into());
+        }
+        cluster.wait_ok().await?;
+        Ok(Some(cluster))
+    }
+
+    /// Wait until every running node reports `cluster_state:ok` and all agree on the masters.
+    pub async fn wait_ok(&self) -> Result<(), BoxError> {
+        let running: Vec<u16> = self
+            .ports
+            .iter()
+            .zip(&self.nodes)
+            .filter(|(_, n)| n.is_some())
+            .map(|(p, _)| *p)
+            .collect();
+        let expected_nodes = running.len();
+        wait_for("cluster_state:ok on every node", || {
+            let running = running.clone();
+            async move {
+                let mut views = Vec::new();
+                for port in running {
+                    let info = node_query(port, redis::cmd("CLUSTER").arg("INFO"))
+                        .await
+                        .ok()?;
+                    if !info.contains("cluster_state:ok") {
+                        return None;
+                    }
+                    let nodes = parse_nodes(
+                        &node_query(port, redis::cmd("CLUSTER").arg("NODES"))
+                            .await
+                            .ok()?,
+                    );
+                    let mut masters: Vec<(u16, Vec<(u16, u16)>)> = nodes
+                        .iter()
+                        .filter(|n| n.master && !n.failing && !n.slots.is_empty())
+                        .map(|n| (n.port, n.slots.clone()))
+                        .collect();
+                    masters.sort();
+                    // Every running node that serves no slots is a replica of a serving master.
+                    let replicas = nodes
+                        .iter()
+                        .filter(|n| !n.master && !n.failing)
+                        .filter(|n| {
+                            nodes.iter().any(|m| {
+                                Some(m.id.as_str()) == n.master_id.as_deref()
+                                    && m.master
+                                    && !m.slots.is_empty()
+                            })
+                        })
+                        .count();
+                    if replicas + masters.len() != expected_nodes {
+                        return None;
+                    }
+                    views.push(masters);
+                }
+                let covered: usize = views
+                    .first()?
+                    .iter()
+                    .flat_map(|(_, s)| s)
+                    .map(|(a, b)| usize::from(b - a) + 1)
+                    .sum();
+                (covered == 16384 && views.windows(2).all(|w| w[0] == w[1])).then_some(())
+            }
+        })
+        .await
+    }
+
+    /// Every node as a seed list: `redis://127.0.0.1:P0,...,127.0.0.1:P5`.
+    pub fn url(&self) -> String {
+        let seeds: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        format!("redis://{}", seeds.join(","))
+    }
+
+    /// A cluster client over every node.
+    pub async fn client(&self) -> Result<redis::cluster_async::ClusterConnection, BoxError> {
+        let nodes: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect();
+        Ok(redis::cluster::ClusterClient::new(nodes)?
+            .get_async_connection()
+            .await?)
+    }
+
+    /// The nodes as node `port` sees them (`CLUSTER NODES`).
+    pub async fn nodes(&self, port: u16) -> Result<Vec<ClusterNode>, BoxError> {
+        Ok(parse_nodes(
+            &node_query(port, redis::cmd("CLUSTER").arg("NODES")).await?,
+        ))
+    }
+
+    /// The master serving `key`'s slot and its replica, as a running node sees them.
+    pub async fn master_of(&self, key: &str) -> Result<(ClusterNode, ClusterNode), BoxError> {
+        let port = self.running_port()?;
+        let slot: u16 = {
+            let mut con = node_connection(port).await?;
+            redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(key)
+                .query_async(&mut con)
+                .await?
+        };
+        let nodes = self.nodes(port).await?;
+        let master = nodes
+            .iter()
+            .find(|n| n.master && n.slots.iter().any(|(a, b)| (*a..=*b).contains(&slot)))
+            .ok_or_else(|| format!("no master serves slot {slot}"))?
+            .clone();
+        let replica = nodes
+            .iter()
+            .find(|n| n.master_id.as_deref() == Some(master.id.as_str()) && !n.failing)
+            .ok_or_else(|| format!("master {} has no replica", master.port))?
+            .clone();
+        Ok((master, replica))
+    }
+
+    fn running_port(&self) -> Result<u16, BoxError> {
+        self.ports
+            .iter()
+            .zip(&self.nodes)
+            .find(|(_, n)| n.is_some())
+            .map(|(p, _)| *p)
+            .ok_or_else(|| "no node is running".into())
+    }
+
+    /// `CLUSTER FAILOVER` on `replica` (it waits for the replica to catch up with its master,
+    /// then swaps them), and wait until every node sees it as a master.
+    pub async fn failover(&self, replica: &ClusterNode) -> Result<(), BoxError> {
+        let reply = node_query(replica.port, redis::cmd("CLUSTER").arg("FAILOVER")).await?;
+        if !reply.eq_ignore_ascii_case("ok") {
+            return Err(format!("CLUSTER FAILOVER answered {reply:?}").into());
+        }
+        let port = replica.port;
+        let id = replica.id.clone();
+        wait_for("the replica promoted by CLUSTER FAILOVER", || {
+            let id = id.clone();
+            async move {
+                let nodes = parse_nodes(
+                    &node_query(port, redis::cmd("CLUSTER").arg("NODES"))
+                        .await
+                        .ok()?,
+                );
+                nodes
+                    .iter()
+                    .any(|n| n.id == id && n.master && !n.slots.is_empty())
+                    .then_some(())
+            }
+        })
+        .await?;
+        self.wait_ok().await
+    }
+
+    /// SIGKILL the node on `port`.
+    pub fn kill(&mut self, port: u16) {
+        if let Some(i) = self.ports.iter().position(|p| *p == port) {
+            self.nodes[i] = None;
+        }
+    }
+}
+
+async fn node_connection(port: u16) -> Result<redis::aio::MultiplexedConnection, BoxError> {
+    Ok(redis::Client::open(format!("redis://127.0.0.1:{port}"))?
+        .get_multiplexed_async_connection()
+        .await?)
+}
+
+/// A command's text reply from one node (not through the cluster client).
+async fn node_query(port: u16, cmd: &redis::Cmd) -> Result<String, BoxError> {
+    let mut con = node_connection(port).await?;
+    let value: redis::Value = cmd.query_async(&mut con).await?;
+    Ok(match value {
+        redis::Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        redis::Value::SimpleString(text) => text,
+        redis::Value::VerbatimString { text, .. } => text,
+        other => format!("{other:?}"),
+    })
+}
+
+fn parse_nodes(text: &str) -> Vec<ClusterNode> {
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let port = fields
+                .get(1)?
+                .split('@')
+                .next()?
+                .rsplit(':')
+                .next()?
+                .parse()
+                .ok()?;
+            let flags = fields.get(2)?;
+            let slots = fields
+                .iter()
+                .skip(8)
+                .filter(|s| !s.starts_with('['))
+                .filter_map(|s| match s.split_once('-') {
+                    Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                    None => s.parse().ok().map(|n| (n, n)),
+                })
+                .collect();
+            Some(ClusterNode {
+                id: fields.first()?.to_string(),
+                port,
+                master: flags.contains("master"),
+                master_id: fields.get(3).filter(|m| **m != "-").map(|m| m.to_string()),
+                failing: flags.contains("fail"),
+                slots,
+            })
+        })
+        .collect()
+}
+
+/// Every entry of the stream at `key` in a cluster, oldest first.
+pub async fn read_redis_stream(
+    con: &mut redis::cluster_async::ClusterConnection,
+    key: &str,
+) -> Result<Vec<Received>, BoxError> {
+    type Entry = (String, Vec<(String, Vec<u8>)>);
+    let entries: Vec<Entry> = redis::cmd("XRANGE")
+        .arg(key)
+        .arg("-")
+        .arg("+")
+        .query_async(con)
+        .await?;
+    Ok(entries
+        .into_iter()
+        .map(|(_, fields)| {
+            let field = |name: &str| {
+                fields
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, v)| v.clone())
+            };
+            let text = |name: &str| field(name).map(|v| String::from_utf8_lossy(&v).into_owned());
+            Received {
+                id: text("id").unwrap_or_default(),
+                payload: field("payload").unwrap_or_default(),
+                key: text("partition_key"),
+            }
+        })
+        .collect())
+}
