@@ -288,7 +288,8 @@ pub async fn read_nats_stream(
 #[derive(Debug)]
 pub struct RedisCluster {
     nodes: Vec<Option<Node>>,
-    _dir: TempDir,
+    server: &'static str,
+    dir: TempDir,
     /// Port of each node on 127.0.0.1.
     pub ports: Vec<u16>,
 }
@@ -330,30 +331,17 @@ impl RedisCluster {
             .prefix("outbox-redis-cluster-")
             .tempdir()?;
         let ports = (0..6).map(|_| free_port()).collect::<Result<Vec<_>, _>>()?;
-        let mut nodes = Vec::new();
-        for port in &ports {
-            let p = port.to_string();
-            nodes.push(Some(start_node(
-                Command::new(server)
-                    .args(["--port", &p, "--bind", "127.0.0.1"])
-                    .args(["--cluster-enabled", "yes"])
-                    .args(["--cluster-config-file", &format!("nodes-{p}.conf")])
-                    // A killed master is noticed (and its replica promoted) within seconds.
-                    .args(["--cluster-node-timeout", "2000"])
-                    .args(["--save", "", "--appendonly", "no"])
-                    .arg("--dir")
-                    .arg(dir.path()),
-                &dir.path().join(format!("{p}.log")),
-            )?));
-        }
         let mut cluster = Self {
-            nodes,
-            _dir: dir,
+            nodes: (0..6).map(|_| None).collect(),
+            server,
+            dir,
             ports,
         };
-        for (i, port) in cluster.ports.clone().iter().enumerate() {
-            let log = cluster._dir.path().join(format!("{port}.log"));
-            wait_port(*port, cluster.nodes[i].as_mut().map(|n| &mut n.0), &log)?;
+        for i in 0..6 {
+            cluster.spawn(i)?;
+        }
+        for i in 0..6 {
+            cluster.wait_listening(i)?;
         }
         let output = Command::new(cli)
             .arg("--cluster")
@@ -371,6 +359,34 @@ impl RedisCluster {
         }
         cluster.wait_ok().await?;
         Ok(Some(cluster))
+    }
+
+    fn spawn(&mut self, i: usize) -> Result<(), BoxError> {
+        let p = self.ports[i].to_string();
+        self.nodes[i] = Some(start_node(
+            Command::new(self.server)
+                .args(["--port", &p, "--bind", "127.0.0.1"])
+                .args(["--cluster-enabled", "yes"])
+                // Kept in the directory, so a restarted node rejoins as the node it was.
+                .args(["--cluster-config-file", &format!("nodes-{p}.conf")])
+                // A killed master is noticed (and its replica promoted) within seconds.
+                .args(["--cluster-node-timeout", "2000"])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(self.dir.path()),
+            &self.dir.path().join(format!("{p}.log")),
+        )?);
+        Ok(())
+    }
+
+    fn wait_listening(&mut self, i: usize) -> Result<(), BoxError> {
+        let log = self.dir.path().join(format!("{}.log", self.ports[i]));
+        wait_port(
+            self.ports[i],
+            self.nodes[i].as_mut().map(|n| &mut n.0),
+            &log,
+        )?;
+        Ok(())
     }
 
     /// Wait until every running node reports `cluster_state:ok` and all agree on the masters.
@@ -504,6 +520,13 @@ impl RedisCluster {
         if !reply.eq_ignore_ascii_case("ok") {
             return Err(format!("CLUSTER FAILOVER answered {reply:?}").into());
         }
+        self.wait_promoted(replica).await?;
+        self.wait_ok().await
+    }
+
+    /// Wait until `replica` sees itself as a master serving slots (after a failover, or after
+    /// its master was killed and the cluster promoted it).
+    pub async fn wait_promoted(&self, replica: &ClusterNode) -> Result<(), BoxError> {
         let port = replica.port;
         let id = replica.id.clone();
         wait_for("the replica promoted by CLUSTER FAILOVER", || {
@@ -520,8 +543,7 @@ impl RedisCluster {
                     .then_some(())
             }
         })
-        .await?;
-        self.wait_ok().await
+        .await
     }
 
     /// SIGKILL the node on `port`.
@@ -529,6 +551,19 @@ impl RedisCluster {
         if let Some(i) = self.ports.iter().position(|p| *p == port) {
             self.nodes[i] = None;
         }
+    }
+
+    /// Start the node on `port` again (it rejoins with its `nodes.conf`, as a replica when its
+    /// slots moved while it was down) and wait until the cluster is whole again.
+    pub async fn restart(&mut self, port: u16) -> Result<(), BoxError> {
+        let i = self
+            .ports
+            .iter()
+            .position(|p| *p == port)
+            .ok_or_else(|| format!("no node on port {port}"))?;
+        self.spawn(i)?;
+        self.wait_listening(i)?;
+        self.wait_ok().await
     }
 }
 

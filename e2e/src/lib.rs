@@ -9,7 +9,8 @@
 //!
 //! The [`crash`] module and the `crash-relay` binary add crash tests with real processes: see
 //! the crate's `README.md` for the crash matrix and what each failpoint proves. The [`private`]
-//! module starts private servers (TLS-only, with passwords) for tests that need their own.
+//! module starts private servers (TLS-only, with passwords) for tests that need their own; the
+//! [`cluster`] module starts private NATS and Redis clusters for `tests/clusters.rs`.
 
 use std::collections::{HashMap, HashSet};
 

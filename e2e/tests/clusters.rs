@@ -381,6 +381,73 @@ async fn redis_cluster_master_failed_over_while_publishing() {
     assert!(spread.len() > 1, "the streams were all on one master");
 }
 
+/// A Redis Cluster master is SIGKILLed while the relay publishes with `wait_replicas=1`: its
+/// replica is promoted, the relay follows the slots there, and no acknowledged entry is lost
+/// (each counted as delivered only once a replica held it). The killed node is restarted and
+/// rejoins as the new master's replica; until then that master has no replica, so its entries
+/// stay unacknowledged and are retried rather than counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_master_killed_while_publishing_with_wait_replicas() {
+    let Some(mut cluster) = RedisCluster::start().await.unwrap() else {
+        return;
+    };
+    let sfx = unique_suffix();
+    let prefix = format!("rk.{sfx}");
+    let url = format!(
+        "{}?stream={prefix}.{{partition_key}}&cluster=true&wait_replicas=1&timeout_ms=2000",
+        cluster.url()
+    );
+    let publisher: Arc<dyn Publisher> = Arc::new(outbox::broker::connect(&url).await.unwrap());
+    let source = Source::new().await;
+    let relay = Relay::new(source.store.clone(), publisher, relay_config())
+        .unwrap()
+        .spawn();
+    let producer = Producer::start(source.clone(), relay.notifier(), "redis-kill");
+
+    let keys: Vec<String> = (0..KEYS).map(|k| format!("{prefix}.key-{k}")).collect();
+    let mut con = cluster.client().await.unwrap();
+    let stored = || {
+        let mut con = con.clone();
+        let keys = keys.clone();
+        async move {
+            let mut total = 0;
+            for key in &keys {
+                let len: u64 = redis::cmd("XLEN")
+                    .arg(key)
+                    .query_async(&mut con)
+                    .await
+                    .ok()?;
+                total += len;
+            }
+            Some(total)
+        }
+    };
+    wait_count("first entries in the streams", STEP, stored).await;
+
+    let (master, replica) = cluster.master_of(&keys[0]).await.unwrap();
+    let started = Instant::now();
+    cluster.kill(master.port);
+    cluster.wait_promoted(&replica).await.unwrap();
+    eprintln!(
+        "master {} killed; replica {} promoted after {:?}",
+        master.port,
+        replica.port,
+        started.elapsed()
+    );
+    cluster.restart(master.port).await.unwrap();
+    let before = stored().await.unwrap_or(0);
+    wait_count("entries stored after the kill", before + STEP, stored).await;
+
+    let committed = producer.stop().await;
+    source.wait_published(committed).await;
+    let mut received = Vec::new();
+    for key in &keys {
+        received.extend(read_redis_stream(&mut con, key).await.unwrap());
+    }
+    let delivery = finish(&source, relay, committed, &received).await;
+    assert_eq!(delivery.distinct, committed);
+}
+
 /// Kafka's broker list is librdkafka's bootstrap list: with a dead first seed the publisher
 /// connects through the next and every message arrives. (One Tansu broker: Tansu 0.6's
 /// storage here is memory only, so several Tansu processes cannot share one log; see the

@@ -22,6 +22,7 @@ pub const URL_OPTIONS: &[&str] = &[
     "password_file",
     "cluster",
     "hash_tag",
+    "wait_replicas",
 ];
 
 /// Everything [`RedisPublisher::connect`](crate::RedisPublisher::connect) needs.
@@ -55,6 +56,11 @@ pub struct RedisConfig {
     /// `{<hash_tag>}<stream>`. Redis Cluster places a key by its `{...}` part only, so every
     /// stream with the same tag is on one node. `None`: the key is the stream name alone.
     pub hash_tag: Option<RoutingTemplate>,
+    /// After each pipeline, `WAIT N`: count its entries as acknowledged only once `N` replicas
+    /// hold them (within half the timeout), else `Ambiguous` (published again). Redis
+    /// replicates asynchronously, so without it a master killed right after acknowledging
+    /// loses those entries when its replica takes over. `None`: no wait.
+    pub wait_replicas: Option<u32>,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -72,6 +78,7 @@ impl std::fmt::Debug for RedisConfig {
                 "hash_tag",
                 &self.hash_tag.as_ref().map(RoutingTemplate::as_str),
             )
+            .field("wait_replicas", &self.wait_replicas)
             .finish()
     }
 }
@@ -89,6 +96,7 @@ impl RedisConfig {
             cluster: false,
             seeds: Vec::new(),
             hash_tag: None,
+            wait_replicas: None,
         };
         config.validate()?;
         Ok(config)
@@ -119,6 +127,10 @@ impl RedisConfig {
     /// fails over. It changes the stream names (consumers read `{Order}outbox.Order.placed`),
     /// and works without `cluster` too, so names stay the same when moving to a cluster.
     ///
+    /// `wait_replicas=1` makes a master's failure lose nothing: each pipeline ends with
+    /// `WAIT 1`, and its entries count as delivered only once a replica holds them (see
+    /// [`RedisConfig::wait_replicas`]).
+    ///
     /// ```
     /// use outbox_publisher_redis::RedisConfig;
     /// let c = RedisConfig::from_url("redis://127.0.0.1:6379?stream=outbox.{aggregate_type}&maxlen=1000").unwrap();
@@ -148,6 +160,7 @@ impl RedisConfig {
         let mut password = None;
         let mut cluster = false;
         let mut hash_tag = None;
+        let mut wait_replicas = None;
         for (key, value) in parsed.query_pairs() {
             match key.as_ref() {
                 "stream" => stream = Some(value.into_owned()),
@@ -170,6 +183,7 @@ impl RedisConfig {
                     }
                 }
                 "hash_tag" => hash_tag = Some(RoutingTemplate::parse(&value)?),
+                "wait_replicas" => wait_replicas = Some(parse_num(&key, &value)?),
                 "password_file" => {
                     password = Some(read_secret_file("Redis", "password_file", &value)?)
                 }
@@ -221,6 +235,7 @@ impl RedisConfig {
             cluster,
             seeds: others,
             hash_tag,
+            wait_replicas,
         };
         config.validate()?;
         Ok(config)
@@ -245,6 +260,11 @@ impl RedisConfig {
         if self.timeout.is_zero() {
             return Err(Error::invalid_input(
                 "Redis timeout must be positive (timeout_ms=5000, for example)",
+            ));
+        }
+        if self.wait_replicas == Some(0) {
+            return Err(Error::invalid_input(
+                "Redis wait_replicas must be at least 1 (leave it out for no wait)",
             ));
         }
         if self.maxlen == Some(0) {
@@ -330,13 +350,14 @@ mod tests {
     fn a_cluster_is_given_by_its_seeds() {
         let c = RedisConfig::from_url(
             "redis://app:s3cret@10.0.0.1:7000,10.0.0.2:7001,redis://10.0.0.3?stream=o\
-             &cluster=true&hash_tag={aggregate_type}",
+             &cluster=true&hash_tag={aggregate_type}&wait_replicas=1",
         )
         .unwrap();
         assert!(c.cluster);
         assert_eq!(c.url, "redis://app:s3cret@10.0.0.1:7000");
         assert_eq!(c.seeds, ["10.0.0.2:7001", "10.0.0.3:6379"]);
         assert_eq!(c.hash_tag.as_ref().unwrap().as_str(), "{aggregate_type}");
+        assert_eq!(c.wait_replicas, Some(1));
         assert!(!format!("{c:?}").contains("s3cret"));
         let one = RedisConfig::from_url("redis://h:7000/0?stream=o&cluster=1").unwrap();
         assert!(one.cluster && one.seeds.is_empty());
@@ -349,6 +370,7 @@ mod tests {
             "redis://app:s3cret@h1:7000,,h2:7001?stream=o&cluster=true",
             "redis://app:s3cret@h1:7000?stream=o&cluster=maybe",
             "redis://app:s3cret@h1:7000?stream=o&hash_tag={tenant}",
+            "redis://app:s3cret@h1:7000?stream=o&wait_replicas=0",
         ] {
             let err = RedisConfig::from_url(bad).unwrap_err();
             assert!(matches!(err, Error::InvalidInput(_)), "{bad}: {err}");

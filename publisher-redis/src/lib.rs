@@ -68,8 +68,13 @@
 //!
 //! Redis replicates asynchronously: a master killed before its replica received an entry it
 //! acknowledged loses that entry when the replica takes over (a manual `CLUSTER FAILOVER` waits
-//! for the replica and loses nothing). Tested against a private 6-node cluster in
-//! `e2e/tests/clusters.rs`.
+//! for the replica and loses nothing). `wait_replicas=1` closes that gap: each pipeline ends
+//! with `WAIT 1`, and its entries count as delivered only once a replica holds them, else they
+//! are `Ambiguous` and published again. The price is availability: a master with no live
+//! replica (its replica was promoted and the old master has not come back) takes no
+//! acknowledged writes, so its streams' messages wait in the outbox until a replica returns.
+//! Tested against a private 6-node cluster in `e2e/tests/clusters.rs` (`CLUSTER FAILOVER`, and
+//! a master SIGKILLed with `wait_replicas=1`).
 //!
 //! # Use through `outbox` or directly
 //! Through the `outbox` facade (feature `redis`), a `redis://...` URL picks this publisher.

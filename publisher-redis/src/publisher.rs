@@ -133,9 +133,15 @@ impl RedisPublisher {
             }
         };
         match reply {
-            Ok(Ok(replies)) if replies.len() == sent.len() => {
+            Ok(Ok(replies)) if replies.len() == sent.len() + self.wait_replies() => {
+                let short = self.short_of_replicas(replies.get(sent.len()));
                 for (index, reply) in sent.iter().zip(&replies) {
-                    outcomes[*index] = entry_outcome(reply);
+                    outcomes[*index] = match (entry_outcome(reply), &short) {
+                        (PublishOutcome::Acked, Some(reason)) => PublishOutcome::Ambiguous {
+                            reason: reason.clone(),
+                        },
+                        (outcome, _) => outcome,
+                    };
                 }
             }
             Ok(Ok(replies)) => all(
@@ -177,6 +183,27 @@ impl RedisPublisher {
                 },
             ),
         }
+    }
+
+    /// Replies a pipeline has beyond one per XADD: `WAIT`'s.
+    fn wait_replies(&self) -> usize {
+        usize::from(self.config.wait_replicas.is_some())
+    }
+
+    /// Why a pipeline's stored entries do not count as delivered: `WAIT` answered fewer
+    /// replicas than asked for (`None` when no wait is asked for or enough answered).
+    fn short_of_replicas(&self, wait_reply: Option<&Value>) -> Option<String> {
+        let wanted = self.config.wait_replicas?;
+        let got = match wait_reply {
+            Some(Value::Int(n)) => *n,
+            _ => -1,
+        };
+        (got < i64::from(wanted)).then(|| {
+            format!(
+                "stored on the master, but WAIT found {got} of the {wanted} replicas asked for \
+                 (wait_replicas); a failover could lose it, so it is published again"
+            )
+        })
     }
 
     fn xadd(&self, key: &str, msg: &Message) -> redis::Cmd {
@@ -302,10 +329,18 @@ impl Publisher for RedisPublisher {
             groups[group].pipe.add_command(self.xadd(&key, msg));
             groups[group].sent.push(index);
         }
+        if let Some(replicas) = self.config.wait_replicas {
+            // Within half the timeout, so that WAIT's answer arrives before the timeout.
+            let wait_ms = u64::try_from(self.config.timeout.as_millis() / 2).unwrap_or(1);
+            for group in &mut groups {
+                group.pipe.cmd("WAIT").arg(replicas).arg(wait_ms.max(1));
+            }
+        }
         let replies = futures::future::join_all(groups.iter().map(|group| {
             tokio::time::timeout(
                 self.config.timeout,
-                self.connection.send(&group.pipe, group.sent.len()),
+                self.connection
+                    .send(&group.pipe, group.sent.len() + self.wait_replies()),
             )
         }))
         .await;
