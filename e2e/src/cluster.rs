@@ -649,3 +649,110 @@ pub async fn read_redis_stream(
         })
         .collect())
 }
+
+/// Two Tansu (Kafka) brokers on one storage: an S3 bucket served by a private `moto_server`
+/// (Tansu 0.6's `s3://` storage engine; its `postgres://` engine is not compiled into the
+/// binary the project installs). Both brokers serve the same topics and records, so a client
+/// with both in its bootstrap list goes on through the second when the first is killed.
+///
+/// Tansu has no replication of its own (the storage is shared) and every broker calls itself
+/// node 111, so clients see one broker whose address changes: this is failover between
+/// brokers, not Kafka's partition leadership moving between replicas.
+#[derive(Debug)]
+pub struct TansuPair {
+    brokers: Vec<Option<Node>>,
+    _moto: Node,
+    _dir: TempDir,
+    /// The brokers' ports on 127.0.0.1.
+    pub ports: Vec<u16>,
+}
+
+impl TansuPair {
+    /// Start `moto_server`, create the bucket, start two brokers on it and wait until they
+    /// listen.
+    pub async fn start() -> Result<Option<Self>, BoxError> {
+        let home = std::env::var_os("OUTBOX_TANSU_HOME")
+            .map(PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share/outbox"))
+            })
+            .unwrap_or_default();
+        let tansu = home.join("bin/tansu");
+        if !tansu.is_file() {
+            return Ok(missing("tansu (scripts/tansu install)")?);
+        }
+        if !installed("moto_server") {
+            return Ok(missing("moto_server (the Python package moto)")?);
+        }
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-tansu-pair-")
+            .tempdir()?;
+        let s3 = free_port()?;
+        let moto_log = dir.path().join("moto.log");
+        let mut moto = start_node(
+            Command::new("moto_server").args(["-H", "127.0.0.1", "-p", &s3.to_string()]),
+            &moto_log,
+        )?;
+        wait_port(s3, Some(&mut moto.0), &moto_log)?;
+        create_bucket(s3, "tansu").await?;
+        let ports = vec![free_port()?, free_port()?];
+        let mut brokers = Vec::new();
+        for port in &ports {
+            let listener = format!("tcp://127.0.0.1:{port}");
+            let log = dir.path().join(format!("tansu-{port}.log"));
+            let mut node = start_node(
+                Command::new(&tansu)
+                    .arg("broker")
+                    .args(["--listener-url", &listener])
+                    .args(["--advertised-listener-url", &listener])
+                    .args(["--storage-engine", "s3://tansu/"])
+                    .env("AWS_ENDPOINT", format!("http://127.0.0.1:{s3}"))
+                    .env("AWS_ALLOW_HTTP", "true")
+                    .env("AWS_ACCESS_KEY_ID", "outbox")
+                    .env("AWS_SECRET_ACCESS_KEY", "outbox")
+                    .env("AWS_DEFAULT_REGION", "us-east-1")
+                    .env("AWS_REGION", "us-east-1"),
+                &log,
+            )?;
+            wait_port(*port, Some(&mut node.0), &log)?;
+            brokers.push(Some(node));
+        }
+        Ok(Some(Self {
+            brokers,
+            _moto: moto,
+            _dir: dir,
+            ports,
+        }))
+    }
+
+    /// Broker `i` alone: `127.0.0.1:PORT`.
+    pub fn broker(&self, i: usize) -> String {
+        format!("127.0.0.1:{}", self.ports[i])
+    }
+
+    /// SIGKILL broker `i` (the records stay in the shared storage).
+    pub fn kill(&mut self, i: usize) {
+        self.brokers[i] = None;
+    }
+}
+
+/// `PUT /bucket` on the S3 server at `port` (moto checks no signatures).
+async fn create_bucket(port: u16, bucket: &str) -> Result<(), BoxError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    stream
+        .write_all(
+            format!(
+                "PUT /{bucket} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\n\
+                 Connection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).await?;
+    if !reply.starts_with("HTTP/1.1 200") {
+        return Err(format!("creating bucket {bucket}: {reply}").into());
+    }
+    Ok(())
+}
