@@ -22,7 +22,7 @@ use async_nats::jetstream;
 use outbox_conformance_tests::servers::{free_port, installed, missing, wait_port};
 use tempfile::TempDir;
 
-use crate::{BoxError, Received};
+use crate::BoxError;
 
 /// The longest a cluster may take to form, or a state change to show: a failure guard, not a
 /// timed assertion (a passing test goes on as soon as the state is reached).
@@ -252,36 +252,6 @@ impl NatsCluster {
         })
         .await
     }
-}
-
-/// Every message stored in `stream`, read through `js`, in stream sequence order (a
-/// [`crate::nats::read_stream`] that works through any node of a cluster).
-pub async fn read_nats_stream(
-    js: &jetstream::Context,
-    stream: &str,
-) -> Result<Vec<Received>, BoxError> {
-    let mut stream = js.get_stream(stream).await?;
-    let state = stream.info().await?.state.clone();
-    let mut out = Vec::with_capacity(state.messages as usize);
-    if state.messages == 0 {
-        return Ok(out);
-    }
-    for seq in state.first_sequence..=state.last_sequence {
-        let stored = stream.get_raw_message(seq).await?;
-        out.push(Received {
-            id: stored
-                .headers
-                .get(async_nats::header::NATS_MESSAGE_ID)
-                .map(|v| v.as_str().to_owned())
-                .unwrap_or_default(),
-            payload: stored.payload.to_vec(),
-            key: stored
-                .headers
-                .get("partition-key")
-                .map(|v| v.as_str().to_owned()),
-        });
-    }
-    Ok(out)
 }
 
 /// A Redis Cluster of 3 masters and 3 replicas.
@@ -617,37 +587,6 @@ fn parse_nodes(text: &str) -> Vec<ClusterNode> {
             })
         })
         .collect()
-}
-
-/// Every entry of the stream at `key` in a cluster, oldest first.
-pub async fn read_redis_stream(
-    con: &mut redis::cluster_async::ClusterConnection,
-    key: &str,
-) -> Result<Vec<Received>, BoxError> {
-    type Entry = (String, Vec<(String, Vec<u8>)>);
-    let entries: Vec<Entry> = redis::cmd("XRANGE")
-        .arg(key)
-        .arg("-")
-        .arg("+")
-        .query_async(con)
-        .await?;
-    Ok(entries
-        .into_iter()
-        .map(|(_, fields)| {
-            let field = |name: &str| {
-                fields
-                    .iter()
-                    .find(|(n, _)| n == name)
-                    .map(|(_, v)| v.clone())
-            };
-            let text = |name: &str| field(name).map(|v| String::from_utf8_lossy(&v).into_owned());
-            Received {
-                id: text("id").unwrap_or_default(),
-                payload: field("payload").unwrap_or_default(),
-                key: text("partition_key"),
-            }
-        })
-        .collect())
 }
 
 /// Two Tansu (Kafka) brokers on one storage: an S3 bucket served by a private `moto_server`

@@ -17,9 +17,7 @@ use outbox::relay::{Backoff, Notifier, Relay, RelayConfig, RelayHandle};
 use outbox::sqlite::{SqliteConfig, SqliteStore};
 use outbox::{Error, NewMessage, OutboxAdmin, Publisher};
 use outbox_conformance_tests::env::service_url;
-use outbox_e2e::cluster::{
-    read_nats_stream, read_redis_stream, wait_for, NatsCluster, RedisCluster, TansuPair,
-};
+use outbox_e2e::cluster::{wait_for, NatsCluster, RedisCluster, TansuPair};
 use outbox_e2e::{check_delivery, kafka, unique_suffix, Delivery, Expected, Received};
 
 /// Partition keys the producer cycles through.
@@ -258,7 +256,9 @@ async fn nats_cluster_node_killed_and_leader_moved_while_publishing() {
 
     let committed = producer.stop().await;
     source.wait_published(committed).await;
-    let received = read_nats_stream(&js, &stream).await.unwrap();
+    let received = outbox_e2e::nats::read_stream_with(&js, &stream)
+        .await
+        .unwrap();
     let delivery = finish(&source, relay, committed, &received).await;
     assert_eq!(delivery.distinct, committed);
     assert_eq!(
@@ -303,23 +303,32 @@ async fn nats_relay_starts_while_a_seed_is_down() {
     assert_eq!(stats.published, 300);
 
     let js = async_nats::jetstream::new(cluster.client().await.unwrap());
-    let received = read_nats_stream(&js, &stream).await.unwrap();
+    let received = outbox_e2e::nats::read_stream_with(&js, &stream)
+        .await
+        .unwrap();
     let delivery = check_delivery(&received, &source.expected()).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!((delivery.distinct, delivery.duplicates), (300, 0));
 }
 
-/// A Redis Cluster master is failed over to its replica (`CLUSTER FAILOVER`) while the relay
-/// publishes into streams spread over all three masters: every message is stored, each key's
-/// stream in commit order; the relay follows the slot's move by itself.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_master_failed_over_while_publishing() {
-    let Some(cluster) = RedisCluster::start().await.unwrap() else {
+/// How a Redis Cluster test takes the master of the first key's stream away.
+enum RedisFault {
+    /// `CLUSTER FAILOVER` on its replica: the replica catches up, then takes over.
+    Failover,
+    /// SIGKILL the master, wait for the cluster to promote its replica, then restart the old
+    /// master (it rejoins as the new master's replica).
+    KillMaster,
+}
+
+/// The relay publishes into streams spread over the three masters of a private Redis Cluster
+/// (URL `options` added) while `fault` hits the master of the first key's stream; then every
+/// committed message must be in its key's stream, in commit order.
+async fn redis_cluster_under_fault(options: &str, fault: RedisFault) {
+    let Some(mut cluster) = RedisCluster::start().await.unwrap() else {
         return;
     };
-    let sfx = unique_suffix();
-    let prefix = format!("rc.{sfx}");
+    let prefix = format!("rc.{}", unique_suffix());
     let url = format!(
-        "{}?stream={prefix}.{{partition_key}}&cluster=true&timeout_ms=2000",
+        "{}?stream={prefix}.{{partition_key}}&cluster=true&timeout_ms=2000{options}",
         cluster.url()
     );
     let publisher: Arc<dyn Publisher> = Arc::new(outbox::broker::connect(&url).await.unwrap());
@@ -351,101 +360,59 @@ async fn redis_cluster_master_failed_over_while_publishing() {
 
     let (master, replica) = cluster.master_of(&keys[0]).await.unwrap();
     let started = Instant::now();
-    cluster.failover(&replica).await.unwrap();
+    match fault {
+        RedisFault::Failover => cluster.failover(&replica).await.unwrap(),
+        RedisFault::KillMaster => {
+            cluster.kill(master.port);
+            cluster.wait_promoted(&replica).await.unwrap();
+        }
+    }
     eprintln!(
-        "master {} failed over to {} in {:?}",
+        "master {} replaced by {} after {:?}",
         master.port,
         replica.port,
         started.elapsed()
     );
+    if matches!(fault, RedisFault::KillMaster) {
+        // Rejoins as the new master's replica; the cluster is whole (and agreed) again.
+        cluster.restart(master.port).await.unwrap();
+    }
     let (now_master, _) = cluster.master_of(&keys[0]).await.unwrap();
     assert_eq!(now_master.id, replica.id, "the replica serves the slot now");
     let before = stored().await.unwrap_or(0);
-    wait_count("entries stored after the failover", before + STEP, stored).await;
+    wait_count("entries stored after the fault", before + STEP, stored).await;
 
     let committed = producer.stop().await;
     source.wait_published(committed).await;
     let mut received = Vec::new();
+    let mut masters = std::collections::HashSet::new();
     for key in &keys {
-        received.extend(read_redis_stream(&mut con, key).await.unwrap());
+        received.extend(
+            outbox_e2e::redis::read_stream_with(&mut con, key)
+                .await
+                .unwrap(),
+        );
+        masters.insert(cluster.master_of(key).await.unwrap().0.port);
     }
+    assert!(masters.len() > 1, "the streams were all on one master");
     let delivery = finish(&source, relay, committed, &received).await;
     assert_eq!(delivery.distinct, committed);
-    let spread: std::collections::HashSet<u16> = {
-        let mut masters = std::collections::HashSet::new();
-        for key in &keys {
-            masters.insert(cluster.master_of(key).await.unwrap().0.port);
-        }
-        masters
-    };
-    assert!(spread.len() > 1, "the streams were all on one master");
 }
 
-/// A Redis Cluster master is SIGKILLed while the relay publishes with `wait_replicas=1`: its
-/// replica is promoted, the relay follows the slots there, and no acknowledged entry is lost
-/// (each counted as delivered only once a replica held it). The killed node is restarted and
-/// rejoins as the new master's replica; until then that master has no replica, so its entries
-/// stay unacknowledged and are retried rather than counted.
+/// A master is failed over to its replica (`CLUSTER FAILOVER`) mid-stream: the relay follows
+/// the slot's move by itself and nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_master_failed_over_while_publishing() {
+    redis_cluster_under_fault("", RedisFault::Failover).await;
+}
+
+/// A master is SIGKILLed mid-stream with `wait_replicas=1`: its replica is promoted, the relay
+/// follows, and no acknowledged entry is lost (each counted as delivered only once a replica
+/// held it). Until the killed node rejoins, the new master has no replica, so its entries stay
+/// unacknowledged and are retried rather than counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_master_killed_while_publishing_with_wait_replicas() {
-    let Some(mut cluster) = RedisCluster::start().await.unwrap() else {
-        return;
-    };
-    let sfx = unique_suffix();
-    let prefix = format!("rk.{sfx}");
-    let url = format!(
-        "{}?stream={prefix}.{{partition_key}}&cluster=true&wait_replicas=1&timeout_ms=2000",
-        cluster.url()
-    );
-    let publisher: Arc<dyn Publisher> = Arc::new(outbox::broker::connect(&url).await.unwrap());
-    let source = Source::new().await;
-    let relay = Relay::new(source.store.clone(), publisher, relay_config())
-        .unwrap()
-        .spawn();
-    let producer = Producer::start(source.clone(), relay.notifier(), "redis-kill");
-
-    let keys: Vec<String> = (0..KEYS).map(|k| format!("{prefix}.key-{k}")).collect();
-    let mut con = cluster.client().await.unwrap();
-    let stored = || {
-        let mut con = con.clone();
-        let keys = keys.clone();
-        async move {
-            let mut total = 0;
-            for key in &keys {
-                let len: u64 = redis::cmd("XLEN")
-                    .arg(key)
-                    .query_async(&mut con)
-                    .await
-                    .ok()?;
-                total += len;
-            }
-            Some(total)
-        }
-    };
-    wait_count("first entries in the streams", STEP, stored).await;
-
-    let (master, replica) = cluster.master_of(&keys[0]).await.unwrap();
-    let started = Instant::now();
-    cluster.kill(master.port);
-    cluster.wait_promoted(&replica).await.unwrap();
-    eprintln!(
-        "master {} killed; replica {} promoted after {:?}",
-        master.port,
-        replica.port,
-        started.elapsed()
-    );
-    cluster.restart(master.port).await.unwrap();
-    let before = stored().await.unwrap_or(0);
-    wait_count("entries stored after the kill", before + STEP, stored).await;
-
-    let committed = producer.stop().await;
-    source.wait_published(committed).await;
-    let mut received = Vec::new();
-    for key in &keys {
-        received.extend(read_redis_stream(&mut con, key).await.unwrap());
-    }
-    let delivery = finish(&source, relay, committed, &received).await;
-    assert_eq!(delivery.distinct, committed);
+    redis_cluster_under_fault("&wait_replicas=1", RedisFault::KillMaster).await;
 }
 
 /// Kafka's broker list is librdkafka's bootstrap list: with a dead first seed the publisher
