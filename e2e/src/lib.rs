@@ -9,10 +9,12 @@
 //!
 //! The [`crash`] module and the `crash-relay` binary add crash tests with real processes: see
 //! the crate's `README.md` for the crash matrix and what each failpoint proves. The [`private`]
-//! module starts private servers (TLS-only, with passwords) for tests that need their own.
+//! module starts private servers (TLS-only, with passwords) for tests that need their own; the
+//! [`cluster`] module starts private NATS and Redis clusters for `tests/clusters.rs`.
 
 use std::collections::{HashMap, HashSet};
 
+pub mod cluster;
 pub mod private;
 
 /// Errors of the readers: test support, so any error is a failure report.
@@ -147,7 +149,14 @@ pub mod nats {
 
     /// Every message stored in `stream`, in stream sequence order, ids from `Nats-Msg-Id`.
     pub async fn read_stream(url: &str, stream: &str) -> Result<Vec<Received>, BoxError> {
-        let js = jetstream::new(async_nats::connect(url).await?);
+        read_stream_with(&jetstream::new(async_nats::connect(url).await?), stream).await
+    }
+
+    /// [`read_stream`] through an existing JetStream context (e.g. a client of a cluster).
+    pub async fn read_stream_with(
+        js: &jetstream::Context,
+        stream: &str,
+    ) -> Result<Vec<Received>, BoxError> {
         let mut stream = js.get_stream(stream).await?;
         let state = stream.info().await?.state.clone();
         let mut out = Vec::with_capacity(state.messages as usize);
@@ -372,12 +381,19 @@ pub mod redis {
 
     /// Every entry of the stream at `key`, oldest first.
     pub async fn read_stream(url: &str, key: &str) -> Result<Vec<Received>, BoxError> {
-        let mut con = connection(url).await?;
+        read_stream_with(&mut connection(url).await?, key).await
+    }
+
+    /// [`read_stream`] through an existing connection (e.g. a Redis Cluster client).
+    pub async fn read_stream_with<C>(con: &mut C, key: &str) -> Result<Vec<Received>, BoxError>
+    where
+        C: ::redis::aio::ConnectionLike + Send,
+    {
         let entries: Vec<Entry> = ::redis::cmd("XRANGE")
             .arg(key)
             .arg("-")
             .arg("+")
-            .query_async(&mut con)
+            .query_async(con)
             .await?;
         Ok(entries
             .into_iter()

@@ -126,6 +126,7 @@ mod message;
 mod publisher;
 pub mod quarantine;
 mod secret;
+mod seeds;
 mod store;
 
 pub use error::{is_secret_option, redact_url, BoxError, Error, ErrorKind};
@@ -136,6 +137,7 @@ pub use message::{
 };
 pub use publisher::{PublishOutcome, Publisher};
 pub use secret::{error_chain_line, read_secret_file};
+pub use seeds::{split_seed_list, SeedList};
 pub use store::{
     validate_purge_batch, BlockedKey, Capabilities, Claim, ClaimRequest, ClaimShard, Counts,
     DeadMessage, FailAction, Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore,

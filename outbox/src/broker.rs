@@ -7,6 +7,11 @@
 //! | `kafka://host:9092?topic=...` | Kafka (idempotent producer) | `kafka` |
 //! | `redis://host:6379?stream=...` (or `rediss://` for TLS) | Redis Streams | `redis` |
 //!
+//! A clustered broker is given by its seeds, with credentials and options once:
+//! `nats://h1:4222,h2:4222,h3:4222?subject=...`, `redis://h1:7000,h2:7001?stream=...&cluster=true`
+//! (Redis Cluster), `kafka://h1:9092,h2:9092?topic=...`. The publisher starts with any seed that
+//! answers and follows the cluster when a node fails.
+//!
 //! TLS and credentials are URL options of each broker (CA file, client certificate, password,
 //! token, NKey or `.creds` file, SASL), documented in the README's "TLS and credentials"
 //! section and in each publisher's docs.

@@ -26,6 +26,7 @@ pub const URL_OPTIONS: &[&str] = &[
     "stream_subjects",
     "duplicate_window_ms",
     "max_msg_size",
+    "stream_replicas",
     "timeout_ms",
     "max_in_flight",
     "tls_required",
@@ -56,6 +57,9 @@ pub struct StreamSetup {
     /// Largest message the created stream accepts, in bytes (server default: the server's
     /// `max_payload`).
     pub max_message_size: Option<i32>,
+    /// Replicas of the created stream in a JetStream cluster (1 to 5; server default 1). With 3,
+    /// the stream keeps every acknowledged message while any one server is down.
+    pub replicas: Option<usize>,
 }
 
 impl StreamSetup {
@@ -67,6 +71,7 @@ impl StreamSetup {
             subjects: Vec::new(),
             duplicate_window: None,
             max_message_size: None,
+            replicas: None,
         }
     }
 
@@ -82,9 +87,11 @@ impl StreamSetup {
 /// Everything [`NatsPublisher::connect`](crate::NatsPublisher::connect) needs.
 #[derive(Debug, Clone)]
 pub struct NatsConfig {
-    /// Server URL, e.g. `nats://127.0.0.1:4222` or `tls://nats.example.com:4222`. Credentials
-    /// in a URL given to [`NatsConfig::from_url`] are moved to [`NatsConfig::security`]; they
-    /// never appear in errors or logs.
+    /// Server URL, e.g. `nats://127.0.0.1:4222` or `tls://nats.example.com:4222`, or the
+    /// servers of a cluster separated by commas (`nats://h1:4222,nats://h2:4222`): the client
+    /// connects to any one that answers and moves to another when it fails. Credentials in a URL
+    /// given to [`NatsConfig::from_url`] are moved to [`NatsConfig::security`]; they never
+    /// appear in errors or logs.
     pub url: String,
     /// Subject of each message.
     pub subject: RoutingTemplate,
@@ -117,11 +124,18 @@ impl NatsConfig {
 
     /// Parse `nats://[user:pass@]host:port?subject=...&stream=...`.
     ///
+    /// A cluster is given by its seed servers: `nats://[user:pass@]h1:4222,h2:4222,h3:4222?...`
+    /// (each seed may carry its own `nats://` or `tls://`, as in `nats://h1:4222,nats://h2:4222`).
+    /// The client starts with any seed that answers, so a relay starts while some of them are
+    /// down, learns the cluster's other servers from the one it reaches, and moves to another
+    /// server when its server fails. Credentials and options are given once and apply to every
+    /// server.
+    ///
     /// Options ([`URL_OPTIONS`]):
     /// - `subject` (required): routing template, e.g. `outbox.{aggregate_type}.{event_type}`;
     /// - `stream`: stream name, checked at connect; `create_stream=true` creates it if missing,
     ///   capturing `stream_subjects` (comma-separated; default derived from the template), with
-    ///   `duplicate_window_ms` and `max_msg_size`;
+    ///   `duplicate_window_ms`, `max_msg_size` and `stream_replicas` (in a cluster, e.g. 3);
     /// - `timeout_ms` (default 5000) and `max_in_flight` (default 1024);
     /// - TLS and credentials: `tls_required`, `ca_file`, `cert_file`, `key_file`,
     ///   `password_file`, `token_file`, `nkey_file`, `creds_file` (see [`NatsSecurity`]); a
@@ -138,10 +152,13 @@ impl NatsConfig {
     /// assert_eq!(c.url, "nats://127.0.0.1:4222");
     /// assert_eq!(c.stream.unwrap().subjects, vec!["outbox.>".to_string()]);
     /// assert!(NatsConfig::from_url("nats://h:4222?subject=a&colour=red").is_err());
+    /// let c = NatsConfig::from_url("nats://h1:4222,h2:4222,nats://h3:4222?subject=a").unwrap();
+    /// assert_eq!(c.servers(), ["nats://h1:4222", "nats://h2:4222", "nats://h3:4222"]);
     /// ```
     pub fn from_url(url: &str) -> Result<Self, Error> {
         let shown = redact_url(url);
-        let parsed = url::Url::parse(url)
+        let seeds = outbox_traits::split_seed_list(url)?;
+        let parsed = url::Url::parse(&seeds.first)
             .map_err(|e| Error::invalid_input(format!("NATS URL {shown:?} is not a URL: {e}")))?;
         if !matches!(parsed.scheme(), "nats" | "tls" | "ws" | "wss") {
             return Err(Error::invalid_input(format!(
@@ -155,6 +172,7 @@ impl NatsConfig {
         let mut subjects = Vec::new();
         let mut duplicate_window = None;
         let mut max_message_size = None;
+        let mut replicas = None;
         let mut timeout = DEFAULT_TIMEOUT;
         let mut max_in_flight = DEFAULT_MAX_IN_FLIGHT;
         let mut security = NatsSecurity {
@@ -189,6 +207,10 @@ impl NatsConfig {
                         ))
                     })?);
                 }
+                "stream_replicas" => {
+                    let n: usize = parse_num(&key, &value)?;
+                    replicas = Some(n);
+                }
                 "timeout_ms" => timeout = Duration::from_millis(parse_num(&key, &value)?),
                 "max_in_flight" => max_in_flight = parse_num(&key, &value)?,
                 "tls_required" => security.tls_required = parse_bool(&key, &value)?,
@@ -221,11 +243,12 @@ impl NatsConfig {
         let has_stream_options = create
             || !subjects.is_empty()
             || duplicate_window.is_some()
-            || max_message_size.is_some();
+            || max_message_size.is_some()
+            || replicas.is_some();
         if stream_name.is_none() && has_stream_options {
             return Err(Error::invalid_input(
-                "NATS options create_stream, stream_subjects, duplicate_window_ms and max_msg_size \
-                 need stream=NAME",
+                "NATS options create_stream, stream_subjects, duplicate_window_ms, max_msg_size \
+                 and stream_replicas need stream=NAME",
             ));
         }
         let user = percent_decode(parsed.username());
@@ -260,6 +283,10 @@ impl NatsConfig {
         if matches!(parsed.path(), "" | "/") {
             server = server.trim_end_matches('/').to_owned();
         }
+        let mut servers = vec![server];
+        for seed in &seeds.others {
+            servers.push(seed_server(seed, parsed.scheme(), &shown)?);
+        }
         let subject_template = RoutingTemplate::parse(&subject)?;
         let mut stream = stream_name.map(|name| StreamSetup {
             name,
@@ -267,6 +294,7 @@ impl NatsConfig {
             subjects,
             duplicate_window,
             max_message_size,
+            replicas,
         });
         if let Some(setup) = stream.as_mut() {
             if setup.create && setup.subjects.is_empty() {
@@ -274,7 +302,7 @@ impl NatsConfig {
             }
         }
         let config = Self {
-            url: server,
+            url: servers.join(","),
             subject: subject_template,
             timeout,
             max_in_flight,
@@ -283,6 +311,11 @@ impl NatsConfig {
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// The servers to connect to: [`NatsConfig::url`] split at its commas.
+    pub fn servers(&self) -> Vec<&str> {
+        self.url.split(',').map(str::trim).collect()
     }
 
     /// Check the values: positive timeout and in-flight limit, a subject template whose literal
@@ -297,6 +330,12 @@ impl NatsConfig {
             return Err(Error::invalid_input(
                 "NATS max_in_flight must be at least 1",
             ));
+        }
+        if self.servers().iter().any(|s| s.is_empty()) {
+            return Err(Error::invalid_input(format!(
+                "NATS URL {:?} has an empty server in its list; write nats://h1:4222,h2:4222",
+                redact_url(&self.url)
+            )));
         }
         self.security.validate()?;
         subject::check_template(&self.subject)?;
@@ -315,9 +354,41 @@ impl NatsConfig {
             if stream.max_message_size.is_some_and(|n| n <= 0) {
                 return Err(Error::invalid_input("NATS max_msg_size must be positive"));
             }
+            if stream.replicas.is_some_and(|n| !(1..=5).contains(&n)) {
+                return Err(Error::invalid_input(
+                    "NATS stream_replicas must be 1 to 5 (JetStream's limit); 3 keeps a stream \
+                     available while one server of a cluster is down",
+                ));
+            }
         }
         Ok(())
     }
+}
+
+/// One seed after the first of a server list (`host:port` or `scheme://host:port`), as a URL
+/// the client takes.
+fn seed_server(seed: &str, scheme: &str, shown: &str) -> Result<String, Error> {
+    let text = if seed.contains("://") {
+        seed.to_owned()
+    } else {
+        format!("{scheme}://{seed}")
+    };
+    let bad = |why: &str| {
+        Error::invalid_input(format!(
+            "NATS URL {shown:?} lists server {seed:?}, which {why}; write the servers as \
+             nats://h1:4222,h2:4222,h3:4222?subject=..."
+        ))
+    };
+    let parsed = url::Url::parse(&text).map_err(|e| bad(&format!("is not host:port ({e})")))?;
+    if !matches!(parsed.scheme(), "nats" | "tls" | "ws" | "wss") {
+        return Err(bad(
+            "has a scheme other than nats://, tls://, ws:// or wss://",
+        ));
+    }
+    if parsed.host_str().is_none_or(str::is_empty) || !matches!(parsed.path(), "" | "/") {
+        return Err(bad("is not host:port"));
+    }
+    Ok(parsed.to_string().trim_end_matches('/').to_owned())
 }
 
 fn percent_decode(text: &str) -> String {
@@ -440,6 +511,42 @@ mod tests {
             assert!(!err.to_string().contains("t0ken"), "{err}");
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_cluster_is_given_by_its_seeds_with_credentials_and_options_once() {
+        let c = NatsConfig::from_url(
+            "nats://app:s3cret@10.0.0.1:4222,10.0.0.2:4222, tls://10.0.0.3:4223/?subject=a\
+             &stream=S&create_stream=true&stream_replicas=3",
+        )
+        .unwrap();
+        assert_eq!(
+            c.servers(),
+            [
+                "nats://10.0.0.1:4222",
+                "nats://10.0.0.2:4222",
+                "tls://10.0.0.3:4223"
+            ]
+        );
+        assert!(!c.url.contains("s3cret"));
+        assert!(
+            matches!(c.security.auth, NatsAuth::UserPassword { ref user, .. } if user == "app")
+        );
+        assert_eq!(c.stream.unwrap().replicas, Some(3));
+
+        for bad in [
+            "nats://app:s3cret@h1:4222,,h2:4222?subject=a",
+            "nats://app:s3cret@h1:4222,app:s3cret@h2:4222?subject=a",
+            "nats://app:s3cret@h1:4222,http://h2:4222?subject=a",
+            "nats://app:s3cret@h1:4222,h2:port?subject=a",
+            "nats://h1:4222?subject=a&stream=S&create_stream=true&stream_replicas=0",
+            "nats://h1:4222?subject=a&stream=S&create_stream=true&stream_replicas=6",
+            "nats://h1:4222?subject=a&stream_replicas=3",
+        ] {
+            let err = NatsConfig::from_url(bad).unwrap_err();
+            assert!(matches!(err, Error::InvalidInput(_)), "{bad}: {err}");
+            assert!(!err.to_string().contains("s3cret"), "{err}");
+        }
     }
 
     #[test]

@@ -56,6 +56,17 @@
 //! - [x] bounded time when the server is down (about one `timeout`)
 //! - [x] optional stream creation at start-up
 //!
+//! # Clusters
+//! List the cluster's seed servers in the URL, `nats://h1:4222,h2:4222,h3:4222?subject=...`
+//! (credentials, TLS and the other options once, for every server), and create the stream
+//! with `stream_replicas=3` (or create it so yourself). The relay starts while any seed is down
+//! (the client tries each), learns the rest of the cluster from the server it reaches, and
+//! moves to another server when its server fails: messages in flight then are `Ambiguous` and
+//! published again, which the stream's duplicate window absorbs (`Nats-Msg-Id`). A stream
+//! leader moving (a server killed, or `$JS.API.STREAM.LEADER.STEPDOWN`) shows as a few acks
+//! timing out or "no responders" while the replicas elect a new leader: transient failures the
+//! relay retries. Tested against a private 3-server cluster in `e2e/tests/clusters.rs`.
+//!
 //! # Use through `outbox` or directly
 //! Through the `outbox` facade (feature `nats`), a `nats://...` URL picks this publisher. Directly:
 //! depend on `outbox-publisher-nats`, build a [`NatsConfig`] (from a URL or in code) and hand

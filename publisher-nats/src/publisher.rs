@@ -13,6 +13,21 @@ use outbox_traits::{redact_url, Error, Message, PublishOutcome, Publisher};
 use crate::config::{NatsConfig, StreamSetup};
 use crate::flight::Flight;
 
+/// How long start-up goes on looking up (or creating) the stream while the cluster does not
+/// answer in time (each attempt within the configured timeout): longer than a JetStream leader
+/// election after a server failure.
+const STREAM_SETUP_PATIENCE: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// The pause between two such attempts.
+const STREAM_SETUP_PAUSE: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Why the stream set-up failed: worth another try (no answer in time, JetStream temporarily
+/// unavailable), or not.
+enum Setup {
+    Retry(Error),
+    Fail(Error),
+}
+
 /// Publishes outbox messages to NATS JetStream. Build it with [`NatsPublisher::connect`]; share it
 /// (it is cheap to clone: the connection is shared).
 #[derive(Debug, Clone)]
@@ -23,11 +38,13 @@ pub struct NatsPublisher {
 }
 
 impl NatsPublisher {
-    /// Connect to the server, then check (or create) the configured stream.
+    /// Connect to the server (for a list of servers, to any one of them that answers), then
+    /// check (or create) the configured stream.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] for a bad configuration or a missing stream that is not to be
-    /// created; [`Error::Unavailable`] when the server cannot be reached within the timeout;
+    /// created; [`Error::Unavailable`] when no server can be reached within the timeout, or the
+    /// stream does not answer (after trying for 20 s, which outlasts a leader election);
     /// [`Error::Backend`] for an authentication failure or a refused stream creation. No message
     /// contains the URL's password.
     pub async fn connect(config: NatsConfig) -> Result<Self, Error> {
@@ -42,7 +59,8 @@ impl NatsPublisher {
             .security
             .apply(options)
             .await?
-            .connect(config.url.as_str())
+            // Every seed: the client starts with any that answers.
+            .connect(config.servers())
             .await
             .map_err(|e| {
                 let detail = redact_url(&outbox_traits::error_chain_line(&e));
@@ -80,7 +98,20 @@ impl NatsPublisher {
             config,
         };
         if let Some(setup) = publisher.config.stream.clone() {
-            publisher.ensure_stream(&setup).await?;
+            // In a cluster whose server just failed, the stream's replicas (and JetStream's meta
+            // group) elect a new leader, which takes up to about ten seconds (nats-server's
+            // election timeout is 4 to 9 s); until then the lookup times out or answers 503.
+            // Keep trying for a while, so that a relay starts while one server is down.
+            let started = std::time::Instant::now();
+            loop {
+                match publisher.ensure_stream(&setup).await {
+                    Ok(()) => break,
+                    Err(Setup::Retry(_)) if started.elapsed() < STREAM_SETUP_PATIENCE => {
+                        tokio::time::sleep(STREAM_SETUP_PAUSE).await;
+                    }
+                    Err(Setup::Retry(e) | Setup::Fail(e)) => return Err(e),
+                }
+            }
         }
         Ok(publisher)
     }
@@ -95,7 +126,7 @@ impl NatsPublisher {
         &self.client
     }
 
-    async fn ensure_stream(&self, setup: &StreamSetup) -> Result<(), Error> {
+    async fn ensure_stream(&self, setup: &StreamSetup) -> Result<(), Setup> {
         let shown = redact_url(&self.config.url);
         if setup.create {
             let mut config = jetstream::stream::Config {
@@ -109,6 +140,9 @@ impl NatsPublisher {
             if let Some(size) = setup.max_message_size {
                 config.max_message_size = size;
             }
+            if let Some(replicas) = setup.replicas {
+                config.num_replicas = replicas;
+            }
             self.jetstream
                 .get_or_create_stream(config)
                 .await
@@ -118,13 +152,18 @@ impl NatsPublisher {
                         "cannot create or open stream {:?} on {shown}: {detail}",
                         setup.name
                     );
-                    if matches!(
-                        e.kind(),
-                        jetstream::context::CreateStreamErrorKind::TimedOut
-                    ) {
-                        Error::unavailable("nats", message, detail)
-                    } else {
-                        Error::permanent(message, Some(detail.into()))
+                    // A cluster electing a JetStream or stream leader (a server just failed)
+                    // answers late or "temporarily unavailable": worth another try.
+                    match e.kind() {
+                        jetstream::context::CreateStreamErrorKind::TimedOut => {
+                            Setup::Retry(Error::unavailable("nats", message, detail))
+                        }
+                        jetstream::context::CreateStreamErrorKind::JetStream(j)
+                            if j.code() == 503 =>
+                        {
+                            Setup::Retry(Error::unavailable("nats", message, detail))
+                        }
+                        _ => Setup::Fail(Error::permanent(message, Some(detail.into()))),
                     }
                 })?;
             return Ok(());
@@ -138,21 +177,33 @@ impl NatsPublisher {
                     jetstream::context::GetStreamErrorKind::JetStream(j)
                         if j.error_code() == ErrorCode::STREAM_NOT_FOUND
                 );
+                let timed_out = std::error::Error::source(&e)
+                    .and_then(|s| s.downcast_ref::<jetstream::context::RequestError>())
+                    .is_some_and(|r| r.kind() == jetstream::context::RequestErrorKind::TimedOut);
+                let unavailable = matches!(
+                    e.kind(),
+                    jetstream::context::GetStreamErrorKind::JetStream(j) if j.code() == 503
+                );
                 if not_found {
-                    Err(Error::invalid_input(format!(
+                    Err(Setup::Fail(Error::invalid_input(format!(
                         "stream {:?} does not exist on {shown}; create it, or add \
                          create_stream=true (and stream_subjects) to create it at start-up",
                         setup.name
-                    )))
+                    ))))
                 } else {
-                    Err(Error::unavailable(
+                    let error = Error::unavailable(
                         "nats",
                         format!(
                             "cannot look up stream {:?} on {shown}: {detail}",
                             setup.name
                         ),
                         detail,
-                    ))
+                    );
+                    Err(if timed_out || unavailable {
+                        Setup::Retry(error)
+                    } else {
+                        Setup::Fail(error)
+                    })
                 }
             }
         }

@@ -20,6 +20,9 @@ pub const URL_OPTIONS: &[&str] = &[
     "cert_file",
     "key_file",
     "password_file",
+    "cluster",
+    "hash_tag",
+    "wait_replicas",
 ];
 
 /// Everything [`RedisPublisher::connect`](crate::RedisPublisher::connect) needs.
@@ -42,6 +45,22 @@ pub struct RedisConfig {
     pub max_payload: Option<usize>,
     /// Certificate files of a `rediss://` connection.
     pub tls: RedisTls,
+    /// Talk to a Redis Cluster: [`RedisConfig::url`] is one seed node, [`RedisConfig::seeds`]
+    /// the others; the cluster client learns the slot map from any seed that answers and
+    /// follows `MOVED`/`ASK` redirects and failovers.
+    pub cluster: bool,
+    /// The cluster's other seed nodes, `host:port` each (the credentials and TLS of `url`
+    /// apply). Only with [`RedisConfig::cluster`].
+    pub seeds: Vec<String>,
+    /// A routing template whose value, in braces, starts each stream key:
+    /// `{<hash_tag>}<stream>`. Redis Cluster places a key by its `{...}` part only, so every
+    /// stream with the same tag is on one node. `None`: the key is the stream name alone.
+    pub hash_tag: Option<RoutingTemplate>,
+    /// After each pipeline, `WAIT N`: count its entries as acknowledged only once `N` replicas
+    /// hold them (within half the timeout), else `Ambiguous` (published again). Redis
+    /// replicates asynchronously, so without it a master killed right after acknowledging
+    /// loses those entries when its replica takes over. `None`: no wait.
+    pub wait_replicas: Option<u32>,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -53,6 +72,13 @@ impl std::fmt::Debug for RedisConfig {
             .field("timeout", &self.timeout)
             .field("max_payload", &self.max_payload)
             .field("tls", &self.tls)
+            .field("cluster", &self.cluster)
+            .field("seeds", &self.seeds)
+            .field(
+                "hash_tag",
+                &self.hash_tag.as_ref().map(RoutingTemplate::as_str),
+            )
+            .field("wait_replicas", &self.wait_replicas)
             .finish()
     }
 }
@@ -67,6 +93,10 @@ impl RedisConfig {
             timeout: DEFAULT_TIMEOUT,
             max_payload: None,
             tls: RedisTls::default(),
+            cluster: false,
+            seeds: Vec::new(),
+            hash_tag: None,
+            wait_replicas: None,
         };
         config.validate()?;
         Ok(config)
@@ -77,8 +107,29 @@ impl RedisConfig {
     /// Options ([`URL_OPTIONS`]): `stream` (required, a routing template such as
     /// `outbox.{aggregate_type}`), `maxlen` (approximate trim length), `timeout_ms` (default
     /// 5000), `max_payload` (bytes); `ca_file`, `cert_file`, `key_file` (TLS, see [`RedisTls`])
-    /// and `password_file` (the password, read from a file). An unknown option, a bad value or a missing `stream` gives
+    /// and `password_file` (the password, read from a file); `cluster` and `hash_tag` (Redis
+    /// Cluster, below). An unknown option, a bad value or a missing `stream` gives
     /// [`Error::InvalidInput`] naming the valid options.
+    ///
+    /// # Redis Cluster
+    /// `redis://[user:password@]h1:7000,h2:7001,h3:7002?stream=...&cluster=true` (or
+    /// `rediss://` for TLS): the seeds, any of which may be down at start-up, with the
+    /// credentials and options once for all. `cluster=true` is required for a cluster even with
+    /// one seed (a standalone server has one address, so a list without it is refused). Stream
+    /// names stay what `stream` renders, so a consumer reads the same keys as against one
+    /// server; each stream is one key, on one node, so each stream keeps its order.
+    ///
+    /// `hash_tag=TEMPLATE` (e.g. `hash_tag={aggregate_type}`) prefixes every stream key with
+    /// `{value}`: Redis Cluster then places all streams with one tag on one node. Use it when one
+    /// partition key's messages go to several streams (a `stream` template with
+    /// `{event_type}`): with the tag on a field that is equal for all of them, they share a
+    /// node, are written by one pipeline in order, and fail or succeed together when that node
+    /// fails over. It changes the stream names (consumers read `{Order}outbox.Order.placed`),
+    /// and works without `cluster` too, so names stay the same when moving to a cluster.
+    ///
+    /// `wait_replicas=1` makes a master's failure lose nothing: each pipeline ends with
+    /// `WAIT 1`, and its entries count as delivered only once a replica holds them (see
+    /// [`RedisConfig::wait_replicas`]).
     ///
     /// ```
     /// use outbox_publisher_redis::RedisConfig;
@@ -86,10 +137,13 @@ impl RedisConfig {
     /// assert_eq!(c.url, "redis://127.0.0.1:6379");
     /// assert_eq!(c.maxlen, Some(1000));
     /// assert!(RedisConfig::from_url("redis://h?stream=s&colour=red").is_err());
+    /// let c = RedisConfig::from_url("redis://h1:7000,h2:7001?stream=s&cluster=true").unwrap();
+    /// assert_eq!((c.url.as_str(), c.seeds[0].as_str()), ("redis://h1:7000", "h2:7001"));
     /// ```
     pub fn from_url(url: &str) -> Result<Self, Error> {
         let shown = redact_url(url);
-        let parsed = url::Url::parse(url)
+        let seeds = outbox_traits::split_seed_list(url)?;
+        let parsed = url::Url::parse(&seeds.first)
             .map_err(|e| Error::invalid_input(format!("Redis URL {shown:?} is not a URL: {e}")))?;
         if !matches!(parsed.scheme(), "redis" | "rediss") {
             return Err(Error::invalid_input(format!(
@@ -104,6 +158,9 @@ impl RedisConfig {
         let mut max_payload = None;
         let mut tls = RedisTls::default();
         let mut password = None;
+        let mut cluster = false;
+        let mut hash_tag = None;
+        let mut wait_replicas = None;
         for (key, value) in parsed.query_pairs() {
             match key.as_ref() {
                 "stream" => stream = Some(value.into_owned()),
@@ -113,6 +170,20 @@ impl RedisConfig {
                 "ca_file" => tls.ca_file = Some(value.into_owned().into()),
                 "cert_file" => tls.cert_file = Some(value.into_owned().into()),
                 "key_file" => tls.key_file = Some(value.into_owned().into()),
+                "cluster" => {
+                    cluster = match value.as_ref() {
+                        "true" | "1" | "yes" => true,
+                        "false" | "0" | "no" => false,
+                        _ => {
+                            return Err(Error::invalid_input(format!(
+                                "Redis option cluster={value:?} is not a boolean; use true or \
+                                 false"
+                            )))
+                        }
+                    }
+                }
+                "hash_tag" => hash_tag = Some(RoutingTemplate::parse(&value)?),
+                "wait_replicas" => wait_replicas = Some(parse_num(&key, &value)?),
                 "password_file" => {
                     password = Some(read_secret_file("Redis", "password_file", &value)?)
                 }
@@ -144,6 +215,16 @@ impl RedisConfig {
                 Error::invalid_input(format!("Redis URL {shown:?} cannot take a password"))
             })?;
         }
+        if !seeds.others.is_empty() && !cluster {
+            return Err(Error::invalid_input(format!(
+                "Redis URL {shown:?} lists several servers; for a Redis Cluster add \
+                 cluster=true (a standalone server has one address)"
+            )));
+        }
+        let mut others = Vec::with_capacity(seeds.others.len());
+        for seed in &seeds.others {
+            others.push(seed_node(seed, parsed.scheme(), &shown)?);
+        }
         let config = Self {
             url: server.to_string(),
             stream: RoutingTemplate::parse(&stream)?,
@@ -151,17 +232,39 @@ impl RedisConfig {
             timeout,
             max_payload,
             tls,
+            cluster,
+            seeds: others,
+            hash_tag,
+            wait_replicas,
         };
         config.validate()?;
         Ok(config)
     }
 
-    /// Check the values: a positive timeout, a positive `maxlen` and `max_payload` when set.
+    /// Check the values: a positive timeout, a positive `maxlen` and `max_payload` when set;
+    /// seeds and database 0 only for a cluster.
     pub fn validate(&self) -> Result<(), Error> {
+        if !self.seeds.is_empty() && !self.cluster {
+            return Err(Error::invalid_input(
+                "Redis seeds are for a cluster: set cluster (cluster=true in a URL)",
+            ));
+        }
+        if self.cluster && !matches!(url_path(&self.url), "" | "/" | "/0") {
+            return Err(Error::invalid_input(format!(
+                "Redis URL {:?} selects a database; a Redis Cluster has only database 0, so \
+                 leave the /N out",
+                redact_url(&self.url)
+            )));
+        }
         self.tls.validate(&self.url)?;
         if self.timeout.is_zero() {
             return Err(Error::invalid_input(
                 "Redis timeout must be positive (timeout_ms=5000, for example)",
+            ));
+        }
+        if self.wait_replicas == Some(0) {
+            return Err(Error::invalid_input(
+                "Redis wait_replicas must be at least 1 (leave it out for no wait)",
             ));
         }
         if self.maxlen == Some(0) {
@@ -176,6 +279,46 @@ impl RedisConfig {
         }
         Ok(())
     }
+}
+
+/// The path of `url` (`/2` for database 2), or "" when it does not parse.
+fn url_path(url: &str) -> &str {
+    let Some((_, rest)) = url.split_once("://") else {
+        return "";
+    };
+    let rest = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
+    rest.find('/').map_or("", |slash| &rest[slash..])
+}
+
+/// A seed after the first (`host:port`, or `redis://host:port`), checked, as `host:port`.
+fn seed_node(seed: &str, scheme: &str, shown: &str) -> Result<String, Error> {
+    let text = if seed.contains("://") {
+        seed.to_owned()
+    } else {
+        format!("{scheme}://{seed}")
+    };
+    let bad = |why: &str| {
+        Error::invalid_input(format!(
+            "Redis URL {shown:?} lists server {seed:?}, which {why}; write the seeds as \
+             {scheme}://h1:7000,h2:7001,h3:7002?stream=...&cluster=true"
+        ))
+    };
+    let parsed = url::Url::parse(&text).map_err(|e| bad(&format!("is not host:port ({e})")))?;
+    if parsed.scheme() != scheme {
+        return Err(bad(&format!(
+            "has scheme {}:// where the first has {scheme}:// (TLS is all or nothing)",
+            parsed.scheme()
+        )));
+    }
+    let Some(host) = parsed.host_str().filter(|h| !h.is_empty()) else {
+        return Err(bad("has no host"));
+    };
+    if !matches!(parsed.path(), "" | "/") {
+        return Err(bad(
+            "has a path; give the database (if any) after the last seed",
+        ));
+    }
+    Ok(format!("{host}:{}", parsed.port().unwrap_or(6379)))
 }
 
 fn parse_num<T: std::str::FromStr>(key: &str, value: &str) -> Result<T, Error> {
@@ -201,6 +344,38 @@ mod tests {
         assert_eq!(c.maxlen, Some(5));
         assert_eq!(c.timeout, Duration::from_millis(250));
         assert_eq!(c.max_payload, Some(1000));
+    }
+
+    #[test]
+    fn a_cluster_is_given_by_its_seeds() {
+        let c = RedisConfig::from_url(
+            "redis://app:s3cret@10.0.0.1:7000,10.0.0.2:7001,redis://10.0.0.3?stream=o\
+             &cluster=true&hash_tag={aggregate_type}&wait_replicas=1",
+        )
+        .unwrap();
+        assert!(c.cluster);
+        assert_eq!(c.url, "redis://app:s3cret@10.0.0.1:7000");
+        assert_eq!(c.seeds, ["10.0.0.2:7001", "10.0.0.3:6379"]);
+        assert_eq!(c.hash_tag.as_ref().unwrap().as_str(), "{aggregate_type}");
+        assert_eq!(c.wait_replicas, Some(1));
+        assert!(!format!("{c:?}").contains("s3cret"));
+        let one = RedisConfig::from_url("redis://h:7000/0?stream=o&cluster=1").unwrap();
+        assert!(one.cluster && one.seeds.is_empty());
+
+        for bad in [
+            "redis://app:s3cret@h1:7000,h2:7001?stream=o",
+            "redis://app:s3cret@h1:7000,h2:7001/3?stream=o&cluster=true",
+            "redis://app:s3cret@h1:7000,rediss://h2:7001?stream=o&cluster=true",
+            "redis://app:s3cret@h1:7000,app:s3cret@h2:7001?stream=o&cluster=true",
+            "redis://app:s3cret@h1:7000,,h2:7001?stream=o&cluster=true",
+            "redis://app:s3cret@h1:7000?stream=o&cluster=maybe",
+            "redis://app:s3cret@h1:7000?stream=o&hash_tag={tenant}",
+            "redis://app:s3cret@h1:7000?stream=o&wait_replicas=0",
+        ] {
+            let err = RedisConfig::from_url(bad).unwrap_err();
+            assert!(matches!(err, Error::InvalidInput(_)), "{bad}: {err}");
+            assert!(!err.to_string().contains("s3cret"), "{err}");
+        }
     }
 
     #[test]

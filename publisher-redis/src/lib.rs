@@ -54,6 +54,28 @@
 //! - [x] bounded time when the server is down (about one `timeout`)
 //! - [x] optional approximate trimming (`MAXLEN ~`)
 //!
+//! # Redis Cluster
+//! `redis://h1:7000,h2:7001,h3:7002?stream=...&cluster=true` (see [`RedisConfig::from_url`]):
+//! the cluster client (the `redis` crate's `cluster-async`) starts from any seed that answers,
+//! follows `MOVED`/`ASK` redirects and retries through a failover. A cluster pipeline may not
+//! cross slots, so a batch goes out as one pipeline per slot, all at once; each stream is one
+//! key, so each stream's entries keep batch order. A pipeline error in a cluster (a node lost
+//! mid-pipeline, or an error reply to any of its entries) makes every entry of that pipeline
+//! `Ambiguous`: the relay publishes them again, and consumers deduplicate on `id`.
+//! `hash_tag={aggregate_type}` puts all streams of one tag on one node (see
+//! [`RedisConfig::hash_tag`]). Stream names are otherwise unchanged, so consumers read the same
+//! keys as against one server.
+//!
+//! Redis replicates asynchronously: a master killed before its replica received an entry it
+//! acknowledged loses that entry when the replica takes over (a manual `CLUSTER FAILOVER` waits
+//! for the replica and loses nothing). `wait_replicas=1` closes that gap: each pipeline ends
+//! with `WAIT 1`, and its entries count as delivered only once a replica holds them, else they
+//! are `Ambiguous` and published again. The price is availability: a master with no live
+//! replica (its replica was promoted and the old master has not come back) takes no
+//! acknowledged writes, so its streams' messages wait in the outbox until a replica returns.
+//! Tested against a private 6-node cluster in `e2e/tests/clusters.rs` (`CLUSTER FAILOVER`, and
+//! a master SIGKILLed with `wait_replicas=1`).
+//!
 //! # Use through `outbox` or directly
 //! Through the `outbox` facade (feature `redis`), a `redis://...` URL picks this publisher.
 //! Directly: depend on `outbox-publisher-redis`, build a [`RedisConfig`] (from a URL or in code)

@@ -1,10 +1,13 @@
 //! The Redis Streams publisher: one pipeline of XADDs per batch.
 
+use std::collections::HashMap;
+
 use async_trait::async_trait;
 use outbox_routing::KeyGate;
 use outbox_traits::{redact_url, Error, Message, PublishOutcome, Publisher};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::Value;
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisError, Value};
 
 use crate::config::RedisConfig;
 
@@ -12,8 +15,32 @@ use crate::config::RedisConfig;
 /// cheap to clone (the connection is shared and reconnects by itself).
 #[derive(Clone)]
 pub struct RedisPublisher {
-    connection: ConnectionManager,
+    connection: Connection,
     config: RedisConfig,
+}
+
+/// One server (reconnecting by itself), or a cluster (following redirects and failovers).
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Connection {
+    async fn send(&self, pipe: &redis::Pipeline, count: usize) -> Result<Vec<Value>, RedisError> {
+        match self {
+            Connection::Single(c) => c.clone().req_packed_commands(pipe, 0, count).await,
+            Connection::Cluster(c) => c.clone().req_packed_commands(pipe, 0, count).await,
+        }
+    }
+
+    async fn ping(&self) -> Result<Value, RedisError> {
+        let ping = redis::cmd("PING");
+        match self {
+            Connection::Single(c) => c.clone().req_packed_command(&ping).await,
+            Connection::Cluster(c) => c.clone().req_packed_command(&ping).await,
+        }
+    }
 }
 
 impl std::fmt::Debug for RedisPublisher {
@@ -35,41 +62,47 @@ impl RedisPublisher {
     pub async fn connect(config: RedisConfig) -> Result<Self, Error> {
         config.validate()?;
         let shown = redact_url(&config.url);
-        let client = config.tls.client(&config.url)?;
-        let manager_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(config.timeout)
-            .set_response_timeout(config.timeout)
-            // Reconnect once per failed call; the relay's own backoff spaces out the rest.
-            .set_number_of_retries(1);
-        let connection = tokio::time::timeout(
-            config.timeout,
-            client.get_connection_manager_with_config(manager_config),
-        )
-        .await
-        .map_err(|_| {
-            Error::unavailable(
-                "redis",
-                if config.url.starts_with("rediss://") {
-                    format!("no connection to {shown} within {:?}", config.timeout)
-                } else {
-                    format!(
-                        "no connection to {shown} within {:?}; if the server serves only TLS, \
-                         use rediss:// (with ca_file=)",
-                        config.timeout
-                    )
-                },
-                "timed out",
-            )
-        })?
-        .map_err(|e| {
-            let detail = redact_url(&outbox_traits::error_chain_line(&e));
-            let tls = config.url.starts_with("rediss://");
-            let message = match crate::tls::fix(&detail, tls) {
-                Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
-                None => format!("cannot connect to {shown}: {detail}"),
-            };
-            Error::unavailable("redis", message, detail)
-        })?;
+        let connecting = async {
+            if config.cluster {
+                let client = config
+                    .tls
+                    .cluster_client(&config.url, &config.seeds, &config)?;
+                client
+                    .get_async_connection()
+                    .await
+                    .map(Connection::Cluster)
+                    .map_err(|e| connect_error(&config, &shown, &e))
+            } else {
+                let client = config.tls.client(&config.url)?;
+                let manager_config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(config.timeout)
+                    .set_response_timeout(config.timeout)
+                    // Reconnect once per failed call; the relay's own backoff spaces out the rest.
+                    .set_number_of_retries(1);
+                client
+                    .get_connection_manager_with_config(manager_config)
+                    .await
+                    .map(Connection::Single)
+                    .map_err(|e| connect_error(&config, &shown, &e))
+            }
+        };
+        let connection = tokio::time::timeout(config.timeout, connecting)
+            .await
+            .map_err(|_| {
+                Error::unavailable(
+                    "redis",
+                    if config.url.starts_with("rediss://") {
+                        format!("no connection to {shown} within {:?}", config.timeout)
+                    } else {
+                        format!(
+                            "no connection to {shown} within {:?}; if the server serves only \
+                             TLS, use rediss:// (with ca_file=)",
+                            config.timeout
+                        )
+                    },
+                    "timed out",
+                )
+            })??;
         Ok(Self { connection, config })
     }
 
@@ -78,9 +111,104 @@ impl RedisPublisher {
         &self.config
     }
 
-    fn xadd(&self, msg: &Message) -> redis::Cmd {
+    /// The key of `msg`'s stream: the rendered stream name, after `{tag}` with a hash tag.
+    fn stream_key(&self, msg: &Message) -> String {
+        let stream = self.config.stream.render(msg);
+        match &self.config.hash_tag {
+            Some(tag) => format!("{{{}}}{stream}", tag.render(msg)),
+            None => stream,
+        }
+    }
+
+    /// Record the outcomes of one pipeline's `sent` messages from its `reply`.
+    fn settle(
+        &self,
+        outcomes: &mut [PublishOutcome],
+        sent: &[usize],
+        reply: Result<Result<Vec<Value>, RedisError>, tokio::time::error::Elapsed>,
+    ) {
+        let all = |outcomes: &mut [PublishOutcome], outcome: PublishOutcome| {
+            for index in sent {
+                outcomes[*index] = outcome.clone();
+            }
+        };
+        match reply {
+            Ok(Ok(replies)) if replies.len() == sent.len() + self.wait_replies() => {
+                let short = self.short_of_replicas(replies.get(sent.len()));
+                for (index, reply) in sent.iter().zip(&replies) {
+                    outcomes[*index] = match (entry_outcome(reply), &short) {
+                        (PublishOutcome::Acked, Some(reason)) => PublishOutcome::Ambiguous {
+                            reason: reason.clone(),
+                        },
+                        (outcome, _) => outcome,
+                    };
+                }
+            }
+            Ok(Ok(replies)) => all(
+                outcomes,
+                PublishOutcome::Ambiguous {
+                    reason: format!(
+                        "Redis answered {} replies to a pipeline of {} XADDs",
+                        replies.len(),
+                        sent.len()
+                    ),
+                },
+            ),
+            Ok(Err(e)) if e.is_connection_refusal() => all(
+                outcomes,
+                PublishOutcome::transient(format!(
+                    "Redis at {} refused the connection: {}",
+                    redact_url(&self.config.url),
+                    redact_url(&e.to_string())
+                )),
+            ),
+            // A cluster pipeline reports an error reply of any entry as the pipeline's error,
+            // after retrying redirects and failovers; the entries before it may be stored.
+            Ok(Err(e)) => all(
+                outcomes,
+                PublishOutcome::Ambiguous {
+                    reason: format!(
+                        "Redis pipeline failed, some entries may be stored: {}",
+                        redact_url(&e.to_string())
+                    ),
+                },
+            ),
+            Err(_) => all(
+                outcomes,
+                PublishOutcome::Ambiguous {
+                    reason: format!(
+                        "no Redis reply within {:?}; some entries may be stored",
+                        self.config.timeout
+                    ),
+                },
+            ),
+        }
+    }
+
+    /// Replies a pipeline has beyond one per XADD: `WAIT`'s.
+    fn wait_replies(&self) -> usize {
+        usize::from(self.config.wait_replicas.is_some())
+    }
+
+    /// Why a pipeline's stored entries do not count as delivered: `WAIT` answered fewer
+    /// replicas than asked for (`None` when no wait is asked for or enough answered).
+    fn short_of_replicas(&self, wait_reply: Option<&Value>) -> Option<String> {
+        let wanted = self.config.wait_replicas?;
+        let got = match wait_reply {
+            Some(Value::Int(n)) => *n,
+            _ => -1,
+        };
+        (got < i64::from(wanted)).then(|| {
+            format!(
+                "stored on the master, but WAIT found {got} of the {wanted} replicas asked for \
+                 (wait_replicas); a failover could lose it, so it is published again"
+            )
+        })
+    }
+
+    fn xadd(&self, key: &str, msg: &Message) -> redis::Cmd {
         let mut cmd = redis::cmd("XADD");
-        cmd.arg(self.config.stream.render(msg));
+        cmd.arg(key);
         if let Some(maxlen) = self.config.maxlen {
             cmd.arg("MAXLEN").arg("~").arg(maxlen);
         }
@@ -100,6 +228,35 @@ impl RedisPublisher {
         cmd.arg("headers").arg(headers_json(msg));
         cmd
     }
+}
+
+/// The XADDs of one cluster slot and the batch indexes of their messages.
+struct Group {
+    pipe: redis::Pipeline,
+    sent: Vec<usize>,
+}
+
+/// The Redis Cluster slot of `key`: CRC16 (XMODEM) of its hash tag (the text between the first
+/// `{` and the next `}`, when not empty) or of the whole key, modulo 16384.
+fn key_slot(key: &[u8]) -> u16 {
+    let tag = key.iter().position(|b| *b == b'{').and_then(|open| {
+        let rest = &key[open + 1..];
+        rest.iter()
+            .position(|b| *b == b'}')
+            .filter(|len| *len > 0)
+            .map(|len| &rest[..len])
+    });
+    crc16::State::<crc16::XMODEM>::calculate(tag.unwrap_or(key)) % 16384
+}
+
+fn connect_error(config: &RedisConfig, shown: &str, e: &RedisError) -> Error {
+    let detail = redact_url(&outbox_traits::error_chain_line(e));
+    let tls = config.url.starts_with("rediss://");
+    let message = match crate::tls::fix(&detail, tls) {
+        Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
+        None => format!("cannot connect to {shown}: {detail}"),
+    };
+    Error::unavailable("redis", message, detail)
 }
 
 /// The user headers as one JSON object (`{}` when none).
@@ -138,8 +295,12 @@ impl Publisher for RedisPublisher {
     async fn publish(&self, batch: &[Message]) -> Vec<PublishOutcome> {
         let mut outcomes = vec![PublishOutcome::NotAttempted; batch.len()];
         let mut gate = KeyGate::new();
-        let mut pipe = redis::pipe();
-        let mut sent = Vec::with_capacity(batch.len());
+        // One pipeline per cluster slot (one in all for a single server): a cluster pipeline
+        // may not cross slots, and each stream is one key, so each stream's entries stay in
+        // batch order within their pipeline.
+        let mut groups: Vec<Group> = Vec::new();
+        let mut group_of_slot: HashMap<u16, usize> = HashMap::new();
+        let cluster = matches!(self.connection, Connection::Cluster(_));
         for (index, msg) in batch.iter().enumerate() {
             if !gate.admits(msg) {
                 continue; // stays NotAttempted
@@ -156,68 +317,35 @@ impl Publisher for RedisPublisher {
                     continue;
                 }
             }
-            pipe.add_command(self.xadd(msg));
-            sent.push(index);
+            let key = self.stream_key(msg);
+            let slot = if cluster { key_slot(key.as_bytes()) } else { 0 };
+            let group = *group_of_slot.entry(slot).or_insert_with(|| {
+                groups.push(Group {
+                    pipe: redis::pipe(),
+                    sent: Vec::new(),
+                });
+                groups.len() - 1
+            });
+            groups[group].pipe.add_command(self.xadd(&key, msg));
+            groups[group].sent.push(index);
         }
-        if sent.is_empty() {
-            return outcomes;
+        if let Some(replicas) = self.config.wait_replicas {
+            // Within half the timeout, so that WAIT's answer arrives before the timeout.
+            let wait_ms = u64::try_from(self.config.timeout.as_millis() / 2).unwrap_or(1);
+            for group in &mut groups {
+                group.pipe.cmd("WAIT").arg(replicas).arg(wait_ms.max(1));
+            }
         }
-        let mut connection = self.connection.clone();
-        let reply = tokio::time::timeout(
-            self.config.timeout,
-            connection.req_packed_commands(&pipe, 0, sent.len()),
-        )
+        let replies = futures::future::join_all(groups.iter().map(|group| {
+            tokio::time::timeout(
+                self.config.timeout,
+                self.connection
+                    .send(&group.pipe, group.sent.len() + self.wait_replies()),
+            )
+        }))
         .await;
-        match reply {
-            Ok(Ok(replies)) if replies.len() == sent.len() => {
-                for (index, reply) in sent.iter().zip(&replies) {
-                    outcomes[*index] = entry_outcome(reply);
-                }
-            }
-            Ok(Ok(replies)) => {
-                let reason = format!(
-                    "Redis answered {} replies to a pipeline of {} XADDs",
-                    replies.len(),
-                    sent.len()
-                );
-                for index in &sent {
-                    outcomes[*index] = PublishOutcome::Ambiguous {
-                        reason: reason.clone(),
-                    };
-                }
-            }
-            Ok(Err(e)) if e.is_connection_refusal() => {
-                let reason = format!(
-                    "Redis at {} refused the connection: {}",
-                    redact_url(&self.config.url),
-                    redact_url(&e.to_string())
-                );
-                for index in &sent {
-                    outcomes[*index] = PublishOutcome::transient(reason.clone());
-                }
-            }
-            Ok(Err(e)) => {
-                let reason = format!(
-                    "Redis pipeline failed, some entries may be stored: {}",
-                    redact_url(&e.to_string())
-                );
-                for index in &sent {
-                    outcomes[*index] = PublishOutcome::Ambiguous {
-                        reason: reason.clone(),
-                    };
-                }
-            }
-            Err(_) => {
-                let reason = format!(
-                    "no Redis reply within {:?}; some entries may be stored",
-                    self.config.timeout
-                );
-                for index in &sent {
-                    outcomes[*index] = PublishOutcome::Ambiguous {
-                        reason: reason.clone(),
-                    };
-                }
-            }
+        for (group, reply) in groups.iter().zip(replies) {
+            self.settle(&mut outcomes, &group.sent, reply);
         }
         outcomes
     }
@@ -228,11 +356,8 @@ impl Publisher for RedisPublisher {
 
     /// A `PING` within the publisher's timeout.
     async fn check(&self) -> Result<(), Error> {
-        let mut connection = self.connection.clone();
-        let ping = redis::cmd("PING");
         let shown = redact_url(&self.config.url);
-        match tokio::time::timeout(self.config.timeout, connection.req_packed_command(&ping)).await
-        {
+        match tokio::time::timeout(self.config.timeout, self.connection.ping()).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(Error::unavailable(
                 "redis",
@@ -248,5 +373,24 @@ impl Publisher for RedisPublisher {
                 source: None,
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::key_slot;
+
+    #[test]
+    fn slots_follow_redis_cluster_hash_tags() {
+        // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(key_slot(b"foo"), 12182);
+        assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"user1000"));
+        assert_eq!(
+            key_slot(b"{user1000}.followers"),
+            key_slot(b"{user1000}.following")
+        );
+        assert_eq!(key_slot(b"foo{}{bar}"), key_slot(b"foo{}{bar}"));
+        assert_ne!(key_slot(b"foo{}{bar}"), key_slot(b"bar"));
+        assert_eq!(key_slot(b"foo{{bar}}zap"), key_slot(b"{bar"));
     }
 }

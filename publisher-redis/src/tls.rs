@@ -76,41 +76,77 @@ impl RedisTls {
         })
     }
 
+    /// The certificates these files hold.
+    fn certificates(&self) -> Result<redis::TlsCertificates, Error> {
+        let load = |option: &str, path: &Option<PathBuf>| -> Result<Option<Vec<u8>>, Error> {
+            path.as_ref().map(|p| Self::read(option, p)).transpose()
+        };
+        let root_cert = load("ca_file", &self.ca_file)?;
+        let client_tls = match (
+            load("cert_file", &self.cert_file)?,
+            load("key_file", &self.key_file)?,
+        ) {
+            (Some(client_cert), Some(client_key)) => Some(redis::ClientTlsConfig {
+                client_cert,
+                client_key,
+            }),
+            _ => None,
+        };
+        Ok(redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        })
+    }
+
     /// The client for `url` with these files.
     pub(crate) fn client(&self, url: &str) -> Result<redis::Client, Error> {
         let client = if self.is_set() {
-            let load = |option: &str, path: &Option<PathBuf>| -> Result<Option<Vec<u8>>, Error> {
-                path.as_ref().map(|p| Self::read(option, p)).transpose()
-            };
-            let root_cert = load("ca_file", &self.ca_file)?;
-            let client_tls = match (
-                load("cert_file", &self.cert_file)?,
-                load("key_file", &self.key_file)?,
-            ) {
-                (Some(client_cert), Some(client_key)) => Some(redis::ClientTlsConfig {
-                    client_cert,
-                    client_key,
-                }),
-                _ => None,
-            };
-            redis::Client::build_with_tls(
-                url,
-                redis::TlsCertificates {
-                    client_tls,
-                    root_cert,
-                },
-            )
+            redis::Client::build_with_tls(url, self.certificates()?)
         } else {
             redis::Client::open(url)
         };
-        client.map_err(|e| {
-            let detail = outbox_traits::redact_url(&outbox_traits::error_chain_line(&e));
-            Error::invalid_input(format!(
-                "Redis URL {:?} is not usable: {detail}",
-                outbox_traits::redact_url(url)
-            ))
-        })
+        client.map_err(|e| unusable(url, &e))
     }
+
+    /// The Redis Cluster client for seed `url` (with the credentials) and the other `seeds`
+    /// (`host:port`), with these files and `config`'s timeout.
+    pub(crate) fn cluster_client(
+        &self,
+        url: &str,
+        seeds: &[String],
+        config: &crate::RedisConfig,
+    ) -> Result<redis::cluster::ClusterClient, Error> {
+        let first = url::Url::parse(url).map_err(|e| unusable(url, &e))?;
+        let mut nodes = vec![url.to_owned()];
+        for seed in seeds {
+            // The seed's URL is the first one's with its host and port: same credentials, TLS
+            // and protocol, as the cluster client requires of every seed.
+            let (host, port) = seed.rsplit_once(':').unwrap_or((seed, "6379"));
+            let mut node = first.clone();
+            let port = port.parse().ok();
+            if node.set_host(Some(host)).is_err() || node.set_port(port).is_err() {
+                return Err(Error::invalid_input(format!(
+                    "Redis seed {seed:?} is not host:port"
+                )));
+            }
+            nodes.push(node.to_string());
+        }
+        let mut builder = redis::cluster::ClusterClientBuilder::new(nodes)
+            .connection_timeout(config.timeout)
+            .response_timeout(config.timeout);
+        if self.is_set() {
+            builder = builder.certs(self.certificates()?);
+        }
+        builder.build().map_err(|e| unusable(url, &e))
+    }
+}
+
+fn unusable(url: &str, e: &(dyn std::error::Error + 'static)) -> Error {
+    let detail = outbox_traits::redact_url(&outbox_traits::error_chain_line(e));
+    Error::invalid_input(format!(
+        "Redis URL {:?} is not usable: {detail}",
+        outbox_traits::redact_url(url)
+    ))
 }
 
 /// What to change when connecting failed with `text` (the client's message, redacted), or
