@@ -64,6 +64,8 @@ impl OutboxAdmin for MysqlStore {
         if ids.is_empty() {
             return Ok(0);
         }
+        self.check_requeue(&self.config().sql().requeue_check, id_list(ids))
+            .await?;
         let done = sqlx::query(&self.config().sql().requeue)
             .bind(id_list(ids))
             .execute(self.pool())
@@ -85,6 +87,11 @@ impl OutboxAdmin for MysqlStore {
     }
 
     async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        if seqs.is_empty() {
+            return Ok(0);
+        }
+        self.check_requeue(&self.config().sql().requeue_check_seqs, seq_list(seqs))
+            .await?;
         self.by_seq(&self.config().sql().requeue_seqs, seqs, "requeue")
             .await
     }
@@ -134,14 +141,57 @@ impl OutboxAdmin for MysqlStore {
     }
 }
 
+/// Seqs as the JSON array the statements read.
+fn seq_list(seqs: &[i64]) -> String {
+    serde_json::to_string(seqs).unwrap_or_default()
+}
+
 impl MysqlStore {
+    /// Refuse a requeue of dead rows that still cannot be relayed: the quarantined rows among
+    /// those listed (`statement` is `requeue_check` or `requeue_check_seqs`, bound to `list`)
+    /// must decode now, with their id in the lower case completions match.
+    async fn check_requeue(&self, statement: &str, list: String) -> Result<(), Error> {
+        let rows: Vec<MySqlRow> = sqlx::query(statement)
+            .bind(list)
+            .fetch_all(self.pool())
+            .await
+            .map_err(self.err("requeue"))?;
+        let table = self.config().qualified_table();
+        let mut refused = Vec::new();
+        for row in &rows {
+            match decode(row, table)? {
+                Err(poison) => refused.push(poison),
+                Ok(message) => {
+                    let stored = text(row, "id", table)?;
+                    if stored != message.id.to_string() {
+                        refused.push(quarantine::Poison {
+                            seq: message.seq,
+                            partition_key: message.partition_key,
+                            reason: quarantine::reason(
+                                "id",
+                                Some(&stored),
+                                "not in the lower case the relay completes by (another \
+                                 message holds it in lower case); give the row an id of its own",
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        if refused.is_empty() {
+            Ok(())
+        } else {
+            Err(quarantine::requeue_refused(table, &refused))
+        }
+    }
+
     /// Run `statement` on the dead rows among `seqs` (bound as a JSON array).
     async fn by_seq(&self, statement: &str, seqs: &[i64], what: &str) -> Result<u64, Error> {
         if seqs.is_empty() {
             return Ok(0);
         }
         let done = sqlx::query(statement)
-            .bind(serde_json::to_string(seqs).unwrap_or_default())
+            .bind(seq_list(seqs))
             .execute(self.pool())
             .await
             .map_err(self.err(what))?;

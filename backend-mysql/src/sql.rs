@@ -218,6 +218,12 @@ pub(crate) struct Sql {
     pub discard: String,
     /// `requeue` by seq (a JSON array of seqs).
     pub requeue_seqs: String,
+    /// The dead rows among a JSON array of ids that were dead-lettered because they did not
+    /// decode (`last_error` is a quarantine reason), with the message columns: a requeue
+    /// checks that they decode now.
+    pub requeue_check: String,
+    /// [`Sql::requeue_check`] by seq (a JSON array of seqs).
+    pub requeue_check_seqs: String,
     /// `discard` by seq (a JSON array of seqs).
     pub discard_seqs: String,
     /// The seqs of the next purge batch.
@@ -288,9 +294,9 @@ SET STATEMENT check_constraint_checks = 0 FOR
 UPDATE IGNORE {t} SET id = LOWER(id) WHERE @outbox_lower_ids AND id <> LOWER(id);
 SET STATEMENT check_constraint_checks = 0 FOR
 UPDATE {t} SET state = 'dead', {CLEAR_LEASE_UNALIASED},
-    last_error = CONCAT('id ', id, ' differs only in case from the id of another message, so ',
-        'the relay cannot complete it; discard it (outbox-relay dead discard --seq ', seq,
-        ') or give it an id of its own and requeue it')
+    last_error = CONCAT('undecodable row: column id value "', id, '": differs only in case from ',
+        'the id of another message, so the relay cannot complete it; dead-lettered without ',
+        'publishing')
 WHERE @outbox_lower_ids AND id <> LOWER(id) AND state = 'pending';
 SET @outbox_lower_ids = NULL;
 "#
@@ -660,8 +666,28 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  LIMIT ?",
                 columns = message_columns("m")
             ),
+            requeue_check: format!(
+                "SELECT {columns}
+                 FROM {ID_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+                 WHERE m.state = 'dead' AND m.last_error LIKE '{quarantined}%'",
+                columns = message_columns("m"),
+                quarantined = outbox_traits::quarantine::REASON_PREFIX,
+            ),
+            requeue_check_seqs: format!(
+                "SELECT {columns}
+                 FROM {SEQ_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
+                 WHERE m.state = 'dead' AND m.last_error LIKE '{quarantined}%'",
+                columns = message_columns("m"),
+                quarantined = outbox_traits::quarantine::REASON_PREFIX,
+            ),
+            // Checks skipped as for `quarantine`: a requeued row keeps its values, and a
+            // quarantined one was checked to decode (`requeue_check`). With the checks on, a
+            // row that got past them would fail here with the raw CONSTRAINT error.
             requeue: format!(
-                "UPDATE {ID_LIST} j
+                "SET STATEMENT check_constraint_checks = 0 FOR
+                 UPDATE {ID_LIST} j
                  STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
                  SET m.state = 'pending', m.attempts = 0, m.available_at = UTC_TIMESTAMP(6),
                      {CLEAR_LEASE}

@@ -59,6 +59,8 @@ impl OutboxAdmin for PostgresStore {
         if ids.is_empty() {
             return Ok(0);
         }
+        let check = sqlx::query(&self.config().sql().requeue_check).bind(ids);
+        self.check_requeue(check).await?;
         let done = sqlx::query(&self.config().sql().requeue)
             .bind(ids)
             .execute(self.pool())
@@ -80,6 +82,11 @@ impl OutboxAdmin for PostgresStore {
     }
 
     async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        if seqs.is_empty() {
+            return Ok(0);
+        }
+        let check = sqlx::query(&self.config().sql().requeue_check_seqs).bind(seqs);
+        self.check_requeue(check).await?;
         self.by_seq(&self.config().sql().requeue_seqs, seqs, "requeue")
             .await
     }
@@ -122,6 +129,31 @@ impl OutboxAdmin for PostgresStore {
 }
 
 impl PostgresStore {
+    /// Refuse a requeue of dead rows that still cannot be relayed: the quarantined rows among
+    /// those listed (`check` is `requeue_check` or `requeue_check_seqs` with its list bound)
+    /// must decode now.
+    async fn check_requeue(
+        &self,
+        check: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<(), Error> {
+        let rows: Vec<PgRow> = check
+            .fetch_all(self.pool())
+            .await
+            .map_err(self.err("requeue"))?;
+        let table = self.config().qualified_table();
+        let mut refused = Vec::new();
+        for row in &rows {
+            if let Err(poison) = decode(row, table)? {
+                refused.push(poison);
+            }
+        }
+        if refused.is_empty() {
+            Ok(())
+        } else {
+            Err(quarantine::requeue_refused(table, &refused))
+        }
+    }
+
     /// Run `statement` on the dead rows among `seqs`.
     async fn by_seq(&self, statement: &str, seqs: &[i64], what: &str) -> Result<u64, Error> {
         if seqs.is_empty() {

@@ -87,6 +87,12 @@ pub(crate) struct Sql {
     pub requeue_seqs: String,
     /// `discard` by seq (`$1` the seqs).
     pub discard_seqs: String,
+    /// The dead rows among `$1` (ids) that were dead-lettered because they did not decode
+    /// (`last_error` is a quarantine reason), with the message columns: a requeue checks that
+    /// they decode now.
+    pub requeue_check: String,
+    /// [`Sql::requeue_check`] by seq (`$1` the seqs).
+    pub requeue_check_seqs: String,
     pub purge: String,
     pub counts: String,
 }
@@ -738,6 +744,16 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#,
                  WHERE state = 'dead' AND seq = ANY($1)"
             ),
             discard_seqs: format!("DELETE FROM {t} WHERE state = 'dead' AND seq = ANY($1)"),
+            requeue_check: format!(
+                "SELECT {MESSAGE_COLUMNS} FROM {t}
+                 WHERE state = 'dead' AND id = ANY($1) AND last_error LIKE '{quarantined}%'",
+                quarantined = outbox_traits::quarantine::REASON_PREFIX,
+            ),
+            requeue_check_seqs: format!(
+                "SELECT {MESSAGE_COLUMNS} FROM {t}
+                 WHERE state = 'dead' AND seq = ANY($1) AND last_error LIKE '{quarantined}%'",
+                quarantined = outbox_traits::quarantine::REASON_PREFIX,
+            ),
             // The ctid list bounds the batch; a DELETE with a LIMIT needs that subquery, and
             // ctids are stable here because published rows are never updated.
             purge: format!(

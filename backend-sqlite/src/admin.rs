@@ -153,12 +153,14 @@ pub(crate) fn list_dead(
 }
 
 /// Run `statement` (binding `?1` = an id or seq, `?2` = database now) for each of `rows` in
-/// one transaction; returns how many rows changed.
+/// one transaction; returns how many rows changed. With `check` (a requeue's
+/// `requeue_check`), first refuse the call if any quarantined row among them still cannot be
+/// relayed, before anything is written.
 fn per_row(
     conn: &mut Connection,
     sql: &Sql,
     table: &str,
-    statement: &str,
+    (statement, check): (&str, Option<&str>),
     ids: &[Value],
     caller: &Caller,
 ) -> Result<u64, Error> {
@@ -168,6 +170,9 @@ fn per_row(
     let tx = conn
         .transaction_with_behavior(TransactionBehavior::Immediate)
         .map_err(err(table))?;
+    if let Some(check) = check {
+        check_requeue(&tx, table, check, ids)?;
+    }
     let now = db_now(&tx, sql).map_err(err(table))?;
     let mut changed = 0u64;
     {
@@ -187,6 +192,42 @@ fn per_row(
     Ok(changed)
 }
 
+/// Refuse a requeue of dead rows that still cannot be relayed: each quarantined row among
+/// `ids` (ids or seqs; `check` reads one) must decode now, with its id in the lower case
+/// completions match. Runs in the requeue's transaction.
+fn check_requeue(conn: &Connection, table: &str, check: &str, ids: &[Value]) -> Result<(), Error> {
+    let mut stmt = conn.prepare_cached(check).map_err(err(table))?;
+    let mut refused = Vec::new();
+    for id in ids {
+        let mut rows = stmt.query(params![id]).map_err(err(table))?;
+        while let Some(row) = rows.next().map_err(err(table))? {
+            match decode(row).map_err(err(table))? {
+                Err(poison) => refused.push(poison),
+                Ok(message) => {
+                    let stored: String = row.get(0).map_err(err(table))?;
+                    if stored != id_text(message.id) {
+                        refused.push(quarantine::Poison {
+                            seq: message.seq,
+                            partition_key: message.partition_key,
+                            reason: quarantine::reason(
+                                "id",
+                                Some(&stored),
+                                "not in the lower case the relay completes by (another \
+                                 message holds it in lower case); give the row an id of its own",
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    if refused.is_empty() {
+        Ok(())
+    } else {
+        Err(quarantine::requeue_refused(table, &refused))
+    }
+}
+
 pub(crate) fn requeue(
     conn: &mut Connection,
     sql: &Sql,
@@ -194,7 +235,8 @@ pub(crate) fn requeue(
     ids: &[Uuid],
     caller: &Caller,
 ) -> Result<u64, Error> {
-    per_row(conn, sql, table, &sql.requeue, &id_values(ids), caller)
+    let statements = (sql.requeue.as_str(), Some(sql.requeue_check.as_str()));
+    per_row(conn, sql, table, statements, &id_values(ids), caller)
 }
 
 pub(crate) fn discard(
@@ -204,7 +246,14 @@ pub(crate) fn discard(
     ids: &[Uuid],
     caller: &Caller,
 ) -> Result<u64, Error> {
-    per_row(conn, sql, table, &sql.discard, &id_values(ids), caller)
+    per_row(
+        conn,
+        sql,
+        table,
+        (&sql.discard, None),
+        &id_values(ids),
+        caller,
+    )
 }
 
 /// Ids as the stored text.
@@ -224,14 +273,11 @@ pub(crate) fn requeue_seqs(
     seqs: &[i64],
     caller: &Caller,
 ) -> Result<u64, Error> {
-    per_row(
-        conn,
-        sql,
-        table,
-        &sql.requeue_seq,
-        &seq_values(seqs),
-        caller,
-    )
+    let statements = (
+        sql.requeue_seq.as_str(),
+        Some(sql.requeue_check_seq.as_str()),
+    );
+    per_row(conn, sql, table, statements, &seq_values(seqs), caller)
 }
 
 pub(crate) fn discard_seqs(
@@ -245,7 +291,7 @@ pub(crate) fn discard_seqs(
         conn,
         sql,
         table,
-        &sql.discard_seq,
+        (&sql.discard_seq, None),
         &seq_values(seqs),
         caller,
     )

@@ -1,5 +1,7 @@
 //! Every statement the store runs, and the table's DDL, built once per table name.
 
+use outbox_traits::quarantine::REASON_PREFIX;
+
 /// "Now" in integer milliseconds since the Unix epoch, from SQLite's own clock.
 ///
 /// SQLite keeps its time as integer milliseconds internally; `julianday('now')` carries them
@@ -143,9 +145,8 @@ pub(crate) fn lower_ids_sql(table: &str) -> String {
     format!(
         "UPDATE OR IGNORE {t} SET id = lower(id) WHERE id <> lower(id) AND id GLOB '{glob}';
 UPDATE {t} SET state = 'dead', lease_token = NULL, lease_until = NULL,
-    last_error = 'id ' || id || ' differs only in case from the id of another message, so the \
-relay cannot complete it; discard it (outbox-relay dead discard --seq ' || seq || ') or give it \
-an id of its own and requeue it'
+    last_error = 'undecodable row: column id value \"' || id || '\": differs only in case from \
+the id of another message, so the relay cannot complete it; dead-lettered without publishing'
 WHERE id <> lower(id) AND id GLOB '{glob}' AND state IN ('pending', 'leased');
 ",
         glob = uuid_glob(),
@@ -207,6 +208,12 @@ pub(crate) struct Sql {
     pub(crate) requeue_seq: String,
     /// [`Sql::discard`] by seq.
     pub(crate) discard_seq: String,
+    /// The dead row `?1` (an id) if it was dead-lettered because it did not decode
+    /// (`last_error` is a quarantine reason), with the message columns: a requeue checks that
+    /// it decodes now.
+    pub(crate) requeue_check: String,
+    /// [`Sql::requeue_check`] by seq.
+    pub(crate) requeue_check_seq: String,
     pub(crate) purge: String,
     pub(crate) counts: String,
 }
@@ -281,6 +288,18 @@ impl Sql {
                  WHERE seq = ?1 AND state = 'dead'"
             ),
             discard_seq: format!("DELETE FROM {t} WHERE seq = ?1 AND state = 'dead'"),
+            requeue_check: format!(
+                "SELECT {MESSAGE_COLUMNS} FROM {t} \
+                 WHERE id = ?1 AND state = 'dead' AND substr(last_error, 1, {n}) = '{prefix}'",
+                n = REASON_PREFIX.len(),
+                prefix = REASON_PREFIX,
+            ),
+            requeue_check_seq: format!(
+                "SELECT {MESSAGE_COLUMNS} FROM {t} \
+                 WHERE seq = ?1 AND state = 'dead' AND substr(last_error, 1, {n}) = '{prefix}'",
+                n = REASON_PREFIX.len(),
+                prefix = REASON_PREFIX,
+            ),
             purge: format!(
                 "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} INDEXED BY {t}_published \
                  WHERE state = 'published' AND published_at < ?1 ORDER BY published_at LIMIT ?2)"
@@ -347,6 +366,8 @@ mod tests {
             &sql.list_dead,
             &sql.requeue,
             &sql.discard,
+            &sql.requeue_check,
+            &sql.requeue_check_seq,
             &sql.purge,
             &sql.counts,
             &insert_sql("outbox"),

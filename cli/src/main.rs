@@ -148,7 +148,9 @@ enum DeadCommand {
         json: bool,
     },
     /// Make dead messages pending again, with their attempts reset: by id, `--seq`, `--key`,
-    /// `--event-type` or `--all`.
+    /// `--event-type` or `--all`. A row dead-lettered because it did not decode is requeued
+    /// only once it does (fix it with SQL first; the error says what is wrong); `--key`,
+    /// `--event-type` and `--all` requeue the others and fail naming the rows left dead.
     Requeue(Select),
     /// Delete dead messages: by id, `--seq`, `--key`, `--event-type` or `--all`.
     Discard(Select),
@@ -276,6 +278,9 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
         "relay started"
     );
     let purge_age = effective.purge_older_than;
+    // The store's dead count before the relay starts: rows a claim dead-letters because they
+    // do not decode never reach the relay's counters (see `ops::count_quarantined`).
+    let start = opened.admin.status(0).await.ok();
     let stats = if serve {
         if let Some(age) = purge_age {
             let mut tick = tokio::time::interval(effective.purge_every);
@@ -303,11 +308,11 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
         let (done, finished) = tokio::sync::oneshot::channel();
         // The backlog is read before the relay starts: read beside it, a short drain could be
         // over first and report "0 of 0". No status, no progress lines; the drain still runs.
-        let start = opened.admin.status(0).await.ok();
+        let backlog = start.as_ref().map(ops::drain_backlog);
         let opened_admin = opened.admin.clone();
         let watch = tokio::spawn(async move {
-            if let Some(start) = start {
-                ops::drain_progress(opened_admin, ops::drain_backlog(&start), finished).await;
+            if let Some(backlog) = backlog {
+                ops::drain_progress(opened_admin, backlog, finished).await;
             }
         });
         let stats = relay.run_until_idle_or(stop.requested()).await;
@@ -318,7 +323,10 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
     for task in &tasks {
         task.abort();
     }
-    let stats = stats?;
+    let mut stats = stats?;
+    if let Some(start) = &start {
+        ops::count_quarantined(opened.admin.as_ref(), start, &mut stats).await;
+    }
     // One pass after draining; a failure fails the command (a job runner then sees it).
     if let (false, Some(age)) = (serve, purge_age) {
         let n = ops::purge_all(opened.admin.as_ref(), age, PURGE_BATCH, None).await?;

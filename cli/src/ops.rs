@@ -322,13 +322,37 @@ pub async fn dead_bulk(admin: &dyn OutboxAdmin, select: &Select, bulk: Bulk) -> 
     }
     let mut progress = Progress::new(bulk.done(), Some(seqs.len() as u64));
     let mut n = 0;
+    // A requeue refuses its whole call (nothing requeued) when one of its rows still cannot
+    // be relayed (a quarantined row not fixed since): that chunk is then taken a row at a
+    // time, so every other row is requeued and each refusal is told.
+    let mut refused = Vec::new();
     for chunk in seqs.chunks(PAGE) {
-        n += bulk.apply_seqs(admin, chunk).await?;
+        match bulk.apply_seqs(admin, chunk).await {
+            Ok(k) => n += k,
+            Err(Error::InvalidInput(_)) if bulk == Bulk::Requeue => {
+                for seq in chunk {
+                    match bulk.apply_seqs(admin, std::slice::from_ref(seq)).await {
+                        Ok(k) => n += k,
+                        Err(Error::InvalidInput(why)) => refused.push(why),
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            Err(e) => return Err(e),
+        }
         progress.set(n);
     }
     progress.finish();
-    print(&json!({ bulk.done(): n }));
-    Ok(())
+    if refused.is_empty() {
+        print(&json!({ bulk.done(): n }));
+        return Ok(());
+    }
+    print(&json!({ bulk.done(): n, "refused": refused.len() }));
+    Err(Error::invalid_input(format!(
+        "{} dead message(s) still cannot be relayed and were left dead: {}",
+        refused.len(),
+        refused.join(" | ")
+    )))
 }
 
 /// Delete published messages older than `age`, `batch` per statement, until none is left.
@@ -348,6 +372,22 @@ pub async fn purge_all(
         if n < u64::try_from(batch).unwrap_or(u64::MAX) {
             return Ok(purged);
         }
+    }
+}
+
+/// Count in `stats.dead` the rows the store dead-lettered during the run without the relay:
+/// a claim dead-letters a row that does not decode (see `outbox::quarantine`) and hands out
+/// the rest, so the relay never counts it. `start` is the store's status read before the relay
+/// started; `dead` becomes the larger of the relay's own count and the growth of the store's
+/// dead count (which also moves with other relays' dead letters and operators' requeues and
+/// discards meanwhile). Best effort: if the status cannot be read, the relay's count stays.
+pub async fn count_quarantined(
+    admin: &dyn OutboxAdmin,
+    start: &StoreStatus,
+    stats: &mut outbox::relay::RelayStats,
+) {
+    if let Ok(end) = admin.status(0).await {
+        stats.dead = stats.dead.max(end.dead.saturating_sub(start.dead));
     }
 }
 

@@ -3,12 +3,15 @@
 //! interleaved with good rows and relayed by `outbox-relay drain` into NATS JetStream: every
 //! good row is published, every bad one is dead with a reason naming its column, and under the
 //! default head policy (`block`) a good row behind a bad one of its key waits. `dead list`
-//! shows the bad rows (ids that are not UUIDs as stored) and `dead requeue|discard --seq` act
-//! on them.
+//! shows the bad rows (ids that are not UUIDs as stored) and `drain`'s summary counts them
+//! dead. A requeue of a row that still does not decode is refused alike by id, by seq and in
+//! bulk (what is wrong, and the UPDATE that fixes it; nothing requeued), and goes through once
+//! the row is fixed; discard takes them by id or by seq.
 
 use outbox::NewMessage;
 use outbox_conformance_tests::env::service_url;
 use outbox_e2e::{nats, unique_suffix};
+use serde_json::json;
 use uuid::Uuid;
 
 // Not every shared helper is used here.
@@ -47,6 +50,13 @@ async fn drain_into_nats(store_args: &[&str], nats_url: &str) -> Result<Vec<Stri
         stderr.contains("does not decode"),
         "each quarantined row is logged: {stderr}"
     );
+    // The closing summary counts the rows the store dead-lettered during its claims.
+    let summary: serde_json::Value = stderr
+        .lines()
+        .rev()
+        .find_map(|line| serde_json::from_str(line).ok())
+        .ok_or_else(|| format!("no summary: {stderr}"))?;
+    assert_eq!(summary["dead"], 3, "{summary}");
     let ids = nats::read_stream(nats_url, &stream)
         .await?
         .into_iter()
@@ -65,6 +75,7 @@ async fn check(
     dead: Vec<(i64, String)>,
     expected: &[(&str, &str)],
     raw_id: Option<&str>,
+    fix_headers: impl AsyncFnOnce(i64) -> TestResult,
 ) -> TestResult {
     let want: Vec<String> = good.iter().flatten().map(|m| m.id.to_string()).collect();
     assert_eq!(published, want, "every good row published once, in order");
@@ -78,7 +89,7 @@ async fn check(
     let counts = json_lines(&[store_args, &["counts"]].concat()).await?;
     assert_eq!(
         counts,
-        [serde_json::json!({
+        [json!({
             "pending": 1, "leased": 0, "published": want.len(), "dead": expected.len()
         })],
         "the good row behind the bad ones of its key waits; nothing else changed"
@@ -100,35 +111,65 @@ async fn check(
         assert_eq!(listed[0]["id"], raw_id, "the stored id is shown as it is");
     }
     let seq = |n: usize| seqs[n].to_string();
-    let requeued =
-        json_lines(&[store_args, &["dead", "requeue", "--seq", &seq(0)]].concat()).await?;
-    assert_eq!(requeued, [serde_json::json!({"requeued": 1})]);
+    // Row 1 has a UUID id on every store, and bad headers: requeued by id or by seq, it is
+    // refused alike, with what is wrong and how to fix it, and nothing is requeued.
+    let id_1 = listed[1]["id"].as_str().ok_or("no id")?.to_owned();
+    for how in [vec![id_1.as_str()], vec!["--seq", &seq(1)]] {
+        let out = run(&[store_args, &["dead", "requeue"], &how].concat()).await?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "requeue {how:?} of a bad row: {stderr}"
+        );
+        assert!(
+            stderr.contains("invalid input: requeue refused, nothing requeued")
+                && stderr.contains(&format!("seq {}: column headers", seq(1)))
+                && stderr.contains(&format!("SET headers = ... WHERE seq = {}", seq(1)))
+                && !stderr.contains("CONSTRAINT"),
+            "requeue {how:?}: {stderr}"
+        );
+    }
+    // In bulk, every row is tried; the ones still bad are left dead and named.
+    let out = run(&[store_args, &["dead", "requeue", "--all", "--yes"]].concat()).await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("3 dead message(s) still cannot be relayed"),
+        "{stderr}"
+    );
+    assert_eq!(
+        String::from_utf8(out.stdout)?.trim(),
+        r#"{"refused":3,"requeued":0}"#
+    );
+    let unchanged = json!({
+        "pending": 1, "leased": 0, "published": want.len(), "dead": expected.len()
+    });
+    let counts = json_lines(&[store_args, &["counts"]].concat()).await?;
+    assert_eq!(counts, [unchanged], "a refused requeue changes nothing");
+
+    // Fixed with SQL, the row is requeued by id.
+    fix_headers(seqs[1]).await?;
+    let requeued = json_lines(&[store_args, &["dead", "requeue", &id_1]].concat()).await?;
+    assert_eq!(requeued, [json!({"requeued": 1})]);
+    // Discarded by seq and by id alike, fixed or not.
+    let id_2 = listed[2]["id"].as_str().ok_or("no id")?;
     let discarded = json_lines(
         &[
             store_args,
-            &[
-                "dead",
-                "discard",
-                "--seq",
-                &seq(0),
-                "--seq",
-                &seq(1),
-                "--seq",
-                &seq(2),
-            ],
+            &["dead", "discard", id_2, "--seq", &seq(0), "--seq", &seq(1)],
         ]
         .concat(),
     )
     .await?;
     assert_eq!(
         discarded,
-        [serde_json::json!({"discarded": 2})],
+        [json!({"discarded": 2})],
         "the requeued row is no longer dead"
     );
     let counts = json_lines(&[store_args, &["counts"]].concat()).await?;
     assert_eq!(
         counts,
-        [serde_json::json!({"pending": 2, "leased": 0, "published": want.len(), "dead": 0})]
+        [json!({"pending": 2, "leased": 0, "published": want.len(), "dead": 0})]
     );
     Ok(())
 }
@@ -203,7 +244,16 @@ async fn postgres_quarantines_rows_with_bad_headers() -> TestResult {
         ("headers", "[1]"),
         ("headers", r#"\"text\""#),
     ];
-    check(&store_args, published, &good, dead, &expected, None).await?;
+    let fix = async |seq: i64| -> TestResult {
+        sqlx::query(&format!(
+            "UPDATE {table} SET headers = '{{}}' WHERE seq = $1"
+        ))
+        .bind(seq)
+        .execute(&pool)
+        .await?;
+        Ok(())
+    };
+    check(&store_args, published, &good, dead, &expected, None, fix).await?;
     sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .execute(&pool)
         .await?;
@@ -275,6 +325,15 @@ async fn mariadb_quarantines_rows_with_bad_ids_and_headers() -> TestResult {
         ("headers", r#"{\"n\": 1}"#),
         ("headers", "[1]"),
     ];
+    let fix = async |seq: i64| -> TestResult {
+        sqlx::query(&format!(
+            "UPDATE `{table}` SET headers = '{{}}' WHERE seq = ?"
+        ))
+        .bind(seq)
+        .execute(&pool)
+        .await?;
+        Ok(())
+    };
     check(
         &store_args,
         published,
@@ -282,6 +341,7 @@ async fn mariadb_quarantines_rows_with_bad_ids_and_headers() -> TestResult {
         dead,
         &expected,
         Some("not-a-uuid"),
+        fix,
     )
     .await?;
     sqlx::query(&format!("DROP TABLE `{table}`"))
@@ -344,6 +404,19 @@ async fn sqlite_quarantines_rows_with_bad_ids_headers_and_payloads() -> TestResu
         ("headers", "not json"),
         ("payload", "payload"),
     ];
-    check(&store_args, published, &good, dead, &expected, Some("42")).await?;
+    let fix = async |seq: i64| -> TestResult {
+        conn.execute("UPDATE outbox SET headers = '{}' WHERE seq = ?1", [seq])?;
+        Ok(())
+    };
+    check(
+        &store_args,
+        published,
+        &good,
+        dead,
+        &expected,
+        Some("42"),
+        fix,
+    )
+    .await?;
     Ok(())
 }

@@ -14,7 +14,15 @@ use std::fmt::Display;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::{HeadPolicy, Message};
+use crate::{Error, HeadPolicy, Message};
+
+/// How every quarantine [`reason`] begins: a dead row whose `last_error` starts with it was
+/// dead-lettered because it did not decode, so a requeue checks it again
+/// ([`requeue_refused`]). Stores may match it in SQL (`last_error LIKE 'undecodable row:%'`).
+pub const REASON_PREFIX: &str = "undecodable row: ";
+
+/// What a quarantine reason ends with; left out where the reason is quoted for a requeue.
+const REASON_SUFFIX: &str = "; dead-lettered without publishing";
 
 /// Longest quoted value in a reason; longer values are cut (at a character boundary) and marked.
 const MAX_VALUE_CHARS: usize = 120;
@@ -43,7 +51,47 @@ pub fn reason(column: &str, value: Option<&str>, problem: impl Display) -> Strin
         }
         None => String::new(),
     };
-    format!("undecodable row: column {column}{value}: {problem}; dead-lettered without publishing")
+    format!("{REASON_PREFIX}column {column}{value}: {problem}{REASON_SUFFIX}")
+}
+
+/// The error of a requeue (by id or by seq) that meets dead rows of `table` that still cannot
+/// be relayed: each is a [`Poison`] whose reason names the column and what is wrong with it.
+/// [`Error::InvalidInput`], returned before anything is requeued; it says what to fix (or to
+/// discard the row instead). A requeued row that does not decode would only be dead-lettered
+/// again by the next claim.
+pub fn requeue_refused(table: &str, refused: &[Poison]) -> Error {
+    const SHOWN: usize = 5;
+    let rows: Vec<String> = refused
+        .iter()
+        .take(SHOWN)
+        .map(|p| {
+            let what = p
+                .reason
+                .strip_prefix(REASON_PREFIX)
+                .unwrap_or(&p.reason)
+                .trim_end_matches(REASON_SUFFIX);
+            let column = what
+                .strip_prefix("column ")
+                .and_then(|rest| rest.split([' ', ':']).next())
+                .filter(|c| !c.is_empty())
+                .unwrap_or("<column>");
+            format!(
+                "seq {seq}: {what}; fix it with UPDATE {table} SET {column} = ... WHERE seq = \
+                 {seq}, then requeue it (or discard it)",
+                seq = p.seq
+            )
+        })
+        .collect();
+    let more = match refused.len().saturating_sub(SHOWN) {
+        0 => String::new(),
+        n => format!("; and {n} more"),
+    };
+    Error::invalid_input(format!(
+        "requeue refused, nothing requeued: {} dead message(s) of {table} still cannot be \
+         relayed: {}{more}",
+        refused.len(),
+        rows.join("; ")
+    ))
 }
 
 /// Stored headers as a map, or the reason they are refused (valid JSON that is not an object of
@@ -127,6 +175,40 @@ mod tests {
         );
         let long = "x".repeat(1000);
         assert!(reason("payload", Some(&long), "bad").len() < 300);
+    }
+
+    #[test]
+    fn a_refused_requeue_names_each_row_its_column_and_the_fix() {
+        let poison = |seq, reason| Poison {
+            seq,
+            partition_key: None,
+            reason,
+        };
+        let err = requeue_refused(
+            "`outbox`",
+            &[
+                poison(7, headers(r#"{"n":1}"#).unwrap_err()),
+                poison(9, "a reason of another form".into()),
+            ],
+        );
+        assert!(matches!(err, Error::InvalidInput(_)), "{err:?}");
+        let text = err.to_string();
+        assert!(
+            text.contains("nothing requeued: 2 dead message(s)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("seq 7: column headers value")
+                && text.contains("not a JSON object of strings")
+                && text.contains("UPDATE `outbox` SET headers = ... WHERE seq = 7"),
+            "{text}"
+        );
+        assert!(text.contains("seq 9: a reason of another form"), "{text}");
+        assert!(!text.contains("dead-lettered without publishing"), "{text}");
+        let many: Vec<Poison> = (0..8).map(|s| poison(s, id("x").unwrap_err())).collect();
+        assert!(requeue_refused("t", &many)
+            .to_string()
+            .ends_with("and 3 more"));
     }
 
     #[test]
