@@ -103,6 +103,9 @@ impl OutboxAdmin for MysqlStore {
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
         outbox_traits::validate_purge_batch(batch)?;
+        // The key-lock table grows by a row per key ever locked: each purge call also deletes
+        // a batch of its rows (not counted: the count is of messages).
+        self.purge_key_locks(batch).await?;
         // Nothing was published more than a century ago.
         let Ok(age_us) = micros("purge age", older_than) else {
             return Ok(0);
@@ -183,6 +186,46 @@ impl MysqlStore {
         } else {
             Err(quarantine::requeue_refused(table, &refused))
         }
+    }
+
+    /// Delete up to `batch` rows of the key-lock table that no writer holds, in one short
+    /// transaction; how many. A table without the key-lock table (migrated by a release
+    /// before it) has none to delete.
+    pub(crate) async fn purge_key_locks(&self, batch: usize) -> Result<u64, Error> {
+        let sql = self.config().sql();
+        let err = self.err("purge_published (key locks)");
+        let mut tx = self
+            .pool()
+            .begin_with(crate::sql::BEGIN)
+            .await
+            .map_err(&err)?;
+        let picked: Result<Vec<String>, sqlx::Error> =
+            sqlx::query_scalar::<_, Vec<u8>>(&sql.key_locks_pick)
+                .bind(u64::try_from(batch).unwrap_or(u64::MAX))
+                .fetch_all(&mut *tx)
+                .await
+                .map(|keys| {
+                    keys.into_iter()
+                        .map(|k| String::from_utf8_lossy(&k).into_owned())
+                        .collect()
+                });
+        let keys = match picked {
+            Ok(keys) => keys,
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42S02") => {
+                return Ok(0);
+            }
+            Err(e) => return Err(err(e)),
+        };
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let done = sqlx::query(&sql.key_locks_purge)
+            .bind(serde_json::to_string(&keys).unwrap_or_default())
+            .execute(&mut *tx)
+            .await
+            .map_err(&err)?;
+        tx.commit().await.map_err(&err)?;
+        Ok(done.rows_affected())
     }
 
     /// Run `statement` on the dead rows among `seqs` (bound as a JSON array).

@@ -210,6 +210,12 @@ impl MysqlConfigBuilder {
     /// waiter's transaction ends, writers of other keys that are new to the key-lock table and
     /// sort into that gap wait too (keys already in the table are not affected). Messages
     /// without a partition key take no lock.
+    ///
+    /// The key-lock table keeps a row per key ever locked: each
+    /// [`purge_published`](outbox_traits::OutboxAdmin::purge_published) call (the relay's
+    /// `--purge-older-than` job, `outbox-relay purge`) also deletes up to its batch of those
+    /// rows that no writer holds (skipping held ones, so it never waits for a writer; a
+    /// writer then inserts its key again).
     pub fn lock_keys(mut self, lock: bool) -> Self {
         self.lock_keys = lock;
         self

@@ -83,7 +83,9 @@ fn key_locks_ddl(key_locks: &str) -> String {
 -- in sorted order, so two writers of the same keys cannot deadlock:
 --   INSERT INTO {key_locks} (partition_key) VALUES ('order-42')
 --       ON DUPLICATE KEY UPDATE partition_key = partition_key;
--- One small row per key ever locked; rows can be deleted at any time.
+-- One small row per key ever locked; rows can be deleted at any time (a writer inserts its
+-- key again). The relay's purge (`purge_published`) deletes the rows no writer holds, in
+-- bounded batches.
 CREATE TABLE IF NOT EXISTS {key_locks} (
     partition_key  VARCHAR({MAX_KEY_CHARS}) NOT NULL PRIMARY KEY
 )
@@ -228,6 +230,11 @@ pub(crate) struct Sql {
     pub discard_seqs: String,
     /// The seqs of the next purge batch.
     pub purge_pick: String,
+    /// Lock up to `?` key-lock rows that no writer holds (skipping those locked), in key
+    /// order: the next batch of the key-lock purge.
+    pub key_locks_pick: String,
+    /// Delete the picked key-lock rows (a JSON array of keys), by primary key.
+    pub key_locks_purge: String,
     pub purge: String,
     pub counts: String,
 }
@@ -721,6 +728,22 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                    AND published_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
                  ORDER BY published_at
                  LIMIT ?"
+            ),
+            // A writer holds its keys' rows locked until it commits: skipped, so the purge
+            // never waits for a writer, and a writer waits at most for this short transaction
+            // (then inserts the key again).
+            key_locks_pick: format!(
+                "SELECT partition_key FROM {key_locks} FORCE INDEX (PRIMARY)
+                 ORDER BY partition_key
+                 LIMIT ?
+                 FOR UPDATE SKIP LOCKED"
+            ),
+            key_locks_purge: format!(
+                "DELETE k FROM JSON_TABLE(?, '$[*]' COLUMNS (
+                     partition_key VARCHAR({MAX_KEY_CHARS}) CHARACTER SET utf8mb4
+                         COLLATE utf8mb4_nopad_bin PATH '$')) j
+                 STRAIGHT_JOIN {key_locks} k FORCE INDEX (PRIMARY)
+                     ON k.partition_key = j.partition_key"
             ),
             purge: format!(
                 "DELETE m FROM JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j

@@ -1063,3 +1063,53 @@ async fn ids_in_any_case_are_completed_and_migrate_lowers_old_ones() {
     }
     db.drop().await;
 }
+
+/// The key-lock table (`lock_keys`) gets a row per key ever locked; each `purge_published`
+/// call also deletes a bounded batch of those rows that no writer holds, never waiting for a
+/// writer that holds one, and writers lock the purged keys again as before.
+#[tokio::test]
+async fn purge_deletes_key_locks_no_writer_holds_in_bounded_batches() {
+    let Some(db) = db_with(|b| b.lock_keys(true)).await else {
+        return;
+    };
+    let keys: Vec<String> = (0..5).map(|i| format!("k{i}")).collect();
+    for key in &keys {
+        db.enqueue(&[msg(key, key)]).await;
+    }
+    let key_locks = db.config.key_locks_table().to_owned();
+    let locked = || async {
+        let keys: Vec<String> = sqlx::query_scalar(&format!(
+            "SELECT CAST(partition_key AS CHAR CHARACTER SET utf8mb4) FROM {key_locks} \
+             ORDER BY partition_key"
+        ))
+        .fetch_all(db.pool())
+        .await
+        .unwrap();
+        keys
+    };
+    assert_eq!(locked().await, keys);
+    // A writer holds k0 and k3 (its transaction is open).
+    let mut writer = db.pool().begin().await.unwrap();
+    enqueue_batch(&mut *writer, &db.config, &[msg("k3", "a"), msg("k0", "b")])
+        .await
+        .unwrap();
+    // Bounded: two rows per call, k0 skipped.
+    let purged = returns("purge", db.store.purge_published(Duration::ZERO, 2)).await;
+    assert_eq!(purged.unwrap(), 0, "the count is of messages");
+    assert_eq!(locked().await, ["k0", "k3", "k4"]);
+    returns("purge", db.store.purge_published(Duration::ZERO, 2))
+        .await
+        .unwrap();
+    assert_eq!(locked().await, ["k0", "k3"], "held rows are never deleted");
+    writer.commit().await.unwrap();
+    // The writers' keys lock and order as before: a purged key is inserted again.
+    db.enqueue(&[msg("k1", "c")]).await;
+    assert!(locked().await.contains(&"k1".to_owned()));
+    returns("purge", db.store.purge_published(Duration::ZERO, 10))
+        .await
+        .unwrap();
+    assert!(locked().await.is_empty());
+    let claim = db.claim(20, Block).await;
+    assert_eq!(claim.messages.len(), 8);
+    db.drop().await;
+}
