@@ -120,6 +120,15 @@ fn messages_in(rows: &[PgRow]) -> usize {
         .count()
 }
 
+/// The claim shards a relay given none runs over Postgres
+/// ([`Capabilities::preferred_claim_shards`]): two claims side by side drained 1.37× faster than
+/// one over 1,000 keys, and more shards were slower (README, "Speed"; `BENCHMARKS.md`).
+pub const PREFERRED_CLAIM_SHARDS: usize = 2;
+
+/// The batch size a relay given none asks Postgres for ([`Capabilities::preferred_batch`]):
+/// with 2 claim shards, batches of 2,000 were the fastest measured (README, "Speed").
+pub const PREFERRED_BATCH: usize = 2000;
+
 #[async_trait]
 impl OutboxStore for PostgresStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
@@ -299,6 +308,8 @@ impl OutboxStore for PostgresStore {
             .with_wakeups(self.config().notify())
             .with_deletes_published(self.config().delete_published())
             .with_sharded_claims(true)
+            .with_preferred_claim_shards(PREFERRED_CLAIM_SHARDS)
+            .with_preferred_batch(PREFERRED_BATCH)
     }
 
     async fn wakeups(&self) -> Result<Option<Box<dyn WakeSource>>, Error> {

@@ -17,6 +17,7 @@ mod status;
 mod store;
 mod wake;
 
+pub use claim::{PREFERRED_BATCH, PREFERRED_CLAIM_SHARDS};
 pub use config::{PostgresConfig, PostgresConfigBuilder, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use enqueue::{enqueue, enqueue_batch};
 pub use migrate::{migrate, MIGRATION_LOCK_KEY};

@@ -45,7 +45,7 @@ fn relay_config() -> RelayConfig {
     let arg = |n: usize| std::env::args().nth(n).and_then(|s| s.parse().ok());
     let defaults = RelayConfig::default();
     RelayConfig {
-        batch_size: arg(4).unwrap_or(defaults.batch_size),
+        batch_size: Some(arg(4).unwrap_or(outbox_relay::DEFAULT_BATCH_SIZE)),
         concurrency: arg(5).unwrap_or(defaults.concurrency),
         ..defaults
     }
@@ -72,7 +72,7 @@ async fn drain(
     let deletes = store.capabilities().deletes_published;
     let settings = format!(
         "batch {}, {} batches in flight, per-key order + fencing on{}",
-        config.batch_size,
+        config.batch_size.unwrap_or(outbox_relay::DEFAULT_BATCH_SIZE),
         config.concurrency,
         if deletes {
             ", published rows deleted"

@@ -270,11 +270,16 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
     }
     // Registers the metrics' descriptions with the exporter installed above.
     let relay = Relay::new(opened.store.clone(), publisher, effective.relay.clone())?;
+    let tuning = relay.tuning();
     tracing::info!(
         target: TARGET,
         store = opened.name(),
         broker = %settings::mask_url(broker_url),
         mode = if serve { "run" } else { "drain" },
+        batch_size = tuning.batch_size,
+        batch_size_from = tuning.batch_size_chosen.as_str(),
+        claim_shards = tuning.claim_shards,
+        claim_shards_from = tuning.claim_shards_chosen.as_str(),
         "relay started"
     );
     let purge_age = effective.purge_older_than;

@@ -11,11 +11,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use outbox::relay::RelayConfig;
+use outbox::relay::{Chosen, RelayConfig};
 use outbox::store::StoreOptions;
 
 use crate::secrets::pick;
-use outbox::{Error, HeadPolicy};
+use outbox::{Capabilities, Error, HeadPolicy};
 use serde::{Deserialize, Serialize};
 
 /// What a dead head message does to its key's later messages.
@@ -79,16 +79,18 @@ pub struct SettingsArgs {
         global = true
     )]
     pub broker_file: Option<PathBuf>,
-    /// Most messages per claim and publish (default 500; on MariaDB, 1000 with
-    /// `--concurrency 1` drains faster, see the README's "Speed").
+    /// Most messages per claim and publish (default: the store's choice, 2000 on Postgres, 500
+    /// elsewhere; on MariaDB, 1000 with `--concurrency 1` drains faster, see the README's
+    /// "Speed"). `outbox-relay config` shows the value in effect.
     #[arg(long, env = "OUTBOX_BATCH_SIZE", global = true)]
     pub batch_size: Option<usize>,
     /// Batches in flight at once (default 2).
     #[arg(long, env = "OUTBOX_CONCURRENCY", global = true)]
     pub concurrency: Option<usize>,
-    /// Claims that may run at once, each over its own share of the partition keys (default 1;
-    /// on Postgres 2 drains faster, see the README's "Speed"; stores that cannot split their
-    /// keys run one claim at a time whatever this says).
+    /// Claims that may run at once, each over its own share of the partition keys (default: the
+    /// store's choice, 2 on Postgres, see the README's "Speed"; MariaDB and SQLite cannot split
+    /// their keys and run one claim at a time whatever this says, with a warning when more
+    /// are asked for). `outbox-relay config` shows the value in effect.
     #[arg(long, env = "OUTBOX_CLAIM_SHARDS", global = true)]
     pub claim_shards: Option<usize>,
     /// How long a claim is held before another relay may take it over, e.g. 30s.
@@ -247,10 +249,8 @@ impl SettingsArgs {
         };
         let head = self.head_policy.or(file.head_policy);
         let relay = RelayConfig {
-            batch_size: self
-                .batch_size
-                .or(file.batch_size)
-                .unwrap_or(defaults.batch_size),
+            // Unset: chosen by the store when the relay starts (`RelayConfig::tuned_for`).
+            batch_size: self.batch_size.or(file.batch_size).or(defaults.batch_size),
             concurrency: self
                 .concurrency
                 .or(file.concurrency)
@@ -258,7 +258,7 @@ impl SettingsArgs {
             claim_shards: self
                 .claim_shards
                 .or(file.claim_shards)
-                .unwrap_or(defaults.claim_shards),
+                .or(defaults.claim_shards),
             lease: self
                 .lease
                 .or(duration("lease", file.lease)?)
@@ -406,9 +406,11 @@ impl Effective {
             put("broker", mask_url(broker).into());
         }
         let r = &self.relay;
+        let (backend, caps) = store_capabilities(self.store.as_deref());
+        let tuning = r.tuned_for(&caps);
         put(
             "batch_size",
-            i64::try_from(r.batch_size).unwrap_or(i64::MAX).into(),
+            i64::try_from(tuning.batch_size).unwrap_or(i64::MAX).into(),
         );
         put(
             "concurrency",
@@ -416,7 +418,7 @@ impl Effective {
         );
         put(
             "claim_shards",
-            i64::try_from(r.claim_shards).unwrap_or(i64::MAX).into(),
+            i64::try_from(tuning.claim_shards).unwrap_or(i64::MAX).into(),
         );
         put("lease", d(r.lease).into());
         put("max_attempts", i64::from(r.max_attempts).into());
@@ -448,11 +450,53 @@ impl Effective {
             .into(),
         );
         put("log", self.log.clone().into());
-        let source = match &self.config {
+        let mut source = match &self.config {
             Some(path) => format!("# flags > environment > {} > defaults\n", path.display()),
             None => "# flags > environment > defaults (no --config file)\n".to_owned(),
         };
+        let by_store: Vec<&str> = [
+            ("batch_size", tuning.batch_size_chosen),
+            ("claim_shards", tuning.claim_shards_chosen),
+        ]
+        .into_iter()
+        .filter(|(_, chosen)| *chosen == Chosen::Store)
+        .map(|(key, _)| key)
+        .collect();
+        if !by_store.is_empty() {
+            source += &format!(
+                "# {} chosen by the store ({backend}); give a value to override\n",
+                by_store.join(" and ")
+            );
+        }
+        if tuning.shards_ignored {
+            source += &format!(
+                "# claim_shards is {}: {backend} cannot split its keys, so the relay runs one \
+                 claim at a time\n",
+                r.claim_shards.unwrap_or(1)
+            );
+        }
         source + &toml::to_string(&table).unwrap_or_default()
+    }
+}
+
+/// The backend a store URL names, and what it declares for the relay's batch size and claim
+/// shards (read without connecting: `config` prints offline). Postgres prefers
+/// [`outbox::postgres::PREFERRED_CLAIM_SHARDS`] sharded claims of
+/// [`outbox::postgres::PREFERRED_BATCH`]; MariaDB and SQLite cannot shard and declare no batch.
+fn store_capabilities(url: Option<&str>) -> (&'static str, Capabilities) {
+    let scheme = url.and_then(|u| u.split_once(':')).map(|(s, _)| s);
+    match scheme {
+        #[cfg(feature = "postgres")]
+        Some("postgres" | "postgresql") => (
+            "postgres",
+            Capabilities::none()
+                .with_sharded_claims(true)
+                .with_preferred_claim_shards(outbox::postgres::PREFERRED_CLAIM_SHARDS)
+                .with_preferred_batch(outbox::postgres::PREFERRED_BATCH),
+        ),
+        Some("mysql" | "mariadb") => ("mysql", Capabilities::none()),
+        Some("sqlite") => ("sqlite", Capabilities::none()),
+        _ => ("no store given", Capabilities::none()),
     }
 }
 

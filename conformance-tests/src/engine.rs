@@ -550,7 +550,7 @@ pub async fn run_engine_scenario(
     }
 
     let config = RelayConfig {
-        batch_size: scenario.batch_size,
+        batch_size: Some(scenario.batch_size),
         lease: LEASE,
         max_attempts: MAX_ATTEMPTS,
         backoff: Backoff {

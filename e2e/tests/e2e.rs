@@ -33,7 +33,7 @@ const GUARD: Duration = Duration::from_secs(120);
 
 fn relay_config() -> RelayConfig {
     RelayConfig {
-        batch_size: BATCH,
+        batch_size: Some(BATCH),
         ..RelayConfig::default()
     }
 }

@@ -209,16 +209,25 @@ pub struct Capabilities {
     /// [`ClaimRequest::shard`] is honoured (see [`ClaimShard`]): the relay may run one claim
     /// per shard at a time instead of one claim in all.
     pub sharded_claims: bool,
+    /// How many claim shards a relay that is given none should run (with
+    /// [`Capabilities::sharded_claims`]; ignored without it). `None`: the relay's default, 1.
+    pub preferred_claim_shards: Option<usize>,
+    /// How many messages per claim a relay that is given no batch size should ask for. `None`:
+    /// the relay's default, 500.
+    pub preferred_batch: Option<usize>,
 }
 
 impl Capabilities {
-    /// Neither concurrent claimers nor wake-ups nor sharded claims; published messages are kept.
+    /// Neither concurrent claimers nor wake-ups nor sharded claims; published messages are kept;
+    /// no preferred claim shards or batch.
     pub const fn none() -> Self {
         Self {
             concurrent_claimers: false,
             wakeups: false,
             deletes_published: false,
             sharded_claims: false,
+            preferred_claim_shards: None,
+            preferred_batch: None,
         }
     }
 
@@ -243,6 +252,18 @@ impl Capabilities {
     /// Set [`Capabilities::sharded_claims`].
     pub const fn with_sharded_claims(mut self, yes: bool) -> Self {
         self.sharded_claims = yes;
+        self
+    }
+
+    /// Set [`Capabilities::preferred_claim_shards`].
+    pub const fn with_preferred_claim_shards(mut self, shards: usize) -> Self {
+        self.preferred_claim_shards = Some(shards);
+        self
+    }
+
+    /// Set [`Capabilities::preferred_batch`].
+    pub const fn with_preferred_batch(mut self, batch: usize) -> Self {
+        self.preferred_batch = Some(batch);
         self
     }
 }

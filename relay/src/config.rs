@@ -2,25 +2,37 @@
 
 use std::time::Duration;
 
-use outbox_traits::{Error, HeadPolicy};
+use outbox_traits::{Capabilities, Error, HeadPolicy};
 
 use crate::backoff::Backoff;
 
 /// The most claim shards a relay accepts ([`RelayConfig::claim_shards`]).
 pub const MAX_CLAIM_SHARDS: usize = 256;
 
+/// The batch size of a relay given none, over a store that declares no
+/// [`Capabilities::preferred_batch`].
+pub const DEFAULT_BATCH_SIZE: usize = 500;
+
+/// The claim shards of a relay given none, over a store that declares no
+/// [`Capabilities::preferred_claim_shards`] (or cannot shard): one claim at a time.
+pub const DEFAULT_CLAIM_SHARDS: usize = 1;
+
 /// Settings of a [`Relay`](crate::Relay). Build with struct update syntax over the defaults:
 ///
 /// ```
 /// use std::time::Duration;
 /// use outbox_relay::RelayConfig;
-/// let config = RelayConfig { batch_size: 100, lease: Duration::from_secs(10), ..RelayConfig::default() };
+/// let config = RelayConfig { batch_size: Some(100), lease: Duration::from_secs(10), ..RelayConfig::default() };
 /// config.validate().unwrap();
 /// ```
+///
+/// The batch size and the claim shards left at `None` are chosen by the store (see
+/// [`RelayConfig::tuned_for`]): a user who sets nothing gets what the store declares fastest.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RelayConfig {
-    /// Most messages per claim (and per publish call). Default: 500.
-    pub batch_size: usize,
+    /// Most messages per claim (and per publish call). Default `None`: the store's
+    /// [`Capabilities::preferred_batch`] (Postgres: 2,000), else [`DEFAULT_BATCH_SIZE`] (500).
+    pub batch_size: Option<usize>,
     /// How long a claim is held before another relay may take it over. The relay extends it at
     /// half-time while a publish is still running. Default: 30 s.
     pub lease: Duration,
@@ -36,14 +48,17 @@ pub struct RelayConfig {
     pub store_backoff: Backoff,
     /// Batches in flight at once: while one is being published the next is claimed. Default: 2.
     pub concurrency: usize,
-    /// Claims that may run at once, each over its own shard of the partition keys. Default: 1.
+    /// Claims that may run at once, each over its own shard of the partition keys. Default
+    /// `None`: the store's [`Capabilities::preferred_claim_shards`] if it declares
+    /// [`Capabilities::sharded_claims`] (Postgres: 2), else [`DEFAULT_CLAIM_SHARDS`] (1), with no
+    /// warning.
     ///
-    /// Takes effect only when the store declares
-    /// [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims): the relay
+    /// Takes effect only when the store declares [`Capabilities::sharded_claims`]: the relay
     /// then splits the keys into `claim_shards` shards (see
     /// [`ClaimShard`](outbox_traits::ClaimShard)) and runs one claim per shard at a time, so a
     /// claim's latency no longer bounds the drain alone. With any other store it runs one claim
-    /// at a time, as with 1, and logs a warning saying so when its loop starts.
+    /// at a time, as with 1, and, when more were asked for explicitly, logs a warning saying so
+    /// when its loop starts.
     ///
     /// [`concurrency`](Self::concurrency) stays the total of batches in flight across the
     /// shards (a running claim counts as one, since it becomes one), and each shard has at most
@@ -54,7 +69,7 @@ pub struct RelayConfig {
     /// the README's "Speed"). At most
     /// [`MAX_CLAIM_SHARDS`]: each shard is a claim request and a pacing state the loop looks at
     /// on every turn, and beyond `concurrency` shards no more claims can run at once.
-    pub claim_shards: usize,
+    pub claim_shards: Option<usize>,
     /// What a dead head message does to its key's later messages. Default: [`HeadPolicy::Block`].
     pub head_policy: HeadPolicy,
     /// First wait after an empty claim; it doubles on each further empty claim up to
@@ -79,7 +94,7 @@ pub struct RelayConfig {
 impl Default for RelayConfig {
     fn default() -> Self {
         Self {
-            batch_size: 500,
+            batch_size: None,
             lease: Duration::from_secs(30),
             max_attempts: 10,
             backoff: Backoff::default(),
@@ -89,7 +104,7 @@ impl Default for RelayConfig {
                 ..Backoff::default()
             },
             concurrency: 2,
-            claim_shards: 1,
+            claim_shards: None,
             head_policy: HeadPolicy::Block,
             poll_min: Duration::from_millis(10),
             poll_max: Duration::from_millis(100),
@@ -98,12 +113,97 @@ impl Default for RelayConfig {
     }
 }
 
+/// Who chose a setting that the store may choose ([`Tuning`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chosen {
+    /// Set explicitly in the [`RelayConfig`].
+    Config,
+    /// Left unset, and taken from what the store declares ([`Capabilities`]).
+    Store,
+    /// Left unset, and the store declares nothing for it: the relay's default.
+    Default,
+}
+
+impl Chosen {
+    /// `config`, `store` or `default`, for logs and the CLI.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Chosen::Config => "config",
+            Chosen::Store => "store",
+            Chosen::Default => "default",
+        }
+    }
+}
+
+/// The batch size and claim shards a relay runs with, once its [`RelayConfig`] meets the store's
+/// [`Capabilities`] ([`RelayConfig::tuned_for`], [`Relay::tuning`](crate::Relay::tuning)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tuning {
+    /// Most messages per claim.
+    pub batch_size: usize,
+    /// Who chose [`Tuning::batch_size`].
+    pub batch_size_chosen: Chosen,
+    /// Claims run side by side, one per shard of the keys (1: one claim at a time over every
+    /// key). Always 1 with a store that does not declare [`Capabilities::sharded_claims`].
+    pub claim_shards: usize,
+    /// Who chose [`Tuning::claim_shards`].
+    pub claim_shards_chosen: Chosen,
+    /// More than one shard was asked for explicitly of a store that cannot shard: the relay
+    /// runs one claim at a time and warns.
+    pub shards_ignored: bool,
+}
+
 impl RelayConfig {
+    /// The batch size and claim shards this config runs with over a store that declares
+    /// `caps`: an explicit setting wins; an unset one is the store's preference, else the
+    /// default (500 messages, 1 claim at a time). A store that cannot shard always gets one
+    /// claim at a time.
+    ///
+    /// ```
+    /// use outbox_relay::{Chosen, RelayConfig};
+    /// use outbox_traits::Capabilities;
+    /// let postgres_like = Capabilities::none()
+    ///     .with_sharded_claims(true)
+    ///     .with_preferred_claim_shards(2)
+    ///     .with_preferred_batch(2000);
+    /// let tuning = RelayConfig::default().tuned_for(&postgres_like);
+    /// assert_eq!((tuning.claim_shards, tuning.batch_size), (2, 2000));
+    /// assert_eq!(tuning.claim_shards_chosen, Chosen::Store);
+    /// let explicit = RelayConfig { claim_shards: Some(1), ..RelayConfig::default() };
+    /// assert_eq!(explicit.tuned_for(&postgres_like).claim_shards, 1);
+    /// ```
+    pub fn tuned_for(&self, caps: &Capabilities) -> Tuning {
+        let (batch_size, batch_size_chosen) = match (self.batch_size, caps.preferred_batch) {
+            (Some(n), _) => (n, Chosen::Config),
+            (None, Some(n)) => (n, Chosen::Store),
+            (None, None) => (DEFAULT_BATCH_SIZE, Chosen::Default),
+        };
+        let preferred = caps
+            .preferred_claim_shards
+            .filter(|_| caps.sharded_claims);
+        let (asked, claim_shards_chosen) = match (self.claim_shards, preferred) {
+            (Some(n), _) => (n, Chosen::Config),
+            (None, Some(n)) => (n, Chosen::Store),
+            (None, None) => (DEFAULT_CLAIM_SHARDS, Chosen::Default),
+        };
+        let shards_ignored = !caps.sharded_claims && asked > 1;
+        Tuning {
+            batch_size,
+            batch_size_chosen,
+            claim_shards: if caps.sharded_claims { asked } else { 1 },
+            claim_shards_chosen,
+            shards_ignored,
+        }
+    }
+
     /// Check the settings; [`Error::InvalidInput`] says which one to fix.
     pub fn validate(&self) -> Result<(), Error> {
         let bad = |msg: String| Err(Error::invalid_input(format!("relay config: {msg}")));
-        if self.batch_size == 0 {
-            return bad("batch_size is 0; it must be at least 1 (default 500)".into());
+        if self.batch_size == Some(0) {
+            return bad(
+                "batch_size is 0; it must be at least 1 (or unset: the store's choice, else 500)"
+                    .into(),
+            );
         }
         if self.lease.is_zero() {
             return bad("lease is 0; it must be longer than a publish takes (default 30s)".into());
@@ -114,17 +214,8 @@ impl RelayConfig {
         if self.concurrency == 0 {
             return bad("concurrency is 0; at least 1 batch must be in flight (default 2)".into());
         }
-        if self.claim_shards == 0 {
-            return bad(
-                "claim_shards is 0; at least 1 claim must be able to run (default 1)".into(),
-            );
-        }
-        if self.claim_shards > MAX_CLAIM_SHARDS {
-            return bad(format!(
-                "claim_shards is {}; it must be at most {MAX_CLAIM_SHARDS} (default 1; more \
-                 shards than batches in flight cannot claim at once)",
-                self.claim_shards,
-            ));
+        if let Some(shards) = self.claim_shards {
+            check_claim_shards(shards).or_else(bad)?;
         }
         check_backoff("backoff", &self.backoff)?;
         check_backoff("store_backoff", &self.store_backoff)?;
@@ -140,6 +231,44 @@ impl RelayConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// Refuse a shard count no relay can run (0, or above [`MAX_CLAIM_SHARDS`]).
+fn check_claim_shards(shards: usize) -> Result<(), String> {
+    if shards == 0 {
+        return Err(
+            "claim_shards is 0; at least 1 claim must be able to run (or unset: the store's \
+             choice, else 1)"
+                .into(),
+        );
+    }
+    if shards > MAX_CLAIM_SHARDS {
+        return Err(format!(
+            "claim_shards is {shards}; it must be at most {MAX_CLAIM_SHARDS} (more shards than \
+             batches in flight cannot claim at once)"
+        ));
+    }
+    Ok(())
+}
+
+impl Tuning {
+    /// Refuse a store's preference no relay can run (a batch of 0, 0 shards or too many).
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        let problem = if self.batch_size == 0 {
+            Some("a batch size of 0".to_owned())
+        } else if self.claim_shards_chosen == Chosen::Store {
+            check_claim_shards(self.claim_shards).err()
+        } else {
+            None
+        };
+        match problem {
+            Some(problem) => Err(Error::invalid_input(format!(
+                "relay config: the store declares {problem}; set batch_size and claim_shards \
+                 explicitly, and report this to the store's authors"
+            ))),
+            None => Ok(()),
+        }
     }
 }
 
@@ -180,11 +309,11 @@ mod tests {
     fn defaults_are_valid_and_as_documented() {
         let c = RelayConfig::default();
         c.validate().unwrap();
-        assert_eq!(c.batch_size, 500);
+        assert_eq!(c.batch_size, None);
         assert_eq!(c.lease, Duration::from_secs(30));
         assert_eq!(c.max_attempts, 10);
         assert_eq!(c.concurrency, 2);
-        assert_eq!(c.claim_shards, 1);
+        assert_eq!(c.claim_shards, None);
         assert_eq!(c.head_policy, HeadPolicy::Block);
         assert_eq!(c.poll_min, Duration::from_millis(10));
         assert_eq!(c.poll_max, Duration::from_millis(100));
@@ -203,7 +332,7 @@ mod tests {
         let mut cases: Vec<(RelayConfig, &str)> = vec![
             (
                 RelayConfig {
-                    batch_size: 0,
+                    batch_size: Some(0),
                     ..d()
                 },
                 "batch_size",
@@ -231,7 +360,7 @@ mod tests {
             ),
             (
                 RelayConfig {
-                    claim_shards: 0,
+                    claim_shards: Some(0),
                     ..d()
                 },
                 "claim_shards is 0",
@@ -303,7 +432,7 @@ mod tests {
         ];
         cases.push((
             RelayConfig {
-                claim_shards: MAX_CLAIM_SHARDS + 1,
+                claim_shards: Some(MAX_CLAIM_SHARDS + 1),
                 ..d()
             },
             "claim_shards is 257; it must be at most 256",
@@ -317,10 +446,10 @@ mod tests {
     #[test]
     fn edge_values_are_accepted() {
         let c = RelayConfig {
-            batch_size: 1,
+            batch_size: Some(1),
             max_attempts: 1,
             concurrency: 1,
-            claim_shards: 1,
+            claim_shards: Some(1),
             backoff: Backoff {
                 jitter: 1.0,
                 multiplier: 1.0,
@@ -338,7 +467,7 @@ mod tests {
         for claim_shards in [3, MAX_CLAIM_SHARDS] {
             let c = RelayConfig {
                 concurrency: 2,
-                claim_shards,
+                claim_shards: Some(claim_shards),
                 ..RelayConfig::default()
             };
             c.validate().unwrap();

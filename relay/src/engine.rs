@@ -9,7 +9,7 @@ use std::time::Duration;
 use outbox_traits::{Error, OutboxStore, Publisher};
 use tokio::sync::oneshot;
 
-use crate::config::RelayConfig;
+use crate::config::{RelayConfig, Tuning};
 use crate::handle::RelayHandle;
 use crate::notifier::Notifier;
 use crate::run_loop::{run_loop, Mode};
@@ -32,19 +32,25 @@ impl std::fmt::Debug for Relay {
         f.debug_struct("Relay")
             .field("publisher", &self.shared.publisher_name)
             .field("config", &self.shared.config)
+            .field("tuning", &self.shared.tuning)
             .finish_non_exhaustive()
     }
 }
 
 impl Relay {
     /// A relay over `store` and `publisher`. Fails with [`Error::InvalidInput`] if `config` is
-    /// invalid (see [`RelayConfig::validate`]). Registers the metric descriptions.
+    /// invalid (see [`RelayConfig::validate`]), or if the store declares a batch size or claim
+    /// shards no relay can run. The batch size and claim shards left unset are chosen by the
+    /// store ([`RelayConfig::tuned_for`], [`Relay::tuning`]). Registers the metric
+    /// descriptions.
     pub fn new(
         store: Arc<dyn OutboxStore>,
         publisher: Arc<dyn Publisher>,
         config: RelayConfig,
     ) -> Result<Self, Error> {
         config.validate()?;
+        let tuning = config.tuned_for(&store.capabilities());
+        tuning.validate()?;
         describe_metrics();
         let publisher_name = publisher.name().to_owned();
         Ok(Self {
@@ -52,6 +58,7 @@ impl Relay {
                 store,
                 publisher,
                 config,
+                tuning,
                 notifier: Notifier::new(),
                 publisher_name,
             }),
@@ -73,9 +80,15 @@ impl Relay {
         self.shared.notifier.clone()
     }
 
-    /// The relay's settings.
+    /// The relay's settings, as given.
     pub fn config(&self) -> &RelayConfig {
         &self.shared.config
+    }
+
+    /// The batch size and claim shards the relay runs with, and who chose each: the config,
+    /// or the store (see [`RelayConfig::tuned_for`]).
+    pub fn tuning(&self) -> Tuning {
+        self.shared.tuning
     }
 
     /// Claim, publish and settle until a claim finds nothing while no batch is in flight, then

@@ -55,7 +55,13 @@
 //!   [`RelayConfig::claim_shards`] above 1 splits the partition keys into that many shards and
 //!   runs one claim per shard at a time (each with its own polling and back-off), so a slow
 //!   claim no longer holds up the others; `concurrency` stays the total in flight. Other stores
-//!   get one claim at a time, as with the default of 1.
+//!   get one claim at a time.
+//! - **Fast by default.** Left unset, [`RelayConfig::claim_shards`] and
+//!   [`RelayConfig::batch_size`] are the store's choice
+//!   ([`Capabilities::preferred_claim_shards`](outbox_traits::Capabilities::preferred_claim_shards),
+//!   [`preferred_batch`](outbox_traits::Capabilities::preferred_batch); Postgres: 2 shards,
+//!   batches of 2,000), else 1 claim at a time and batches of 500, with no warning where the
+//!   store cannot shard; an explicit setting wins. [`Relay::tuning`] says what is in effect.
 //! - **Outcomes.** `Acked` → complete. `Failed { Transient }` and `Ambiguous` → retry after a
 //!   [`Backoff`] delay, or dead-letter once the attempt is the [`RelayConfig::max_attempts`]-th.
 //!   `Failed { Permanent }` → dead-letter at once. `NotAttempted` → release (no attempt counted),
@@ -132,7 +138,9 @@ mod wait;
 mod wake;
 
 pub use backoff::Backoff;
-pub use config::{RelayConfig, MAX_CLAIM_SHARDS};
+pub use config::{
+    Chosen, RelayConfig, Tuning, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_SHARDS, MAX_CLAIM_SHARDS,
+};
 pub use engine::Relay;
 pub use handle::RelayHandle;
 pub use notifier::Notifier;

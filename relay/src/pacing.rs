@@ -44,12 +44,12 @@ pub(crate) struct Pacing {
 }
 
 impl Pacing {
-    pub(crate) fn new(config: &RelayConfig, serve: bool) -> Self {
+    pub(crate) fn new(config: &RelayConfig, batch_size: usize, serve: bool) -> Self {
         Self {
             serve,
             poll_min: config.poll_min,
             poll_max: config.poll_max,
-            batch_size: config.batch_size,
+            batch_size,
             claiming: false,
             quiet: false,
             settles: 0,
@@ -182,7 +182,7 @@ mod tests {
 
     fn config() -> RelayConfig {
         RelayConfig {
-            batch_size: 10,
+            batch_size: Some(10),
             poll_min: Duration::from_millis(100),
             poll_max: Duration::from_millis(350),
             ..RelayConfig::default()
@@ -198,7 +198,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn empty_claims_double_the_idle_wait_up_to_poll_max() {
-        let mut pacing = Pacing::new(&config(), true);
+        let mut pacing = Pacing::new(&config(), 10, true);
         assert_eq!(pacing.claim_at(), None, "the first claim is due at once");
         let mut waits = Vec::new();
         for _ in 0..4 {
@@ -217,7 +217,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_claim_that_overlapped_a_settle_is_repeated_at_once() {
-        let mut pacing = Pacing::new(&config(), false);
+        let mut pacing = Pacing::new(&config(), 10, false);
         pacing.start_claim();
         pacing.settled();
         assert!(pacing.claim_returned(), "the settle overlapped the claim");
@@ -235,7 +235,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_stale_wake_up_paces_the_next_one() {
-        let mut pacing = Pacing::new(&config(), true);
+        let mut pacing = Pacing::new(&config(), 10, true);
         pacing.woken_up();
         assert_eq!(pacing.claim_at(), None, "a first wake-up claims at once");
         empty_claim(&mut pacing);
@@ -257,7 +257,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn store_errors_pause_claims_until_a_claim_succeeds() {
         let config = config();
-        let mut pacing = Pacing::new(&config, true);
+        let mut pacing = Pacing::new(&config, 10, true);
         let first = pacing.back_off(&config.store_backoff);
         assert_eq!(pacing.claim_at(), Some(Instant::now() + first));
         pacing.start_claim();

@@ -3,8 +3,8 @@
 //! back, see [`crate::outage`]) and shuts down gracefully.
 //!
 //! Claims run one at a time, or, when the store declares
-//! [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims) and
-//! [`RelayConfig::claim_shards`](crate::RelayConfig::claim_shards) is above 1, one per shard of
+//! [`Capabilities::sharded_claims`](outbox_traits::Capabilities::sharded_claims) and the
+//! relay's [`Tuning::claim_shards`](crate::Tuning::claim_shards) is above 1, one per shard of
 //! the partition keys at a time: each [`Shard`] has its own claim request and its own
 //! [`Pacing`], while the wake-up subscription, the broker's and the store's availability, the
 //! batches in flight and the shutdown stay the loop's.
@@ -80,32 +80,31 @@ pub(crate) async fn run_loop(
     RunLoop::new(shared, rec, mode, &requests).run(stop).await
 }
 
-/// The claim request of each shard: one per shard (`shard: Some(..)`) when the store declares
-/// sharded claims and [`RelayConfig::claim_shards`](crate::RelayConfig::claim_shards) is above
-/// 1, else a single one over every key (`shard: None`), with a warning if shards were asked of
-/// a store that cannot honour them.
+/// The claim request of each shard: one per shard (`shard: Some(..)`) when the relay's
+/// [`Tuning`](crate::Tuning) has more than one claim shard (only ever with a store that declares
+/// sharded claims), else a single one over every key (`shard: None`), with a warning if shards
+/// were asked explicitly of a store that cannot honour them.
 fn claim_requests(shared: &Shared) -> Vec<ClaimRequest> {
-    let cfg = &shared.config;
+    let (cfg, tuning) = (&shared.config, &shared.tuning);
     let request = |shard| ClaimRequest {
-        limit: cfg.batch_size,
+        limit: tuning.batch_size,
         lease: cfg.lease,
         head_policy: cfg.head_policy,
         shard,
     };
-    if cfg.claim_shards <= 1 {
-        return vec![request(None)];
-    }
-    if !shared.store.capabilities().sharded_claims {
+    if tuning.shards_ignored {
         warn!(
             claim_shards = cfg.claim_shards,
             "the store does not declare sharded claims; claim_shards is ignored and the relay \
              runs one claim at a time"
         );
+    }
+    if tuning.claim_shards <= 1 {
         return vec![request(None)];
     }
     // Validated when the relay was built (at most `MAX_CLAIM_SHARDS`), so it fits; each index is
     // below the count by construction.
-    let count = u32::try_from(cfg.claim_shards.min(MAX_CLAIM_SHARDS)).unwrap_or(1);
+    let count = u32::try_from(tuning.claim_shards.min(MAX_CLAIM_SHARDS)).unwrap_or(1);
     (0..count)
         .map(|index| request(Some(ClaimShard { index, count })))
         .collect()
@@ -169,7 +168,7 @@ impl<'a> RunLoop<'a> {
             .iter()
             .map(|request| Shard {
                 request,
-                pacing: Pacing::new(&shared.config, serve),
+                pacing: Pacing::new(&shared.config, shared.tuning.batch_size, serve),
             })
             .collect();
         Self {

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use outbox_traits::{OutboxStore, Publisher};
 
-use crate::config::RelayConfig;
+use crate::config::{RelayConfig, Tuning};
 use crate::notifier::Notifier;
 
 /// The store, publisher and settings of one [`Relay`](crate::Relay), shared by its loops and
@@ -14,6 +14,8 @@ pub(crate) struct Shared {
     pub(crate) store: Arc<dyn OutboxStore>,
     pub(crate) publisher: Arc<dyn Publisher>,
     pub(crate) config: RelayConfig,
+    /// The batch size and claim shards in effect: `config`'s, or the store's choice.
+    pub(crate) tuning: Tuning,
     pub(crate) notifier: Notifier,
     pub(crate) publisher_name: String,
 }

@@ -106,7 +106,7 @@ async fn an_empty_claim_that_overlapped_a_settle_does_not_end_the_drain() {
         store.clone(),
         publisher,
         RelayConfig {
-            batch_size: 2,
+            batch_size: Some(2),
             concurrency: 2,
             ..RelayConfig::default()
         },

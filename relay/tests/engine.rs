@@ -15,7 +15,7 @@ use support::*;
 
 fn config() -> RelayConfig {
     RelayConfig {
-        batch_size: 10,
+        batch_size: Some(10),
         ..RelayConfig::default()
     }
 }
@@ -44,7 +44,7 @@ async fn drains_many_messages_over_several_keys_with_exact_stats() {
         store.clone(),
         publisher.clone(),
         RelayConfig {
-            batch_size: 64,
+            batch_size: Some(64),
             concurrency: 3,
             ..config()
         },
@@ -269,7 +269,7 @@ async fn batches_are_pipelined_up_to_the_concurrency() {
         store.clone(),
         publisher.clone(),
         RelayConfig {
-            batch_size: 2,
+            batch_size: Some(2),
             concurrency: 3,
             ..config()
         },
@@ -572,7 +572,7 @@ async fn invalid_config_is_refused_before_anything_runs() {
         store.clone(),
         Arc::new(RecordingPublisher::new()),
         RelayConfig {
-            batch_size: 0,
+            batch_size: Some(0),
             ..config()
         },
     )
@@ -631,7 +631,7 @@ async fn several_relays_with_mixed_outcomes_lose_nothing_and_keep_key_order() {
         let relays: Vec<Relay> = (0..3)
             .map(|i| {
                 let config = RelayConfig {
-                    batch_size: 5 + i * 7,
+                    batch_size: Some(5 + i * 7),
                     concurrency: 1 + i,
                     max_attempts: 4,
                     head_policy: HeadPolicy::Skip,
@@ -730,7 +730,7 @@ async fn a_drain_stopped_early_finishes_its_batch_and_claims_nothing_more() {
         store.clone(),
         publisher.clone(),
         RelayConfig {
-            batch_size: 1,
+            batch_size: Some(1),
             concurrency: 1,
             ..config()
         },

@@ -29,7 +29,7 @@ fn counters_and_histograms_match_the_stats_and_carry_the_publisher_label() {
             publisher.fail_next(msgs[7].id, PublishOutcome::permanent("too big"));
             store.inner.enqueue(msgs).unwrap();
             let config = RelayConfig {
-                batch_size: 5,
+                batch_size: Some(5),
                 ..RelayConfig::default()
             };
             Relay::new(store, publisher, config)

@@ -20,7 +20,7 @@ const TOTAL: usize = KEYS.len() * PER_KEY as usize;
 
 fn config() -> RelayConfig {
     RelayConfig {
-        batch_size: 10,
+        batch_size: Some(10),
         max_attempts: 2,
         ..RelayConfig::default()
     }

@@ -1,6 +1,8 @@
 //! Sharded claims (`RelayConfig::claim_shards`): with a store that declares
 //! `Capabilities::sharded_claims`, the relay runs one claim per shard at a time, each asking for
-//! its own shard, within `concurrency` in all; otherwise one unsharded claim at a time.
+//! its own shard, within `concurrency` in all; otherwise one unsharded claim at a time. Left
+//! unset, the claim shards and the batch size are the store's choice
+//! (`Capabilities::preferred_claim_shards`, `preferred_batch`); an explicit setting wins.
 //!
 //! The store here is the memory store (which honours `ClaimRequest::shard`) behind a wrapper
 //! that declares the capability or not and records the claims. Each claim that starts alone
@@ -16,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_memory::{MemoryStore, RecordingPublisher};
-use outbox_relay::{Relay, RelayConfig};
+use outbox_relay::{Chosen, Relay, RelayConfig};
 use outbox_traits::{
     async_trait, chrono, Capabilities, Claim, ClaimRequest, ClaimShard, Error, Failure, LeaseToken,
     Message, OutboxStore, PublishOutcome, Publisher,
@@ -36,6 +38,8 @@ struct Track {
     max_running: usize,
     /// The shard each claim asked for, in the order the claims started.
     shards: Vec<Option<ClaimShard>>,
+    /// The limit (batch size) each claim asked for.
+    limits: Vec<usize>,
     /// Each claimed batch not yet settled: its shard and its messages not yet completed, failed
     /// or released.
     open: HashMap<LeaseToken, (Option<ClaimShard>, usize)>,
@@ -60,6 +64,8 @@ struct ShardedStore {
     /// Map every key to this shard (a valid, if lopsided, shard function) instead of using
     /// the memory store's mapping: claims of other shards find nothing.
     all_in_shard: Option<u32>,
+    /// The claim shards and batch size the store declares it prefers, if any.
+    prefers: Option<(usize, usize)>,
     track: watch::Sender<Track>,
 }
 
@@ -69,7 +75,17 @@ impl ShardedStore {
             inner: MemoryStore::new(),
             declares_sharded_claims,
             all_in_shard: None,
+            prefers: None,
             track: watch::Sender::new(Track::default()),
+        })
+    }
+
+    /// A store declaring sharded claims or not, and a preference for `shards` claim shards and
+    /// batches of `batch`.
+    fn preferring(declares_sharded_claims: bool, shards: usize, batch: usize) -> Arc<Self> {
+        Arc::new(Self {
+            prefers: Some((shards, batch)),
+            ..Arc::into_inner(Self::new(declares_sharded_claims)).unwrap()
         })
     }
 
@@ -145,6 +161,7 @@ impl OutboxStore for ShardedStore {
             t.max_load = t.max_load.max(t.running.len() + t.open.len());
             t.max_shard_load = t.max_shard_load.max(t.load_of(req.shard));
             t.shards.push(req.shard);
+            t.limits.push(req.limit);
             arrival = t.shards.len();
             alone = t.running.len() == 1;
         });
@@ -195,18 +212,25 @@ impl OutboxStore for ShardedStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        self.inner
+        let caps = self
+            .inner
             .capabilities()
             .with_wakeups(false)
-            .with_sharded_claims(self.declares_sharded_claims)
+            .with_sharded_claims(self.declares_sharded_claims);
+        match self.prefers {
+            Some((shards, batch)) => caps
+                .with_preferred_claim_shards(shards)
+                .with_preferred_batch(batch),
+            None => caps,
+        }
     }
 }
 
 fn config(claim_shards: usize) -> RelayConfig {
     RelayConfig {
-        batch_size: 5,
+        batch_size: Some(5),
         concurrency: 2,
-        claim_shards,
+        claim_shards: Some(claim_shards),
         ..RelayConfig::default()
     }
 }
@@ -395,14 +419,190 @@ fn assert_one_unsharded_claim_at_a_time(track: &Track) {
 }
 
 #[tokio::test(start_paused = true)]
-async fn one_claim_shard_by_default_claims_unsharded_one_at_a_time() {
-    assert_eq!(RelayConfig::default().claim_shards, 1);
+async fn one_claim_shard_claims_unsharded_one_at_a_time() {
     let store = ShardedStore::new(true);
     let total = store.enqueue(0..8, 20);
 
     let track = drain(&store, config(1), total).await;
 
     assert_one_unsharded_claim_at_a_time(&track);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_declaring_no_preference_gets_one_claim_and_batches_of_500_by_default() {
+    let store = ShardedStore::new(true);
+    let total = store.enqueue(0..8, 20);
+    let relay = Relay::new(
+        store.clone(),
+        Arc::new(RecordingPublisher::new()),
+        RelayConfig::default(),
+    )
+    .unwrap();
+    let tuning = relay.tuning();
+    assert_eq!(
+        (tuning.claim_shards, tuning.claim_shards_chosen),
+        (1, Chosen::Default)
+    );
+    assert_eq!(
+        (tuning.batch_size, tuning.batch_size_chosen),
+        (500, Chosen::Default)
+    );
+
+    let track = drain(
+        &store,
+        RelayConfig {
+            batch_size: Some(5),
+            ..RelayConfig::default()
+        },
+        total,
+    )
+    .await;
+
+    assert_one_unsharded_claim_at_a_time(&track);
+}
+
+/// The warnings the relay logs while `f` runs (on this thread).
+async fn warnings_during<F: std::future::Future>(f: F) -> (F::Output, String) {
+    #[derive(Clone, Default)]
+    struct Buffer(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buffer {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buffer = Buffer::default();
+    let writer = buffer.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let output = f.await;
+    let logged = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+    (output, logged)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_declaring_shards_gets_them_and_its_batch_with_no_setting() {
+    let store = ShardedStore::preferring(true, 2, 4);
+    let total = store.enqueue(0..8, 20);
+    let relay = Relay::new(
+        store.clone(),
+        Arc::new(RecordingPublisher::new()),
+        RelayConfig::default(),
+    )
+    .unwrap();
+    let tuning = relay.tuning();
+    assert_eq!(
+        (tuning.claim_shards, tuning.claim_shards_chosen),
+        (2, Chosen::Store)
+    );
+    assert_eq!((tuning.batch_size, tuning.batch_size_chosen), (4, Chosen::Store));
+
+    let track = drain(&store, RelayConfig::default(), total).await;
+
+    assert!(
+        track
+            .shards
+            .iter()
+            .all(|s| *s == shard(0, 2) || *s == shard(1, 2)),
+        "{:?}",
+        track.shards
+    );
+    assert_eq!(track.max_running, 2, "two claims ran at once");
+    assert!(track.limits.iter().all(|l| *l == 4), "{:?}", track.limits);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_that_cannot_shard_gets_one_claim_at_a_time_and_no_warning() {
+    // It even declares a preference for shards, which is meaningless without sharded claims.
+    let store = ShardedStore::preferring(false, 2, 4);
+    let total = store.enqueue(0..8, 20);
+
+    let (track, warnings) = warnings_during(drain(&store, RelayConfig::default(), total)).await;
+
+    assert_one_unsharded_claim_at_a_time(&track);
+    assert!(track.limits.iter().all(|l| *l == 4), "{:?}", track.limits);
+    assert_eq!(warnings, "", "nothing was asked that the store cannot do");
+}
+
+#[tokio::test(start_paused = true)]
+async fn shards_asked_explicitly_of_a_store_that_cannot_shard_are_ignored_with_a_warning() {
+    let store = ShardedStore::new(false);
+    let total = store.enqueue(0..8, 20);
+
+    let (track, warnings) = warnings_during(drain(&store, config(2), total)).await;
+
+    assert_one_unsharded_claim_at_a_time(&track);
+    assert!(
+        warnings.contains("the store does not declare sharded claims"),
+        "{warnings:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_explicit_setting_wins_over_the_store_choice() {
+    let store = ShardedStore::preferring(true, 2, 4);
+    let total = store.enqueue(0..8, 20);
+    let one_claim = RelayConfig {
+        claim_shards: Some(1),
+        batch_size: Some(3),
+        ..RelayConfig::default()
+    };
+
+    let track = drain(&store, one_claim, total).await;
+
+    assert_one_unsharded_claim_at_a_time(&track);
+    assert!(track.limits.iter().all(|l| *l == 3), "{:?}", track.limits);
+
+    // More shards than the store's choice, and its batch size kept.
+    let total = store.enqueue(0..9, 10);
+    let three = RelayConfig {
+        claim_shards: Some(3),
+        ..RelayConfig::default()
+    };
+    let track = drain(&store, three, total).await;
+    assert!(
+        track
+            .shards
+            .iter()
+            .all(|s| [shard(0, 3), shard(1, 3), shard(2, 3)].contains(s)),
+        "{:?}",
+        track.shards
+    );
+    assert!(track.limits.iter().all(|l| *l == 4), "{:?}", track.limits);
+}
+
+#[test]
+fn a_store_declaring_an_impossible_preference_is_refused_with_a_typed_error() {
+    let publisher = Arc::new(RecordingPublisher::new());
+    for (shards, batch, needle) in [
+        (0, 10, "claim_shards is 0"),
+        (2, 0, "batch size of 0"),
+        (1000, 10, "claim_shards is 1000"),
+    ] {
+        let store = ShardedStore::preferring(true, shards, batch);
+        match Relay::new(store, publisher.clone(), RelayConfig::default()) {
+            Err(Error::InvalidInput(msg)) => {
+                assert!(msg.contains(needle), "{msg}");
+                assert!(msg.contains("store declares"), "{msg}");
+            }
+            other => panic!("expected InvalidInput, got {other:?}"),
+        }
+        // An explicit setting needs nothing from the store.
+        let store = ShardedStore::preferring(true, shards, batch);
+        let explicit = RelayConfig {
+            claim_shards: Some(2),
+            batch_size: Some(10),
+            ..RelayConfig::default()
+        };
+        Relay::new(store, publisher.clone(), explicit).unwrap();
+    }
 }
 
 #[tokio::test(start_paused = true)]

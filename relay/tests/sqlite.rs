@@ -65,7 +65,7 @@ async fn three_relays_drain_sqlite_with_retries_in_key_order() {
         }
     });
     let config = RelayConfig {
-        batch_size: 16,
+        batch_size: Some(16),
         ..RelayConfig::default()
     };
     let relays: Vec<Relay> = (0..3)

@@ -138,7 +138,7 @@ impl Settings {
     /// each key's head leased and scans the whole backlog for nothing.
     fn relay(&self) -> RelayConfig {
         RelayConfig {
-            batch_size: self.batch.unwrap_or(500),
+            batch_size: Some(self.batch.unwrap_or(500)),
             concurrency: self.concurrency.unwrap_or(2),
             ..RelayConfig::default()
         }
@@ -515,7 +515,7 @@ async fn drain(
     };
     let settings = format!(
         "{relays}batch {}, {} batches in flight, {retention}{broker_settings}",
-        relay_config.batch_size, relay_config.concurrency
+        relay_config.batch_size.unwrap_or(500), relay_config.concurrency
     );
     let publisher: Arc<dyn Publisher> = Arc::new(publisher);
     // Several relays on one store, as several relay processes would be: their claims run

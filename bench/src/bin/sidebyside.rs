@@ -190,9 +190,10 @@ impl Opts {
     fn relay(&self) -> RelayConfig {
         let defaults = RelayConfig::default();
         RelayConfig {
-            batch_size: self.batch.unwrap_or(defaults.batch_size),
+            // Unset: the store's choice (Postgres: 2,000 and 2 shards), as for a user.
+            batch_size: self.batch,
             concurrency: self.concurrency.unwrap_or(defaults.concurrency),
-            claim_shards: self.claim_shards.unwrap_or(defaults.claim_shards),
+            claim_shards: self.claim_shards,
             ..defaults
         }
     }
@@ -201,12 +202,13 @@ impl Opts {
         let c = self.relay();
         format!(
             "batch {}, {} in flight{}, order + fencing on{}",
-            c.batch_size,
+            c.batch_size
+                .map_or("chosen by the store".to_owned(), |n| n.to_string()),
             c.concurrency,
-            if c.claim_shards > 1 {
-                format!(", {} claim shards", c.claim_shards)
-            } else {
-                String::new()
+            match c.claim_shards {
+                Some(n) if n > 1 => format!(", {n} claim shards"),
+                Some(_) => String::new(),
+                None => ", claim shards chosen by the store".to_owned(),
             },
             if self.deletes() {
                 ", published rows deleted"

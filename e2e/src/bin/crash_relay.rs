@@ -492,7 +492,7 @@ async fn relay(points: Arc<Failpoints>) -> Result<(), BoxError> {
         None => None,
     };
     let mut config = RelayConfig {
-        batch_size,
+        batch_size: Some(batch_size),
         // One batch in flight: at a failpoint exactly one batch is unfinished.
         concurrency: 1,
         ..RelayConfig::default()
