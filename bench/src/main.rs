@@ -72,7 +72,9 @@ async fn drain(
     let deletes = store.capabilities().deletes_published;
     let settings = format!(
         "batch {}, {} batches in flight, per-key order + fencing on{}",
-        config.batch_size.unwrap_or(outbox_relay::DEFAULT_BATCH_SIZE),
+        config
+            .batch_size
+            .unwrap_or(outbox_relay::DEFAULT_BATCH_SIZE),
         config.concurrency,
         if deletes {
             ", published rows deleted"

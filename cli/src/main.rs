@@ -57,8 +57,13 @@ enum Command {
         #[arg(long)]
         migrate: bool,
     },
-    /// Relay until nothing is left to claim (messages waiting for a retry are not waited for);
-    /// SIGTERM or Ctrl-C stops it early, gracefully.
+    /// Relay until nothing is left that this relay could claim, then exit: no message due and
+    /// none leased by any relay. Messages other relays hold are waited for until they are
+    /// published, or their lease ends and this drain claims them, so several drains started
+    /// at once on one backlog share it and all exit 0 once it is done. Messages waiting for a
+    /// retry or a not-before time, and keys blocked by a dead message, are not waited for: once
+    /// only such messages are left (the pending count unchanged and nothing leased for a
+    /// second), the drain exits. SIGTERM or Ctrl-C stops it early, gracefully.
     Drain {
         /// Create the outbox table first if it does not exist.
         #[arg(long)]
@@ -320,7 +325,10 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
                 ops::drain_progress(opened_admin, backlog, finished).await;
             }
         });
-        let stats = relay.run_until_idle_or(stop.requested()).await;
+        // Waits for what other relays hold (see `Command::Drain`).
+        let stats = relay
+            .run_until_drained_or(opened.admin.as_ref(), stop.requested())
+            .await;
         let _ = done.send(());
         let _ = watch.await;
         stats

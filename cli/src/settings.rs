@@ -418,7 +418,9 @@ impl Effective {
         );
         put(
             "claim_shards",
-            i64::try_from(tuning.claim_shards).unwrap_or(i64::MAX).into(),
+            i64::try_from(tuning.claim_shards)
+                .unwrap_or(i64::MAX)
+                .into(),
         );
         put("lease", d(r.lease).into());
         put("max_attempts", i64::from(r.max_attempts).into());

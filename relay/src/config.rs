@@ -178,9 +178,7 @@ impl RelayConfig {
             (None, Some(n)) => (n, Chosen::Store),
             (None, None) => (DEFAULT_BATCH_SIZE, Chosen::Default),
         };
-        let preferred = caps
-            .preferred_claim_shards
-            .filter(|_| caps.sharded_claims);
+        let preferred = caps.preferred_claim_shards.filter(|_| caps.sharded_claims);
         let (asked, claim_shards_chosen) = match (self.claim_shards, preferred) {
             (Some(n), _) => (n, Chosen::Config),
             (None, Some(n)) => (n, Chosen::Store),

@@ -6,10 +6,11 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_traits::{Error, OutboxStore, Publisher};
+use outbox_traits::{Error, OutboxAdmin, OutboxStore, Publisher};
 use tokio::sync::oneshot;
 
 use crate::config::{RelayConfig, Tuning};
+use crate::drain::until_drained;
 use crate::handle::RelayHandle;
 use crate::notifier::Notifier;
 use crate::run_loop::{run_loop, Mode};
@@ -99,6 +100,10 @@ impl Relay {
     /// Transient store errors are retried with back-off (so this does not return during an
     /// outage); a permanent store error stops claiming, lets in-flight batches finish, and is
     /// returned.
+    ///
+    /// Messages that other relays hold are not waited for either: beside other relays, this may
+    /// return while they still work, having claimed little or nothing. To drain a shared
+    /// backlog, use [`run_until_drained`](Self::run_until_drained).
     pub async fn run_until_idle(&self) -> Result<RelayStats, Error> {
         self.run_in(Mode::Drain, pending()).await
     }
@@ -111,6 +116,45 @@ impl Relay {
         F: Future<Output = ()>,
     {
         self.run_in(Mode::Drain, shutdown).await
+    }
+
+    /// Drain a backlog that other relays may be draining too: claim, publish and settle until
+    /// nothing this relay could ever claim remains, then return what this call did.
+    ///
+    /// Unlike [`run_until_idle`](Self::run_until_idle), which returns at the first claim that
+    /// finds nothing, this asks `admin` (the same store's operator view) after each such claim
+    /// and carries on while any message is leased, by this relay or another one: their
+    /// messages, and their keys' later ones, are waited for until they are published, or until
+    /// their lease ends and this relay claims them. It returns once the store holds no pending
+    /// message and none leased, or once its rounds have seen the same pending count and nothing
+    /// leased for [`DRAIN_SETTLE`](crate::DRAIN_SETTLE) (1 s): what is left then waits for a
+    /// retry or a `not_before` time, or sits behind a dead head message under
+    /// [`HeadPolicy::Block`](outbox_traits::HeadPolicy::Block), which a drain does not wait
+    /// for. (A second is far longer than another relay's claim, whose rows read as pending
+    /// until it commits.) Several relays started at once on one backlog thus
+    /// all return once it is done. Messages enqueued meanwhile are drained too.
+    ///
+    /// Errors as [`run_until_idle`](Self::run_until_idle); a transient error of the status
+    /// query is retried after a pause, a permanent one is returned.
+    pub async fn run_until_drained(&self, admin: &dyn OutboxAdmin) -> Result<RelayStats, Error> {
+        self.run_until_drained_or(admin, pending()).await
+    }
+
+    /// [`run_until_drained`](Self::run_until_drained), unless `shutdown` resolves first: then it
+    /// stops claiming and shuts down gracefully within [`RelayConfig::shutdown_deadline`], as
+    /// [`run`](Self::run) does, and returns the stats.
+    pub async fn run_until_drained_or<F>(
+        &self,
+        admin: &dyn OutboxAdmin,
+        shutdown: F,
+    ) -> Result<RelayStats, Error>
+    where
+        F: Future<Output = ()>,
+    {
+        let stats = Arc::new(StatsCell::default());
+        let rec = Recorder::new(stats.clone(), self.shared.publisher_name.clone());
+        until_drained(&self.shared, &rec, admin, shutdown).await?;
+        Ok(stats.snapshot())
     }
 
     /// Run in the current task until `shutdown` resolves (e.g. `tokio::signal::ctrl_c()`), then

@@ -62,6 +62,8 @@
 //!   [`preferred_batch`](outbox_traits::Capabilities::preferred_batch); Postgres: 2 shards,
 //!   batches of 2,000), else 1 claim at a time and batches of 500, with no warning where the
 //!   store cannot shard; an explicit setting wins. [`Relay::tuning`] says what is in effect.
+//! - **Shared drains.** [`Relay::run_until_drained`] drains a backlog beside other relays: it
+//!   waits for the messages they hold instead of returning at its first empty claim.
 //! - **Outcomes.** `Acked` → complete. `Failed { Transient }` and `Ambiguous` → retry after a
 //!   [`Backoff`] delay, or dead-letter once the attempt is the [`RelayConfig::max_attempts`]-th.
 //!   `Failed { Permanent }` → dead-letter at once. `NotAttempted` → release (no attempt counted),
@@ -123,6 +125,7 @@
 mod backoff;
 mod batch;
 mod config;
+mod drain;
 mod engine;
 mod handle;
 mod lease;
@@ -141,6 +144,7 @@ pub use backoff::Backoff;
 pub use config::{
     Chosen, RelayConfig, Tuning, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_SHARDS, MAX_CLAIM_SHARDS,
 };
+pub use drain::DRAIN_SETTLE;
 pub use engine::Relay;
 pub use handle::RelayHandle;
 pub use notifier::Notifier;

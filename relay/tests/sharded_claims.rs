@@ -502,7 +502,10 @@ async fn a_store_declaring_shards_gets_them_and_its_batch_with_no_setting() {
         (tuning.claim_shards, tuning.claim_shards_chosen),
         (2, Chosen::Store)
     );
-    assert_eq!((tuning.batch_size, tuning.batch_size_chosen), (4, Chosen::Store));
+    assert_eq!(
+        (tuning.batch_size, tuning.batch_size_chosen),
+        (4, Chosen::Store)
+    );
 
     let track = drain(&store, RelayConfig::default(), total).await;
 

@@ -515,7 +515,8 @@ async fn drain(
     };
     let settings = format!(
         "{relays}batch {}, {} batches in flight, {retention}{broker_settings}",
-        relay_config.batch_size.unwrap_or(500), relay_config.concurrency
+        relay_config.batch_size.unwrap_or(500),
+        relay_config.concurrency
     );
     let publisher: Arc<dyn Publisher> = Arc::new(publisher);
     // Several relays on one store, as several relay processes would be: their claims run

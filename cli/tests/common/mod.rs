@@ -34,11 +34,14 @@ pub fn message(n: usize, keys: usize) -> NewMessage {
 }
 
 /// Ask a running relay to stop, as a service manager does (SIGTERM).
+// Each test binary compiles this module; not every one uses every helper.
+#[allow(dead_code)]
 pub async fn sigterm(relay: &Child) -> Result<(), BoxError> {
     signal(relay, "TERM").await
 }
 
 /// Send the signal `name` (as `kill` spells it: `TERM`, `INT`, `KILL`...) to a running relay.
+#[allow(dead_code)]
 pub async fn signal(relay: &Child, name: &str) -> Result<(), BoxError> {
     let pid = relay.id().ok_or("the relay already exited")?;
     let status = Command::new("kill")
