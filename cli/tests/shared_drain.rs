@@ -342,3 +342,53 @@ async fn a_postgres_drain_waits_for_a_lease_held_elsewhere() -> TestResult {
     waits_for_a_lease_held_elsewhere(&outbox, &messages).await?;
     outbox.drop_schema().await
 }
+
+/// `outbox-relay config` prints the batch size and claim shards in effect, and says which the
+/// store chose (without connecting to it).
+#[tokio::test]
+async fn config_says_which_settings_the_store_chose() -> TestResult {
+    let config = |args: &[&str]| {
+        let args: Vec<String> = ["config", "--broker", "stdout://"]
+            .iter()
+            .chain(args)
+            .map(|a| (*a).to_owned())
+            .collect();
+        async move {
+            let out = common::output(command(args)).await?;
+            assert!(out.status.success(), "{out:?}");
+            let text = String::from_utf8(out.stdout)?;
+            let table: toml::Table = toml::from_str(&text)?;
+            let value = |key: &str| table[key].as_integer();
+            Ok::<_, BoxError>((value("batch_size"), value("claim_shards"), text))
+        }
+    };
+    // Nothing listens there: `config` must not connect.
+    let postgres = "postgres://app:secret@127.0.0.1:9/app";
+
+    let (batch, shards, text) = config(&["--store", postgres]).await?;
+    assert_eq!((batch, shards), (Some(2000), Some(2)), "{text}");
+    assert!(
+        text.contains("# batch_size and claim_shards chosen by the store (postgres)"),
+        "{text}"
+    );
+
+    let (batch, shards, text) = config(&["--store", postgres, "--claim-shards", "1"]).await?;
+    assert_eq!((batch, shards), (Some(2000), Some(1)), "{text}");
+    assert!(
+        text.contains("# batch_size chosen by the store (postgres)"),
+        "{text}"
+    );
+
+    let sqlite = "sqlite:///nonexistent/dir/outbox.db";
+    let (batch, shards, text) = config(&["--store", sqlite]).await?;
+    assert_eq!((batch, shards), (Some(500), Some(1)), "{text}");
+    assert!(!text.contains("chosen by the store"), "{text}");
+
+    let (_, shards, text) = config(&["--store", sqlite, "--claim-shards", "3"]).await?;
+    assert_eq!(shards, Some(1), "{text}");
+    assert!(
+        text.contains("# claim_shards is 3: sqlite cannot split its keys"),
+        "{text}"
+    );
+    Ok(())
+}

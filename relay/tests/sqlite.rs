@@ -147,3 +147,75 @@ async fn a_missing_table_is_a_permanent_error_from_run_until_idle() {
     let err: Error = relay.run_until_idle().await.unwrap_err();
     assert!(!err.is_transient(), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_draining_one_sqlite_backlog_at_once_each_return_only_once_it_is_done() {
+    let (_dir, store) = open().await;
+    // Five keys and batches of 16: the first claim holds every key's head, so the others'
+    // first claims find nothing and must wait for it.
+    let keys = ["a", "b", "c", "d", "e"];
+    let mut total = 0u64;
+    for n in 0..60u32 {
+        let batch: Vec<_> = keys.iter().map(|k| msg(k, n)).collect();
+        total += batch.len() as u64;
+        enqueue(&store, batch).await;
+    }
+    let publisher = Arc::new(RecordingPublisher::new());
+    let config = RelayConfig {
+        batch_size: Some(16),
+        ..RelayConfig::default()
+    };
+    let relays: Vec<Relay> = (0..3)
+        .map(|_| Relay::new(store.clone(), publisher.clone(), config.clone()).unwrap())
+        .collect();
+    let mut drains: futures::stream::FuturesUnordered<_> = relays
+        .iter()
+        .map(|r| r.run_until_drained(store.as_ref()))
+        .collect();
+    let first = futures::StreamExt::next(&mut drains)
+        .await
+        .unwrap()
+        .unwrap();
+    let counts = store.counts().await.unwrap();
+    assert_eq!(
+        (counts.published, counts.pending, counts.leased),
+        (total, 0, 0),
+        "the backlog is done when the first drain returns ({first:?})"
+    );
+    let mut stats = first;
+    while let Some(run) = futures::StreamExt::next(&mut drains).await {
+        stats += run.unwrap();
+    }
+    assert_eq!(stats.published, total);
+    assert!(publisher.published().iter().all(|d| d.delivery == 1));
+    assert_key_order(&publisher);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_does_not_wait_for_a_key_blocked_by_a_dead_head() {
+    let (_dir, store) = open().await;
+    enqueue(&store, (0..3).map(|n| msg("blocked", n)).collect()).await;
+    enqueue(&store, (0..3).map(|n| msg("free", n)).collect()).await;
+    let publisher = Arc::new(RecordingPublisher::new());
+    publisher.set_outcome(|m| {
+        if m.partition_key.as_deref() == Some("blocked") {
+            PublishOutcome::permanent("refused for good")
+        } else {
+            PublishOutcome::Acked
+        }
+    });
+    let relay = Relay::new(store.clone(), publisher.clone(), RelayConfig::default()).unwrap();
+
+    let stats = tokio::time::timeout(GUARD, relay.run_until_drained(store.as_ref()))
+        .await
+        .expect("the drain waited for the blocked key")
+        .unwrap();
+
+    assert_eq!((stats.published, stats.dead), (3, 1));
+    let counts = store.counts().await.unwrap();
+    assert_eq!(
+        (counts.published, counts.dead, counts.pending, counts.leased),
+        (3, 1, 2, 0),
+        "the blocked key's later messages stay pending"
+    );
+}
