@@ -22,21 +22,10 @@ use uuid::Uuid;
 mod common;
 use common::{
     command, json_lines, json_output, message, nats_msg_ids, nats_subscription, relay_process, run,
-    signal, sigterm, BoxError, BIN, GUARD,
+    signal, sigterm, stdout_ids, BoxError, BIN, GUARD,
 };
 
 type TestResult = Result<(), BoxError>;
-
-/// The ids of the messages a `stdout://` relay printed, in order.
-fn stdout_ids(stdout: &[u8]) -> Result<Vec<Uuid>, BoxError> {
-    std::str::from_utf8(stdout)?
-        .lines()
-        .map(|line| {
-            let message: Value = serde_json::from_str(line)?;
-            Ok(serde_json::from_value(message["id"].clone())?)
-        })
-        .collect()
-}
 
 /// A SQLite file holding `n` committed messages and a rolled-back transaction's `n` more.
 fn sqlite_with(path: &Path, n: usize) -> Result<Vec<Uuid>, BoxError> {

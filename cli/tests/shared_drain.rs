@@ -22,7 +22,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use uuid::Uuid;
 
 mod common;
-use common::{command, message, BoxError, GUARD};
+use common::{command, message, stdout_ids, BoxError, GUARD};
 
 type TestResult = Result<(), BoxError>;
 
@@ -110,17 +110,6 @@ impl Outbox {
     }
 }
 
-/// The ids a `stdout://` relay printed, in order.
-fn printed_ids(stdout: &[u8]) -> Result<Vec<Uuid>, BoxError> {
-    std::str::from_utf8(stdout)?
-        .lines()
-        .map(|line| {
-            let message: Value = serde_json::from_str(line)?;
-            Ok(serde_json::from_value(message["id"].clone())?)
-        })
-        .collect()
-}
-
 /// The `published` count of a drain's closing summary (the last line of its standard error).
 fn published_of(stderr: &str) -> Result<u64, BoxError> {
     let summary = stderr.lines().last().ok_or("no summary")?;
@@ -175,7 +164,7 @@ async fn three_drains_share(
     for out in outputs {
         let stderr = String::from_utf8(out.stderr)?;
         assert!(out.status.success(), "a drain failed: {stderr}");
-        let ids = printed_ids(&out.stdout)?;
+        let ids = stdout_ids(&out.stdout)?;
         published += published_of(&stderr)?;
         // Within one drain, each key's messages come in their order.
         let mut last: std::collections::HashMap<Option<String>, usize> = Default::default();
@@ -276,7 +265,7 @@ async fn waits_for_a_lease_held_elsewhere(outbox: &Outbox, messages: &[NewMessag
         let line = tokio::time::timeout(GUARD, lines.next_line())
             .await??
             .ok_or("the drain stopped printing")?;
-        printed.extend(printed_ids(line.as_bytes())?);
+        printed.extend(stdout_ids(line.as_bytes())?);
     }
     assert_eq!(printed, free, "the free key, in order");
     // The drain has found nothing more to claim, seen the two leases, and decided to wait.
@@ -296,7 +285,7 @@ async fn waits_for_a_lease_held_elsewhere(outbox: &Outbox, messages: &[NewMessag
 
     outbox.opened.store.release(held.token, &held_ids).await?;
     while let Some(line) = tokio::time::timeout(GUARD, lines.next_line()).await?? {
-        printed.extend(printed_ids(line.as_bytes())?);
+        printed.extend(stdout_ids(line.as_bytes())?);
     }
     let status = tokio::time::timeout(GUARD, drain.wait()).await??;
     assert!(status.success(), "{status}");

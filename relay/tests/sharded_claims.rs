@@ -295,6 +295,18 @@ async fn drain_slowly(
     store.track.send_replace(Track::default())
 }
 
+/// Every claim asked for one of `count` shards.
+fn assert_only_shards_of(track: &Track, count: u32) {
+    assert!(
+        track
+            .shards
+            .iter()
+            .all(|s| s.is_some_and(|s| s.count == count && s.index < count)),
+        "{:?}",
+        track.shards
+    );
+}
+
 fn shard(index: u32, count: u32) -> Option<ClaimShard> {
     Some(ClaimShard::new(index, count).unwrap())
 }
@@ -306,14 +318,7 @@ async fn two_shards_claim_side_by_side_and_drain_every_message_once_in_key_order
 
     let track = drain(&store, config(2), total).await;
 
-    assert!(
-        track
-            .shards
-            .iter()
-            .all(|s| *s == shard(0, 2) || *s == shard(1, 2)),
-        "{:?}",
-        track.shards
-    );
+    assert_only_shards_of(&track, 2);
     assert!(track.shards.contains(&shard(0, 2)) && track.shards.contains(&shard(1, 2)));
     assert_eq!(track.max_running, 2, "two claims ran at once");
     assert_eq!(
@@ -428,10 +433,13 @@ async fn one_claim_shard_claims_unsharded_one_at_a_time() {
     assert_one_unsharded_claim_at_a_time(&track);
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_store_declaring_no_preference_gets_one_claim_and_batches_of_500_by_default() {
-    let store = ShardedStore::new(true);
-    let total = store.enqueue(0..8, 20);
+/// A relay over `store` given no claim shards or batch size runs `shards` and `batch`, each
+/// with who chose it.
+fn assert_default_tuning(
+    store: &Arc<ShardedStore>,
+    shards: (usize, Chosen),
+    batch: (usize, Chosen),
+) {
     let relay = Relay::new(
         store.clone(),
         Arc::new(RecordingPublisher::new()),
@@ -439,14 +447,15 @@ async fn a_store_declaring_no_preference_gets_one_claim_and_batches_of_500_by_de
     )
     .unwrap();
     let tuning = relay.tuning();
-    assert_eq!(
-        (tuning.claim_shards, tuning.claim_shards_chosen),
-        (1, Chosen::Default)
-    );
-    assert_eq!(
-        (tuning.batch_size, tuning.batch_size_chosen),
-        (500, Chosen::Default)
-    );
+    assert_eq!((tuning.claim_shards, tuning.claim_shards_chosen), shards);
+    assert_eq!((tuning.batch_size, tuning.batch_size_chosen), batch);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_declaring_no_preference_gets_one_claim_and_batches_of_500_by_default() {
+    let store = ShardedStore::new(true);
+    let total = store.enqueue(0..8, 20);
+    assert_default_tuning(&store, (1, Chosen::Default), (500, Chosen::Default));
 
     let track = drain(
         &store,
@@ -491,32 +500,11 @@ async fn warnings_during<F: std::future::Future>(f: F) -> (F::Output, String) {
 async fn a_store_declaring_shards_gets_them_and_its_batch_with_no_setting() {
     let store = ShardedStore::preferring(true, 2, 4);
     let total = store.enqueue(0..8, 20);
-    let relay = Relay::new(
-        store.clone(),
-        Arc::new(RecordingPublisher::new()),
-        RelayConfig::default(),
-    )
-    .unwrap();
-    let tuning = relay.tuning();
-    assert_eq!(
-        (tuning.claim_shards, tuning.claim_shards_chosen),
-        (2, Chosen::Store)
-    );
-    assert_eq!(
-        (tuning.batch_size, tuning.batch_size_chosen),
-        (4, Chosen::Store)
-    );
+    assert_default_tuning(&store, (2, Chosen::Store), (4, Chosen::Store));
 
     let track = drain(&store, RelayConfig::default(), total).await;
 
-    assert!(
-        track
-            .shards
-            .iter()
-            .all(|s| *s == shard(0, 2) || *s == shard(1, 2)),
-        "{:?}",
-        track.shards
-    );
+    assert_only_shards_of(&track, 2);
     assert_eq!(track.max_running, 2, "two claims ran at once");
     assert!(track.limits.iter().all(|l| *l == 4), "{:?}", track.limits);
 }
@@ -570,14 +558,7 @@ async fn an_explicit_setting_wins_over_the_store_choice() {
         ..RelayConfig::default()
     };
     let track = drain(&store, three, total).await;
-    assert!(
-        track
-            .shards
-            .iter()
-            .all(|s| [shard(0, 3), shard(1, 3), shard(2, 3)].contains(s)),
-        "{:?}",
-        track.shards
-    );
+    assert_only_shards_of(&track, 3);
     assert!(track.limits.iter().all(|l| *l == 4), "{:?}", track.limits);
 }
 

@@ -28,6 +28,27 @@ async fn enqueue(store: &SqliteStore, messages: Vec<NewMessage>) {
         .unwrap();
 }
 
+/// Three relays over `store` and `publisher`, with batches of 16.
+fn three_relays(store: &Arc<SqliteStore>, publisher: &Arc<RecordingPublisher>) -> Vec<Relay> {
+    let config = RelayConfig {
+        batch_size: Some(16),
+        ..RelayConfig::default()
+    };
+    (0..3)
+        .map(|_| Relay::new(store.clone(), publisher.clone(), config.clone()).unwrap())
+        .collect()
+}
+
+/// `per_key` messages of each of five keys, interleaved, one transaction per round; returns
+/// how many.
+async fn enqueue_five_keys(store: &SqliteStore, per_key: u32) -> u64 {
+    let keys = ["a", "b", "c", "d", "e"];
+    for n in 0..per_key {
+        enqueue(store, keys.iter().map(|k| msg(k, n)).collect()).await;
+    }
+    u64::from(per_key) * keys.len() as u64
+}
+
 /// Make every pending message due now, as if its retry delay had passed.
 async fn make_retries_due(store: &SqliteStore) {
     store
@@ -48,13 +69,7 @@ async fn make_retries_due(store: &SqliteStore) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_relays_drain_sqlite_with_retries_in_key_order() {
     let (_dir, store) = open().await;
-    let keys = ["a", "b", "c", "d", "e"];
-    let mut total = 0u64;
-    for n in 0..40u32 {
-        let batch: Vec<_> = keys.iter().map(|k| msg(k, n)).collect();
-        total += batch.len() as u64;
-        enqueue(&store, batch).await;
-    }
+    let total = enqueue_five_keys(&store, 40).await;
     let publisher = Arc::new(RecordingPublisher::new());
     // Every 7th message fails on its first attempt.
     publisher.set_outcome(|m| {
@@ -64,13 +79,7 @@ async fn three_relays_drain_sqlite_with_retries_in_key_order() {
             PublishOutcome::Acked
         }
     });
-    let config = RelayConfig {
-        batch_size: Some(16),
-        ..RelayConfig::default()
-    };
-    let relays: Vec<Relay> = (0..3)
-        .map(|_| Relay::new(store.clone(), publisher.clone(), config.clone()).unwrap())
-        .collect();
+    let relays = three_relays(&store, &publisher);
     let mut stats = RelayStats::default();
     for _ in 0..20 {
         let runs = futures::future::join_all(relays.iter().map(|r| r.run_until_idle())).await;
@@ -153,21 +162,9 @@ async fn relays_draining_one_sqlite_backlog_at_once_each_return_only_once_it_is_
     let (_dir, store) = open().await;
     // Five keys and batches of 16: the first claim holds every key's head, so the others'
     // first claims find nothing and must wait for it.
-    let keys = ["a", "b", "c", "d", "e"];
-    let mut total = 0u64;
-    for n in 0..60u32 {
-        let batch: Vec<_> = keys.iter().map(|k| msg(k, n)).collect();
-        total += batch.len() as u64;
-        enqueue(&store, batch).await;
-    }
+    let total = enqueue_five_keys(&store, 60).await;
     let publisher = Arc::new(RecordingPublisher::new());
-    let config = RelayConfig {
-        batch_size: Some(16),
-        ..RelayConfig::default()
-    };
-    let relays: Vec<Relay> = (0..3)
-        .map(|_| Relay::new(store.clone(), publisher.clone(), config.clone()).unwrap())
-        .collect();
+    let relays = three_relays(&store, &publisher);
     let mut drains: futures::stream::FuturesUnordered<_> = relays
         .iter()
         .map(|r| r.run_until_drained(store.as_ref()))

@@ -33,6 +33,18 @@ pub fn message(n: usize, keys: usize) -> NewMessage {
     .with_partition_key(format!("customer-{}", n % keys))
 }
 
+/// The ids of the messages a `stdout://` relay printed, in order.
+#[allow(dead_code)]
+pub fn stdout_ids(stdout: &[u8]) -> Result<Vec<uuid::Uuid>, BoxError> {
+    std::str::from_utf8(stdout)?
+        .lines()
+        .map(|line| {
+            let message: Value = serde_json::from_str(line)?;
+            Ok(serde_json::from_value(message["id"].clone())?)
+        })
+        .collect()
+}
+
 /// Ask a running relay to stop, as a service manager does (SIGTERM).
 // Each test binary compiles this module; not every one uses every helper.
 #[allow(dead_code)]
