@@ -30,7 +30,7 @@ const STEP: u64 = 200;
 
 fn relay_config() -> RelayConfig {
     RelayConfig {
-        batch_size: 100,
+        batch_size: Some(100),
         // A node failure fails messages transiently; they must be retried, never dead-lettered,
         // and retried soon (the relay's own back-off, not a test sleep).
         max_attempts: 100_000,
