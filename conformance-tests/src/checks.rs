@@ -1563,6 +1563,192 @@ pub async fn shards_partition_keys(harness: &dyn Harness) -> Result<(), String> 
     f.finish().await
 }
 
+/// `result` is [`Error::InvalidInput`]; otherwise an explanation naming `call`.
+fn refused<T: std::fmt::Debug>(call: &str, result: Result<T, Error>) -> Result<(), String> {
+    match result {
+        Err(Error::InvalidInput(_)) => Ok(()),
+        other => Err(format!(
+            "{call} returned {other:?}; the contract refuses it with InvalidInput before \
+             anything changes"
+        )),
+    }
+}
+
+/// Every argument rule of the contract, answered alike by every store: typed
+/// [`Error::InvalidInput`] before anything changes for a claim limit or lease of 0, a lease,
+/// lease extension or retry delay longer than [`MAX_DURATION`](outbox_traits::MAX_DURATION), a
+/// zero-length extension (also under a token that holds nothing: arguments are checked first)
+/// and a purge batch of 0; and no error, nothing changed, for empty id and seq lists (complete,
+/// fail, release, requeue, discard and their by-seq forms, under any token), a dead-letter
+/// listing or status of limit 0, and a purge age beyond
+/// [`MAX_DURATION`](outbox_traits::MAX_DURATION) (nothing is that old: 0 deleted). After the
+/// refusals the held lease is intact (not taken over, not shortened, still completable) and
+/// every other message still flows.
+pub async fn argument_rules(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[msg("k", "k#1"), msg("k", "k#2"), msg("j", "j#1")])
+        .await?;
+    let too_long = outbox_traits::MAX_DURATION + Duration::from_secs(1);
+    // Claims no store can serve.
+    for (what, request) in [
+        (
+            "claim with limit 0",
+            ClaimRequest {
+                limit: 0,
+                ..req(1, HeadPolicy::Block)
+            },
+        ),
+        (
+            "claim with a lease of 0",
+            ClaimRequest {
+                lease: Duration::ZERO,
+                ..req(1, HeadPolicy::Block)
+            },
+        ),
+        (
+            "claim with a lease of 100 years and 1 s",
+            ClaimRequest {
+                lease: too_long,
+                ..req(1, HeadPolicy::Skip)
+            },
+        ),
+    ] {
+        refused(what, f.relay.claim(&request).await.map(|c| labels(&c)))?;
+    }
+    let counts = f.counts().await?;
+    ensure!(
+        counts.pending == 3 && counts.leased == 0,
+        "after refused claims: counts {counts:?}, expected 3 pending and none leased"
+    );
+    let claim = f.claim(1).await?;
+    ensure!(
+        labels(&claim) == ["k#1"],
+        "claim(1) returned {:?}, expected [\"k#1\"]",
+        labels(&claim)
+    );
+    let k1 = claim.messages[0].id;
+    let stranger = LeaseToken::new();
+    // Lease extensions: a bad length is refused before the token is looked up.
+    for (what, token, lease) in [
+        (
+            "extend(token, 0) of a held lease",
+            claim.token,
+            Duration::ZERO,
+        ),
+        ("extend(unknown token, 0)", stranger, Duration::ZERO),
+        ("extend(token, 100 years and 1 s)", claim.token, too_long),
+    ] {
+        refused(what, f.relay.extend(token, lease).await)?;
+    }
+    // A retry delay beyond the limit refuses the whole call: the dead-lettering beside it
+    // does not happen either.
+    refused(
+        "fail with a retry delay of 100 years and 1 s",
+        f.relay
+            .fail(
+                claim.token,
+                &[
+                    dead(k1, "beside a bad entry"),
+                    Failure {
+                        id: k1,
+                        error: "too long".into(),
+                        action: FailAction::Retry { delay: too_long },
+                    },
+                ],
+            )
+            .await,
+    )?;
+    refused(
+        "purge_published(1 s, batch 0)",
+        f.admin.purge_published(Duration::from_secs(1), 0).await,
+    )?;
+    // Empty lists change nothing and are no error, under the held token or any other.
+    for token in [claim.token, stranger] {
+        let which = if token == claim.token {
+            "the held token"
+        } else {
+            "an unknown token"
+        };
+        for (what, result) in [
+            ("complete", f.relay.complete(token, &[]).await),
+            ("fail", f.relay.fail(token, &[]).await),
+            ("release", f.relay.release(token, &[]).await),
+        ] {
+            ensure!(
+                result.is_ok(),
+                "{what}({which}, []) returned {result:?}; an empty list changes nothing and \
+                 returns Ok"
+            );
+        }
+    }
+    for (what, result) in [
+        ("requeue([])", f.admin.requeue(&[]).await),
+        ("discard([])", f.admin.discard(&[]).await),
+        ("requeue_seqs([])", f.admin.requeue_seqs(&[]).await),
+        ("discard_seqs([])", f.admin.discard_seqs(&[]).await),
+        (
+            "purge_published(100 years and 1 s, 10)",
+            f.admin.purge_published(too_long, 10).await,
+        ),
+    ] {
+        ensure!(
+            matches!(result, Ok(0)),
+            "{what} returned {result:?}, expected Ok(0)"
+        );
+    }
+    let listed = f.admin.list_dead(None, 0).await;
+    ensure!(
+        matches!(&listed, Ok(l) if l.is_empty()),
+        "list_dead(None, 0) returned {listed:?}, expected an empty list"
+    );
+    let status = f.admin.status(0).await;
+    ensure!(
+        matches!(&status, Ok(s) if s.blocked.is_empty() && s.leased == 1 && s.pending == 2),
+        "status(0) returned {status:?}, expected 1 leased, 2 pending and no key listed"
+    );
+    // The held lease is intact: not shortened (another relay cannot take k#1 just before its
+    // end), still extendable to the longest lease and back, and completable.
+    f.advance(LEASE.as_secs() - 60).await?;
+    let other = f.store.relay().await.map_err(err("relay handle"))?;
+    let taken = f.claim_with(&other, 10, HeadPolicy::Block).await?;
+    ensure!(
+        labels(&taken) == ["j#1"],
+        "after the refused calls, a claim by another relay 60 s before k#1's lease ends \
+         returned {:?}; expected only [\"j#1\"] (k#1 still leased, k#2 behind it)",
+        labels(&taken)
+    );
+    f.relay
+        .extend(claim.token, outbox_traits::MAX_DURATION)
+        .await
+        .map_err(err("extend by exactly 100 years (the longest accepted)"))?;
+    f.relay
+        .extend(claim.token, LEASE)
+        .await
+        .map_err(err("extend back to the property's lease"))?;
+    f.relay
+        .complete(claim.token, &[k1])
+        .await
+        .map_err(err("complete after the refused calls"))?;
+    other
+        .complete(taken.token, &ids(&taken))
+        .await
+        .map_err(err("complete"))?;
+    let last = f.claim(10).await?;
+    ensure!(
+        labels(&last) == ["k#2"],
+        "after k#1 and j#1 were completed, a claim returned {:?}; expected [\"k#2\"]",
+        labels(&last)
+    );
+    let counts = f.counts().await?;
+    ensure!(
+        counts.dead == 0 && counts.leased == 1 && counts.published == f.kept(2),
+        "at the end: counts {counts:?}, expected nothing dead (the refused fail changed \
+         nothing), 1 leased, {} published",
+        f.kept(2)
+    );
+    f.finish().await
+}
+
 /// Every check, by name, so the macro and pickers can run them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -1615,11 +1801,13 @@ pub enum Check {
     InvalidShardIsRefused,
     /// [`shards_partition_keys`]
     ShardsPartitionKeys,
+    /// [`argument_rules`]
+    ArgumentRules,
 }
 
 impl Check {
     /// Every check.
-    pub const ALL: [Check; 24] = [
+    pub const ALL: [Check; 25] = [
         Check::ClaimRespectsLimit,
         Check::NoPhantoms,
         Check::LateCommitIsClaimed,
@@ -1644,6 +1832,7 @@ impl Check {
         Check::ManyKeysBehindABlockedBacklog,
         Check::InvalidShardIsRefused,
         Check::ShardsPartitionKeys,
+        Check::ArgumentRules,
     ];
 
     /// The checks that go through the enqueue path: transactions that commit late, roll back or
@@ -1693,6 +1882,7 @@ impl Check {
             }
             Check::InvalidShardIsRefused => invalid_shard_is_refused(harness).await,
             Check::ShardsPartitionKeys => shards_partition_keys(harness).await,
+            Check::ArgumentRules => argument_rules(harness).await,
         }
     }
 

@@ -527,6 +527,7 @@ impl OutboxStore for MemoryStore {
     }
 
     async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error> {
+        outbox_traits::validate_failures(failures)?;
         let mut retry_at = Vec::with_capacity(failures.len());
         let now = self.now();
         for failure in failures {
@@ -562,6 +563,7 @@ impl OutboxStore for MemoryStore {
     }
 
     async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
+        outbox_traits::validate_lease_extension(lease)?;
         let now = self.now();
         let until = add(now, lease, "lease")?;
         let mut state = self.state();
@@ -683,6 +685,10 @@ impl OutboxAdmin for MemoryStore {
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
         outbox_traits::validate_purge_batch(batch)?;
+        if older_than > outbox_traits::MAX_DURATION {
+            // Nothing was published more than a century ago.
+            return Ok(0);
+        }
         let now = self.now();
         let cutoff = now
             .checked_sub_signed(to_chrono(older_than, "purge age")?)

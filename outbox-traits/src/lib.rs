@@ -139,9 +139,10 @@ pub use publisher::{PublishOutcome, Publisher};
 pub use secret::{error_chain_line, read_secret_file};
 pub use seeds::{split_seed_list, SeedList};
 pub use store::{
-    validate_purge_batch, BlockedKey, Capabilities, Claim, ClaimRequest, ClaimShard, Counts,
-    DeadMessage, FailAction, Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore,
-    StoreStatus, WakeSource,
+    validate_duration, validate_failures, validate_lease_extension, validate_purge_batch,
+    BlockedKey, Capabilities, Claim, ClaimRequest, ClaimShard, Counts, DeadMessage, FailAction,
+    Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, StoreStatus, WakeSource,
+    MAX_DURATION,
 };
 
 /// Re-exported so backends and users name the same versions.
