@@ -58,7 +58,7 @@ mod scenario;
 pub mod servers;
 pub mod skewed;
 
-pub use harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx, MIN_CLOCK_SKEW};
+pub use harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx, RawRow, MIN_CLOCK_SKEW};
 pub use memory::{MemoryHarness, MemoryHarnessStore};
 pub use model::{run_scenario, run_scenario_with_coverage, Coverage, Violation};
 pub use scenario::{

@@ -53,6 +53,8 @@ macro_rules! conformance_suite {
             invalid_shard_is_refused InvalidShardIsRefused,
             shards_partition_keys ShardsPartitionKeys,
             argument_rules ArgumentRules,
+            raw_rows_round_trip RawRowsRoundTrip,
+            malformed_raw_rows_quarantined MalformedRawRowsQuarantined,
         );
     };
     ($harness:expr, reduced: $divisor:expr) => {
