@@ -206,6 +206,12 @@ struct Msg {
     /// timestamps cannot shift an uncommitted row's, one with a movable clock moves it, so when
     /// it is due is unknown. Completeness then neither requires it nor anything behind it.
     due_unknown: bool,
+    /// Model time of its enqueue: its age is `now - created` plus the real time the case took
+    /// since (at most).
+    created: u64,
+    /// Uncommitted (or waiting for a key lock) when the clock moved: its stored creation time
+    /// may not have moved with the others, so its age may be less than `now - created`.
+    created_unsure: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -241,6 +247,9 @@ struct Waiter {
     /// How the step that enqueued ends the transaction once the enqueue returns.
     then: TxEnd,
 }
+
+/// How many blocked keys the model's `status` calls ask to list: more than there are keys.
+const STATUS_LIST: usize = 10;
 
 /// With key locks, how long an enqueue may take to return once no other open transaction holds
 /// its keys (after the transactions it waited for ended, or at once when none held them). A
@@ -459,6 +468,9 @@ pub struct Runner<'a> {
     concurrent_claim: bool,
     /// What sharded claims taught the model about the store's shard function.
     shards: ShardMap,
+    /// When the case began (real time): ages the store reports may exceed the model's by the
+    /// real time the case took.
+    started: std::time::Instant,
 }
 
 /// Play `scenario` against `store` and then drain it; on a broken invariant, return a report in
@@ -519,6 +531,7 @@ impl<'a> Runner<'a> {
             coverage: Coverage::default(),
             concurrent_claim: false,
             shards: ShardMap::default(),
+            started: std::time::Instant::now(),
         })
     }
 
@@ -527,6 +540,7 @@ impl<'a> Runner<'a> {
             self.log.push(format!("{step:?}"));
             self.step(step).await?;
             self.check_counts().await?;
+            self.check_status().await?;
         }
         self.log.push(format!("final drain: faults off, every relay crashed, open transactions commit, clock +1 day, dead letters requeued, relay {} drains", relay_name(RELAYS)));
         self.drain().await
@@ -689,8 +703,10 @@ impl<'a> Runner<'a> {
                 Ok(())
             }
             Step::Advance(a) => self.advance(*a).await,
-            Step::Requeue { pick } => self.operator(*pick, true).await,
-            Step::Discard { pick } => self.operator(*pick, false).await,
+            Step::Requeue { pick } => self.operator(*pick, true, false).await,
+            Step::Discard { pick } => self.operator(*pick, false, false).await,
+            Step::RequeueBySeq { pick } => self.operator(*pick, true, true).await,
+            Step::DiscardBySeq { pick } => self.operator(*pick, false, true).await,
             Step::Purge { batch } => self.purge(usize::from(*batch)).await,
         }
     }
@@ -757,6 +773,8 @@ impl<'a> Runner<'a> {
             published_at: None,
             not_before,
             due_unknown: false,
+            created: self.now,
+            created_unsure: false,
         };
         Ok((message, msg))
     }
@@ -2090,6 +2108,11 @@ impl<'a> Runner<'a> {
             if matches!(m.status, Status::Open(_)) && m.not_before > 0 {
                 m.due_unknown = true;
             }
+            // A waiting enqueue's messages are not in the table yet: when they get there, and
+            // so their age, is not known either.
+            if matches!(m.status, Status::Open(_)) {
+                m.created_unsure = true;
+            }
         }
         Ok(())
     }
@@ -2143,16 +2166,19 @@ impl<'a> Runner<'a> {
         Ok(())
     }
 
-    async fn operator(&mut self, pick: u8, requeue: bool) -> Result<(), Violation> {
+    /// An operator requeues or discards the `pick`-th dead message, by id or (`by_seq`) by its
+    /// `seq`; with nothing dead, a live message, which the call must ignore.
+    async fn operator(&mut self, pick: u8, requeue: bool, by_seq: bool) -> Result<(), Violation> {
         self.check_dead_list().await?;
         let dead = self.dead_in_order();
         let (target, expect) = if dead.is_empty() {
-            // Nothing dead: the call must ignore a live message.
+            // Nothing dead: the call must ignore a live message (by seq: one whose seq a claim
+            // has shown).
             match self.msgs.iter().position(|m| {
                 matches!(
                     m.status,
                     Status::Pending | Status::Leased { .. } | Status::Published
-                )
+                ) && (!by_seq || m.seq.is_some())
             }) {
                 Some(i) => (i, 0),
                 None => {
@@ -2164,11 +2190,20 @@ impl<'a> Runner<'a> {
             (dead[usize::from(pick) % dead.len()], 1)
         };
         let id = self.msgs[target].id;
-        let what = if requeue { "requeue" } else { "discard" };
-        let n = if requeue {
-            self.admin.requeue(&[id]).await
-        } else {
-            self.admin.discard(&[id]).await
+        let seq = self.msgs[target].seq;
+        // A dead message was claimed, so its seq is known; a live one was picked with a seq.
+        let by_seq = by_seq && seq.is_some();
+        let what = match (requeue, by_seq) {
+            (true, false) => "requeue",
+            (false, false) => "discard",
+            (true, true) => "requeue_seqs",
+            (false, true) => "discard_seqs",
+        };
+        let n = match (requeue, seq.filter(|_| by_seq)) {
+            (true, None) => self.admin.requeue(&[id]).await,
+            (false, None) => self.admin.discard(&[id]).await,
+            (true, Some(seq)) => self.admin.requeue_seqs(&[seq]).await,
+            (false, Some(seq)) => self.admin.discard_seqs(&[seq]).await,
         }
         .map_err(|e| store_error(what, &e))?;
         if n != expect {
@@ -2263,6 +2298,130 @@ impl<'a> Runner<'a> {
                     self.purged
                 ),
             ));
+        }
+        Ok(())
+    }
+
+    /// `status()` against the model: pending, leased and dead as [`Runner::check_counts`];
+    /// when the store reports them, the blocked keys (each key whose first unfinished message
+    /// is dead, or waits for a retry: failed at least once and not due yet), listed oldest
+    /// first with their head's id, state, attempts and last error; and the age of the oldest
+    /// unfinished, not dead message, within what the model knows of it (its model age, plus at
+    /// most the real time the case has taken).
+    async fn check_status(&self) -> Result<(), Violation> {
+        let status = self
+            .admin
+            .status(STATUS_LIST)
+            .await
+            .map_err(|e| store_error("status", &e))?;
+        let mut want = outbox_traits::Counts::default();
+        for m in &self.msgs {
+            match m.status {
+                Status::Pending => want.pending += 1,
+                Status::Leased { .. } => want.leased += 1,
+                Status::Dead => want.dead += 1,
+                _ => {}
+            }
+        }
+        if (status.pending, status.leased, status.dead) != (want.pending, want.leased, want.dead) {
+            return Err(violation(
+                "status",
+                format!(
+                    "status() reports {} pending, {} leased, {} dead; expected {}, {}, {}",
+                    status.pending,
+                    status.leased,
+                    status.dead,
+                    want.pending,
+                    want.leased,
+                    want.dead
+                ),
+            ));
+        }
+        // The heads: per key, the first message (insert order) not published, committed.
+        let mut heads: BTreeMap<u8, usize> = BTreeMap::new();
+        for (i, m) in self.msgs.iter().enumerate() {
+            if let (Some(k), Status::Pending | Status::Leased { .. } | Status::Dead) =
+                (m.key, m.status)
+            {
+                heads.entry(k).or_insert(i);
+            }
+        }
+        let mut blocked: Vec<usize> = heads
+            .into_values()
+            .filter(|&i| {
+                let m = &self.msgs[i];
+                m.status == Status::Dead
+                    || (m.status == Status::Pending && m.attempts > 0 && m.due > self.now)
+            })
+            .collect();
+        blocked.sort_by_key(|&i| self.msgs[i].order);
+        if let Some(n) = status.blocked_keys {
+            let want_list: Vec<(String, Uuid, &str, u32, Option<&String>)> = blocked
+                .iter()
+                .map(|&i| {
+                    let m = &self.msgs[i];
+                    let state = if m.status == Status::Dead {
+                        "dead"
+                    } else {
+                        "retrying"
+                    };
+                    let key = m.key.map_or_else(String::new, |k| format!("k{k}"));
+                    (key, m.id, state, m.attempts, m.last_error.as_ref())
+                })
+                .collect();
+            let got_list: Vec<(String, Uuid, &str, u32, Option<&String>)> = status
+                .blocked
+                .iter()
+                .map(|b| {
+                    (
+                        b.partition_key.clone(),
+                        b.head_id,
+                        b.head_state.as_str(),
+                        b.attempts,
+                        b.last_error.as_ref(),
+                    )
+                })
+                .collect();
+            if n != blocked.len() as u64 || got_list != want_list {
+                return Err(violation(
+                    "status",
+                    format!(
+                        "status() reports {n} blocked keys {got_list:?} (key, head, state, \
+                         attempts, last error); expected {} {want_list:?}",
+                        blocked.len()
+                    ),
+                ));
+            }
+        }
+        let oldest = self
+            .msgs
+            .iter()
+            .filter(|m| matches!(m.status, Status::Pending | Status::Leased { .. }))
+            .min_by_key(|m| m.order);
+        if let Some(age) = status.oldest_pending_age_seconds {
+            let Some(m) = oldest else {
+                return Err(violation(
+                    "status",
+                    format!("status() reports an oldest pending age of {age} s with nothing pending or leased"),
+                ));
+            };
+            let model_age = (self.now - m.created) as f64;
+            let lowest = if m.created_unsure {
+                0.0
+            } else {
+                model_age - 1.0
+            };
+            let highest = model_age + self.started.elapsed().as_secs_f64() + 1.0;
+            if !(lowest..=highest).contains(&age) {
+                return Err(violation(
+                    "status",
+                    format!(
+                        "status() reports the oldest pending message ({}) {age:.1} s old; the \
+                         model knows it is {lowest:.1} to {highest:.1} s old",
+                        m.label
+                    ),
+                ));
+            }
         }
         Ok(())
     }

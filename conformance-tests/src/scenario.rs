@@ -292,6 +292,18 @@ pub enum Step {
         /// Which dead message.
         pick: u8,
     },
+    /// An operator requeues a dead message (the `pick`-th one) by its `seq`
+    /// ([`OutboxAdmin::requeue_seqs`](outbox_traits::OutboxAdmin::requeue_seqs)).
+    RequeueBySeq {
+        /// Which dead message.
+        pick: u8,
+    },
+    /// An operator discards a dead message (the `pick`-th one) by its `seq`
+    /// ([`OutboxAdmin::discard_seqs`](outbox_traits::OutboxAdmin::discard_seqs)).
+    DiscardBySeq {
+        /// Which dead message.
+        pick: u8,
+    },
     /// Purge at most `batch` published messages older than the purge age.
     Purge {
         /// Most to delete.
@@ -384,6 +396,8 @@ impl fmt::Debug for Step {
             Step::Advance(a) => write!(f, "clock +{:?}", a.duration()),
             Step::Requeue { pick } => write!(f, "operator requeues dead #{pick}"),
             Step::Discard { pick } => write!(f, "operator discards dead #{pick}"),
+            Step::RequeueBySeq { pick } => write!(f, "operator requeues dead #{pick} by seq"),
+            Step::DiscardBySeq { pick } => write!(f, "operator discards dead #{pick} by seq"),
             Step::Purge { batch } => write!(f, "purge at most {batch}"),
         }
     }
@@ -507,6 +521,8 @@ fn step() -> impl Strategy<Value = Step> {
         .prop_map(Step::Advance),
         1 => any::<u8>().prop_map(|pick| Step::Requeue { pick }),
         1 => any::<u8>().prop_map(|pick| Step::Discard { pick }),
+        1 => any::<u8>().prop_map(|pick| Step::RequeueBySeq { pick }),
+        1 => any::<u8>().prop_map(|pick| Step::DiscardBySeq { pick }),
         1 => (1u8..=3).prop_map(|batch| Step::Purge { batch }),
     ]
 }
