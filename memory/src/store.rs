@@ -253,6 +253,16 @@ impl MemoryStore {
         self.inner.clock.now()
     }
 
+    /// The ids of the dead rows among `seqs`.
+    fn dead_ids(&self, seqs: &[i64]) -> Vec<Uuid> {
+        let state = self.state();
+        seqs.iter()
+            .filter_map(|seq| state.rows.get(seq))
+            .filter(|row| row.tx.is_none() && row.state == RowState::Dead)
+            .map(|row| row.message.id)
+            .collect()
+    }
+
     fn has(&self, defect: Defect) -> bool {
         self.inner.defect == Some(defect)
     }
@@ -563,7 +573,9 @@ impl OutboxStore for MemoryStore {
     }
 
     async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
-        outbox_traits::validate_lease_extension(lease)?;
+        if !self.has(Defect::ExtendAcceptsZero) {
+            outbox_traits::validate_lease_extension(lease)?;
+        }
         let now = self.now();
         let until = add(now, lease, "lease")?;
         let mut state = self.state();
@@ -707,6 +719,22 @@ impl OutboxAdmin for MemoryStore {
         Ok(old.len() as u64)
     }
 
+    async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        if self.has(Defect::SeqAdminIgnored) {
+            return Ok(0);
+        }
+        let ids = self.dead_ids(seqs);
+        self.requeue(&ids).await
+    }
+
+    async fn discard_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        if self.has(Defect::SeqAdminIgnored) {
+            return Ok(0);
+        }
+        let ids = self.dead_ids(seqs);
+        self.discard(&ids).await
+    }
+
     async fn counts(&self) -> Result<Counts, Error> {
         let state = self.state();
         let mut counts = Counts::default();
@@ -760,7 +788,13 @@ impl OutboxAdmin for MemoryStore {
             .filter_map(|(key, row)| {
                 let head_state = match row.state {
                     RowState::Dead => "dead",
-                    RowState::Pending if row.message.attempts > 0 && row.due > now => "retrying",
+                    RowState::Pending
+                        if row.message.attempts > 0
+                            && row.due > now
+                            && !self.has(Defect::StatusIgnoresRetrying) =>
+                    {
+                        "retrying"
+                    }
                     _ => return None,
                 };
                 Some(BlockedKey {
