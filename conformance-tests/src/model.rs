@@ -135,6 +135,12 @@ pub struct Coverage {
     /// Claimable messages a claim of one shard, returning fewer than its limit, left out: the
     /// model learned that their key (or they, unordered) is in another shard.
     pub shard_ruled_out: u64,
+    /// Dead messages requeued or discarded by `seq`.
+    pub by_seq: u64,
+    /// Status checks that found a key blocked by a head waiting for a retry.
+    pub blocked_retrying: u64,
+    /// Status checks that found a key blocked by a dead head.
+    pub blocked_dead: u64,
 }
 
 impl std::ops::AddAssign for Coverage {
@@ -159,6 +165,9 @@ impl std::ops::AddAssign for Coverage {
         self.waited += o.waited;
         self.sharded += o.sharded;
         self.shard_ruled_out += o.shard_ruled_out;
+        self.by_seq += o.by_seq;
+        self.blocked_retrying += o.blocked_retrying;
+        self.blocked_dead += o.blocked_dead;
     }
 }
 
@@ -2216,6 +2225,9 @@ impl<'a> Runner<'a> {
                 ),
             ));
         }
+        if expect == 1 && by_seq {
+            self.coverage.by_seq += 1;
+        }
         if expect == 1 {
             let m = &mut self.msgs[target];
             if requeue {
@@ -2308,7 +2320,7 @@ impl<'a> Runner<'a> {
     /// first with their head's id, state, attempts and last error; and the age of the oldest
     /// unfinished, not dead message, within what the model knows of it (its model age, plus at
     /// most the real time the case has taken).
-    async fn check_status(&self) -> Result<(), Violation> {
+    async fn check_status(&mut self) -> Result<(), Violation> {
         let status = self
             .admin
             .status(STATUS_LIST)
@@ -2355,6 +2367,12 @@ impl<'a> Runner<'a> {
             })
             .collect();
         blocked.sort_by_key(|&i| self.msgs[i].order);
+        let dead_heads = blocked
+            .iter()
+            .filter(|&&i| self.msgs[i].status == Status::Dead)
+            .count() as u64;
+        self.coverage.blocked_dead += dead_heads;
+        self.coverage.blocked_retrying += blocked.len() as u64 - dead_heads;
         if let Some(n) = status.blocked_keys {
             let want_list: Vec<(String, Uuid, &str, u32, Option<&String>)> = blocked
                 .iter()
