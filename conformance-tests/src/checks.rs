@@ -1787,6 +1787,15 @@ fn nested(depth: usize) -> String {
     text
 }
 
+/// An odd row's id, event type, payload, partition key and headers (see [`odd_rows`]).
+type OddRow = (
+    Option<String>,
+    &'static str,
+    String,
+    Option<String>,
+    Option<String>,
+);
+
 /// Odd but valid rows, as a SQL writer in another language may write them: ids in upper and
 /// mixed case and left out, every kind of JSON payload (scalars, `null`, arrays, deeply nested,
 /// close to the size limit), Unicode everywhere, empty and 200-character partition keys, a key
@@ -1797,7 +1806,7 @@ fn odd_rows() -> Vec<RawRow> {
     let mixed = mixed_case(&Uuid::new_v4().to_string());
     let blob = "x".repeat(outbox_traits::DEFAULT_MAX_PAYLOAD_BYTES - 1024);
     let long_key = "é".repeat(100) + &"k".repeat(100);
-    let rows: Vec<(Option<String>, &str, String, Option<String>, Option<String>)> = vec![
+    let rows: Vec<OddRow> = vec![
         (Some(upper), "order.placed", r#"{"total": 1200}"#.into(), None, None),
         (Some(mixed), "order.placed", "1".into(), None, None),
         (None, "order.placed", r#""a string ✓""#.into(), None, None),

@@ -257,6 +257,9 @@ struct Waiter {
     then: TxEnd,
 }
 
+/// A blocked key as `status` lists it: key, head id, head state, attempts, last error.
+type BlockedHead<'a> = (String, Uuid, &'a str, u32, Option<&'a String>);
+
 /// How many blocked keys the model's `status` calls ask to list: more than there are keys.
 const STATUS_LIST: usize = 10;
 
@@ -2374,7 +2377,7 @@ impl<'a> Runner<'a> {
         self.coverage.blocked_dead += dead_heads;
         self.coverage.blocked_retrying += blocked.len() as u64 - dead_heads;
         if let Some(n) = status.blocked_keys {
-            let want_list: Vec<(String, Uuid, &str, u32, Option<&String>)> = blocked
+            let want_list: Vec<BlockedHead<'_>> = blocked
                 .iter()
                 .map(|&i| {
                     let m = &self.msgs[i];
@@ -2387,7 +2390,7 @@ impl<'a> Runner<'a> {
                     (key, m.id, state, m.attempts, m.last_error.as_ref())
                 })
                 .collect();
-            let got_list: Vec<(String, Uuid, &str, u32, Option<&String>)> = status
+            let got_list: Vec<BlockedHead<'_>> = status
                 .blocked
                 .iter()
                 .map(|b| {
