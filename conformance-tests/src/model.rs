@@ -59,7 +59,7 @@ use outbox_traits::{
 };
 use uuid::Uuid;
 
-use crate::harness::{HarnessCapabilities, HarnessStore, HarnessTx};
+use crate::harness::{HarnessCapabilities, HarnessStore, HarnessTx, RawRow};
 use crate::scenario::{
     relay_name, Advance, Move, MsgSpec, OutcomeSpec, Phase, Scenario, ShardSpec, Step, TxEnd, KEYS,
     LEASE, MAX_ATTEMPTS, NOT_BEFORE, PURGE_AGE, RELAYS, TX_SLOTS,
@@ -137,6 +137,8 @@ pub struct Coverage {
     pub shard_ruled_out: u64,
     /// Dead messages requeued or discarded by `seq`.
     pub by_seq: u64,
+    /// Messages a SQL writer inserted with a plain `INSERT` (harnesses with raw rows only).
+    pub raw: u64,
     /// Status checks that found a key blocked by a head waiting for a retry.
     pub blocked_retrying: u64,
     /// Status checks that found a key blocked by a dead head.
@@ -166,6 +168,7 @@ impl std::ops::AddAssign for Coverage {
         self.sharded += o.sharded;
         self.shard_ruled_out += o.shard_ruled_out;
         self.by_seq += o.by_seq;
+        self.raw += o.raw;
         self.blocked_retrying += o.blocked_retrying;
         self.blocked_dead += o.blocked_dead;
     }
@@ -717,6 +720,7 @@ impl<'a> Runner<'a> {
             Step::Advance(a) => self.advance(*a).await,
             Step::Requeue { pick } => self.operator(*pick, true, false).await,
             Step::Discard { pick } => self.operator(*pick, false, false).await,
+            Step::Raw { key, form } => self.raw(*key, *form).await,
             Step::RequeueBySeq { pick } => self.operator(*pick, true, true).await,
             Step::DiscardBySeq { pick } => self.operator(*pick, false, true).await,
             Step::Purge { batch } => self.purge(usize::from(*batch)).await,
@@ -789,6 +793,84 @@ impl<'a> Runner<'a> {
             created_unsure: false,
         };
         Ok((message, msg))
+    }
+
+    /// A SQL writer's plain `INSERT` of one message of `key`, committed at once (see
+    /// [`Step::Raw`]). Skipped when the harness cannot write raw rows, and when an open
+    /// transaction wrote `key`: a SQL writer takes no key lock, so with key locks it would
+    /// pass the lock's holder, which the model does not allow for.
+    async fn raw(&mut self, key: Option<u8>, form: u8) -> Result<(), Violation> {
+        if !self.caps.raw_rows {
+            self.note("skipped: the harness cannot write raw rows");
+            return Ok(());
+        }
+        let open_writer = |m: &Msg| m.key.is_some() && m.key == key;
+        if key.is_some()
+            && (self
+                .msgs
+                .iter()
+                .any(|m| open_writer(m) && matches!(m.status, Status::Open(_)))
+                || self
+                    .waiters
+                    .iter()
+                    .flatten()
+                    .any(|w| w.msgs.iter().any(open_writer)))
+        {
+            self.note("skipped: an open transaction wrote the key");
+            return Ok(());
+        }
+        let (message, mut msg) = self
+            .new_message(
+                MsgSpec {
+                    key,
+                    delayed: false,
+                },
+                0,
+            )
+            .await?;
+        let lower = msg.id.to_string();
+        let id = match form % 3 {
+            0 => lower.to_uppercase(),
+            1 => lower
+                .chars()
+                .enumerate()
+                .map(|(i, c)| {
+                    if i % 3 == 0 {
+                        c.to_ascii_uppercase()
+                    } else {
+                        c
+                    }
+                })
+                .collect(),
+            _ => lower,
+        };
+        let row = RawRow {
+            id: Some(id.clone()),
+            payload: format!("{{ \"label\" :\t{:?} }}", msg.label),
+            // Left out, the key is the aggregate id; '' is unordered.
+            partition_key: match (key, form % 3) {
+                (None, _) => Some(String::new()),
+                (Some(_), 2) => None,
+                (Some(k), _) => Some(format!("k{k}")),
+            },
+            ..RawRow::new(
+                message.aggregate_type.clone(),
+                message.aggregate_id.clone(),
+                message.event_type.clone(),
+                "{}",
+            )
+        };
+        self.store
+            .insert_raw(&[row], true)
+            .await
+            .map_err(|e| store_error("insert_raw", &e))?;
+        msg.status = Status::Pending;
+        msg.due = self.now;
+        self.coverage.committed += 1;
+        self.coverage.raw += 1;
+        self.note(format!("inserted {} as id {id}", msg.label));
+        self.insert_msg(msg);
+        Ok(())
     }
 
     /// Enter `m` into the model as inserted now: its insert order is after every message
