@@ -469,7 +469,8 @@ pub struct Counts {
 pub struct BlockedKey {
     /// The partition key.
     pub partition_key: String,
-    /// The head message's id.
+    /// The head message's id; the nil UUID when its stored id is not a UUID (a row written by
+    /// hand that the relay quarantined, see [`DeadMessage::raw_id`]): `head_seq` names it.
     pub head_id: Uuid,
     /// The head message's `seq`.
     pub head_seq: i64,
