@@ -2092,8 +2092,9 @@ fn malformed_rows(round: &str, text_ids: bool) -> Vec<Malformed> {
 /// its column, the other keys' rows and unordered rows flow on, and a valid row behind a bad
 /// one of its key waits under `Block` and flows under `Skip`. Then every admin path treats the
 /// quarantined rows alike: `list_dead` lists them (a bad id as `raw_id`), `status` counts them,
-/// requeue by id and by `seq` give the same answer (a requeued row is quarantined again by
-/// the next claim), and discard by id and by `seq` delete them and unblock their keys.
+/// `purge_published` leaves them, requeue by id and by `seq` give the same answer (a requeued
+/// row is quarantined again by the next claim), and discard by id and by `seq` delete them and
+/// unblock their keys.
 pub async fn malformed_raw_rows_quarantined(harness: &dyn Harness) -> Result<(), String> {
     let f = Fixture::new(harness).await?;
     let caps = f.store.capabilities();
@@ -2187,6 +2188,19 @@ pub async fn malformed_raw_rows_quarantined(harness: &dyn Harness) -> Result<(),
             status.dead == bad.len() as u64,
             "under {policy:?}: status reports {} dead, expected the {} quarantined rows",
             status.dead,
+            bad.len()
+        );
+        // A purge deletes published rows only, never a quarantined one.
+        f.advance(10).await?;
+        f.admin
+            .purge_published(Duration::from_secs(1), 1000)
+            .await
+            .map_err(err("purge_published"))?;
+        let counts = f.counts().await?;
+        ensure!(
+            counts.dead == bad.len() as u64 && counts.published == 0,
+            "under {policy:?}: after purging everything published, counts {counts:?}; \
+             expected the {} quarantined rows still dead and nothing published",
             bad.len()
         );
         // Requeue by id and by seq answer alike; a requeued row is quarantined again.
