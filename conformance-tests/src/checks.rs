@@ -1928,7 +1928,7 @@ async fn drain_raw(
 
 /// Rows written behind the contract's back, as a SQL writer in another language would
 /// (harnesses declaring [`HarnessCapabilities::raw_rows`](crate::HarnessCapabilities::raw_rows)):
-/// every odd value the database accepts ([`odd_rows`]: ids in upper and mixed case, every kind
+/// every odd value the database accepts (ids in upper and mixed case, every kind
 /// of JSON payload up to near the size limit, Unicode, empty and long keys, header edge cases)
 /// is claimed exactly once, comes back as written (payload equal as JSON, the id equal as a
 /// UUID), in key order, and is completed: nothing stays leased, and once every lease has run
