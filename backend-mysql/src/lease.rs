@@ -49,6 +49,7 @@ pub(crate) async fn fail(
     failures: &[Failure],
 ) -> Result<(), Error> {
     // Refuse a bad delay before anything changes.
+    outbox_traits::validate_failures(failures)?;
     for failure in failures {
         if let FailAction::Retry { delay } = &failure.action {
             micros("retry delay", *delay)?;
@@ -69,11 +70,7 @@ pub(crate) async fn extend(
     token: LeaseToken,
     lease: Duration,
 ) -> Result<DateTime<Utc>, Error> {
-    if lease.is_zero() {
-        return Err(Error::invalid_input(
-            "lease extension is 0; give the relay time to publish, e.g. 30s",
-        ));
-    }
+    outbox_traits::validate_lease_extension(lease)?;
     let lease_us = micros("lease extension", lease)?;
     let mut attempt = 0;
     loop {

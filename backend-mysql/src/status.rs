@@ -3,11 +3,12 @@
 //! (`ix_claim`, `ix_key`, `ix_published`), never the whole history. Two statements: the
 //! figures, then at most `limit` blocked keys.
 
+use outbox_traits::uuid::Uuid;
 use outbox_traits::{BlockedKey, Error, StoreStatus};
 use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 
-use crate::row::{decode_error, optional_text, text, uuid};
+use crate::row::{decode_error, optional_text, text};
 use crate::sql::unleased;
 use crate::MysqlStore;
 
@@ -89,7 +90,9 @@ pub(crate) async fn status(store: &MysqlStore, limit: usize) -> Result<StoreStat
             let attempts: i32 = row.try_get("attempts").map_err(|e| decode_error(e, t))?;
             status.blocked.push(BlockedKey {
                 partition_key: text(row, "partition_key", t)?,
-                head_id: uuid(&text(row, "id", t)?, t)?,
+                // A quarantined head whose stored id is not a UUID: the nil id, as in
+                // `list_dead` (its seq names it).
+                head_id: Uuid::parse_str(&text(row, "id", t)?).unwrap_or_default(),
                 head_seq: row.try_get("seq").map_err(|e| decode_error(e, t))?,
                 head_state: if state == "dead" { "dead" } else { "retrying" }.to_owned(),
                 attempts: u32::try_from(attempts).unwrap_or(0),

@@ -36,6 +36,7 @@ pub(crate) async fn fail(
     token: LeaseToken,
     failures: &[Failure],
 ) -> Result<(), Error> {
+    outbox_traits::validate_failures(failures)?;
     if failures.is_empty() {
         return Ok(());
     }
@@ -77,11 +78,7 @@ pub(crate) async fn extend(
     token: LeaseToken,
     lease: Duration,
 ) -> Result<DateTime<Utc>, Error> {
-    if lease.is_zero() {
-        return Err(Error::invalid_input(
-            "lease extension is 0; give the relay time to publish, e.g. 30s",
-        ));
-    }
+    outbox_traits::validate_lease_extension(lease)?;
     let lease_us = micros("lease extension", lease)?;
     let row: PgRow = sqlx::query(&store.config().sql().extend)
         .bind(token.0)

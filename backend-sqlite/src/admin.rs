@@ -63,7 +63,11 @@ impl OutboxAdmin for SqliteStore {
     }
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
-        let older_than_ms = duration_ms(older_than, "purge age")?;
+        outbox_traits::validate_purge_batch(batch)?;
+        // Nothing was published more than a century ago.
+        let Ok(older_than_ms) = duration_ms(older_than, "purge age") else {
+            return Ok(0);
+        };
         self.run(Ctx::Admin, move |conn, sql, table, caller| {
             purge_published(conn, sql, table, older_than_ms, batch, caller)
         })

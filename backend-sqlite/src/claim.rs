@@ -80,6 +80,7 @@ impl OutboxStore for SqliteStore {
     }
 
     async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
+        outbox_traits::validate_lease_extension(lease)?;
         let lease_ms = duration_ms(lease, "lease")?;
         self.run(Ctx::Extend, move |conn, sql, table, caller| {
             lease::extend(conn, sql, table, token, lease_ms, caller)

@@ -42,6 +42,7 @@ pub(crate) fn same_change(ids: &[Uuid], change: impl Fn() -> Change) -> Vec<(Uui
 
 /// The changes for [`outbox_traits::OutboxStore::fail`], with delays checked.
 pub(crate) fn failures(failures: &[Failure]) -> Result<Vec<(Uuid, Change)>, Error> {
+    outbox_traits::validate_failures(failures)?;
     let mut seen = HashSet::with_capacity(failures.len());
     let mut out = Vec::with_capacity(failures.len());
     for failure in failures {

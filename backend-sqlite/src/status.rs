@@ -62,9 +62,9 @@ pub(crate) fn status(
         blocked_keys += 1;
         if blocked.len() < limit {
             let id: String = row.get(1).map_err(err)?;
-            let head_id = Uuid::parse_str(&id).map_err(|e| {
-                Error::permanent(format!("sqlite: status of {t}: bad id {id:?}: {e}"), None)
-            })?;
+            // A quarantined head whose stored id is not a UUID: the nil id, as in `list_dead`
+            // (its seq names it).
+            let head_id = Uuid::parse_str(&id).unwrap_or_default();
             blocked.push(BlockedKey {
                 partition_key: row.get(0).map_err(err)?,
                 head_id,

@@ -14,7 +14,7 @@ use outbox_traits::{
 };
 use uuid::Uuid;
 
-use crate::harness::{Harness, HarnessStore, MIN_CLOCK_SKEW};
+use crate::harness::{Harness, HarnessStore, RawRow, MIN_CLOCK_SKEW};
 
 const LEASE: Duration = Duration::from_secs(600);
 
@@ -1563,6 +1563,733 @@ pub async fn shards_partition_keys(harness: &dyn Harness) -> Result<(), String> 
     f.finish().await
 }
 
+/// `result` is [`Error::InvalidInput`]; otherwise an explanation naming `call`.
+fn refused<T: std::fmt::Debug>(call: &str, result: Result<T, Error>) -> Result<(), String> {
+    match result {
+        Err(Error::InvalidInput(_)) => Ok(()),
+        other => Err(format!(
+            "{call} returned {other:?}; the contract refuses it with InvalidInput before \
+             anything changes"
+        )),
+    }
+}
+
+/// Every argument rule of the contract, answered alike by every store: typed
+/// [`Error::InvalidInput`] before anything changes for a claim limit or lease of 0, a lease,
+/// lease extension or retry delay longer than [`MAX_DURATION`](outbox_traits::MAX_DURATION), a
+/// zero-length extension (also under a token that holds nothing: arguments are checked first)
+/// and a purge batch of 0; and no error, nothing changed, for empty id and seq lists (complete,
+/// fail, release, requeue, discard and their by-seq forms, under any token), a dead-letter
+/// listing or status of limit 0, and a purge age beyond
+/// [`MAX_DURATION`](outbox_traits::MAX_DURATION) (nothing is that old: 0 deleted). After the
+/// refusals the held lease is intact (not taken over, not shortened, still completable) and
+/// every other message still flows.
+pub async fn argument_rules(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    f.enqueue(&[msg("k", "k#1"), msg("k", "k#2"), msg("j", "j#1")])
+        .await?;
+    let too_long = outbox_traits::MAX_DURATION + Duration::from_secs(1);
+    // Claims no store can serve.
+    for (what, request) in [
+        (
+            "claim with limit 0",
+            ClaimRequest {
+                limit: 0,
+                ..req(1, HeadPolicy::Block)
+            },
+        ),
+        (
+            "claim with a lease of 0",
+            ClaimRequest {
+                lease: Duration::ZERO,
+                ..req(1, HeadPolicy::Block)
+            },
+        ),
+        (
+            "claim with a lease of 100 years and 1 s",
+            ClaimRequest {
+                lease: too_long,
+                ..req(1, HeadPolicy::Skip)
+            },
+        ),
+    ] {
+        refused(what, f.relay.claim(&request).await.map(|c| labels(&c)))?;
+    }
+    let counts = f.counts().await?;
+    ensure!(
+        counts.pending == 3 && counts.leased == 0,
+        "after refused claims: counts {counts:?}, expected 3 pending and none leased"
+    );
+    let claim = f.claim(1).await?;
+    ensure!(
+        labels(&claim) == ["k#1"],
+        "claim(1) returned {:?}, expected [\"k#1\"]",
+        labels(&claim)
+    );
+    let k1 = claim.messages[0].id;
+    let stranger = LeaseToken::new();
+    // Lease extensions: a bad length is refused before the token is looked up.
+    for (what, token, lease) in [
+        (
+            "extend(token, 0) of a held lease",
+            claim.token,
+            Duration::ZERO,
+        ),
+        ("extend(unknown token, 0)", stranger, Duration::ZERO),
+        ("extend(token, 100 years and 1 s)", claim.token, too_long),
+    ] {
+        refused(what, f.relay.extend(token, lease).await)?;
+    }
+    // A retry delay beyond the limit refuses the whole call: the dead-lettering beside it
+    // does not happen either.
+    refused(
+        "fail with a retry delay of 100 years and 1 s",
+        f.relay
+            .fail(
+                claim.token,
+                &[
+                    dead(k1, "beside a bad entry"),
+                    Failure {
+                        id: k1,
+                        error: "too long".into(),
+                        action: FailAction::Retry { delay: too_long },
+                    },
+                ],
+            )
+            .await,
+    )?;
+    refused(
+        "purge_published(1 s, batch 0)",
+        f.admin.purge_published(Duration::from_secs(1), 0).await,
+    )?;
+    // Empty lists change nothing and are no error, under the held token or any other.
+    for token in [claim.token, stranger] {
+        let which = if token == claim.token {
+            "the held token"
+        } else {
+            "an unknown token"
+        };
+        for (what, result) in [
+            ("complete", f.relay.complete(token, &[]).await),
+            ("fail", f.relay.fail(token, &[]).await),
+            ("release", f.relay.release(token, &[]).await),
+        ] {
+            ensure!(
+                result.is_ok(),
+                "{what}({which}, []) returned {result:?}; an empty list changes nothing and \
+                 returns Ok"
+            );
+        }
+    }
+    for (what, result) in [
+        ("requeue([])", f.admin.requeue(&[]).await),
+        ("discard([])", f.admin.discard(&[]).await),
+        ("requeue_seqs([])", f.admin.requeue_seqs(&[]).await),
+        ("discard_seqs([])", f.admin.discard_seqs(&[]).await),
+        (
+            "purge_published(100 years and 1 s, 10)",
+            f.admin.purge_published(too_long, 10).await,
+        ),
+    ] {
+        ensure!(
+            matches!(result, Ok(0)),
+            "{what} returned {result:?}, expected Ok(0)"
+        );
+    }
+    let listed = f.admin.list_dead(None, 0).await;
+    ensure!(
+        matches!(&listed, Ok(l) if l.is_empty()),
+        "list_dead(None, 0) returned {listed:?}, expected an empty list"
+    );
+    let status = f.admin.status(0).await;
+    ensure!(
+        matches!(&status, Ok(s) if s.blocked.is_empty() && s.leased == 1 && s.pending == 2),
+        "status(0) returned {status:?}, expected 1 leased, 2 pending and no key listed"
+    );
+    // The held lease is intact: not shortened (another relay cannot take k#1 just before its
+    // end), still extendable to the longest lease and back, and completable.
+    f.advance(LEASE.as_secs() - 60).await?;
+    let other = f.store.relay().await.map_err(err("relay handle"))?;
+    let taken = f.claim_with(&other, 10, HeadPolicy::Block).await?;
+    ensure!(
+        labels(&taken) == ["j#1"],
+        "after the refused calls, a claim by another relay 60 s before k#1's lease ends \
+         returned {:?}; expected only [\"j#1\"] (k#1 still leased, k#2 behind it)",
+        labels(&taken)
+    );
+    f.relay
+        .extend(claim.token, outbox_traits::MAX_DURATION)
+        .await
+        .map_err(err("extend by exactly 100 years (the longest accepted)"))?;
+    f.relay
+        .extend(claim.token, LEASE)
+        .await
+        .map_err(err("extend back to the property's lease"))?;
+    f.relay
+        .complete(claim.token, &[k1])
+        .await
+        .map_err(err("complete after the refused calls"))?;
+    other
+        .complete(taken.token, &ids(&taken))
+        .await
+        .map_err(err("complete"))?;
+    let last = f.claim(10).await?;
+    ensure!(
+        labels(&last) == ["k#2"],
+        "after k#1 and j#1 were completed, a claim returned {:?}; expected [\"k#2\"]",
+        labels(&last)
+    );
+    let counts = f.counts().await?;
+    ensure!(
+        counts.dead == 0 && counts.leased == 1 && counts.published == f.kept(2),
+        "at the end: counts {counts:?}, expected nothing dead (the refused fail changed \
+         nothing), 1 leased, {} published",
+        f.kept(2)
+    );
+    f.finish().await
+}
+
+/// What a raw row must come back as: the message fields a claim returns, the payload compared
+/// as JSON (a database may store it in another text form, e.g. Postgres's `jsonb`).
+struct RawExpect {
+    id: Option<Uuid>,
+    aggregate_type: String,
+    event_type: String,
+    payload: serde_json::Value,
+    headers: BTreeMap<String, String>,
+    partition_key: Option<String>,
+}
+
+/// `text` with every other letter in upper case: a mixed-case id.
+fn mixed_case(text: &str) -> String {
+    text.chars()
+        .enumerate()
+        .map(|(i, c)| {
+            if i % 2 == 0 {
+                c.to_ascii_uppercase()
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
+/// JSON nested `depth` levels deep, alternating objects and arrays.
+fn nested(depth: usize) -> String {
+    let mut text = String::from("\"bottom\"");
+    for level in 0..depth {
+        text = if level % 2 == 0 {
+            format!("{{\"level{level}\":{text}}}")
+        } else {
+            format!("[{level},{text}]")
+        };
+    }
+    text
+}
+
+/// An odd row's id, event type, payload, partition key and headers (see [`odd_rows`]).
+type OddRow = (
+    Option<String>,
+    &'static str,
+    String,
+    Option<String>,
+    Option<String>,
+);
+
+/// Odd but valid rows, as a SQL writer in another language may write them: ids in upper and
+/// mixed case and left out, every kind of JSON payload (scalars, `null`, arrays, deeply nested,
+/// close to the size limit), Unicode everywhere, empty and 200-character partition keys, a key
+/// left out, headers with Unicode, empty names, escapes and long values. The aggregate id of
+/// row `n` is `raw-n`; keys `ключ-🔑` (two rows, in this order) and `ordered` are shared.
+fn odd_rows() -> Vec<RawRow> {
+    let upper = Uuid::new_v4().to_string().to_uppercase();
+    let mixed = mixed_case(&Uuid::new_v4().to_string());
+    let blob = "x".repeat(outbox_traits::DEFAULT_MAX_PAYLOAD_BYTES - 1024);
+    let long_key = "é".repeat(100) + &"k".repeat(100);
+    let rows: Vec<OddRow> = vec![
+        (Some(upper), "order.placed", r#"{"total": 1200}"#.into(), None, None),
+        (Some(mixed), "order.placed", "1".into(), None, None),
+        (None, "order.placed", r#""a string ✓""#.into(), None, None),
+        (None, "заказ.создан", "null".into(), None, None),
+        (None, "t", "false".into(), Some("ordered".into()), None),
+        (None, "t", r#"[1, "a", null, {"b": []}]"#.into(), Some("ordered".into()), None),
+        (None, "t", "{}".into(), Some(String::new()), None),
+        (None, "t", "[]".into(), Some("ключ-🔑".into()), None),
+        (None, "t", nested(30), Some("ключ-🔑".into()), None),
+        (None, "t", format!(r#"{{"blob": "{blob}"}}"#), Some(long_key), None),
+        (
+            None,
+            "t",
+            r#"{"emoji": "🎉", "escaped": "a\"b\\c\n\t\u00e9"}"#.into(),
+            None,
+            Some(
+                r#"{"ключ": "значение 🎉", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}"#
+                    .into(),
+            ),
+        ),
+        (
+            None,
+            "t",
+            "2".into(),
+            Some("ordered".into()),
+            Some(format!(
+                r#"{{"": "", "quote": "a\"b\\c\n", "long": "{}"}}"#,
+                "v".repeat(1000)
+            )),
+        ),
+        (None, "t", "3".into(), None, Some("{}".into())),
+    ];
+    rows.into_iter()
+        .enumerate()
+        .map(|(n, (id, event_type, payload, key, headers))| RawRow {
+            id,
+            partition_key: key,
+            headers,
+            ..RawRow::new("注文", format!("raw-{n}"), event_type, payload)
+        })
+        .collect()
+}
+
+fn raw_expect(row: &RawRow) -> Result<RawExpect, String> {
+    let json = |what: &str, text: &str| {
+        serde_json::from_str::<serde_json::Value>(text)
+            .map_err(|e| format!("test setup: {what} {text:?} is not JSON: {e}"))
+    };
+    let headers = match &row.headers {
+        Some(text) => {
+            serde_json::from_str(text).map_err(|e| format!("test setup: headers {text:?}: {e}"))?
+        }
+        None => BTreeMap::new(),
+    };
+    Ok(RawExpect {
+        id: match &row.id {
+            Some(text) => {
+                Some(Uuid::parse_str(text).map_err(|e| format!("test setup: id {text:?}: {e}"))?)
+            }
+            None => None,
+        },
+        aggregate_type: row.aggregate_type.clone(),
+        event_type: row.event_type.clone(),
+        payload: json("payload", &row.payload)?,
+        headers,
+        partition_key: match &row.partition_key {
+            Some(key) if key.is_empty() => None,
+            Some(key) => Some(key.clone()),
+            None => Some(row.aggregate_id.clone()),
+        },
+    })
+}
+
+/// Claim (limit `limit`, `policy`) and complete until a claim comes back empty; every message
+/// by aggregate id, with the order they came in. Fails on a message returned twice or a
+/// complete that is refused.
+async fn drain_raw(
+    f: &Fixture,
+    limit: usize,
+    policy: HeadPolicy,
+) -> Result<Vec<outbox_traits::Message>, String> {
+    let mut got: Vec<outbox_traits::Message> = Vec::new();
+    // A claim that met only malformed rows quarantines them and returns nothing: stop after
+    // two empty claims in a row.
+    let mut empty = 0;
+    for _ in 0..100 {
+        let claim = f.claim_with(&f.relay, limit, policy).await?;
+        if claim.messages.is_empty() {
+            empty += 1;
+            if empty == 2 {
+                return Ok(got);
+            }
+            continue;
+        }
+        empty = 0;
+        for m in &claim.messages {
+            if let Some(first) = got.iter().find(|g| g.aggregate_id == m.aggregate_id) {
+                return Err(format!(
+                    "row {} (id {}) was claimed again after it was completed (first as id {})",
+                    m.aggregate_id, m.id, first.id
+                ));
+            }
+        }
+        let result = f.relay.complete(claim.token, &ids(&claim)).await;
+        ensure!(
+            result.is_ok(),
+            "complete of claimed rows {:?} returned {result:?}: a row written by SQL must be \
+             completed by the id its claim returned",
+            claim
+                .messages
+                .iter()
+                .map(|m| (&m.aggregate_id, m.id))
+                .collect::<Vec<_>>()
+        );
+        got.extend(claim.messages);
+    }
+    Err("claims still returned messages after 100 rounds".into())
+}
+
+/// Rows written behind the contract's back, as a SQL writer in another language would
+/// (harnesses declaring [`HarnessCapabilities::raw_rows`](crate::HarnessCapabilities::raw_rows)):
+/// every odd value the database accepts (ids in upper and mixed case, every kind
+/// of JSON payload up to near the size limit, Unicode, empty and long keys, header edge cases)
+/// is claimed exactly once, comes back as written (payload equal as JSON, the id equal as a
+/// UUID), in key order, and is completed: nothing stays leased, and once every lease has run
+/// out nothing is claimed again. Other forms of an id (braces, no hyphens, `urn:uuid:`) are
+/// each written alone: a form the database refuses is no concern, one it accepts must
+/// round-trip alike.
+pub async fn raw_rows_round_trip(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    if !f.store.capabilities().raw_rows {
+        return f.finish().await;
+    }
+    let mut rows = odd_rows();
+    f.store
+        .insert_raw(&rows, true)
+        .await
+        .map_err(err("insert_raw of valid odd rows"))?;
+    let base = Uuid::new_v4().simple().to_string();
+    let forms = [
+        format!("{{{}}}", Uuid::new_v4()),
+        base.to_uppercase(),
+        format!("urn:uuid:{}", Uuid::new_v4()),
+    ];
+    for form in forms {
+        let row = RawRow {
+            id: Some(form),
+            ..RawRow::new("注文", format!("raw-{}", rows.len()), "t", "4")
+        };
+        if f.store
+            .insert_raw(std::slice::from_ref(&row), true)
+            .await
+            .is_ok()
+        {
+            rows.push(row);
+        }
+    }
+    let expected: BTreeMap<String, RawExpect> = rows
+        .iter()
+        .map(|r| raw_expect(r).map(|e| (r.aggregate_id.clone(), e)))
+        .collect::<Result<_, _>>()?;
+    let got = drain_raw(&f, 5, HeadPolicy::Block).await?;
+    let missing: Vec<&String> = expected
+        .keys()
+        .filter(|a| !got.iter().any(|m| &m.aggregate_id == *a))
+        .collect();
+    ensure!(
+        missing.is_empty() && got.len() == expected.len(),
+        "claims until empty returned {} messages; rows never claimed: {missing:?}",
+        got.len()
+    );
+    for m in &got {
+        let Some(want) = expected.get(&m.aggregate_id) else {
+            return Err(format!(
+                "a claim returned an unknown row {:?}",
+                m.aggregate_id
+            ));
+        };
+        let payload: Result<serde_json::Value, _> = serde_json::from_str(&m.payload);
+        let shown = |p: &str| p.chars().take(120).collect::<String>();
+        ensure!(
+            want.id.is_none_or(|id| id == m.id)
+                && m.aggregate_type == want.aggregate_type
+                && m.event_type == want.event_type
+                && payload.as_ref().is_ok_and(|p| *p == want.payload)
+                && m.headers == want.headers
+                && m.partition_key == want.partition_key,
+            "row {} came back as id {}, type {:?}/{:?}, payload {:?}, headers {:?}, key {:?}; \
+             written as id {:?}, type {:?}/{:?}, payload {:?}, headers {:?}, key {:?}",
+            m.aggregate_id,
+            m.id,
+            m.aggregate_type,
+            m.event_type,
+            shown(&m.payload),
+            m.headers,
+            m.partition_key,
+            want.id,
+            want.aggregate_type,
+            want.event_type,
+            shown(&want.payload.to_string()),
+            want.headers,
+            want.partition_key
+        );
+    }
+    // Per-key order: a key's rows were claimed in insert order.
+    for key in ["ordered", "ключ-🔑"] {
+        let order: Vec<&str> = got
+            .iter()
+            .filter(|m| m.partition_key.as_deref() == Some(key))
+            .map(|m| m.aggregate_id.as_str())
+            .collect();
+        let want: Vec<&str> = rows
+            .iter()
+            .filter(|r| r.partition_key.as_deref() == Some(key))
+            .map(|r| r.aggregate_id.as_str())
+            .collect();
+        ensure!(
+            order == want,
+            "the rows of key {key:?} were claimed as {order:?}, written as {want:?}"
+        );
+    }
+    let n = expected.len() as u64;
+    let counts = f.counts().await?;
+    ensure!(
+        counts.pending == 0
+            && counts.leased == 0
+            && counts.dead == 0
+            && counts.published == f.kept(n),
+        "after every raw row was claimed and completed: counts {counts:?}, expected {} \
+         published and nothing pending, leased or dead",
+        f.kept(n)
+    );
+    f.advance(2 * LEASE.as_secs()).await?;
+    let again = f.claim(100).await?;
+    ensure!(
+        again.messages.is_empty(),
+        "once every lease had run out, a claim returned completed rows again: {:?}",
+        again
+            .messages
+            .iter()
+            .map(|m| (&m.aggregate_id, m.id))
+            .collect::<Vec<_>>()
+    );
+    f.finish().await
+}
+
+/// One malformed row of [`malformed_raw_rows_quarantined`] and the column its reason names.
+struct Malformed {
+    row: RawRow,
+    column: &'static str,
+}
+
+/// Malformed rows, each of its own key `bad-<round>-<n>` followed by a valid row of that key
+/// (`behind-<round>-<n>`): headers that are not a JSON object of strings, and with
+/// [`HarnessCapabilities::text_ids`](crate::HarnessCapabilities::text_ids) an id that is not
+/// a UUID.
+fn malformed_rows(round: &str, text_ids: bool) -> Vec<Malformed> {
+    let mut bad = vec![
+        (Some(Uuid::new_v4().to_string()), r#"{"n": 1}"#, "headers"),
+        (Some(Uuid::new_v4().to_string()), "[1]", "headers"),
+        (Some(Uuid::new_v4().to_string()), r#""text""#, "headers"),
+    ];
+    if text_ids {
+        bad.push((Some(format!("not-a-uuid-{round}")), "{}", "id"));
+    }
+    bad.into_iter()
+        .enumerate()
+        .map(|(n, (id, headers, column))| Malformed {
+            row: RawRow {
+                id,
+                headers: Some(headers.into()),
+                partition_key: Some(format!("bad-{round}-{n}")),
+                ..RawRow::new("item", format!("bad-{round}-{n}"), "t", "{}")
+            },
+            column,
+        })
+        .collect()
+}
+
+/// Malformed rows written past the database's checks (harnesses declaring
+/// [`HarnessCapabilities::unchecked_raw_rows`](crate::HarnessCapabilities::unchecked_raw_rows)):
+/// under each head policy, every one is dead-lettered on its own with a `last_error` naming
+/// its column, the other keys' rows and unordered rows flow on, and a valid row behind a bad
+/// one of its key waits under `Block` and flows under `Skip`. Then every admin path treats the
+/// quarantined rows alike: `list_dead` lists them (a bad id as `raw_id`), `status` counts them,
+/// `purge_published` leaves them, requeue by id and by `seq` give the same answer (a requeued
+/// row is quarantined again by the next claim), and discard by id and by `seq` delete them and
+/// unblock their keys.
+pub async fn malformed_raw_rows_quarantined(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    let caps = f.store.capabilities();
+    if !caps.unchecked_raw_rows {
+        return f.finish().await;
+    }
+    for (round, policy) in [("block", HeadPolicy::Block), ("skip", HeadPolicy::Skip)] {
+        let bad = malformed_rows(round, caps.text_ids);
+        let mut rows = Vec::new();
+        let mut flowing = Vec::new();
+        let mut behind = Vec::new();
+        for (n, m) in bad.iter().enumerate() {
+            let ok = RawRow::new("item", format!("ok-{round}-{n}"), "t", "{}");
+            flowing.push(ok.aggregate_id.clone());
+            rows.push(ok);
+            rows.push(m.row.clone());
+            let after = RawRow {
+                partition_key: m.row.partition_key.clone(),
+                ..RawRow::new("item", format!("behind-{round}-{n}"), "t", "{}")
+            };
+            behind.push(after.aggregate_id.clone());
+            rows.push(after);
+        }
+        let unordered = RawRow {
+            partition_key: Some(String::new()),
+            ..RawRow::new("item", format!("unordered-{round}"), "t", "{}")
+        };
+        flowing.push(unordered.aggregate_id.clone());
+        rows.push(unordered);
+        f.store
+            .insert_raw(&rows, false)
+            .await
+            .map_err(err("insert_raw of malformed rows, unchecked"))?;
+        let got = drain_raw(&f, 3, policy).await?;
+        let got_ids: BTreeSet<&str> = got.iter().map(|m| m.aggregate_id.as_str()).collect();
+        let mut want: BTreeSet<&str> = flowing.iter().map(String::as_str).collect();
+        if policy == HeadPolicy::Skip {
+            want.extend(behind.iter().map(String::as_str));
+        }
+        ensure!(
+            got_ids == want,
+            "under {policy:?}, with malformed rows among them, claims until empty returned \
+             {got_ids:?}; expected {want:?} (every valid row of another key, and {})",
+            if policy == HeadPolicy::Skip {
+                "under Skip the rows behind a quarantined one"
+            } else {
+                "under Block not the rows behind a quarantined one"
+            }
+        );
+        // Every malformed row is dead, with its column named.
+        let dead = f
+            .admin
+            .list_dead(None, 1000)
+            .await
+            .map_err(err("list_dead"))?;
+        for m in &bad {
+            let found = dead
+                .iter()
+                .find(|d| d.message.partition_key == m.row.partition_key);
+            let Some(d) = found else {
+                return Err(format!(
+                    "under {policy:?}, malformed row {} (bad {}) is not listed dead: {:?}",
+                    m.row.aggregate_id,
+                    m.column,
+                    dead.iter()
+                        .map(|d| &d.message.partition_key)
+                        .collect::<Vec<_>>()
+                ));
+            };
+            ensure!(
+                d.last_error.contains(&format!("column {}", m.column)),
+                "malformed row {} is dead with last_error {:?}, which does not name the \
+                 column {}",
+                m.row.aggregate_id,
+                d.last_error,
+                m.column
+            );
+            if m.column == "id" {
+                ensure!(
+                    d.raw_id.as_deref() == m.row.id.as_deref() && d.message.id.is_nil(),
+                    "the dead row with id {:?} is listed with raw_id {:?} and id {}; expected \
+                     its stored id as raw_id and the nil UUID",
+                    m.row.id,
+                    d.raw_id,
+                    d.message.id
+                );
+            }
+        }
+        let status = f.admin.status(100).await.map_err(err("status"))?;
+        ensure!(
+            status.dead == bad.len() as u64,
+            "under {policy:?}: status reports {} dead, expected the {} quarantined rows",
+            status.dead,
+            bad.len()
+        );
+        // A purge deletes published rows only, never a quarantined one.
+        f.advance(10).await?;
+        f.admin
+            .purge_published(Duration::from_secs(1), 1000)
+            .await
+            .map_err(err("purge_published"))?;
+        let counts = f.counts().await?;
+        ensure!(
+            counts.dead == bad.len() as u64 && counts.published == 0,
+            "under {policy:?}: after purging everything published, counts {counts:?}; \
+             expected the {} quarantined rows still dead and nothing published",
+            bad.len()
+        );
+        // Requeue by id and by seq answer alike; a requeued row is quarantined again.
+        let headers_rows: Vec<&outbox_traits::DeadMessage> = bad
+            .iter()
+            .filter(|m| m.column == "headers")
+            .filter_map(|m| {
+                dead.iter()
+                    .find(|d| d.message.partition_key == m.row.partition_key)
+            })
+            .collect();
+        let (a, b) = (headers_rows[0], headers_rows[1]);
+        let by_id = f.admin.requeue(&[a.message.id]).await;
+        let by_seq = f.admin.requeue_seqs(&[b.message.seq]).await;
+        let same = match (&by_id, &by_seq) {
+            (Ok(x), Ok(y)) => x == y,
+            (Err(x), Err(y)) => x.kind() == y.kind(),
+            _ => false,
+        };
+        ensure!(
+            same,
+            "requeue by id of a quarantined row returned {by_id:?}, requeue by seq of one \
+             alike returned {by_seq:?}: both paths must treat it the same way"
+        );
+        if matches!(by_id, Ok(1)) {
+            let again = drain_raw(&f, 3, policy).await?;
+            ensure!(
+                again.is_empty(),
+                "after requeueing two quarantined rows, claims returned {:?}",
+                again.iter().map(|m| &m.aggregate_id).collect::<Vec<_>>()
+            );
+            let counts = f.counts().await?;
+            ensure!(
+                counts.dead == bad.len() as u64
+                    && counts.pending + counts.leased
+                        == if policy == HeadPolicy::Block {
+                            behind.len() as u64
+                        } else {
+                            0
+                        },
+                "after requeueing two quarantined rows and claiming again: counts {counts:?}; \
+                 expected them quarantined again ({} dead)",
+                bad.len()
+            );
+        }
+        // Discard: the header rows by id, the others by seq; their keys then flow.
+        let dead = f
+            .admin
+            .list_dead(None, 1000)
+            .await
+            .map_err(err("list_dead"))?;
+        let mut discarded = 0;
+        for d in dead.iter().filter(|d| {
+            bad.iter()
+                .any(|m| m.row.partition_key == d.message.partition_key)
+        }) {
+            discarded += if d.message.id.is_nil() {
+                f.admin.discard_seqs(&[d.message.seq]).await
+            } else {
+                f.admin.discard(&[d.message.id]).await
+            }
+            .map_err(err("discard of a quarantined row"))?;
+        }
+        ensure!(
+            discarded == bad.len() as u64,
+            "discarding the {} quarantined rows by id and by seq discarded {discarded}",
+            bad.len()
+        );
+        let rest = drain_raw(&f, 3, policy).await?;
+        let rest_ids: BTreeSet<&str> = rest.iter().map(|m| m.aggregate_id.as_str()).collect();
+        let want: BTreeSet<&str> = if policy == HeadPolicy::Block {
+            behind.iter().map(String::as_str).collect()
+        } else {
+            BTreeSet::new()
+        };
+        ensure!(
+            rest_ids == want,
+            "under {policy:?}, once the quarantined rows were discarded, claims returned \
+             {rest_ids:?}, expected {want:?}"
+        );
+    }
+    let counts = f.counts().await?;
+    ensure!(
+        counts.pending == 0 && counts.leased == 0 && counts.dead == 0,
+        "at the end: counts {counts:?}, expected nothing pending, leased or dead"
+    );
+    f.finish().await
+}
+
 /// Every check, by name, so the macro and pickers can run them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -1615,11 +2342,17 @@ pub enum Check {
     InvalidShardIsRefused,
     /// [`shards_partition_keys`]
     ShardsPartitionKeys,
+    /// [`argument_rules`]
+    ArgumentRules,
+    /// [`raw_rows_round_trip`]
+    RawRowsRoundTrip,
+    /// [`malformed_raw_rows_quarantined`]
+    MalformedRawRowsQuarantined,
 }
 
 impl Check {
     /// Every check.
-    pub const ALL: [Check; 24] = [
+    pub const ALL: [Check; 27] = [
         Check::ClaimRespectsLimit,
         Check::NoPhantoms,
         Check::LateCommitIsClaimed,
@@ -1644,6 +2377,9 @@ impl Check {
         Check::ManyKeysBehindABlockedBacklog,
         Check::InvalidShardIsRefused,
         Check::ShardsPartitionKeys,
+        Check::ArgumentRules,
+        Check::RawRowsRoundTrip,
+        Check::MalformedRawRowsQuarantined,
     ];
 
     /// The checks that go through the enqueue path: transactions that commit late, roll back or
@@ -1693,6 +2429,9 @@ impl Check {
             }
             Check::InvalidShardIsRefused => invalid_shard_is_refused(harness).await,
             Check::ShardsPartitionKeys => shards_partition_keys(harness).await,
+            Check::ArgumentRules => argument_rules(harness).await,
+            Check::RawRowsRoundTrip => raw_rows_round_trip(harness).await,
+            Check::MalformedRawRowsQuarantined => malformed_raw_rows_quarantined(harness).await,
         }
     }
 

@@ -23,6 +23,11 @@
 //! - **Key locks (optional).** A store whose enqueue makes a second writer of a key wait for
 //!   the first transaction to end declares [`HarnessCapabilities::key_locks`]; the suite then
 //!   expects such an enqueue to block, and insert order to be commit order.
+//! - **Raw rows (optional).** A harness that can write a row as a SQL writer in another
+//!   language would (a plain `INSERT` of text values, see [`RawRow`]) declares
+//!   [`HarnessCapabilities::raw_rows`] and implements [`HarnessStore::insert_raw`]; the suite
+//!   then checks that every odd but accepted value round-trips and every malformed one is
+//!   quarantined on its own. A store without a SQL table leaves it off and runs the rest.
 //! - **Crash = drop.** A relay crash is simulated by dropping the handle returned by
 //!   [`HarnessStore::relay`] mid-step. Dropping it closes its connections but MUST NOT release
 //!   its leases: they stay until they expire, as after a real crash.
@@ -66,6 +71,62 @@ pub struct HarnessCapabilities {
     /// that was still uncommitted at that claim. Needs
     /// [`HarnessCapabilities::concurrent_transactions`].
     pub key_locks: bool,
+    /// [`HarnessStore::insert_raw`] writes rows as a SQL writer would, through the database's
+    /// checks (columns left out take their defaults). The suite then writes odd but accepted
+    /// values (ids in upper and mixed case, Unicode keys and headers, every kind of JSON
+    /// payload, large payloads, empty and long keys) and requires each to be claimed once,
+    /// published exactly as written and completed.
+    pub raw_rows: bool,
+    /// [`HarnessStore::insert_raw`] with `checked: false` writes rows past the database's
+    /// checks (as into a table made before them): headers that are not a JSON object of
+    /// strings. The suite then requires each such row to be dead-lettered on its own, naming
+    /// the column, under both head policies, while the others flow. Needs
+    /// [`HarnessCapabilities::raw_rows`].
+    pub unchecked_raw_rows: bool,
+    /// The id column holds any text when unchecked (not a `uuid` type), so a row with an id
+    /// that is not a UUID can be written, and must be quarantined. Needs
+    /// [`HarnessCapabilities::unchecked_raw_rows`].
+    pub text_ids: bool,
+}
+
+/// A row as a SQL writer in another language writes it: text values of the table's columns
+/// (README, "Writing from any language (SQL)"), `None` for a column left out of the `INSERT`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawRow {
+    /// The `id` text (any case and form the database accepts); `None`: the database's default.
+    pub id: Option<String>,
+    /// `aggregatetype`.
+    pub aggregate_type: String,
+    /// `aggregateid`.
+    pub aggregate_id: String,
+    /// `type`.
+    pub event_type: String,
+    /// `payload`, as JSON text.
+    pub payload: String,
+    /// `partition_key` (`''`: unordered); `None`: left out, the aggregate id.
+    pub partition_key: Option<String>,
+    /// `headers`, as JSON text; `None`: left out, `{}`.
+    pub headers: Option<String>,
+}
+
+impl RawRow {
+    /// A row with the four required columns; every optional one left out.
+    pub fn new(
+        aggregate_type: impl Into<String>,
+        aggregate_id: impl Into<String>,
+        event_type: impl Into<String>,
+        payload: impl Into<String>,
+    ) -> Self {
+        Self {
+            id: None,
+            aggregate_type: aggregate_type.into(),
+            aggregate_id: aggregate_id.into(),
+            event_type: event_type.into(),
+            payload: payload.into(),
+            partition_key: None,
+            headers: None,
+        }
+    }
 }
 
 /// The least distance between a skewed store clock and the host's (see
@@ -82,7 +143,19 @@ impl HarnessCapabilities {
             concurrent_transactions: true,
             skewed_clock: false,
             key_locks: false,
+            raw_rows: false,
+            unchecked_raw_rows: false,
+            text_ids: false,
         }
+    }
+
+    /// Set [`HarnessCapabilities::raw_rows`], [`HarnessCapabilities::unchecked_raw_rows`] and
+    /// [`HarnessCapabilities::text_ids`].
+    pub const fn with_raw_rows(mut self, raw: bool, unchecked: bool, text_ids: bool) -> Self {
+        self.raw_rows = raw;
+        self.unchecked_raw_rows = unchecked;
+        self.text_ids = text_ids;
+        self
     }
 
     /// Set [`HarnessCapabilities::key_locks`].
@@ -152,6 +225,19 @@ pub trait HarnessStore: Send + Sync {
     /// [`HarnessCapabilities::skewed_clock`]) returns that clock.
     async fn now(&self) -> Result<DateTime<Utc>, Error> {
         Ok(Utc::now())
+    }
+
+    /// Insert `rows` in one committed transaction as a SQL writer would: a plain `INSERT` of
+    /// the given columns' text (the others left to their defaults), not through the backend's
+    /// enqueue. With `checked: false`, past the database's checks of ids and headers (e.g.
+    /// MariaDB's `check_constraint_checks = 0`, or with the checks dropped from the table), as
+    /// into a table made before them. Only called when [`HarnessCapabilities::raw_rows`] (and,
+    /// unchecked, [`HarnessCapabilities::unchecked_raw_rows`]) is declared; the default refuses.
+    async fn insert_raw(&self, rows: &[RawRow], checked: bool) -> Result<(), Error> {
+        let _ = (rows, checked);
+        Err(Error::invalid_input(
+            "this harness cannot insert raw rows; do not declare HarnessCapabilities::raw_rows",
+        ))
     }
 
     /// Free what the store holds (drop its schema, delete its file). Called once at the end of a

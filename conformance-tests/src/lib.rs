@@ -5,7 +5,13 @@
 //! property with one line: `outbox_conformance_tests::conformance_suite!(MyHarness::new());`
 //! (see [`conformance_suite!`]).
 //!
-//! - [`checks`]: example-based checks, one `pub async fn` per rule, for those who pick.
+//! - [`checks`]: example-based checks, one `pub async fn` per rule, for those who pick. Among
+//!   them: [`checks::argument_rules`] (every argument rule of the contract, answered alike by
+//!   every store), and, for harnesses that can write rows as a SQL writer would
+//!   ([`HarnessCapabilities::raw_rows`]), [`checks::raw_rows_round_trip`] (odd but accepted
+//!   values round-trip exactly) and [`checks::malformed_raw_rows_quarantined`] (malformed rows
+//!   are quarantined on their own under both head policies, and every admin path treats them
+//!   alike).
 //!   [`checks::Check::ENQUEUE`] are those that go through the enqueue path: a backend with a
 //!   second one (e.g. diesel next to sqlx) runs them through it with [`enqueue_suite!`], its
 //!   relays still on the backend's store.
@@ -16,14 +22,17 @@
 //!   leases expiring, stale relays settling late, retries coming due, dead letters requeued and
 //!   discarded, purges, and relays claiming, settling and extending at the same moment on their
 //!   own connections (the outcome must be what some order of their moves gives). Open
-//!   transactions write the same keys (concurrent writers of a key), and with
+//!   transactions write the same keys (concurrent writers of a key), a SQL writer inserts rows
+//!   with ids in upper and mixed case (with [`HarnessCapabilities::raw_rows`]), operators
+//!   requeue and discard by id and by `seq`, and with
 //!   [`HarnessCapabilities::key_locks`] a second writer's enqueue must wait for the first
 //!   transaction to end. Against a store declaring sharded claims, some claims ask for one
 //!   shard, and the model learns the store's shard function from what they return. After every
 //!   step and at the end a reference model checks no loss, no phantom, per-key order (by the
 //!   contract's rule for concurrent writers: an earlier message of a key may be passed only
 //!   while it is uncommitted), duplicates only from listed causes, fencing, claim limits and
-//!   eligibility, shard consistency, exact attempts, dead-letter reasons and accounting. A
+//!   eligibility, shard consistency, exact attempts, dead-letter reasons and accounting
+//!   (`counts` and `status`: blocked keys with their heads, the oldest message's age). A
 //!   failure prints the broken invariant and the shrunk scenario in words, step by step.
 //! - [`engine::check_engine`]: the same invariants end to end through the real
 //!   [`outbox_relay::Relay`], with a fault-injecting publisher and the engine aborted at random
@@ -58,7 +67,7 @@ mod scenario;
 pub mod servers;
 pub mod skewed;
 
-pub use harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx, MIN_CLOCK_SKEW};
+pub use harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx, RawRow, MIN_CLOCK_SKEW};
 pub use memory::{MemoryHarness, MemoryHarnessStore};
 pub use model::{run_scenario, run_scenario_with_coverage, Coverage, Violation};
 pub use scenario::{

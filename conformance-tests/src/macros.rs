@@ -52,6 +52,9 @@ macro_rules! conformance_suite {
             many_keys_behind_a_blocked_backlog ManyKeysBehindABlockedBacklog,
             invalid_shard_is_refused InvalidShardIsRefused,
             shards_partition_keys ShardsPartitionKeys,
+            argument_rules ArgumentRules,
+            raw_rows_round_trip RawRowsRoundTrip,
+            malformed_raw_rows_quarantined MalformedRawRowsQuarantined,
         );
     };
     ($harness:expr, reduced: $divisor:expr) => {

@@ -59,7 +59,7 @@ use outbox_traits::{
 };
 use uuid::Uuid;
 
-use crate::harness::{HarnessCapabilities, HarnessStore, HarnessTx};
+use crate::harness::{HarnessCapabilities, HarnessStore, HarnessTx, RawRow};
 use crate::scenario::{
     relay_name, Advance, Move, MsgSpec, OutcomeSpec, Phase, Scenario, ShardSpec, Step, TxEnd, KEYS,
     LEASE, MAX_ATTEMPTS, NOT_BEFORE, PURGE_AGE, RELAYS, TX_SLOTS,
@@ -135,6 +135,14 @@ pub struct Coverage {
     /// Claimable messages a claim of one shard, returning fewer than its limit, left out: the
     /// model learned that their key (or they, unordered) is in another shard.
     pub shard_ruled_out: u64,
+    /// Dead messages requeued or discarded by `seq`.
+    pub by_seq: u64,
+    /// Messages a SQL writer inserted with a plain `INSERT` (harnesses with raw rows only).
+    pub raw: u64,
+    /// Status checks that found a key blocked by a head waiting for a retry.
+    pub blocked_retrying: u64,
+    /// Status checks that found a key blocked by a dead head.
+    pub blocked_dead: u64,
 }
 
 impl std::ops::AddAssign for Coverage {
@@ -159,6 +167,10 @@ impl std::ops::AddAssign for Coverage {
         self.waited += o.waited;
         self.sharded += o.sharded;
         self.shard_ruled_out += o.shard_ruled_out;
+        self.by_seq += o.by_seq;
+        self.raw += o.raw;
+        self.blocked_retrying += o.blocked_retrying;
+        self.blocked_dead += o.blocked_dead;
     }
 }
 
@@ -206,6 +218,12 @@ struct Msg {
     /// timestamps cannot shift an uncommitted row's, one with a movable clock moves it, so when
     /// it is due is unknown. Completeness then neither requires it nor anything behind it.
     due_unknown: bool,
+    /// Model time of its enqueue: its age is `now - created` plus the real time the case took
+    /// since (at most).
+    created: u64,
+    /// Uncommitted (or waiting for a key lock) when the clock moved: its stored creation time
+    /// may not have moved with the others, so its age may be less than `now - created`.
+    created_unsure: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -241,6 +259,12 @@ struct Waiter {
     /// How the step that enqueued ends the transaction once the enqueue returns.
     then: TxEnd,
 }
+
+/// A blocked key as `status` lists it: key, head id, head state, attempts, last error.
+type BlockedHead<'a> = (String, Uuid, &'a str, u32, Option<&'a String>);
+
+/// How many blocked keys the model's `status` calls ask to list: more than there are keys.
+const STATUS_LIST: usize = 10;
 
 /// With key locks, how long an enqueue may take to return once no other open transaction holds
 /// its keys (after the transactions it waited for ended, or at once when none held them). A
@@ -459,6 +483,9 @@ pub struct Runner<'a> {
     concurrent_claim: bool,
     /// What sharded claims taught the model about the store's shard function.
     shards: ShardMap,
+    /// When the case began (real time): ages the store reports may exceed the model's by the
+    /// real time the case took.
+    started: std::time::Instant,
 }
 
 /// Play `scenario` against `store` and then drain it; on a broken invariant, return a report in
@@ -519,6 +546,7 @@ impl<'a> Runner<'a> {
             coverage: Coverage::default(),
             concurrent_claim: false,
             shards: ShardMap::default(),
+            started: std::time::Instant::now(),
         })
     }
 
@@ -527,6 +555,7 @@ impl<'a> Runner<'a> {
             self.log.push(format!("{step:?}"));
             self.step(step).await?;
             self.check_counts().await?;
+            self.check_status().await?;
         }
         self.log.push(format!("final drain: faults off, every relay crashed, open transactions commit, clock +1 day, dead letters requeued, relay {} drains", relay_name(RELAYS)));
         self.drain().await
@@ -689,8 +718,11 @@ impl<'a> Runner<'a> {
                 Ok(())
             }
             Step::Advance(a) => self.advance(*a).await,
-            Step::Requeue { pick } => self.operator(*pick, true).await,
-            Step::Discard { pick } => self.operator(*pick, false).await,
+            Step::Requeue { pick } => self.operator(*pick, true, false).await,
+            Step::Discard { pick } => self.operator(*pick, false, false).await,
+            Step::Raw { key, form } => self.raw(*key, *form).await,
+            Step::RequeueBySeq { pick } => self.operator(*pick, true, true).await,
+            Step::DiscardBySeq { pick } => self.operator(*pick, false, true).await,
             Step::Purge { batch } => self.purge(usize::from(*batch)).await,
         }
     }
@@ -757,8 +789,88 @@ impl<'a> Runner<'a> {
             published_at: None,
             not_before,
             due_unknown: false,
+            created: self.now,
+            created_unsure: false,
         };
         Ok((message, msg))
+    }
+
+    /// A SQL writer's plain `INSERT` of one message of `key`, committed at once (see
+    /// [`Step::Raw`]). Skipped when the harness cannot write raw rows, and when an open
+    /// transaction wrote `key`: a SQL writer takes no key lock, so with key locks it would
+    /// pass the lock's holder, which the model does not allow for.
+    async fn raw(&mut self, key: Option<u8>, form: u8) -> Result<(), Violation> {
+        if !self.caps.raw_rows {
+            self.note("skipped: the harness cannot write raw rows");
+            return Ok(());
+        }
+        let open_writer = |m: &Msg| m.key.is_some() && m.key == key;
+        if key.is_some()
+            && (self
+                .msgs
+                .iter()
+                .any(|m| open_writer(m) && matches!(m.status, Status::Open(_)))
+                || self
+                    .waiters
+                    .iter()
+                    .flatten()
+                    .any(|w| w.msgs.iter().any(open_writer)))
+        {
+            self.note("skipped: an open transaction wrote the key");
+            return Ok(());
+        }
+        let (message, mut msg) = self
+            .new_message(
+                MsgSpec {
+                    key,
+                    delayed: false,
+                },
+                0,
+            )
+            .await?;
+        let lower = msg.id.to_string();
+        let id = match form % 3 {
+            0 => lower.to_uppercase(),
+            1 => lower
+                .chars()
+                .enumerate()
+                .map(|(i, c)| {
+                    if i % 3 == 0 {
+                        c.to_ascii_uppercase()
+                    } else {
+                        c
+                    }
+                })
+                .collect(),
+            _ => lower,
+        };
+        let row = RawRow {
+            id: Some(id.clone()),
+            payload: format!("{{ \"label\" :\t{:?} }}", msg.label),
+            // Left out, the key is the aggregate id; '' is unordered.
+            partition_key: match (key, form % 3) {
+                (None, _) => Some(String::new()),
+                (Some(_), 2) => None,
+                (Some(k), _) => Some(format!("k{k}")),
+            },
+            ..RawRow::new(
+                message.aggregate_type.clone(),
+                message.aggregate_id.clone(),
+                message.event_type.clone(),
+                "{}",
+            )
+        };
+        self.store
+            .insert_raw(&[row], true)
+            .await
+            .map_err(|e| store_error("insert_raw", &e))?;
+        msg.status = Status::Pending;
+        msg.due = self.now;
+        self.coverage.committed += 1;
+        self.coverage.raw += 1;
+        self.note(format!("inserted {} as id {id}", msg.label));
+        self.insert_msg(msg);
+        Ok(())
     }
 
     /// Enter `m` into the model as inserted now: its insert order is after every message
@@ -2090,6 +2202,11 @@ impl<'a> Runner<'a> {
             if matches!(m.status, Status::Open(_)) && m.not_before > 0 {
                 m.due_unknown = true;
             }
+            // A waiting enqueue's messages are not in the table yet: when they get there, and
+            // so their age, is not known either.
+            if matches!(m.status, Status::Open(_)) {
+                m.created_unsure = true;
+            }
         }
         Ok(())
     }
@@ -2143,16 +2260,19 @@ impl<'a> Runner<'a> {
         Ok(())
     }
 
-    async fn operator(&mut self, pick: u8, requeue: bool) -> Result<(), Violation> {
+    /// An operator requeues or discards the `pick`-th dead message, by id or (`by_seq`) by its
+    /// `seq`; with nothing dead, a live message, which the call must ignore.
+    async fn operator(&mut self, pick: u8, requeue: bool, by_seq: bool) -> Result<(), Violation> {
         self.check_dead_list().await?;
         let dead = self.dead_in_order();
         let (target, expect) = if dead.is_empty() {
-            // Nothing dead: the call must ignore a live message.
+            // Nothing dead: the call must ignore a live message (by seq: one whose seq a claim
+            // has shown).
             match self.msgs.iter().position(|m| {
                 matches!(
                     m.status,
                     Status::Pending | Status::Leased { .. } | Status::Published
-                )
+                ) && (!by_seq || m.seq.is_some())
             }) {
                 Some(i) => (i, 0),
                 None => {
@@ -2164,11 +2284,20 @@ impl<'a> Runner<'a> {
             (dead[usize::from(pick) % dead.len()], 1)
         };
         let id = self.msgs[target].id;
-        let what = if requeue { "requeue" } else { "discard" };
-        let n = if requeue {
-            self.admin.requeue(&[id]).await
-        } else {
-            self.admin.discard(&[id]).await
+        let seq = self.msgs[target].seq;
+        // A dead message was claimed, so its seq is known; a live one was picked with a seq.
+        let by_seq = by_seq && seq.is_some();
+        let what = match (requeue, by_seq) {
+            (true, false) => "requeue",
+            (false, false) => "discard",
+            (true, true) => "requeue_seqs",
+            (false, true) => "discard_seqs",
+        };
+        let n = match (requeue, seq.filter(|_| by_seq)) {
+            (true, None) => self.admin.requeue(&[id]).await,
+            (false, None) => self.admin.discard(&[id]).await,
+            (true, Some(seq)) => self.admin.requeue_seqs(&[seq]).await,
+            (false, Some(seq)) => self.admin.discard_seqs(&[seq]).await,
         }
         .map_err(|e| store_error(what, &e))?;
         if n != expect {
@@ -2180,6 +2309,9 @@ impl<'a> Runner<'a> {
                     describe(self.msgs[target].status, self.now)
                 ),
             ));
+        }
+        if expect == 1 && by_seq {
+            self.coverage.by_seq += 1;
         }
         if expect == 1 {
             let m = &mut self.msgs[target];
@@ -2263,6 +2395,136 @@ impl<'a> Runner<'a> {
                     self.purged
                 ),
             ));
+        }
+        Ok(())
+    }
+
+    /// `status()` against the model: pending, leased and dead as [`Runner::check_counts`];
+    /// when the store reports them, the blocked keys (each key whose first unfinished message
+    /// is dead, or waits for a retry: failed at least once and not due yet), listed oldest
+    /// first with their head's id, state, attempts and last error; and the age of the oldest
+    /// unfinished, not dead message, within what the model knows of it (its model age, plus at
+    /// most the real time the case has taken).
+    async fn check_status(&mut self) -> Result<(), Violation> {
+        let status = self
+            .admin
+            .status(STATUS_LIST)
+            .await
+            .map_err(|e| store_error("status", &e))?;
+        let mut want = outbox_traits::Counts::default();
+        for m in &self.msgs {
+            match m.status {
+                Status::Pending => want.pending += 1,
+                Status::Leased { .. } => want.leased += 1,
+                Status::Dead => want.dead += 1,
+                _ => {}
+            }
+        }
+        if (status.pending, status.leased, status.dead) != (want.pending, want.leased, want.dead) {
+            return Err(violation(
+                "status",
+                format!(
+                    "status() reports {} pending, {} leased, {} dead; expected {}, {}, {}",
+                    status.pending,
+                    status.leased,
+                    status.dead,
+                    want.pending,
+                    want.leased,
+                    want.dead
+                ),
+            ));
+        }
+        // The heads: per key, the first message (insert order) not published, committed.
+        let mut heads: BTreeMap<u8, usize> = BTreeMap::new();
+        for (i, m) in self.msgs.iter().enumerate() {
+            if let (Some(k), Status::Pending | Status::Leased { .. } | Status::Dead) =
+                (m.key, m.status)
+            {
+                heads.entry(k).or_insert(i);
+            }
+        }
+        let mut blocked: Vec<usize> = heads
+            .into_values()
+            .filter(|&i| {
+                let m = &self.msgs[i];
+                m.status == Status::Dead
+                    || (m.status == Status::Pending && m.attempts > 0 && m.due > self.now)
+            })
+            .collect();
+        blocked.sort_by_key(|&i| self.msgs[i].order);
+        let dead_heads = blocked
+            .iter()
+            .filter(|&&i| self.msgs[i].status == Status::Dead)
+            .count() as u64;
+        self.coverage.blocked_dead += dead_heads;
+        self.coverage.blocked_retrying += blocked.len() as u64 - dead_heads;
+        if let Some(n) = status.blocked_keys {
+            let want_list: Vec<BlockedHead<'_>> = blocked
+                .iter()
+                .map(|&i| {
+                    let m = &self.msgs[i];
+                    let state = if m.status == Status::Dead {
+                        "dead"
+                    } else {
+                        "retrying"
+                    };
+                    let key = m.key.map_or_else(String::new, |k| format!("k{k}"));
+                    (key, m.id, state, m.attempts, m.last_error.as_ref())
+                })
+                .collect();
+            let got_list: Vec<BlockedHead<'_>> = status
+                .blocked
+                .iter()
+                .map(|b| {
+                    (
+                        b.partition_key.clone(),
+                        b.head_id,
+                        b.head_state.as_str(),
+                        b.attempts,
+                        b.last_error.as_ref(),
+                    )
+                })
+                .collect();
+            if n != blocked.len() as u64 || got_list != want_list {
+                return Err(violation(
+                    "status",
+                    format!(
+                        "status() reports {n} blocked keys {got_list:?} (key, head, state, \
+                         attempts, last error); expected {} {want_list:?}",
+                        blocked.len()
+                    ),
+                ));
+            }
+        }
+        let oldest = self
+            .msgs
+            .iter()
+            .filter(|m| matches!(m.status, Status::Pending | Status::Leased { .. }))
+            .min_by_key(|m| m.order);
+        if let Some(age) = status.oldest_pending_age_seconds {
+            let Some(m) = oldest else {
+                return Err(violation(
+                    "status",
+                    format!("status() reports an oldest pending age of {age} s with nothing pending or leased"),
+                ));
+            };
+            let model_age = (self.now - m.created) as f64;
+            let lowest = if m.created_unsure {
+                0.0
+            } else {
+                model_age - 1.0
+            };
+            let highest = model_age + self.started.elapsed().as_secs_f64() + 1.0;
+            if !(lowest..=highest).contains(&age) {
+                return Err(violation(
+                    "status",
+                    format!(
+                        "status() reports the oldest pending message ({}) {age:.1} s old; the \
+                         model knows it is {lowest:.1} to {highest:.1} s old",
+                        m.label
+                    ),
+                ));
+            }
         }
         Ok(())
     }

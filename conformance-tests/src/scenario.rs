@@ -292,6 +292,29 @@ pub enum Step {
         /// Which dead message.
         pick: u8,
     },
+    /// An operator requeues a dead message (the `pick`-th one) by its `seq`
+    /// ([`OutboxAdmin::requeue_seqs`](outbox_traits::OutboxAdmin::requeue_seqs)).
+    RequeueBySeq {
+        /// Which dead message.
+        pick: u8,
+    },
+    /// An operator discards a dead message (the `pick`-th one) by its `seq`
+    /// ([`OutboxAdmin::discard_seqs`](outbox_traits::OutboxAdmin::discard_seqs)).
+    DiscardBySeq {
+        /// Which dead message.
+        pick: u8,
+    },
+    /// A SQL writer inserts one message of key `key` (`None`: unordered, `''`) with a plain
+    /// `INSERT` (harnesses declaring
+    /// [`HarnessCapabilities::raw_rows`](crate::HarnessCapabilities::raw_rows); skipped
+    /// otherwise), committed at once: its id in upper case, mixed case or lower case with the
+    /// key left out (`form % 3`), its payload JSON spaced otherwise than serde writes it.
+    Raw {
+        /// The partition key.
+        key: Option<u8>,
+        /// Which form the row takes.
+        form: u8,
+    },
     /// Purge at most `batch` published messages older than the purge age.
     Purge {
         /// Most to delete.
@@ -384,6 +407,18 @@ impl fmt::Debug for Step {
             Step::Advance(a) => write!(f, "clock +{:?}", a.duration()),
             Step::Requeue { pick } => write!(f, "operator requeues dead #{pick}"),
             Step::Discard { pick } => write!(f, "operator discards dead #{pick}"),
+            Step::Raw { key, form } => write!(
+                f,
+                "a SQL writer inserts [{}] with {}",
+                key.map_or_else(|| "u".to_string(), |k| format!("k{k}")),
+                match form % 3 {
+                    0 => "an upper-case id",
+                    1 => "a mixed-case id",
+                    _ => "a lower-case id, key left out",
+                }
+            ),
+            Step::RequeueBySeq { pick } => write!(f, "operator requeues dead #{pick} by seq"),
+            Step::DiscardBySeq { pick } => write!(f, "operator discards dead #{pick} by seq"),
             Step::Purge { batch } => write!(f, "purge at most {batch}"),
         }
     }
@@ -507,6 +542,10 @@ fn step() -> impl Strategy<Value = Step> {
         .prop_map(Step::Advance),
         1 => any::<u8>().prop_map(|pick| Step::Requeue { pick }),
         1 => any::<u8>().prop_map(|pick| Step::Discard { pick }),
+        1 => any::<u8>().prop_map(|pick| Step::RequeueBySeq { pick }),
+        2 => (prop_oneof![4 => (0..KEYS).prop_map(Some), 1 => Just(None)], any::<u8>())
+            .prop_map(|(key, form)| Step::Raw { key, form }),
+        1 => any::<u8>().prop_map(|pick| Step::DiscardBySeq { pick }),
         1 => (1u8..=3).prop_map(|batch| Step::Purge { batch }),
     ]
 }

@@ -25,6 +25,15 @@ fn generated_scenarios_reach_every_situation() {
         ("transitions refused with LeaseLost", c.lease_lost),
         ("dead letters", c.dead),
         ("requeues", c.requeued),
+        ("dead messages requeued or discarded by seq", c.by_seq),
+        (
+            "status checks that saw a key blocked by a retrying head",
+            c.blocked_retrying,
+        ),
+        (
+            "status checks that saw a key blocked by a dead head",
+            c.blocked_dead,
+        ),
         ("discards", c.discarded),
         ("purged messages", c.purged),
         ("crashes holding a batch", c.crashes_holding),

@@ -33,12 +33,21 @@ pub enum Defect {
     /// but ignore [`ClaimRequest::shard`](outbox_traits::ClaimRequest::shard): every claim
     /// looks at every key, so relays claiming different shards take each other's keys.
     ShardIgnored,
+    /// Accept a lease extension of 0 (the lease ends at once): an argument rule the contract
+    /// refuses with `InvalidInput`.
+    ExtendAcceptsZero,
+    /// Leave a key whose head waits for a retry out of `status`'s blocked keys (only dead
+    /// heads count).
+    StatusIgnoresRetrying,
+    /// `requeue_seqs` and `discard_seqs` change nothing and return 0: the admin paths that
+    /// quarantined rows need.
+    SeqAdminIgnored,
 }
 
 #[cfg_attr(not(feature = "defects"), allow(dead_code))]
 impl Defect {
     /// Every defect, for meta-tests that loop over them.
-    pub const ALL: [Defect; 10] = [
+    pub const ALL: [Defect; 13] = [
         Defect::CursorClaim,
         Defect::OverClaim,
         Defect::NoHeadOfLine,
@@ -49,5 +58,8 @@ impl Defect {
         Defect::PublishedAtClaim,
         Defect::RelayClockLeases,
         Defect::ShardIgnored,
+        Defect::ExtendAcceptsZero,
+        Defect::StatusIgnoresRetrying,
+        Defect::SeqAdminIgnored,
     ];
 }

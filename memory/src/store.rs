@@ -253,6 +253,16 @@ impl MemoryStore {
         self.inner.clock.now()
     }
 
+    /// The ids of the dead rows among `seqs`.
+    fn dead_ids(&self, seqs: &[i64]) -> Vec<Uuid> {
+        let state = self.state();
+        seqs.iter()
+            .filter_map(|seq| state.rows.get(seq))
+            .filter(|row| row.tx.is_none() && row.state == RowState::Dead)
+            .map(|row| row.message.id)
+            .collect()
+    }
+
     fn has(&self, defect: Defect) -> bool {
         self.inner.defect == Some(defect)
     }
@@ -527,6 +537,7 @@ impl OutboxStore for MemoryStore {
     }
 
     async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error> {
+        outbox_traits::validate_failures(failures)?;
         let mut retry_at = Vec::with_capacity(failures.len());
         let now = self.now();
         for failure in failures {
@@ -562,6 +573,9 @@ impl OutboxStore for MemoryStore {
     }
 
     async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
+        if !self.has(Defect::ExtendAcceptsZero) {
+            outbox_traits::validate_lease_extension(lease)?;
+        }
         let now = self.now();
         let until = add(now, lease, "lease")?;
         let mut state = self.state();
@@ -683,6 +697,10 @@ impl OutboxAdmin for MemoryStore {
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
         outbox_traits::validate_purge_batch(batch)?;
+        if older_than > outbox_traits::MAX_DURATION {
+            // Nothing was published more than a century ago.
+            return Ok(0);
+        }
         let now = self.now();
         let cutoff = now
             .checked_sub_signed(to_chrono(older_than, "purge age")?)
@@ -699,6 +717,22 @@ impl OutboxAdmin for MemoryStore {
             remove_row(&mut state, *seq);
         }
         Ok(old.len() as u64)
+    }
+
+    async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        if self.has(Defect::SeqAdminIgnored) {
+            return Ok(0);
+        }
+        let ids = self.dead_ids(seqs);
+        self.requeue(&ids).await
+    }
+
+    async fn discard_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        if self.has(Defect::SeqAdminIgnored) {
+            return Ok(0);
+        }
+        let ids = self.dead_ids(seqs);
+        self.discard(&ids).await
     }
 
     async fn counts(&self) -> Result<Counts, Error> {
@@ -754,7 +788,13 @@ impl OutboxAdmin for MemoryStore {
             .filter_map(|(key, row)| {
                 let head_state = match row.state {
                     RowState::Dead => "dead",
-                    RowState::Pending if row.message.attempts > 0 && row.due > now => "retrying",
+                    RowState::Pending
+                        if row.message.attempts > 0
+                            && row.due > now
+                            && !self.has(Defect::StatusIgnoresRetrying) =>
+                    {
+                        "retrying"
+                    }
                     _ => return None,
                 };
                 Some(BlockedKey {

@@ -24,7 +24,11 @@
 //!    them under a fresh [`LeaseToken`] with the lease end computed from the *database's* clock,
 //!    and keep per-key order as [`OutboxStore::claim`] describes. Return at most the limit.
 //! 4. **Fence** every later transition (`complete`, `fail`, `extend`, `release`) on the token and
-//!    an unexpired lease; report what was not held with [`Error::LeaseLost`].
+//!    an unexpired lease; report what was not held with [`Error::LeaseLost`]. Check arguments
+//!    first, with the shared functions, so every store answers alike
+//!    ([`ClaimRequest::validate`], [`validate_lease_extension`], [`validate_failures`],
+//!    [`validate_purge_batch`]; each method's `# Errors` and `# Behavior` say what is refused
+//!    and what, like an empty id list, is not).
 //! 5. **Never** hold a transaction or row lock after a method returns: the relay publishes
 //!    between calls, and a lock held across a broker call stalls everyone.
 //! 6. Implement [`OutboxAdmin`] (dead letters, purge, counts) so operators and the conformance
@@ -32,7 +36,8 @@
 //! 7. **Run the conformance suite** (`outbox-conformance-tests`, a dev-dependency) against your
 //!    store: implement its `Harness` and `HarnessStore` traits (a fresh store per case, enqueue
 //!    through your transaction in a `HarnessTx`, time control, a simulated relay crash by
-//!    dropping a relay handle) and add one macro line to a test file:
+//!    dropping a relay handle; for a SQL table, `insert_raw` to write rows as a SQL writer in
+//!    another language would) and add one macro line to a test file:
 //!
 //!    ```text
 //!    // tests/conformance.rs, below (or importing) your `MyHarness`
@@ -139,9 +144,10 @@ pub use publisher::{PublishOutcome, Publisher};
 pub use secret::{error_chain_line, read_secret_file};
 pub use seeds::{split_seed_list, SeedList};
 pub use store::{
-    validate_purge_batch, BlockedKey, Capabilities, Claim, ClaimRequest, ClaimShard, Counts,
-    DeadMessage, FailAction, Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore,
-    StoreStatus, WakeSource,
+    validate_duration, validate_failures, validate_lease_extension, validate_purge_batch,
+    BlockedKey, Capabilities, Claim, ClaimRequest, ClaimShard, Counts, DeadMessage, FailAction,
+    Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, StoreStatus, WakeSource,
+    MAX_DURATION,
 };
 
 /// Re-exported so backends and users name the same versions.

@@ -117,7 +117,8 @@ impl ClaimShard {
 }
 
 impl ClaimRequest {
-    /// Refuse a request no store can serve: a zero limit or a zero lease.
+    /// Refuse a request no store can serve: a zero limit, a zero lease, a lease longer than
+    /// [`MAX_DURATION`] or an invalid shard.
     ///
     /// Stores call this first in [`OutboxStore::claim`], so every backend words the error alike.
     pub fn validate(&self) -> Result<(), Error> {
@@ -131,11 +132,68 @@ impl ClaimRequest {
                 "claim lease is 0; give the relay time to publish, e.g. 30s",
             ));
         }
+        validate_duration("claim lease", self.lease)?;
         if let Some(shard) = &self.shard {
             shard.validate()?;
         }
         Ok(())
     }
+}
+
+/// Longest lease, lease extension or retry delay a store accepts: 100 years of 365
+/// days. Longer values would overflow the databases' timestamps (Postgres) or run past
+/// `DATETIME`'s year 9999 (MariaDB); every store refuses them alike with
+/// [`Error::InvalidInput`] ([`validate_duration`]) instead of failing in SQL or saturating.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// Refuse a duration longer than [`MAX_DURATION`], naming `what` it is (e.g. `"retry delay"`).
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_traits::{validate_duration, MAX_DURATION};
+/// assert!(validate_duration("retry delay", MAX_DURATION).is_ok());
+/// assert!(validate_duration("retry delay", MAX_DURATION + Duration::from_secs(1)).is_err());
+/// ```
+pub fn validate_duration(what: &str, duration: Duration) -> Result<(), Error> {
+    if duration > MAX_DURATION {
+        return Err(Error::invalid_input(format!(
+            "{what} of {duration:?} is longer than 100 years; use a shorter one"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuse a lease extension no store can serve: 0 (the lease would end at once, which is a
+/// release in disguise) or longer than [`MAX_DURATION`].
+///
+/// Stores call this first in [`OutboxStore::extend`], before the token is looked up, so a bad
+/// length is [`Error::InvalidInput`] whether or not the token still holds anything.
+///
+/// ```
+/// use std::time::Duration;
+/// assert!(outbox_traits::validate_lease_extension(Duration::ZERO).is_err());
+/// assert!(outbox_traits::validate_lease_extension(Duration::from_secs(30)).is_ok());
+/// ```
+pub fn validate_lease_extension(lease: Duration) -> Result<(), Error> {
+    if lease.is_zero() {
+        return Err(Error::invalid_input(
+            "lease extension is 0; give the relay time to publish, e.g. 30s",
+        ));
+    }
+    validate_duration("lease extension", lease)
+}
+
+/// Refuse a [`OutboxStore::fail`] call no store can serve: a retry delay longer than
+/// [`MAX_DURATION`]. (A delay of 0 is valid: due again at once.)
+///
+/// Stores call this first in `fail`, so a bad entry changes none of the listed messages.
+pub fn validate_failures(failures: &[Failure]) -> Result<(), Error> {
+    for failure in failures {
+        if let FailAction::Retry { delay } = failure.action {
+            validate_duration("retry delay", delay)?;
+        }
+    }
+    Ok(())
 }
 
 /// Refuse a purge batch no store can serve: 0, which deletes nothing, so a loop calling
@@ -325,6 +383,11 @@ pub trait OutboxStore: Send + Sync {
     /// - MUST NOT leave a transaction or row lock open after it returns.
     /// - An empty claim returns `Ok` with no messages.
     ///
+    /// # Errors
+    /// [`Error::InvalidInput`], before anything is read or leased, for a request
+    /// [`ClaimRequest::validate`] refuses: a limit of 0, a lease of 0 or longer than
+    /// [`MAX_DURATION`], a shard whose count is 0 or whose index is not below its count.
+    ///
     /// # Cancel safety
     /// If dropped before it returns, messages it may have leased stay leased until the lease
     /// ends and are then claimable again: nothing is lost.
@@ -337,6 +400,8 @@ pub trait OutboxStore: Send + Sync {
     ///   unexpired lease, in one statement or transaction.
     /// - MUST NOT change any other listed message; if there are such messages, MUST return
     ///   [`Error::LeaseLost`] naming them (after completing the others).
+    /// - An empty `ids` list changes nothing and returns `Ok`, whatever the token (the same for
+    ///   [`OutboxStore::fail`] and [`OutboxStore::release`]).
     ///
     /// # Cancel safety
     /// If dropped, the messages are either all marked or still leased; a still-leased message is
@@ -352,6 +417,10 @@ pub trait OutboxStore: Send + Sync {
     /// - `Retry { delay }`: attempts + 1, state pending, due at database now + `delay`.
     /// - `Dead`: attempts + 1, state dead, with the error kept for operators.
     /// - One round trip per call, not per message.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when a retry delay is longer than [`MAX_DURATION`]
+    /// ([`validate_failures`]), before any listed message changes.
     async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error>;
 
     /// Extend the lease of every message still held under `token` to database now + `lease`.
@@ -361,6 +430,11 @@ pub trait OutboxStore: Send + Sync {
     /// - If no message is held under `token` any more (all expired, completed or released),
     ///   returns [`Error::LeaseLost`] with an empty list and changes nothing.
     /// - An expired lease is not revived.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a `lease` of 0 or longer than [`MAX_DURATION`]
+    /// ([`validate_lease_extension`]), checked before the token is looked up: nothing changes,
+    /// whether or not the token still holds messages.
     async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error>;
 
     /// Give messages back without counting an attempt: they become pending and due at once.
@@ -416,7 +490,8 @@ pub struct Counts {
 pub struct BlockedKey {
     /// The partition key.
     pub partition_key: String,
-    /// The head message's id.
+    /// The head message's id; the nil UUID when its stored id is not a UUID (a row written by
+    /// hand that the relay quarantined, see [`DeadMessage::raw_id`]): `head_seq` names it.
     pub head_id: Uuid,
     /// The head message's `seq`.
     pub head_seq: i64,
@@ -459,6 +534,9 @@ pub struct StoreStatus {
 #[async_trait]
 pub trait OutboxAdmin: Send + Sync {
     /// List up to `limit` dead messages, oldest first, after the given `seq` (for paging).
+    ///
+    /// # Behavior
+    /// A `limit` of 0 returns an empty list (not an error).
     async fn list_dead(
         &self,
         after_seq: Option<i64>,
@@ -468,7 +546,9 @@ pub trait OutboxAdmin: Send + Sync {
     /// Make dead messages pending and due again, with their attempts reset to zero.
     ///
     /// # Behavior
-    /// Returns how many were requeued; ids that are not dead are ignored.
+    /// Returns how many were requeued; ids that are not dead are ignored, and an empty list
+    /// returns 0. The same holds for [`OutboxAdmin::discard`], [`OutboxAdmin::requeue_seqs`]
+    /// and [`OutboxAdmin::discard_seqs`].
     async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error>;
 
     /// Delete dead messages for good. Under [`HeadPolicy::Block`] this unblocks their keys.
@@ -511,7 +591,8 @@ pub trait OutboxAdmin: Send + Sync {
     ///
     /// # Errors
     /// [`Error::InvalidInput`] when `batch` is 0 (it could never make progress), before
-    /// anything is read or deleted.
+    /// anything is read or deleted. An `older_than` longer than [`MAX_DURATION`] is not an
+    /// error: nothing was published that long ago, so it deletes nothing and returns 0.
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error>;
 
     /// Count messages by state. `published` counts the published messages still held: none
@@ -526,6 +607,7 @@ pub trait OutboxAdmin: Send + Sync {
     /// - SHOULD cost one round trip whose cost grows with the unpublished and dead rows, never
     ///   with the published history (relays call it periodically for their gauges).
     /// - Ages and the last minute use the database's clock.
+    /// - A `blocked_limit` of 0 lists no key; `blocked_keys` still counts them all.
     ///
     /// The default is built from [`OutboxAdmin::counts`] and leaves the age, the blocked keys
     /// and the throughput unreported (`None`).

@@ -151,7 +151,7 @@ pub mod harness {
 
     use outbox_backend_postgres::{enqueue_batch, PostgresConfig, PostgresStore};
     use outbox_conformance_tests::env::service_url;
-    use outbox_conformance_tests::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
+    use outbox_conformance_tests::{Harness, HarnessCapabilities, HarnessStore, HarnessTx, RawRow};
     use outbox_traits::chrono::{DateTime, Utc};
     use outbox_traits::{async_trait, Error, NewMessage, OutboxAdmin, OutboxStore};
     use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -259,6 +259,12 @@ pub mod harness {
             HarnessCapabilities::new(OutboxStore::capabilities(&self.store))
                 .with_skewed_clock(self.skewed_clock)
                 .with_key_locks(self.store.config().lock_keys())
+                // The id column is a `uuid`: no id that is not one can be written.
+                .with_raw_rows(true, true, false)
+        }
+
+        async fn insert_raw(&self, rows: &[RawRow], checked: bool) -> Result<(), Error> {
+            insert_raw(&self.store, rows, checked).await
         }
 
         /// A store on its own connection: dropping it closes the connection and, as in a real
@@ -346,6 +352,71 @@ pub mod harness {
             .await
             .map_err(err)?;
         Ok(())
+    }
+
+    /// Insert `rows` as a SQL writer would: one plain `INSERT` per row of the columns given,
+    /// text cast by the database, in one transaction. Unchecked, the table's headers check is
+    /// dropped first (this store's own schema), as in a table made before it.
+    pub async fn insert_raw(
+        store: &PostgresStore,
+        rows: &[RawRow],
+        checked: bool,
+    ) -> Result<(), Error> {
+        let table = store.config().qualified_table();
+        let mut tx = store.pool().begin().await.map_err(err)?;
+        if !checked {
+            let names: Vec<String> = sqlx::query_scalar(
+                "SELECT conname::text FROM pg_constraint WHERE conrelid = $1::regclass \
+                 AND contype = 'c' AND pg_get_constraintdef(oid) LIKE '%headers%'",
+            )
+            .bind(table)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(err)?;
+            for name in names {
+                sqlx::query(&format!("ALTER TABLE {table} DROP CONSTRAINT \"{name}\""))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(err)?;
+            }
+        }
+        for row in rows {
+            let mut columns = vec!["aggregatetype", "aggregateid", "type", "payload"];
+            let mut casts = vec!["", "", "", "::jsonb"];
+            let mut values = vec![
+                row.aggregate_type.as_str(),
+                row.aggregate_id.as_str(),
+                row.event_type.as_str(),
+                row.payload.as_str(),
+            ];
+            for (column, cast, value) in [
+                ("id", "::uuid", &row.id),
+                ("partition_key", "", &row.partition_key),
+                ("headers", "::jsonb", &row.headers),
+            ] {
+                if let Some(value) = value {
+                    columns.push(column);
+                    casts.push(cast);
+                    values.push(value);
+                }
+            }
+            let params: Vec<String> = casts
+                .iter()
+                .enumerate()
+                .map(|(i, cast)| format!("${}::text{cast}", i + 1))
+                .collect();
+            let sql = format!(
+                "INSERT INTO {table} ({}) VALUES ({})",
+                columns.join(", "),
+                params.join(", ")
+            );
+            let mut query = sqlx::query(&sql);
+            for value in values {
+                query = query.bind(value);
+            }
+            query.execute(&mut *tx).await.map_err(err)?;
+        }
+        tx.commit().await.map_err(err)
     }
 
     /// The database's clock.

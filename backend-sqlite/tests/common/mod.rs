@@ -13,7 +13,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use outbox_backend_sqlite::{
     enqueue_batch, open_connection, sqlite_error, SqliteConfig, SqliteStore,
 };
-use outbox_conformance_tests::harness::{Harness, HarnessCapabilities, HarnessStore, HarnessTx};
+use outbox_conformance_tests::harness::{
+    Harness, HarnessCapabilities, HarnessStore, HarnessTx, RawRow,
+};
 use outbox_traits::chrono::{DateTime, Utc};
 use outbox_traits::{async_trait, Error, NewMessage, OutboxAdmin, OutboxStore};
 use rusqlite::functions::FunctionFlags;
@@ -147,6 +149,58 @@ impl HarnessStore for SqliteHarnessStore {
         HarnessCapabilities::new(OutboxStore::capabilities(&self.admin))
             .with_concurrent_transactions(false)
             .with_skewed_clock(self.clock_offset_ms != 0)
+            .with_raw_rows(true, true, true)
+    }
+
+    /// One plain `INSERT` per row of the columns given, in one transaction on the admin
+    /// connection. Unchecked: with `ignore_check_constraints` on and the headers trigger
+    /// dropped, as in a table made before them.
+    async fn insert_raw(&self, rows: &[RawRow], checked: bool) -> Result<(), Error> {
+        let rows = rows.to_vec();
+        self.admin
+            .transaction(move |tx, config| {
+                let table = config.table();
+                if !checked {
+                    tx.execute_batch(&format!(
+                        "PRAGMA ignore_check_constraints = ON; \
+                         DROP TRIGGER IF EXISTS {table}_headers;"
+                    ))
+                    .map_err(sqlite_error)?;
+                }
+                let inserted = rows.iter().try_for_each(|row| {
+                    let mut columns = vec!["aggregatetype", "aggregateid", "type", "payload"];
+                    let mut values = vec![
+                        row.aggregate_type.as_str(),
+                        row.aggregate_id.as_str(),
+                        row.event_type.as_str(),
+                        row.payload.as_str(),
+                    ];
+                    for (column, value) in [
+                        ("id", &row.id),
+                        ("partition_key", &row.partition_key),
+                        ("headers", &row.headers),
+                    ] {
+                        if let Some(value) = value {
+                            columns.push(column);
+                            values.push(value);
+                        }
+                    }
+                    let sql = format!(
+                        "INSERT INTO {table} ({}) VALUES ({})",
+                        columns.join(", "),
+                        vec!["?"; values.len()].join(", ")
+                    );
+                    tx.execute(&sql, rusqlite::params_from_iter(values))
+                        .map(|_| ())
+                        .map_err(sqlite_error)
+                });
+                if !checked {
+                    tx.execute_batch("PRAGMA ignore_check_constraints = OFF;")
+                        .map_err(sqlite_error)?;
+                }
+                inserted
+            })
+            .await
     }
 
     async fn relay(&self) -> Result<Arc<dyn OutboxStore>, Error> {

@@ -325,6 +325,8 @@ impl OutboxStore for VecStore {
     }
 
     async fn fail(&self, token: LeaseToken, failures: &[Failure]) -> Result<(), Error> {
+        // A retry delay over 100 years is refused the same way by every store.
+        outbox_traits::validate_failures(failures)?;
         let mut state = lock(&self.state);
         let now = state.now;
         // Work out every next state first, so a bad delay changes nothing at all.
@@ -351,6 +353,8 @@ impl OutboxStore for VecStore {
     }
 
     async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
+        // A zero or over-long extension is refused before the token is looked up.
+        outbox_traits::validate_lease_extension(lease)?;
         let mut state = lock(&self.state);
         let now = state.now;
         let until = later(now, lease, "lease")?;
