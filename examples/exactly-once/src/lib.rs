@@ -780,6 +780,7 @@ pub async fn serve(args: &[String]) -> Result<(), Error> {
                 .migrate()
                 .await?;
             let config = RelayConfig {
+                batch_size: 20,
                 lease: Duration::from_secs(2),
                 ..RelayConfig::default()
             };
@@ -790,7 +791,18 @@ pub async fn serve(args: &[String]) -> Result<(), Error> {
             let payments = PaymentService::connect(url, names, "payments").await?;
             payments.migrate().await?;
             println!("ready");
-            run_payments(payments, broker, shutdown).await?;
+            // One line per duplicate dropped, for whoever watches the process (the e2e test).
+            let handler = outbox_consumer::handler_fn(move |delivery| {
+                let payments = payments.clone();
+                async move {
+                    let handled = payments.handle(&delivery).await?;
+                    if handled == Handled::Duplicate {
+                        println!("duplicate {}", delivery.message_id);
+                    }
+                    Ok(handled)
+                }
+            });
+            run_payments(handler, broker, shutdown).await?;
         }
         _ => return Err(usage()),
     }
