@@ -148,7 +148,12 @@ async fn relays_and_consumers_killed_at_random_leave_exactly_one_effect_per_comm
         let s = unique_suffix();
         let file = |name: &str| format!("sqlite://{}", dir.path().join(name).display());
         let consumer = |group: &str| {
-            format!("{redis}?stream=xo{s}&group={group}&dead_stream=xo{s}.dead&claim_idle_ms=1000")
+            // One consumer name for every process of the group: a replacement takes back its
+            // predecessor's pending entries first, which keeps each key in order.
+            format!(
+                "{redis}?stream=xo{s}&group={group}&consumer={group}-1&dead_stream=xo{s}.dead\
+                 &claim_idle_ms=1000"
+            )
         };
         let pipeline = Pipeline {
             what: "SQLite → Redis → SQLite",
