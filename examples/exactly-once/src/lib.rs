@@ -780,7 +780,7 @@ pub async fn serve(args: &[String]) -> Result<(), Error> {
                 .migrate()
                 .await?;
             let config = RelayConfig {
-                batch_size: 20,
+                batch_size: Some(20),
                 lease: Duration::from_secs(2),
                 ..RelayConfig::default()
             };
