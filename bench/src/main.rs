@@ -23,7 +23,7 @@ use outbox_backend_postgres::{PostgresConfig, PostgresStore};
 use outbox_backend_sqlite::{SqliteConfig, SqliteStore};
 use outbox_bench::message;
 use outbox_memory::RecordingPublisher;
-use outbox_relay::{Relay, RelayConfig};
+use outbox_engine::{Relay, RelayConfig};
 use outbox_traits::{Error, OutboxAdmin, OutboxStore};
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
@@ -45,7 +45,7 @@ fn relay_config() -> RelayConfig {
     let arg = |n: usize| std::env::args().nth(n).and_then(|s| s.parse().ok());
     let defaults = RelayConfig::default();
     RelayConfig {
-        batch_size: Some(arg(4).unwrap_or(outbox_relay::DEFAULT_BATCH_SIZE)),
+        batch_size: Some(arg(4).unwrap_or(outbox_engine::DEFAULT_BATCH_SIZE)),
         concurrency: arg(5).unwrap_or(defaults.concurrency),
         ..defaults
     }
@@ -74,7 +74,7 @@ async fn drain(
         "batch {}, {} batches in flight, per-key order + fencing on{}",
         config
             .batch_size
-            .unwrap_or(outbox_relay::DEFAULT_BATCH_SIZE),
+            .unwrap_or(outbox_engine::DEFAULT_BATCH_SIZE),
         config.concurrency,
         if deletes {
             ", published rows deleted"

@@ -36,7 +36,7 @@ use uuid::Uuid;
 
 use settings::{Effective, LogFormat, SettingsArgs};
 
-/// The tracing target of this program's own logs (the engine logs under `outbox_relay`).
+/// The tracing target of this program's own logs (the engine logs under `outbox_engine`).
 pub const TARGET: &str = "outbox_relay_cli";
 
 /// The outbox relay: publishes committed outbox messages to a broker, and manages the outbox.

@@ -242,7 +242,7 @@ async fn waits_for_a_lease_held_elsewhere(outbox: &Outbox, messages: &[NewMessag
     assert_eq!(held_ids, [messages[0].id, messages[1].id]);
 
     // At debug, the relay logs each drain round's end with what the store showed.
-    let mut drain = outbox.drain("info,outbox_relay=debug")?;
+    let mut drain = outbox.drain("info,outbox_engine=debug")?;
     let stderr = drain.stderr.take().ok_or("stderr")?;
     let (log_tx, mut log_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
     tokio::spawn(async move {

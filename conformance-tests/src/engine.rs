@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use outbox_relay::{Backoff, Relay, RelayConfig};
+use outbox_engine::{Backoff, Relay, RelayConfig};
 use outbox_traits::chrono::{DateTime, Utc};
 use outbox_traits::{
     async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, HeadPolicy, LeaseToken,

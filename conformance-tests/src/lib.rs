@@ -35,7 +35,7 @@
 //!   (`counts` and `status`: blocked keys with their heads, the oldest message's age). A
 //!   failure prints the broken invariant and the shrunk scenario in words, step by step.
 //! - [`engine::check_engine`]: the same invariants end to end through the real
-//!   [`outbox_relay::Relay`], with a fault-injecting publisher and the engine aborted at random
+//!   [`outbox_engine::Relay`], with a fault-injecting publisher and the engine aborted at random
 //!   await points (before or after a store or broker call took effect), then restarted until
 //!   drained.
 //! - [`property::measure_coverage`]: what generated scenarios exercise, to show they reach every

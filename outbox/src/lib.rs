@@ -11,7 +11,7 @@ pub use outbox_traits::*;
 
 /// The relay engine: claim → publish → complete/fail, batching, back-off, shutdown, metrics.
 pub mod relay {
-    pub use outbox_relay::*;
+    pub use outbox_engine::*;
 }
 
 /// The in-memory reference store and the recording publisher, for unit tests of code that

@@ -38,7 +38,7 @@ use chrono::{DateTime, Utc};
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
 use outbox_bench::{message, CpuReading};
 use outbox_e2e::{check_delivery, kafka, nats, redis, Expected, Received};
-use outbox_relay::{Relay, RelayConfig};
+use outbox_engine::{Relay, RelayConfig};
 use outbox_traits::{
     async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, LeaseToken, Message,
     OutboxStore, PublishOutcome, Publisher, WakeSource,
@@ -551,7 +551,7 @@ async fn drain(
         futures::future::join_all(relays.iter().map(|relay| relay.run_until_idle())).await;
     let elapsed = started.elapsed();
     let cpu_after = CpuReading::now();
-    let mut stats = outbox_relay::RelayStats::default();
+    let mut stats = outbox_engine::RelayStats::default();
     for r in results {
         stats += r?;
     }

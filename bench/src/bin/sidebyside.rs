@@ -60,7 +60,7 @@ use outbox_bench::{
 };
 use outbox_e2e::{check_delivery, kafka, Expected};
 use outbox_memory::RecordingPublisher;
-use outbox_relay::{Relay, RelayConfig};
+use outbox_engine::{Relay, RelayConfig};
 use outbox_traits::{OutboxStore, Publisher};
 use oxide_core::prelude::{OutboxConfig, OutboxProcessor, OutboxService};
 use oxide_kafka::{KafkaKeyExtractable, KafkaTransport};

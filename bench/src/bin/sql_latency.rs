@@ -40,7 +40,7 @@ use outbox_backend_mysql::{MysqlConfig, MysqlStore};
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
 use outbox_backend_sqlite::{SqliteConfig, SqliteStore};
 use outbox_bench::CpuReading;
-use outbox_relay::{Relay, RelayConfig};
+use outbox_engine::{Relay, RelayConfig};
 use outbox_traits::{
     async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, LeaseToken, NewMessage,
     OutboxStore, WakeSource,

@@ -6,7 +6,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use outbox_memory::{MemoryStore, RecordingPublisher};
-//! use outbox_relay::{Relay, RelayConfig};
+//! use outbox_engine::{Relay, RelayConfig};
 //! use outbox_traits::NewMessage;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -28,7 +28,7 @@
 //! ```no_run
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use outbox_relay::{Relay, RelayConfig};
+//! use outbox_engine::{Relay, RelayConfig};
 //! use outbox_traits::{Error, OutboxStore, Publisher};
 //!
 //! async fn serve(store: Arc<dyn OutboxStore>, publisher: Arc<dyn Publisher>) -> Result<(), Error> {

@@ -14,7 +14,7 @@ use rand::Rng;
 ///
 /// ```
 /// use std::time::Duration;
-/// use outbox_relay::Backoff;
+/// use outbox_engine::Backoff;
 /// let backoff = Backoff { jitter: 0.0, ..Backoff::default() };
 /// assert_eq!(backoff.delay(1), Duration::from_secs(1));
 /// assert_eq!(backoff.delay(3), Duration::from_secs(4));

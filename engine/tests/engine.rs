@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_memory::RecordingPublisher;
-use outbox_relay::{Backoff, Relay, RelayConfig, RelayStats};
+use outbox_engine::{Backoff, Relay, RelayConfig, RelayStats};
 use outbox_traits::{Error, HeadPolicy, OutboxAdmin, PublishOutcome};
 use support::*;
 
@@ -672,7 +672,7 @@ async fn several_relays_with_mixed_outcomes_lose_nothing_and_keep_key_order() {
 async fn a_notifier_made_before_the_relay_wakes_it_and_stats_are_live() {
     let store = TestStore::new(Wakeups::Off);
     let publisher = Arc::new(RecordingPublisher::new());
-    let notifier = outbox_relay::Notifier::new();
+    let notifier = outbox_engine::Notifier::new();
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_memory::{MemoryStore, RecordingPublisher};
-use outbox_relay::{Relay, RelayConfig};
+use outbox_engine::{Relay, RelayConfig};
 use outbox_traits::chrono::{DateTime, Utc};
 use outbox_traits::uuid::Uuid;
 use outbox_traits::{

@@ -21,7 +21,7 @@ pub const DEFAULT_CLAIM_SHARDS: usize = 1;
 ///
 /// ```
 /// use std::time::Duration;
-/// use outbox_relay::RelayConfig;
+/// use outbox_engine::RelayConfig;
 /// let config = RelayConfig { batch_size: Some(100), lease: Duration::from_secs(10), ..RelayConfig::default() };
 /// config.validate().unwrap();
 /// ```
@@ -160,7 +160,7 @@ impl RelayConfig {
     /// claim at a time.
     ///
     /// ```
-    /// use outbox_relay::{Chosen, RelayConfig};
+    /// use outbox_engine::{Chosen, RelayConfig};
     /// use outbox_traits::Capabilities;
     /// let postgres_like = Capabilities::none()
     ///     .with_sharded_claims(true)

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_memory::RecordingPublisher;
-use outbox_relay::{Relay, RelayConfig};
+use outbox_engine::{Relay, RelayConfig};
 use outbox_traits::{Error, OutboxAdmin, PublishOutcome};
 use support::*;
 use tokio::time::Instant;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use outbox_memory::RecordingPublisher;
-use outbox_relay::{metric_names as m, Relay, RelayConfig};
+use outbox_engine::{metric_names as m, Relay, RelayConfig};
 use outbox_traits::PublishOutcome;
 use support::*;
 
