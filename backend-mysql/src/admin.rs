@@ -7,12 +7,12 @@ use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-use outbox_sqlx_support::row::counts;
+use outbox_sql_support::row::counts;
 
 use crate::lease::id_list;
 use crate::row::{decode, micros, text};
 use crate::store::MysqlStore;
-use outbox_traits::quarantine;
+use outbox_sql_support::quarantine;
 
 #[async_trait]
 impl OutboxAdmin for MysqlStore {

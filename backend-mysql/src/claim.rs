@@ -44,8 +44,8 @@ use crate::lease;
 use crate::row::{decode, decode_error, micros};
 use crate::sql::BEGIN;
 use crate::store::{MysqlStore, DEADLOCK_RETRIES};
-use outbox_sqlx_support::row::truncate_error;
-use outbox_traits::quarantine::{held_back, Poison};
+use outbox_sql_support::quarantine::{held_back, Poison};
+use outbox_sql_support::row::truncate_error;
 
 #[async_trait]
 impl OutboxStore for MysqlStore {

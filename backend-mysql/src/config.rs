@@ -3,13 +3,14 @@
 use std::fmt;
 use std::sync::Arc;
 
-use outbox_sqlx_support::TableSettings;
-use outbox_traits::{validate_sql_identifier, Error, Limits};
+use outbox_sql_support::validate_sql_identifier;
+use outbox_sql_support::TableSettings;
+use outbox_traits::{Error, Limits};
 
 use crate::sql::Sql;
 
 /// The default table: `outbox`, in the connection's database.
-pub use outbox_sqlx_support::DEFAULT_TABLE;
+pub use outbox_sql_support::DEFAULT_TABLE;
 
 /// Where the outbox lives and how enqueue behaves.
 ///

@@ -1,14 +1,14 @@
 //! Decoding rows into the contract's types (durations in microseconds and the helpers shared
-//! with Postgres are in `outbox_sqlx_support::row`).
+//! with Postgres are in `outbox_sql_support::row`).
 
 use chrono::NaiveDateTime;
-use outbox_traits::quarantine::{self, Poison};
+use outbox_sql_support::quarantine::{self, Poison};
 use outbox_traits::{Error, Message};
 use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-pub(crate) use outbox_sqlx_support::row::{decode_error, micros};
+pub(crate) use outbox_sql_support::row::{decode_error, micros};
 
 /// A text column. Read without sqlx's type check: MariaDB flags columns with a binary
 /// collation (the table's `utf8mb4_nopad_bin`) as `BINARY`, which sqlx would refuse for

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use outbox_sqlx_support::row::{counts, micros};
+use outbox_sql_support::row::{counts, micros};
 use outbox_traits::{async_trait, Counts, DeadMessage, Error, OutboxAdmin};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use crate::row::decode;
 use crate::store::PostgresStore;
-use outbox_traits::quarantine;
+use outbox_sql_support::quarantine;
 
 #[async_trait]
 impl OutboxAdmin for PostgresStore {

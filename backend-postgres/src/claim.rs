@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_sqlx_support::row::{micros, truncate_error};
-use outbox_traits::quarantine::held_back;
+use outbox_sql_support::quarantine::held_back;
+use outbox_sql_support::row::{micros, truncate_error};
 use outbox_traits::{
     async_trait, Capabilities, Claim, ClaimRequest, ClaimShard, Error, Failure, HeadPolicy,
     LeaseToken, Message, OutboxStore, WakeSource,

@@ -3,14 +3,15 @@
 use std::fmt;
 use std::sync::Arc;
 
-use outbox_sqlx_support::TableSettings;
-use outbox_traits::{validate_sql_identifier, Error, Limits};
+use outbox_sql_support::validate_sql_identifier;
+use outbox_sql_support::TableSettings;
+use outbox_traits::{Error, Limits};
 
 use crate::sql::Sql;
 
 /// The default schema: `public`.
 pub const DEFAULT_SCHEMA: &str = "public";
-pub use outbox_sqlx_support::DEFAULT_TABLE;
+pub use outbox_sql_support::DEFAULT_TABLE;
 
 /// Where the outbox lives and how enqueue behaves.
 ///

@@ -1,9 +1,9 @@
 //! Decoding rows into the contract's types (durations in microseconds and the helpers shared
-//! with MariaDB are in `outbox_sqlx_support::row`).
+//! with MariaDB are in `outbox_sql_support::row`).
 
 use chrono::{DateTime, Utc};
-use outbox_sqlx_support::row::decode_error;
-use outbox_traits::quarantine::{self, Poison};
+use outbox_sql_support::quarantine::{self, Poison};
+use outbox_sql_support::row::decode_error;
 use outbox_traits::{Error, Message};
 use sqlx::postgres::PgRow;
 use sqlx::Row;

@@ -15,7 +15,7 @@ use crate::row::duration_ms;
 use crate::row::{decode, id_text, to_time};
 use crate::sql::Sql;
 use crate::store::SqliteStore;
-use outbox_traits::quarantine;
+use outbox_sql_support::quarantine;
 
 #[async_trait]
 impl OutboxAdmin for SqliteStore {

@@ -24,7 +24,7 @@ use crate::lease::{self, db_now, same_change, Change};
 use crate::row::{decode, duration_ms, id_text, to_time};
 use crate::sql::Sql;
 use crate::store::SqliteStore;
-use outbox_traits::quarantine::{held_back, Poison};
+use outbox_sql_support::quarantine::{held_back, Poison};
 
 /// What the walk knows about one partition key so far.
 struct KeyState {

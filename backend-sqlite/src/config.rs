@@ -4,7 +4,8 @@
 
 use std::time::Duration;
 
-use outbox_traits::{validate_sql_identifier, Error, Limits};
+use outbox_sql_support::validate_sql_identifier;
+use outbox_traits::{Error, Limits};
 
 use crate::sql::schema_sql;
 

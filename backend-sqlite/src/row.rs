@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
+use outbox_sql_support::quarantine::{self, Poison};
 use outbox_traits::chrono::{DateTime, Utc};
-use outbox_traits::quarantine::{self, Poison};
 use outbox_traits::uuid::Uuid;
 use outbox_traits::{Error, Message};
 use rusqlite::types::ValueRef;

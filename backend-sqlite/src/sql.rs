@@ -1,6 +1,6 @@
 //! Every statement the store runs, and the table's DDL, built once per table name.
 
-use outbox_traits::quarantine::REASON_PREFIX;
+use outbox_sql_support::quarantine::REASON_PREFIX;
 
 /// "Now" in integer milliseconds since the Unix epoch, from SQLite's own clock.
 ///
