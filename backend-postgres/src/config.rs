@@ -181,23 +181,10 @@ impl PostgresConfigBuilder {
         self
     }
 
-    /// Outbox table name (default `outbox`).
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.common.table = table.into();
-        self
-    }
-
-    /// Payload limits enforced at enqueue (default 1 MiB).
-    pub fn limits(mut self, limits: Limits) -> Self {
-        self.common.limits = limits;
-        self
-    }
-
-    /// Largest accepted payload, in bytes of its JSON text.
-    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
-        self.common.limits.max_payload_bytes = bytes;
-        self
-    }
+    outbox_sql_support::table_settings_setters!(common;
+        /// Here deleting makes completion about three times cheaper (no new row version, no
+        /// index entries), as Debezium-style outboxes do.
+    );
 
     /// Wake relays on every insert into the table (default on).
     ///
@@ -236,24 +223,6 @@ impl PostgresConfigBuilder {
     /// partition key take no lock.
     pub fn lock_keys(mut self, lock: bool) -> Self {
         self.lock_keys = lock;
-        self
-    }
-
-    /// Delete a message's row when it is published, instead of keeping it with state
-    /// `published` until [`OutboxAdmin::purge_published`] removes it (default off: kept).
-    ///
-    /// Deleting makes completion about three times cheaper (no new row version, no index
-    /// entries) and keeps the table small with no purge job, as Debezium-style outboxes do. The
-    /// cost: no history of published messages in the table ([`OutboxAdmin::counts`] reports
-    /// none), and a dedup key is free again as soon as its message is published rather than
-    /// after the purge. The store declares it through
-    /// [`Capabilities::deletes_published`](outbox_traits::Capabilities::deletes_published).
-    /// The table is the same either way, so the setting can change between runs.
-    ///
-    /// [`OutboxAdmin::purge_published`]: outbox_traits::OutboxAdmin::purge_published
-    /// [`OutboxAdmin::counts`]: outbox_traits::OutboxAdmin::counts
-    pub fn delete_published(mut self, delete: bool) -> Self {
-        self.common.delete_published = delete;
         self
     }
 

@@ -47,11 +47,11 @@ pub(crate) const COLUMNS: [&str; 17] = [
 /// copy holds the write lock for as long as it takes (about a second per few hundred thousand
 /// rows), once.
 pub fn migrate(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
-    let table = config.table.as_str();
+    let table = config.table();
     // Check a table that already exists before the DDL touches it, so an incompatible table
     // gets an error that says what is wrong rather than a failed CREATE INDEX.
     let existing = check_table(conn, table)?;
-    let max_payload_bytes = config.limits.max_payload_bytes;
+    let max_payload_bytes = config.limits().max_payload_bytes;
     let mut ddl = schema_sql(table, max_payload_bytes);
     // A table made before the SQL enqueue contract has no id default and lacks its checks:
     // rebuilt in place, rows and seq counter kept, in the same transaction.
