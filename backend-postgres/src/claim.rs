@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use outbox_sql_support::limits::{micros, truncate_error};
 use outbox_sql_support::quarantine::held_back;
-use outbox_sql_support::row::{micros, truncate_error};
 use outbox_traits::{
     async_trait, Capabilities, Claim, ClaimRequest, ClaimShard, Error, Failure, HeadPolicy,
     LeaseToken, Message, OutboxStore, WakeSource,
@@ -250,13 +250,7 @@ impl OutboxStore for PostgresStore {
                         .map_err(err)?;
                 }
                 for poison in &poisoned {
-                    tracing::warn!(
-                        table = %table,
-                        seq = poison.seq,
-                        partition_key = poison.partition_key.as_deref().unwrap_or(""),
-                        reason = %poison.reason,
-                        "outbox row does not decode; dead-lettered"
-                    );
+                    poison.log(&table);
                 }
             }
             tx.commit().await.map_err(err)?;

@@ -1,10 +1,8 @@
 //! Row helpers of the sqlx stores: the counts row (the durations, error texts and decoding
-//! errors every SQL store shares are in [`crate::limits`], re-exported here).
+//! errors every SQL store shares are in [`crate::limits`]).
 
 use outbox_traits::{Counts, Error};
 use sqlx::{ColumnIndex, Decode, Row, Type};
-
-pub use crate::limits::{decode_error, micros, truncate_error, MAX_DURATION, MAX_ERROR_BYTES};
 
 /// The [`Counts`] in a row with the `BIGINT` columns `pending`, `leased`, `published` and
 /// `dead` (the `counts` statement of both stores); `err` maps a decoding error.
