@@ -76,7 +76,7 @@ impl OutboxAdmin for SqliteStore {
 
     async fn counts(&self) -> Result<Counts, Error> {
         self.run(Ctx::Admin, move |conn, sql, table, _| {
-            counts(conn, sql, table)
+            crate::status::counts(conn, sql, table)
         })
         .await
     }
@@ -277,10 +277,4 @@ pub(crate) fn purge_published(
         .map_err(err(table))?;
     caller.commit(tx, err(table))?;
     Ok(deleted as u64)
-}
-
-pub(crate) fn counts(conn: &Connection, sql: &Sql, table: &str) -> Result<Counts, Error> {
-    conn.prepare_cached(&sql.counts)
-        .and_then(|mut s| s.query_row([], outbox_sql_support::rusqlite::counts))
-        .map_err(err(table))
 }

@@ -7,28 +7,9 @@ use outbox_traits::Error;
 
 use crate::config::SqliteConfig;
 use crate::error::{map_err, Ctx};
-use crate::sql::{lower_ids_sql, schema_sql, upgrade_sql, CONTRACT_MARK, ID_TRIGGER_SUFFIX};
-
-/// Columns the store needs; checked by [`migrate`] on an existing table.
-pub(crate) const COLUMNS: [&str; 17] = [
-    "seq",
-    "id",
-    "aggregatetype",
-    "aggregateid",
-    "type",
-    "payload",
-    "headers",
-    "partition_key",
-    "dedup_key",
-    "state",
-    "attempts",
-    "available_at",
-    "lease_token",
-    "lease_until",
-    "last_error",
-    "created_at",
-    "published_at",
-];
+use crate::sql::{
+    lower_ids_sql, schema_sql, upgrade_sql, COLUMNS, CONTRACT_MARK, ID_TRIGGER_SUFFIX,
+};
 
 /// Create the outbox table and its indexes if they do not exist, then check the table
 /// ([`SqliteStore::migrate`](crate::SqliteStore::migrate) runs this on the store's connection).
