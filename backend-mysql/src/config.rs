@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use outbox_sql_support::validate_sql_identifier;
 use outbox_sql_support::TableSettings;
-use outbox_traits::{Error, Limits};
+use outbox_traits::Error;
 
 use crate::sql::Sql;
 
@@ -53,25 +53,11 @@ impl MysqlConfig {
         self.inner.database.as_deref()
     }
 
-    /// The table name.
-    pub fn table(&self) -> &str {
-        &self.inner.common.table
-    }
+    outbox_sql_support::table_settings_getters!(inner.common);
 
     /// `` `database`.`table` `` (or `` `table` ``), quoted as it appears in the SQL.
     pub fn qualified_table(&self) -> &str {
         &self.inner.sql.table
-    }
-
-    /// The payload limits enqueue enforces.
-    pub fn limits(&self) -> Limits {
-        self.inner.common.limits
-    }
-
-    /// Whether completing a message deletes its row instead of marking it published
-    /// (see [`MysqlConfigBuilder::delete_published`]).
-    pub fn delete_published(&self) -> bool {
-        self.inner.common.delete_published
     }
 
     /// Whether enqueue first locks the batch's partition keys until the transaction ends (see

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use outbox_sql_support::validate_sql_identifier;
 use outbox_sql_support::TableSettings;
-use outbox_traits::{Error, Limits};
+use outbox_traits::Error;
 
 use crate::sql::Sql;
 
@@ -50,19 +50,11 @@ impl PostgresConfig {
         &self.inner.schema
     }
 
-    /// The table name.
-    pub fn table(&self) -> &str {
-        &self.inner.common.table
-    }
+    outbox_sql_support::table_settings_getters!(inner.common);
 
     /// `"schema"."table"`, quoted as it appears in the SQL.
     pub fn qualified_table(&self) -> &str {
         &self.inner.sql.table
-    }
-
-    /// The payload limits enqueue enforces.
-    pub fn limits(&self) -> Limits {
-        self.inner.common.limits
     }
 
     /// Whether the table's insert trigger wakes relays (see [`PostgresConfigBuilder::notify`]).
@@ -87,12 +79,6 @@ impl PostgresConfig {
     /// The name of the statement-level `AFTER INSERT` trigger that sends the NOTIFY.
     pub fn notify_trigger(&self) -> &str {
         &self.inner.sql.notify_trigger
-    }
-
-    /// Whether completing a message deletes its row instead of marking it published
-    /// (see [`PostgresConfigBuilder::delete_published`]).
-    pub fn delete_published(&self) -> bool {
-        self.inner.common.delete_published
     }
 
     /// The `LISTEN/NOTIFY` channel for this table: `outbox.<schema>.<table>`, shortened with a

@@ -74,10 +74,7 @@ impl LenientRow for Lenient<'_> {
     }
 
     fn attempts(&self) -> Option<u32> {
-        self.0
-            .try_get::<i32, _>("attempts")
-            .ok()
-            .and_then(|n| u32::try_from(n).ok())
+        outbox_sql_support::row::attempts(self.0)
     }
 
     fn created_at(&self) -> Option<DateTime<Utc>> {

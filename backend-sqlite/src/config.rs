@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use outbox_sql_support::TableSettings;
-use outbox_traits::{Error, Limits};
+use outbox_traits::Error;
 
 use crate::sql::schema_sql;
 
@@ -92,15 +92,7 @@ impl SqliteConfig {
         SqliteConfigBuilder::default()
     }
 
-    /// The table name.
-    pub fn table(&self) -> &str {
-        &self.common.table
-    }
-
-    /// The payload limits enqueue enforces.
-    pub fn limits(&self) -> Limits {
-        self.common.limits
-    }
+    outbox_sql_support::table_settings_getters!(common);
 
     /// How long a connection waits for another connection's write lock.
     pub fn busy_timeout(&self) -> Duration {
@@ -110,12 +102,6 @@ impl SqliteConfig {
     /// The durability of commits.
     pub fn synchronous(&self) -> Synchronous {
         self.synchronous
-    }
-
-    /// Whether completing a message deletes its row instead of marking it published
-    /// (see [`SqliteConfigBuilder::delete_published`]).
-    pub fn delete_published(&self) -> bool {
-        self.common.delete_published
     }
 
     /// The migration SQL for this table, for teams that apply migrations with their own tool.

@@ -112,6 +112,30 @@ macro_rules! table_settings_setters {
     };
 }
 
+/// The getters of the [`TableSettings`] part of a store's configuration, written once for every
+/// backend: `table`, `limits` and `delete_published`. Call it inside the configuration's `impl`
+/// block with the path to its `TableSettings` field (as [`table_settings_setters!`]).
+#[macro_export]
+macro_rules! table_settings_getters {
+    ($($field:ident).+) => {
+        /// The table name.
+        pub fn table(&self) -> &str {
+            &self.$($field).+.table
+        }
+
+        /// The payload limits enqueue enforces.
+        pub fn limits(&self) -> $crate::__private::Limits {
+            self.$($field).+.limits
+        }
+
+        /// Whether completing a message deletes its row instead of marking it published (set
+        /// by the builder's `delete_published`).
+        pub fn delete_published(&self) -> bool {
+            self.$($field).+.delete_published
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +175,10 @@ mod tests {
         crate::table_settings_setters!(inner.common;);
     }
 
+    impl Inner {
+        crate::table_settings_getters!(common);
+    }
+
     #[test]
     fn the_setters_reach_a_nested_field() {
         let b = Builder::default()
@@ -160,7 +188,9 @@ mod tests {
         assert_eq!(b.inner.common.table, "t");
         assert_eq!(b.inner.common.limits.max_payload_bytes, 7);
         assert!(b.inner.common.delete_published);
+        assert_eq!(b.inner.table(), "t");
+        assert!(b.inner.delete_published());
         let b = b.limits(Limits::default());
-        assert_eq!(b.inner.common.limits, Limits::default());
+        assert_eq!(b.inner.limits(), Limits::default());
     }
 }
