@@ -8,6 +8,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use outbox_traits::*;
+/// Passwords out of text that may hold a URL, before it is logged or shown (from `outbox-url`).
+pub use outbox_url::{is_secret_option, redact_url};
 
 /// The relay engine: claim → publish → complete/fail, batching, back-off, shutdown, metrics.
 pub mod relay {

@@ -24,7 +24,8 @@
 
 use std::sync::Arc;
 
-use outbox_traits::{redact_url, Error, OutboxAdmin, OutboxStore};
+use outbox_traits::{Error, OutboxAdmin, OutboxStore};
+use outbox_url::redact_url;
 
 use crate::schemes;
 

@@ -59,8 +59,8 @@ use outbox_bench::{
     find_process, payload, postgres_background, process_cpu, CpuReading, TimedStore,
 };
 use outbox_e2e::{check_delivery, kafka, Expected};
-use outbox_memory::RecordingPublisher;
 use outbox_engine::{Relay, RelayConfig};
+use outbox_memory::RecordingPublisher;
 use outbox_traits::{OutboxStore, Publisher};
 use oxide_core::prelude::{OutboxConfig, OutboxProcessor, OutboxService};
 use oxide_kafka::{KafkaKeyExtractable, KafkaTransport};
@@ -903,7 +903,7 @@ async fn main() -> BoxResult<()> {
         .max_connections(8)
         .connect_with(PgConnectOptions::from_str(&pg_url)?.application_name(APP_NAME))
         .await
-        .map_err(|e| outbox_traits::redact_url(&e.to_string()))?;
+        .map_err(|e| outbox_url::redact_url(&e.to_string()))?;
     let brokers = env_or("OUTBOX_TEST_KAFKA_BROKERS", "127.0.0.1:19092");
     let mysql = if o.has("mysql") {
         let url = env_or("OUTBOX_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test");
@@ -912,7 +912,7 @@ async fn main() -> BoxResult<()> {
                 .max_connections(8)
                 .connect(&url)
                 .await
-                .map_err(|e| outbox_traits::redact_url(&e.to_string()))?,
+                .map_err(|e| outbox_url::redact_url(&e.to_string()))?,
         )
     } else {
         None
