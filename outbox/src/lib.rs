@@ -17,7 +17,9 @@ pub mod relay {
 }
 
 /// The in-memory reference store and the recording publisher, for unit tests of code that
-/// enqueues or relays.
+/// enqueues or relays (feature `testing`, for `[dev-dependencies]`).
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod memory {
     pub use outbox_memory::*;
 }

@@ -27,4 +27,4 @@ pub use options::{percent_decode, percent_decode_lossy, UrlOptions};
 pub use redact::{is_secret_option, redact_url};
 pub use secret::{error_chain_line, read_secret_file};
 pub use seeds::{split_seed_list, SeedList};
-pub use store::{Migrate, StoreOptions};
+pub use store::{store_scheme, Migrate, StoreOptions};

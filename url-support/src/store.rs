@@ -4,6 +4,8 @@
 
 use outbox_traits::{async_trait, Error};
 
+use crate::redact_url;
+
 /// Where the outbox table is and how it treats published messages; the defaults are each
 /// backend's own. Each backend's `open_url(url, &StoreOptions)` applies them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -34,6 +36,41 @@ impl StoreOptions {
                  database in the URL instead)"
             ))),
             None => Ok(()),
+        }
+    }
+}
+
+/// The scheme of a store's `url` and what follows its `:`, when the scheme is one of `schemes`
+/// (a backend's, the first its usual name); else the [`Error::InvalidInput`] of a `what` store
+/// URL (`"Postgres"`), naming the schemes, without the URL's password.
+///
+/// ```
+/// let (scheme, rest) = outbox_url::store_scheme("postgresql://h/db", &["postgres", "postgresql"], "Postgres").unwrap();
+/// assert_eq!((scheme, rest), ("postgresql", "//h/db"));
+/// let err = outbox_url::store_scheme("mysql://u:s3cret@h/db", &["postgres", "postgresql"], "Postgres").unwrap_err();
+/// assert!(err.to_string().contains("must start with postgres:// (or postgresql://)"));
+/// assert!(!err.to_string().contains("s3cret"));
+/// ```
+pub fn store_scheme<'u>(
+    url: &'u str,
+    schemes: &[&str],
+    what: &str,
+) -> Result<(&'u str, &'u str), Error> {
+    match url.split_once(':') {
+        Some((scheme, rest)) if schemes.contains(&scheme) => Ok((scheme, rest)),
+        _ => {
+            let mut names = schemes.iter().map(|s| format!("{s}://"));
+            let first = names.next().unwrap_or_default();
+            let others: Vec<String> = names.collect();
+            let others = if others.is_empty() {
+                String::new()
+            } else {
+                format!(" (or {})", others.join(", "))
+            };
+            Err(Error::invalid_input(format!(
+                "{what} store URL {:?} must start with {first}{others}",
+                redact_url(url)
+            )))
         }
     }
 }
