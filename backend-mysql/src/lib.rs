@@ -15,6 +15,7 @@ mod row;
 mod sql;
 mod status;
 mod store;
+pub mod url;
 
 pub use config::{MysqlConfig, MysqlConfigBuilder, DEFAULT_TABLE};
 pub use enqueue::{enqueue, enqueue_batch};

@@ -15,6 +15,7 @@ mod row;
 mod sql;
 mod status;
 mod store;
+pub mod url;
 mod wake;
 
 pub use claim::{PREFERRED_BATCH, PREFERRED_CLAIM_SHARDS};

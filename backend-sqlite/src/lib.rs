@@ -17,6 +17,7 @@ mod row;
 mod sql;
 mod status;
 mod store;
+pub mod url;
 
 pub use config::{
     SqliteConfig, SqliteConfigBuilder, Synchronous, DEFAULT_BUSY_TIMEOUT, DEFAULT_TABLE,

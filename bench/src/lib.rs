@@ -1,10 +1,12 @@
 //! Pieces shared by the benchmark binaries of `outbox-bench`: the benchmark message, CPU time
-//! read from `/proc`, the load average and medians.
+//! read from `/proc`, the load average and medians, and a publisher's [`throughput`] run.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use outbox_traits::{Message, NewMessage};
+
+pub mod throughput;
 
 /// The benchmark's message number `n`: about 200 bytes of JSON, partition key
 /// `customer-{n % keys}`.

@@ -121,7 +121,7 @@ async fn bench_postgres(messages: usize, keys: usize) -> BoxResult<()> {
         .max_connections(WRITERS as u32 + 4)
         .connect(&url)
         .await
-        .map_err(|e| outbox_traits::redact_url(&e.to_string()))?;
+        .map_err(|e| outbox_url::redact_url(&e.to_string()))?;
     let schema = format!("bench_{}", uuid::Uuid::new_v4().simple());
     let config = PostgresConfig::builder()
         .schema(&schema)
@@ -203,7 +203,7 @@ async fn bench_mysql(messages: usize, keys: usize) -> BoxResult<()> {
         .max_connections(WRITERS as u32 + 4)
         .connect(&url)
         .await
-        .map_err(|e| outbox_traits::redact_url(&e.to_string()))?;
+        .map_err(|e| outbox_url::redact_url(&e.to_string()))?;
     let table = format!("bench_{}", uuid::Uuid::new_v4().simple());
     let config = MysqlConfig::builder()
         .table(&table)

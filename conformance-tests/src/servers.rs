@@ -89,3 +89,163 @@ pub fn postgres_bin() -> Option<PathBuf> {
     versions.sort();
     versions.pop().map(|(_, bin)| bin)
 }
+
+/// How [`PostgresCluster::start`] sets a private PostgreSQL up; the default is a cluster with
+/// `trust` authentication and nothing else.
+#[derive(Debug, Clone, Default)]
+pub struct PostgresSetup {
+    /// Prefix of the temporary directory's name (`outbox-pg-` when empty).
+    pub prefix: &'static str,
+    /// The password of user `postgres`, given to `initdb` (then `--auth-local=trust
+    /// --auth-host=scram-sha-256`); `None`: `--auth=trust`.
+    pub password: Option<String>,
+    /// Files written into the data directory after `initdb` (name, content), owned by user
+    /// `postgres`, mode 600, e.g. TLS certificates that the `conf` lines name relatively.
+    pub files: Vec<(&'static str, Vec<u8>)>,
+    /// Lines added to `postgresql.conf`, after the port, `listen_addresses = '127.0.0.1'`, the
+    /// socket directory and `fsync = off`.
+    pub conf: String,
+    /// The whole `pg_hba.conf`, replacing `initdb`'s.
+    pub hba: Option<String>,
+    /// `NAME=value` pairs in the server's environment (e.g. `LD_PRELOAD` and `FAKETIME`).
+    pub env: Vec<String>,
+}
+
+/// A private PostgreSQL cluster (`initdb` + `pg_ctl` under `runuser -u postgres`) in a temporary
+/// directory, on a free port of 127.0.0.1, with user and database `postgres`: the one bootstrap
+/// of the suite's skewed-clock server and the end-to-end tests' TLS and outage servers. Stopped
+/// (`pg_ctl stop -m immediate`) when dropped.
+#[derive(Debug)]
+pub struct PostgresCluster {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    port: u16,
+    env: Vec<String>,
+}
+
+impl PostgresCluster {
+    /// `initdb` as `setup` says, start, and wait until it accepts connections (about 2 s).
+    /// `Ok(None)` (printed) when PostgreSQL is not installed, unless `OUTBOX_REQUIRE_SERVICES=1`.
+    pub fn start(setup: PostgresSetup) -> Result<Option<Self>, String> {
+        let Some(bin) = postgres_bin() else {
+            return missing("PostgreSQL (/usr/lib/postgresql/*/bin/initdb)");
+        };
+        let prefix = if setup.prefix.is_empty() {
+            "outbox-pg-"
+        } else {
+            setup.prefix
+        };
+        let dir = tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir()
+            .map_err(|e| format!("temp dir: {e}"))?;
+        let data = dir.path().join("data");
+        let mut initdb = Command::new("runuser");
+        initdb
+            .args(["-u", "postgres", "--"])
+            .arg(bin.join("initdb"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-U", "postgres", "-E", "UTF8", "--no-sync"]);
+        match &setup.password {
+            Some(password) => {
+                let pwfile = dir.path().join("pw");
+                std::fs::write(&pwfile, password).map_err(|e| format!("password file: {e}"))?;
+                initdb
+                    .args(["--auth-local=trust", "--auth-host=scram-sha-256"])
+                    .arg(format!("--pwfile={}", pwfile.display()));
+            }
+            None => {
+                initdb.arg("--auth=trust");
+            }
+        }
+        run(Command::new("chown")
+            .arg("-R")
+            .arg("postgres:")
+            .arg(dir.path()))?;
+        run(&mut initdb)?;
+        let io = |what: &str, e: std::io::Error| format!("{what}: {e}");
+        for (name, content) in &setup.files {
+            let path = data.join(name);
+            std::fs::write(&path, content).map_err(|e| io(name, e))?;
+            run(Command::new("chown").arg("postgres:").arg(&path))?;
+            run(Command::new("chmod").arg("600").arg(&path))?;
+        }
+        let port = free_port()?;
+        let conf_path = data.join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf_path).map_err(|e| io("postgresql.conf", e))?;
+        text.push_str(&format!(
+            "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\n\
+             fsync = off\n{}\n",
+            dir.path().display(),
+            setup.conf
+        ));
+        std::fs::write(&conf_path, text).map_err(|e| io("postgresql.conf", e))?;
+        if let Some(hba) = &setup.hba {
+            std::fs::write(data.join("pg_hba.conf"), hba).map_err(|e| io("pg_hba.conf", e))?;
+        }
+        let cluster = Self {
+            dir,
+            bin,
+            port,
+            env: setup.env,
+        };
+        cluster.resume()?;
+        Ok(Some(cluster))
+    }
+
+    /// Its port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Shut it down at once (`pg_ctl stop -m immediate`): connections drop as in a crash.
+    pub fn stop(&self) -> Result<(), String> {
+        self.pg_ctl("stop")
+    }
+
+    /// Start it (again, after [`stop`](Self::stop)) and wait until it accepts connections.
+    pub fn resume(&self) -> Result<(), String> {
+        self.pg_ctl("start")?;
+        wait_port(self.port, None, &self.dir.path().join("log"))
+    }
+
+    /// Run `sql` as user `postgres` in database `postgres`, over the local socket (which
+    /// trusts), e.g. to create a role.
+    pub fn psql(&self, sql: &str) -> Result<(), String> {
+        run(Command::new("runuser")
+            .args(["-u", "postgres", "--"])
+            .arg(self.bin.join("psql"))
+            .arg("-h")
+            .arg(self.dir.path())
+            .args(["-p", &self.port.to_string(), "-U", "postgres"])
+            .args(["-d", "postgres", "-q", "-c", sql]))
+    }
+
+    /// `pg_ctl start` (waiting up to 60 s, with the set-up's environment) or `pg_ctl stop -m
+    /// immediate`, as user `postgres`, logging to the directory's `log`.
+    fn pg_ctl(&self, action: &str) -> Result<(), String> {
+        let mut command = Command::new("runuser");
+        // `env` inside runuser: runuser resets the environment; the postmaster and every
+        // backend it forks inherit these.
+        command
+            .args(["-u", "postgres", "--", "env"])
+            .args(&self.env)
+            .arg(self.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(self.dir.path().join("data"))
+            .arg("-l")
+            .arg(self.dir.path().join("log"))
+            .args(["-w", "-t", "60"]);
+        if action == "stop" {
+            command.args(["-m", "immediate"]);
+        }
+        run(command.arg(action))
+    }
+}
+
+impl Drop for PostgresCluster {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}

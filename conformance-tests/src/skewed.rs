@@ -24,7 +24,9 @@ use tempfile::TempDir;
 
 use crate::checks::Check;
 use crate::harness::Harness;
-use crate::servers::{free_port, installed, missing, postgres_bin, run, wait_port};
+use crate::servers::{
+    free_port, installed, missing, run, wait_port, PostgresCluster, PostgresSetup,
+};
 
 /// How far ahead of the host the private servers' clocks run, in libfaketime's notation.
 pub const FAKETIME_OFFSET: &str = "+3d";
@@ -55,13 +57,11 @@ pub fn run_suite<H: Harness>(harness: impl Fn() -> H, config: Config) -> Result<
     crate::engine::check_engine(&harness(), config)
 }
 
-/// A private PostgreSQL (`initdb` + `pg_ctl` under `runuser -u postgres`) whose clock runs
-/// [`FAKETIME_OFFSET`] ahead: trust authentication on 127.0.0.1, user and database `postgres`.
+/// A private PostgreSQL ([`PostgresCluster`]) whose clock runs [`FAKETIME_OFFSET`] ahead:
+/// trust authentication on 127.0.0.1, user and database `postgres`.
 #[derive(Debug)]
 pub struct SkewedPostgres {
-    dir: TempDir,
-    bin: PathBuf,
-    port: u16,
+    cluster: PostgresCluster,
 }
 
 impl SkewedPostgres {
@@ -70,68 +70,24 @@ impl SkewedPostgres {
         let Some(faketime) = libfaketime() else {
             return missing("libfaketime (apt-get install libfaketime)");
         };
-        let Some(bin) = postgres_bin() else {
-            return missing("PostgreSQL (/usr/lib/postgresql/*/bin/initdb)");
+        let setup = PostgresSetup {
+            prefix: "outbox-pg-skewed-",
+            conf: "synchronous_commit = off\nmax_connections = 60".into(),
+            env: vec![
+                format!("LD_PRELOAD={}", faketime.display()),
+                format!("FAKETIME={FAKETIME_OFFSET}"),
+            ],
+            ..PostgresSetup::default()
         };
-        let dir = tempfile::Builder::new()
-            .prefix("outbox-pg-skewed-")
-            .tempdir()
-            .map_err(|e| format!("temp dir: {e}"))?;
-        let data = dir.path().join("data");
-        run(Command::new("chown")
-            .arg("-R")
-            .arg("postgres:")
-            .arg(dir.path()))?;
-        run(Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(bin.join("initdb"))
-            .arg("-D")
-            .arg(&data)
-            .args(["-U", "postgres", "-E", "UTF8", "--no-sync", "--auth=trust"]))?;
-        let port = free_port()?;
-        let conf = format!(
-            "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\n\
-             fsync = off\nsynchronous_commit = off\nmax_connections = 60\n",
-            dir.path().display()
-        );
-        let conf_path = data.join("postgresql.conf");
-        let mut text = std::fs::read_to_string(&conf_path).map_err(|e| e.to_string())?;
-        text.push_str(&conf);
-        std::fs::write(&conf_path, text).map_err(|e| e.to_string())?;
-        let server = Self { dir, bin, port };
-        // `env` inside runuser: runuser resets the environment, the postmaster and every
-        // backend it forks inherit these two.
-        run(Command::new("runuser")
-            .args(["-u", "postgres", "--", "env"])
-            .arg(format!("LD_PRELOAD={}", faketime.display()))
-            .arg(format!("FAKETIME={FAKETIME_OFFSET}"))
-            .arg(server.bin.join("pg_ctl"))
-            .arg("-D")
-            .arg(&data)
-            .arg("-l")
-            .arg(server.dir.path().join("log"))
-            .args(["-w", "-t", "60", "start"]))?;
-        wait_port(port, None, &server.dir.path().join("log"))?;
-        Ok(Some(server))
+        Ok(PostgresCluster::start(setup)?.map(|cluster| Self { cluster }))
     }
 
     /// Its URL (user `postgres`, no password, database `postgres`).
     pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-}
-
-impl Drop for SkewedPostgres {
-    fn drop(&mut self) {
-        let _ = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(self.bin.join("pg_ctl"))
-            .arg("-D")
-            .arg(self.dir.path().join("data"))
-            .args(["-m", "immediate", "-w", "stop"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
+        format!(
+            "postgres://postgres@127.0.0.1:{}/postgres",
+            self.cluster.port()
+        )
     }
 }
 

@@ -1,6 +1,7 @@
 //! One entry point for a consumer URL of any broker.
 
-use outbox_traits::{redact_url, Error};
+use outbox_traits::Error;
+use outbox_url::redact_url;
 use tokio_util::sync::CancellationToken;
 
 use crate::handler::Handler;

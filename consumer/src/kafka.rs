@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use outbox_traits::{redact_url, Error};
+use outbox_traits::Error;
+use outbox_url::redact_url;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message as _, OwnedHeaders, OwnedMessage};
@@ -68,7 +69,7 @@ impl std::fmt::Debug for KafkaConsumerConfig {
             .properties
             .iter()
             .map(|(k, v)| {
-                let shown = if outbox_traits::is_secret_option(k) {
+                let shown = if outbox_url::is_secret_option(k) {
                     "<redacted>"
                 } else {
                     v.as_str()

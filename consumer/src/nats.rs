@@ -6,7 +6,8 @@ use std::time::Duration;
 use async_nats::header::HeaderValue;
 use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::StreamExt;
-use outbox_traits::{redact_url, Error};
+use outbox_traits::Error;
+use outbox_url::redact_url;
 use tokio_util::sync::CancellationToken;
 
 use crate::core::{broker_pause, in_lanes, Core, Verdict};
@@ -269,7 +270,7 @@ impl NatsConsumer {
             .connect(config.url.as_str())
             .await
             .map_err(|e| {
-                let detail = redact_url(&outbox_traits::error_chain_line(&e));
+                let detail = redact_url(&outbox_url::error_chain_line(&e));
                 Error::unavailable(
                     "nats",
                     format!("cannot connect to {shown}: {detail}"),

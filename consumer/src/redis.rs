@@ -4,7 +4,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_traits::{redact_url, Error};
+use outbox_traits::Error;
+use outbox_url::redact_url;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Value;
 use tokio_util::sync::CancellationToken;

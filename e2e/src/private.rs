@@ -35,7 +35,9 @@ use tempfile::TempDir;
 use crate::BoxError;
 /// A free loopback port (free when this returns; the server binds it right after).
 pub use outbox_conformance_tests::servers::free_port;
-use outbox_conformance_tests::servers::{installed, missing, postgres_bin, run, wait_port};
+use outbox_conformance_tests::servers::{
+    installed, missing, run, wait_port, PostgresCluster, PostgresSetup,
+};
 
 /// The host name the server certificates list; it resolves to 127.0.0.1.
 pub const TLS_HOST: &str = "localhost";
@@ -118,13 +120,12 @@ pub fn secret() -> String {
     format!("pw-{}", uuid::Uuid::new_v4().simple())
 }
 
-/// A private PostgreSQL that accepts only TLS connections (`hostssl` lines only): user
-/// `postgres` with a password, user `app` with [`Pki::client_cert`] (`cert` authentication);
-/// database `postgres`.
+/// A private PostgreSQL ([`PostgresCluster`]) that accepts only TLS connections (`hostssl` lines
+/// only): user `postgres` with a password, user `app` with [`Pki::client_cert`] (`cert`
+/// authentication); database `postgres`.
 #[derive(Debug)]
 pub struct PrivatePostgres {
-    dir: TempDir,
-    bin: PathBuf,
+    _cluster: PostgresCluster,
     /// Its port on 127.0.0.1.
     pub port: u16,
     /// The password of user `postgres`.
@@ -135,78 +136,36 @@ impl PrivatePostgres {
     /// initdb, configure TLS with `pki`'s server certificate (and its CA for client
     /// certificates), start and wait until it accepts connections. Takes about 2 s.
     pub fn start(pki: &Pki) -> Result<Option<Self>, BoxError> {
-        let Some(bin) = postgres_bin() else {
-            return Ok(missing("PostgreSQL (/usr/lib/postgresql/*/bin/initdb)")?);
-        };
-        let dir = tempfile::Builder::new().prefix("outbox-pg-").tempdir()?;
-        let data = dir.path().join("data");
         let password = secret();
-        let pwfile = dir.path().join("pw");
-        std::fs::write(&pwfile, &password)?;
-        for (from, to) in [
-            (&pki.server_cert, "server.pem"),
-            (&pki.server_key, "server.key"),
-            (&pki.ca, "ca.pem"),
-        ] {
-            std::fs::copy(from, dir.path().join(to))?;
-        }
-        run(Command::new("chown")
-            .arg("-R")
-            .arg("postgres:")
-            .arg(dir.path()))?;
-        run(Command::new("chmod")
-            .arg("600")
-            .arg(dir.path().join("server.key")))?;
-        run(Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(bin.join("initdb"))
-            .arg("-D")
-            .arg(&data)
-            .args(["-U", "postgres", "-E", "UTF8", "--no-sync"])
-            .args(["--auth-local=trust", "--auth-host=scram-sha-256"])
-            .arg(format!("--pwfile={}", pwfile.display())))?;
-        let port = free_port()?;
-        let d = dir.path().display();
-        let conf = format!(
-            "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{d}'\n\
-             ssl = on\nssl_cert_file = '{d}/server.pem'\nssl_key_file = '{d}/server.key'\n\
-             ssl_ca_file = '{d}/ca.pem'\nfsync = off\nmax_connections = 40\n"
-        );
-        let conf_path = data.join("postgresql.conf");
-        let mut text = std::fs::read_to_string(&conf_path)?;
-        text.push_str(&conf);
-        std::fs::write(&conf_path, text)?;
-        // TCP only over TLS: user `app` by client certificate, the others by password; the
-        // socket (for set-up) trusts.
-        std::fs::write(
-            data.join("pg_hba.conf"),
-            "local all all trust\nhostssl all app 127.0.0.1/32 cert\n\
-             hostssl all all 127.0.0.1/32 scram-sha-256\n",
-        )?;
-        let server = Self {
-            dir,
-            bin,
-            port,
-            password,
+        let setup = PostgresSetup {
+            password: Some(password.clone()),
+            files: vec![
+                ("server.pem", std::fs::read(&pki.server_cert)?),
+                ("server.key", std::fs::read(&pki.server_key)?),
+                ("ca.pem", std::fs::read(&pki.ca)?),
+            ],
+            // Relative to the data directory, where `files` are.
+            conf: "ssl = on\nssl_cert_file = 'server.pem'\nssl_key_file = 'server.key'\n\
+                   ssl_ca_file = 'ca.pem'\nmax_connections = 40"
+                .into(),
+            // TCP only over TLS: user `app` by client certificate, the others by password; the
+            // socket (for set-up) trusts.
+            hba: Some(
+                "local all all trust\nhostssl all app 127.0.0.1/32 cert\n\
+                 hostssl all all 127.0.0.1/32 scram-sha-256\n"
+                    .into(),
+            ),
+            ..PostgresSetup::default()
         };
-        pg_ctl(&server.bin, server.dir.path(), "start")?;
-        run(Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(server.bin.join("psql"))
-            .arg("-h")
-            .arg(server.dir.path())
-            .args([
-                "-p",
-                &port.to_string(),
-                "-U",
-                "postgres",
-                "-d",
-                "postgres",
-                "-q",
-                "-c",
-            ])
-            .arg("CREATE ROLE app LOGIN SUPERUSER"))?;
-        Ok(Some(server))
+        let Some(cluster) = PostgresCluster::start(setup)? else {
+            return Ok(None);
+        };
+        cluster.psql("CREATE ROLE app LOGIN SUPERUSER")?;
+        Ok(Some(Self {
+            port: cluster.port(),
+            _cluster: cluster,
+            password,
+        }))
     }
 
     /// A URL for `host` with the given query (e.g. `sslmode=verify-full&sslrootcert=...`) and
@@ -219,37 +178,13 @@ impl PrivatePostgres {
     }
 }
 
-impl Drop for PrivatePostgres {
-    fn drop(&mut self) {
-        let _ = pg_ctl(&self.bin, self.dir.path(), "stop");
-    }
-}
-
-/// `pg_ctl start` (waiting up to 60 s) or `pg_ctl stop` (immediate shutdown) of the cluster in
-/// `dir/data`, logging to `dir/log`, as user `postgres`.
-fn pg_ctl(bin: &Path, dir: &Path, action: &str) -> Result<(), BoxError> {
-    let mut command = Command::new("runuser");
-    command
-        .args(["-u", "postgres", "--"])
-        .arg(bin.join("pg_ctl"))
-        .arg("-D")
-        .arg(dir.join("data"))
-        .arg("-l")
-        .arg(dir.join("log"))
-        .args(["-w", "-t", "60"]);
-    if action == "stop" {
-        command.args(["-m", "immediate"]);
-    }
-    Ok(run(command.arg(action))?)
-}
-
-/// A private PostgreSQL with `trust` authentication on 127.0.0.1 (user and database
-/// `postgres`), for outage tests: [`stop`](Self::stop) shuts it down at once (as a crash would)
-/// and [`resume`](Self::resume) starts it again on the same port and data. Stopped when dropped.
+/// A private PostgreSQL ([`PostgresCluster`]) with `trust` authentication on 127.0.0.1 (user and
+/// database `postgres`), for outage tests: [`stop`](Self::stop) shuts it down at once (as a
+/// crash would) and [`resume`](Self::resume) starts it again on the same port and data.
+/// Stopped when dropped.
 #[derive(Debug)]
 pub struct PlainPostgres {
-    dir: TempDir,
-    bin: PathBuf,
+    cluster: PostgresCluster,
     /// Its port on 127.0.0.1.
     pub port: u16,
 }
@@ -257,54 +192,29 @@ pub struct PlainPostgres {
 impl PlainPostgres {
     /// initdb, start and wait until it accepts connections. Takes about 2 s.
     pub fn start() -> Result<Option<Self>, BoxError> {
-        let Some(bin) = postgres_bin() else {
-            return Ok(missing("PostgreSQL (/usr/lib/postgresql/*/bin/initdb)")?);
+        let setup = PostgresSetup {
+            conf: "max_connections = 40".into(),
+            ..PostgresSetup::default()
         };
-        let dir = tempfile::Builder::new().prefix("outbox-pg-").tempdir()?;
-        let data = dir.path().join("data");
-        run(Command::new("chown")
-            .arg("-R")
-            .arg("postgres:")
-            .arg(dir.path()))?;
-        run(Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(bin.join("initdb"))
-            .arg("-D")
-            .arg(&data)
-            .args(["-U", "postgres", "-E", "UTF8", "--no-sync", "--auth=trust"]))?;
-        let port = free_port()?;
-        let d = dir.path().display();
-        let conf_path = data.join("postgresql.conf");
-        let mut text = std::fs::read_to_string(&conf_path)?;
-        text.push_str(&format!(
-            "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{d}'\n\
-             fsync = off\nmax_connections = 40\n"
-        ));
-        std::fs::write(&conf_path, text)?;
-        let server = Self { dir, bin, port };
-        server.resume()?;
-        Ok(Some(server))
+        Ok(PostgresCluster::start(setup)?.map(|cluster| Self {
+            port: cluster.port(),
+            cluster,
+        }))
     }
 
     /// Shut it down at once (`pg_ctl stop -m immediate`): connections drop as in a crash.
     pub fn stop(&self) -> Result<(), BoxError> {
-        pg_ctl(&self.bin, self.dir.path(), "stop")
+        Ok(self.cluster.stop()?)
     }
 
     /// Start it again after [`stop`](Self::stop) and wait until it accepts connections.
     pub fn resume(&self) -> Result<(), BoxError> {
-        pg_ctl(&self.bin, self.dir.path(), "start")
+        Ok(self.cluster.resume()?)
     }
 
     /// `postgres://postgres@127.0.0.1:PORT/postgres`.
     pub fn url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-}
-
-impl Drop for PlainPostgres {
-    fn drop(&mut self) {
-        let _ = self.stop();
     }
 }
 

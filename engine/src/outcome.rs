@@ -1,8 +1,7 @@
 //! Turning a batch's publish outcomes into store transitions: which ids to complete, which to
 //! fail (retry or dead-letter) and which to release.
 
-use outbox_routing::KeyGate;
-use outbox_traits::{ErrorKind, FailAction, Failure, Message, PublishOutcome};
+use outbox_traits::{ErrorKind, FailAction, Failure, KeyGate, Message, PublishOutcome};
 use rand::Rng;
 use uuid::Uuid;
 

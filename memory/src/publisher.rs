@@ -5,8 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
-use outbox_routing::attempt_in_key_order;
-use outbox_traits::{Error, Message, PublishOutcome, Publisher};
+use outbox_traits::{attempt_in_key_order, Error, Message, PublishOutcome, Publisher};
 use tokio::sync::watch;
 use uuid::Uuid;
 

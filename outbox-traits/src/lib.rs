@@ -3,8 +3,11 @@
 //! A service writes its business rows and a [`NewMessage`] in one database transaction (through a
 //! backend's `enqueue` function, which takes the caller's transaction). A relay then claims
 //! committed messages from an [`OutboxStore`], publishes them through a [`Publisher`], and
-//! completes or fails them. This crate holds only the traits, the message and error types, and a
-//! few helpers every backend shares; it has no database driver or async runtime dependency.
+//! completes or fails them. This crate holds only the contract: the traits, the message, claim
+//! and error types, the capabilities, and the rules every store and publisher follows (the
+//! argument checks, and [`KeyGate`], the per-key order a publisher keeps inside a batch); it has
+//! no database driver or async runtime dependency. What opening a store or a publisher from a
+//! URL needs (redaction, secret files, option parsing) is in `outbox-url`.
 //!
 //! The traits are object safe: engines hold `Arc<dyn OutboxStore>` and `Box<dyn Publisher>`
 //! chosen at run time, and both traits are forwarded for `&T`, `Arc<T>` and `Box<T>`.
@@ -127,20 +130,18 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod error;
+mod key_order;
 mod message;
 mod publisher;
-mod secret;
-mod seeds;
 mod store;
 
-pub use error::{is_secret_option, redact_url, BoxError, Error, ErrorKind};
+pub use error::{BoxError, Error, ErrorKind};
+pub use key_order::{attempt_in_key_order, settle_in_key_order, KeyGate};
 pub use message::{
     validate_batch, Limits, Message, NewMessage, ValidMessage, DEFAULT_MAX_PAYLOAD_BYTES,
     TRACEPARENT_HEADER,
 };
 pub use publisher::{PublishOutcome, Publisher};
-pub use secret::{error_chain_line, read_secret_file};
-pub use seeds::{split_seed_list, SeedList};
 pub use store::{
     validate_duration, validate_failures, validate_lease_extension, validate_purge_batch,
     BlockedKey, Capabilities, Claim, ClaimRequest, ClaimShard, Counts, DeadMessage, FailAction,

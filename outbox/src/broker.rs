@@ -26,7 +26,8 @@
 //! # Ok(()) }
 //! ```
 
-use outbox_traits::{redact_url, Error, Publisher};
+use outbox_traits::{Error, Publisher};
+use outbox_url::redact_url;
 
 use crate::schemes;
 

@@ -8,6 +8,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use outbox_traits::*;
+/// Passwords out of text that may hold a URL, before it is logged or shown (from `outbox-url`).
+pub use outbox_url::{is_secret_option, redact_url};
 
 /// The relay engine: claim → publish → complete/fail, batching, back-off, shutdown, metrics.
 pub mod relay {
@@ -15,7 +17,9 @@ pub mod relay {
 }
 
 /// The in-memory reference store and the recording publisher, for unit tests of code that
-/// enqueues or relays.
+/// enqueues or relays (feature `testing`, for `[dev-dependencies]`).
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod memory {
     pub use outbox_memory::*;
 }

@@ -10,6 +10,10 @@
 //! the driver); the outbox table is named by [`StoreOptions`]. The same URL then gives the
 //! relay's view ([`OpenedStore::store`]) and the operator's ([`OpenedStore::admin`]).
 //!
+//! Each backend owns its URL and its options: this module only picks the backend by scheme and
+//! calls its `url::open_url(url, &StoreOptions)`, as [`broker`](crate::broker) calls each
+//! publisher's `from_url`. A program that needs one backend only can call that directly.
+//!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), outbox::Error> {
@@ -24,9 +28,12 @@
 
 use std::sync::Arc;
 
-use outbox_traits::{redact_url, Error, OutboxAdmin, OutboxStore};
+use outbox_traits::{Error, OutboxAdmin, OutboxStore};
+use outbox_url::{redact_url, Migrate};
 
 use crate::schemes;
+
+pub use outbox_url::StoreOptions;
 
 /// The schemes [`open`] understands, whether or not their feature is compiled in.
 pub const SCHEMES: &[(&str, &str)] = &[
@@ -35,18 +42,6 @@ pub const SCHEMES: &[(&str, &str)] = &[
     ("sqlite", "feature `sqlite`"),
 ];
 
-/// Where the outbox table is and how it treats published messages; the defaults are each
-/// backend's own.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct StoreOptions {
-    /// Table name (default `outbox`).
-    pub table: Option<String>,
-    /// Postgres schema (default `public`); refused for the other backends.
-    pub schema: Option<String>,
-    /// Delete messages as they are published instead of marking them published.
-    pub delete_published: bool,
-}
-
 /// A store opened from a URL.
 #[derive(Clone)]
 pub struct OpenedStore {
@@ -54,7 +49,8 @@ pub struct OpenedStore {
     pub store: Arc<dyn OutboxStore>,
     /// The operator's view: counts, dead letters, purge.
     pub admin: Arc<dyn OutboxAdmin>,
-    backend: Backend,
+    schema: Arc<dyn Migrate>,
+    name: &'static str,
 }
 
 impl std::fmt::Debug for OpenedStore {
@@ -65,31 +61,25 @@ impl std::fmt::Debug for OpenedStore {
     }
 }
 
-#[derive(Clone)]
-enum Backend {
-    #[cfg(feature = "postgres")]
-    Postgres(outbox_backend_postgres::PostgresStore),
-    #[cfg(feature = "mysql")]
-    Mysql(outbox_backend_mysql::MysqlStore),
-    #[cfg(feature = "sqlite")]
-    Sqlite(outbox_backend_sqlite::SqliteStore),
-    /// Only there so the enum is not empty when no backend is compiled in.
-    #[allow(dead_code)]
-    None,
-}
-
 impl OpenedStore {
+    /// The three views of one store, which the backend `name` opened.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+        allow(dead_code)
+    )]
+    fn new<S: OutboxStore + OutboxAdmin + Migrate + 'static>(name: &'static str, store: S) -> Self {
+        let store = Arc::new(store);
+        Self {
+            store: store.clone(),
+            admin: store.clone(),
+            schema: store,
+            name,
+        }
+    }
+
     /// The backend's name: `postgres`, `mysql` or `sqlite`.
     pub fn name(&self) -> &'static str {
-        match self.backend {
-            #[cfg(feature = "postgres")]
-            Backend::Postgres(_) => "postgres",
-            #[cfg(feature = "mysql")]
-            Backend::Mysql(_) => "mysql",
-            #[cfg(feature = "sqlite")]
-            Backend::Sqlite(_) => "sqlite",
-            Backend::None => "none",
-        }
+        self.name
     }
 
     /// Create the outbox table and its indexes if they do not exist (idempotent), with the
@@ -98,15 +88,7 @@ impl OpenedStore {
     /// # Errors
     /// As the backend's own `migrate`: a permanent error when the role may not create them.
     pub async fn migrate(&self) -> Result<(), Error> {
-        match &self.backend {
-            #[cfg(feature = "postgres")]
-            Backend::Postgres(store) => store.migrate().await,
-            #[cfg(feature = "mysql")]
-            Backend::Mysql(store) => store.migrate().await,
-            #[cfg(feature = "sqlite")]
-            Backend::Sqlite(store) => store.migrate().await,
-            Backend::None => Ok(()),
-        }
+        self.schema.migrate().await
     }
 }
 
@@ -114,12 +96,18 @@ fn choices() -> String {
     schemes::choices(SCHEMES)
 }
 
-/// Connect to (or, for SQLite, open) the store that `url` names.
+/// Connect to (or, for SQLite, open) the store that `url` names, with the backend's own
+/// `open_url` (`outbox::postgres::url::open_url` and the like), which reads its URL and applies
+/// `options`.
 ///
 /// # Errors
 /// [`Error::InvalidInput`] for a URL without a scheme, an unknown scheme, a scheme whose feature
 /// is not compiled in, or options the backend refuses (the message names the valid choices);
 /// [`Error::Unavailable`] when the database cannot be reached. Passwords never appear in errors.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(unused_variables)
+)]
 pub async fn open(url: &str, options: &StoreOptions) -> Result<OpenedStore, Error> {
     let scheme = url.split_once(':').map(|(s, _)| s).ok_or_else(|| {
         Error::invalid_input(format!(
@@ -128,80 +116,22 @@ pub async fn open(url: &str, options: &StoreOptions) -> Result<OpenedStore, Erro
             choices()
         ))
     })?;
-    #[cfg_attr(
-        not(any(feature = "mysql", feature = "sqlite")),
-        allow(unused_variables)
-    )]
-    let no_schema = |backend: &str| -> Result<(), Error> {
-        match &options.schema {
-            Some(schema) => Err(Error::invalid_input(format!(
-                "a schema ({schema:?}) is a Postgres option; {backend} has none (name the \
-                 database in the URL instead)"
-            ))),
-            None => Ok(()),
-        }
-    };
     match scheme {
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => {
-            use outbox_backend_postgres::{PostgresConfig, PostgresStore};
-            let mut config = PostgresConfig::builder().delete_published(options.delete_published);
-            if let Some(table) = &options.table {
-                config = config.table(table.clone());
-            }
-            if let Some(schema) = &options.schema {
-                config = config.schema(schema.clone());
-            }
-            let store = PostgresStore::connect(url, config.build()?).await?;
-            Ok(OpenedStore {
-                store: Arc::new(store.clone()),
-                admin: Arc::new(store.clone()),
-                backend: Backend::Postgres(store),
-            })
-        }
+        "postgres" | "postgresql" => Ok(OpenedStore::new(
+            "postgres",
+            outbox_backend_postgres::url::open_url(url, options).await?,
+        )),
         #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => {
-            use outbox_backend_mysql::{MysqlConfig, MysqlStore};
-            no_schema("MariaDB")?;
-            let mut config = MysqlConfig::builder().delete_published(options.delete_published);
-            if let Some(table) = &options.table {
-                config = config.table(table.clone());
-            }
-            // sqlx names the driver `mysql` for both servers.
-            let url = match url.strip_prefix("mariadb:") {
-                Some(rest) => format!("mysql:{rest}"),
-                None => url.to_owned(),
-            };
-            let store = MysqlStore::connect(&url, config.build()?).await?;
-            Ok(OpenedStore {
-                store: Arc::new(store.clone()),
-                admin: Arc::new(store.clone()),
-                backend: Backend::Mysql(store),
-            })
-        }
+        "mysql" | "mariadb" => Ok(OpenedStore::new(
+            "mysql",
+            outbox_backend_mysql::url::open_url(url, options).await?,
+        )),
         #[cfg(feature = "sqlite")]
-        "sqlite" => {
-            use outbox_backend_sqlite::{SqliteConfig, SqliteStore};
-            no_schema("SQLite")?;
-            let rest = &url["sqlite:".len()..];
-            let path = rest.strip_prefix("//").unwrap_or(rest);
-            if path.is_empty() || path.contains('?') {
-                return Err(Error::invalid_input(format!(
-                    "SQLite store URL {url:?} must name a file and take no options: \
-                     sqlite:///absolute/path.db or sqlite://relative/path.db"
-                )));
-            }
-            let mut config = SqliteConfig::builder().delete_published(options.delete_published);
-            if let Some(table) = &options.table {
-                config = config.table(table.clone());
-            }
-            let store = SqliteStore::open(path, config.build()?).await?;
-            Ok(OpenedStore {
-                store: Arc::new(store.clone()),
-                admin: Arc::new(store.clone()),
-                backend: Backend::Sqlite(store),
-            })
-        }
+        "sqlite" => Ok(OpenedStore::new(
+            "sqlite",
+            outbox_backend_sqlite::url::open_url(url, options).await?,
+        )),
         // Reached only for backends whose feature is off.
         #[allow(unreachable_patterns)]
         "postgres" | "postgresql" | "mysql" | "mariadb" | "sqlite" => not_compiled(scheme),
@@ -259,8 +189,7 @@ mod tests {
             &StoreOptions::default(),
         )
         .await
-        .err()
-        .expect("postgres is not compiled in");
+        .expect_err("postgres is not compiled in");
         let text = err.to_string();
         assert!(matches!(err, Error::InvalidInput(_)), "{text}");
         assert!(text.contains("`postgres` feature"), "{text}");

@@ -5,7 +5,8 @@ use std::fmt;
 use std::time::Duration;
 
 use outbox_routing::RoutingTemplate;
-use outbox_traits::{read_secret_file, Error};
+use outbox_traits::Error;
+use outbox_url::{percent_decode, redact_url, UrlOptions};
 use rdkafka::ClientConfig;
 
 /// Topic template used when none is given: one topic per aggregate type.
@@ -23,6 +24,9 @@ const MAX_TOPIC_LEN: usize = 249;
 
 /// Query keys of a `kafka://` URL that are not librdkafka properties.
 const URL_OPTIONS: &[&str] = &["topic", "password_file"];
+
+/// How the values of [`URL_OPTIONS`] are read, and named in errors.
+const OPTIONS: UrlOptions<'static> = UrlOptions::new("Kafka");
 
 /// librdkafka properties without a dot in their name, accepted in a URL query as pass-through
 /// (every dotted key is passed through; these are the undotted ones worth setting on a producer).
@@ -128,7 +132,7 @@ impl KafkaConfig {
     ///
     /// Values are percent-decoded. Errors never contain the password.
     pub fn from_url(url: &str) -> Result<Self, Error> {
-        let shown = outbox_traits::redact_url(url);
+        let shown = redact_url(url);
         let rest = url.strip_prefix("kafka://").ok_or_else(|| {
             Error::invalid_input(format!(
                 "Kafka URL {shown:?} must start with kafka://, e.g. kafka://127.0.0.1:9092?topic=outbox.{{aggregate_type}}"
@@ -178,7 +182,7 @@ impl KafkaConfig {
                             "Kafka URL {shown:?} has both a password and password_file; give one"
                         )));
                     }
-                    let password = read_secret_file("Kafka", "password_file", &value)?;
+                    let password = OPTIONS.secret_file(&key, &value)?;
                     config.properties.insert("sasl.password".into(), password);
                 }
                 "message.timeout.ms" | "delivery.timeout.ms" => {
@@ -321,29 +325,6 @@ fn decode(text: &str, what: &str, shown: &str) -> Result<String, Error> {
             "Kafka URL {shown:?} has a {what} that is not valid percent-encoded UTF-8"
         ))
     })
-}
-
-/// Percent-decode `text` (`%41` -> `A`); `None` when the result is not UTF-8.
-fn percent_decode(text: &str) -> Option<String> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match bytes[i] {
-            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                (Some(h), Some(l)) => {
-                    out.push((h * 16 + l) as u8);
-                    i += 3;
-                    continue;
-                }
-                _ => out.push(b'%'),
-            },
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8(out).ok()
 }
 
 fn parse_timeout_ms(key: &str, value: &str) -> Result<Duration, Error> {

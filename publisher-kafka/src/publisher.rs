@@ -5,8 +5,10 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use futures::FutureExt;
-use outbox_routing::{settle_in_key_order, standard_headers, KeyGate};
-use outbox_traits::{async_trait, Error, Message, PublishOutcome, Publisher};
+use outbox_routing::standard_headers;
+use outbox_traits::{
+    async_trait, settle_in_key_order, Error, KeyGate, Message, PublishOutcome, Publisher,
+};
 use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, FromClientConfigAndContext, RDKafkaLogLevel};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};

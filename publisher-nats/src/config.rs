@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use outbox_routing::RoutingTemplate;
-use outbox_traits::{read_secret_file, redact_url, Error};
+use outbox_traits::Error;
+use outbox_url::{percent_decode_lossy, redact_url, split_seed_list, UrlOptions};
 
 use crate::security::{NatsAuth, NatsSecurity};
 use crate::subject;
@@ -17,6 +18,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 /// 2-core machine a release build reached about 50,000 msg/s with 500 in flight against about
 /// 40,000 with 256 (batches of 500 over 1,000 keys, one publish call at a time).
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
+
+/// How the values of [`URL_OPTIONS`] are read, and named in errors.
+const OPTIONS: UrlOptions<'static> = UrlOptions::new("NATS");
 
 /// The query options [`NatsConfig::from_url`] understands.
 pub const URL_OPTIONS: &[&str] = &[
@@ -157,7 +161,7 @@ impl NatsConfig {
     /// ```
     pub fn from_url(url: &str) -> Result<Self, Error> {
         let shown = redact_url(url);
-        let seeds = outbox_traits::split_seed_list(url)?;
+        let seeds = split_seed_list(url)?;
         let parsed = url::Url::parse(&seeds.first)
             .map_err(|e| Error::invalid_input(format!("NATS URL {shown:?} is not a URL: {e}")))?;
         if !matches!(parsed.scheme(), "nats" | "tls" | "ws" | "wss") {
@@ -186,7 +190,7 @@ impl NatsConfig {
             match key.as_ref() {
                 "subject" => subject = Some(value),
                 "stream" => stream_name = Some(value),
-                "create_stream" => create = parse_bool(&key, &value)?,
+                "create_stream" => create = OPTIONS.boolean(&key, &value)?,
                 "stream_subjects" => {
                     subjects = value
                         .split(',')
@@ -195,11 +199,9 @@ impl NatsConfig {
                         .map(String::from)
                         .collect()
                 }
-                "duplicate_window_ms" => {
-                    duplicate_window = Some(Duration::from_millis(parse_num(&key, &value)?))
-                }
+                "duplicate_window_ms" => duplicate_window = Some(OPTIONS.millis(&key, &value)?),
                 "max_msg_size" => {
-                    let size: u64 = parse_num(&key, &value)?;
+                    let size: u64 = OPTIONS.number(&key, &value)?;
                     max_message_size = Some(i32::try_from(size).map_err(|_| {
                         Error::invalid_input(format!(
                             "NATS option max_msg_size={value} is too large (at most {})",
@@ -208,29 +210,20 @@ impl NatsConfig {
                     })?);
                 }
                 "stream_replicas" => {
-                    let n: usize = parse_num(&key, &value)?;
+                    let n: usize = OPTIONS.number(&key, &value)?;
                     replicas = Some(n);
                 }
-                "timeout_ms" => timeout = Duration::from_millis(parse_num(&key, &value)?),
-                "max_in_flight" => max_in_flight = parse_num(&key, &value)?,
-                "tls_required" => security.tls_required = parse_bool(&key, &value)?,
+                "timeout_ms" => timeout = OPTIONS.millis(&key, &value)?,
+                "max_in_flight" => max_in_flight = OPTIONS.number(&key, &value)?,
+                "tls_required" => security.tls_required = OPTIONS.boolean(&key, &value)?,
                 "ca_file" => security.ca_file = Some(value.into()),
                 "cert_file" => security.cert_file = Some(value.into()),
                 "key_file" => security.key_file = Some(value.into()),
-                "password_file" => password_file = Some(read_secret_file("NATS", &key, &value)?),
-                "token_file" => {
-                    auths.push(NatsAuth::Token(read_secret_file("NATS", &key, &value)?))
-                }
-                "nkey_file" => {
-                    auths.push(NatsAuth::NkeySeed(read_secret_file("NATS", &key, &value)?))
-                }
+                "password_file" => password_file = Some(OPTIONS.secret_file(&key, &value)?),
+                "token_file" => auths.push(NatsAuth::Token(OPTIONS.secret_file(&key, &value)?)),
+                "nkey_file" => auths.push(NatsAuth::NkeySeed(OPTIONS.secret_file(&key, &value)?)),
                 "creds_file" => auths.push(NatsAuth::CredsFile(value.into())),
-                other => {
-                    return Err(Error::invalid_input(format!(
-                        "unknown NATS option {other:?} in {shown:?}; valid options: {}",
-                        URL_OPTIONS.join(", ")
-                    )))
-                }
+                other => return Err(OPTIONS.unknown(other, &shown, URL_OPTIONS)),
             }
         }
         let Some(subject) = subject else {
@@ -251,8 +244,11 @@ impl NatsConfig {
                  and stream_replicas need stream=NAME",
             ));
         }
-        let user = percent_decode(parsed.username());
-        let password = parsed.password().map(percent_decode).or(password_file);
+        let user = percent_decode_lossy(parsed.username());
+        let password = parsed
+            .password()
+            .map(percent_decode_lossy)
+            .or(password_file);
         match (user.is_empty(), password) {
             (true, None) => {}
             (false, None) => auths.push(NatsAuth::Token(user)),
@@ -389,30 +385,6 @@ fn seed_server(seed: &str, scheme: &str, shown: &str) -> Result<String, Error> {
         return Err(bad("is not host:port"));
     }
     Ok(parsed.to_string().trim_end_matches('/').to_owned())
-}
-
-fn percent_decode(text: &str) -> String {
-    percent_encoding::percent_decode_str(text)
-        .decode_utf8_lossy()
-        .into_owned()
-}
-
-fn parse_bool(key: &str, value: &str) -> Result<bool, Error> {
-    match value {
-        "true" | "1" | "yes" => Ok(true),
-        "false" | "0" | "no" => Ok(false),
-        _ => Err(Error::invalid_input(format!(
-            "NATS option {key}={value:?} is not a boolean; use true or false"
-        ))),
-    }
-}
-
-fn parse_num<T: std::str::FromStr>(key: &str, value: &str) -> Result<T, Error> {
-    value.parse().map_err(|_| {
-        Error::invalid_input(format!(
-            "NATS option {key}={value:?} is not a non-negative whole number"
-        ))
-    })
 }
 
 #[cfg(test)]

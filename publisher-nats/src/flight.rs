@@ -16,8 +16,8 @@ use async_nats::jetstream::ErrorCode;
 use async_nats::{PublishErrorKind, StatusCode};
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
-use outbox_routing::KeyGate;
-use outbox_traits::{redact_url, Message, PublishOutcome};
+use outbox_traits::{KeyGate, Message, PublishOutcome};
+use outbox_url::redact_url;
 use tokio::time::Instant;
 
 use crate::publisher::{headers_for, NatsPublisher};

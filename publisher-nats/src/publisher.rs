@@ -8,7 +8,8 @@ use async_nats::header::{HeaderMap, HeaderName, HeaderValue, NATS_MESSAGE_ID};
 use async_nats::jetstream::{self, ErrorCode};
 use async_trait::async_trait;
 use outbox_routing::{standard_header_refs, STANDARD_HEADER_NAMES};
-use outbox_traits::{redact_url, Error, Message, PublishOutcome, Publisher};
+use outbox_traits::{Error, Message, PublishOutcome, Publisher};
+use outbox_url::redact_url;
 
 use crate::config::{NatsConfig, StreamSetup};
 use crate::flight::Flight;
@@ -63,7 +64,7 @@ impl NatsPublisher {
             .connect(config.servers())
             .await
             .map_err(|e| {
-                let detail = redact_url(&outbox_traits::error_chain_line(&e));
+                let detail = redact_url(&outbox_url::error_chain_line(&e));
                 let message = match crate::security::fix(&detail, e.kind()) {
                     Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
                     None => format!("cannot connect to {shown}: {detail}"),

@@ -3,12 +3,16 @@
 use std::time::Duration;
 
 use outbox_routing::RoutingTemplate;
-use outbox_traits::{read_secret_file, redact_url, Error};
+use outbox_traits::Error;
+use outbox_url::{redact_url, split_seed_list, UrlOptions};
 
 use crate::tls::RedisTls;
 
 /// Default connection and reply timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How the values of [`URL_OPTIONS`] are read, and named in errors.
+const OPTIONS: UrlOptions<'static> = UrlOptions::new("Redis");
 
 /// The query options [`RedisConfig::from_url`] understands.
 pub const URL_OPTIONS: &[&str] = &[
@@ -142,7 +146,7 @@ impl RedisConfig {
     /// ```
     pub fn from_url(url: &str) -> Result<Self, Error> {
         let shown = redact_url(url);
-        let seeds = outbox_traits::split_seed_list(url)?;
+        let seeds = split_seed_list(url)?;
         let parsed = url::Url::parse(&seeds.first)
             .map_err(|e| Error::invalid_input(format!("Redis URL {shown:?} is not a URL: {e}")))?;
         if !matches!(parsed.scheme(), "redis" | "rediss") {
@@ -164,35 +168,17 @@ impl RedisConfig {
         for (key, value) in parsed.query_pairs() {
             match key.as_ref() {
                 "stream" => stream = Some(value.into_owned()),
-                "maxlen" => maxlen = Some(parse_num(&key, &value)?),
-                "timeout_ms" => timeout = Duration::from_millis(parse_num(&key, &value)?),
-                "max_payload" => max_payload = Some(parse_num(&key, &value)?),
+                "maxlen" => maxlen = Some(OPTIONS.number(&key, &value)?),
+                "timeout_ms" => timeout = OPTIONS.millis(&key, &value)?,
+                "max_payload" => max_payload = Some(OPTIONS.number(&key, &value)?),
                 "ca_file" => tls.ca_file = Some(value.into_owned().into()),
                 "cert_file" => tls.cert_file = Some(value.into_owned().into()),
                 "key_file" => tls.key_file = Some(value.into_owned().into()),
-                "cluster" => {
-                    cluster = match value.as_ref() {
-                        "true" | "1" | "yes" => true,
-                        "false" | "0" | "no" => false,
-                        _ => {
-                            return Err(Error::invalid_input(format!(
-                                "Redis option cluster={value:?} is not a boolean; use true or \
-                                 false"
-                            )))
-                        }
-                    }
-                }
+                "cluster" => cluster = OPTIONS.boolean(&key, &value)?,
                 "hash_tag" => hash_tag = Some(RoutingTemplate::parse(&value)?),
-                "wait_replicas" => wait_replicas = Some(parse_num(&key, &value)?),
-                "password_file" => {
-                    password = Some(read_secret_file("Redis", "password_file", &value)?)
-                }
-                other => {
-                    return Err(Error::invalid_input(format!(
-                        "unknown Redis option {other:?} in {shown:?}; valid options: {}",
-                        URL_OPTIONS.join(", ")
-                    )))
-                }
+                "wait_replicas" => wait_replicas = Some(OPTIONS.number(&key, &value)?),
+                "password_file" => password = Some(OPTIONS.secret_file(&key, &value)?),
+                other => return Err(OPTIONS.unknown(other, &shown, URL_OPTIONS)),
             }
         }
         let Some(stream) = stream else {
@@ -319,14 +305,6 @@ fn seed_node(seed: &str, scheme: &str, shown: &str) -> Result<String, Error> {
         ));
     }
     Ok(format!("{host}:{}", parsed.port().unwrap_or(6379)))
-}
-
-fn parse_num<T: std::str::FromStr>(key: &str, value: &str) -> Result<T, Error> {
-    value.parse().map_err(|_| {
-        Error::invalid_input(format!(
-            "Redis option {key}={value:?} is not a non-negative whole number"
-        ))
-    })
 }
 
 #[cfg(test)]

@@ -3,8 +3,8 @@
 use std::collections::HashMap;
 
 use async_trait::async_trait;
-use outbox_routing::KeyGate;
-use outbox_traits::{redact_url, Error, Message, PublishOutcome, Publisher};
+use outbox_traits::{Error, KeyGate, Message, PublishOutcome, Publisher};
+use outbox_url::redact_url;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Value};
@@ -250,7 +250,7 @@ fn key_slot(key: &[u8]) -> u16 {
 }
 
 fn connect_error(config: &RedisConfig, shown: &str, e: &RedisError) -> Error {
-    let detail = redact_url(&outbox_traits::error_chain_line(e));
+    let detail = redact_url(&outbox_url::error_chain_line(e));
     let tls = config.url.starts_with("rediss://");
     let message = match crate::tls::fix(&detail, tls) {
         Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),

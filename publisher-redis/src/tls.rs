@@ -142,10 +142,10 @@ impl RedisTls {
 }
 
 fn unusable(url: &str, e: &(dyn std::error::Error + 'static)) -> Error {
-    let detail = outbox_traits::redact_url(&outbox_traits::error_chain_line(e));
+    let detail = outbox_url::redact_url(&outbox_url::error_chain_line(e));
     Error::invalid_input(format!(
         "Redis URL {:?} is not usable: {detail}",
-        outbox_traits::redact_url(url)
+        outbox_url::redact_url(url)
     ))
 }
 

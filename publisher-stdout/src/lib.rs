@@ -15,8 +15,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
-use outbox_routing::attempt_in_key_order;
-use outbox_traits::{async_trait, Message, PublishOutcome, Publisher};
+use outbox_traits::{async_trait, attempt_in_key_order, Message, PublishOutcome, Publisher};
 use serde::Serialize;
 use serde_json::value::RawValue;
 

@@ -6,23 +6,22 @@
 //!   [`Error::InvalidInput`](outbox_traits::Error::InvalidInput) instead of at the first publish.
 //! - [`standard_headers`]: the header set every publisher sends, so that a consumer reads the same
 //!   names whichever broker carried the message.
-//! - [`KeyGate`] (with [`attempt_in_key_order`] and [`settle_in_key_order`]): the contract's
-//!   per-key order inside a batch, written once: after a key's message is not acknowledged, its
-//!   later messages are not attempted.
+//!
+//! The per-key order a publisher keeps inside a batch ([`KeyGate`](outbox_traits::KeyGate)) is a
+//! rule of the [`Publisher`](outbox_traits::Publisher) contract and lives with it, in
+//! `outbox-traits`.
 //!
 //! Making a rendered name valid for one broker (NATS forbids spaces and wildcards in subjects,
 //! Kafka limits topic characters) is the adapter's job: it passes a sanitizer to
 //! [`RoutingTemplate::render_with`].
 
 mod headers;
-mod key_order;
 mod template;
 
 pub use headers::{
     standard_header_refs, standard_headers, HEADER_AGGREGATE_ID, HEADER_AGGREGATE_TYPE,
     HEADER_EVENT_TYPE, HEADER_MESSAGE_ID, HEADER_PARTITION_KEY, STANDARD_HEADER_NAMES,
 };
-pub use key_order::{attempt_in_key_order, settle_in_key_order, KeyGate};
 pub use template::{Field, RoutingTemplate, PLACEHOLDERS};
 
 #[cfg(test)]

@@ -4,7 +4,8 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use outbox_traits::{redact_url, BoxError, Error, ErrorKind};
+use outbox_traits::{BoxError, Error, ErrorKind};
+use outbox_url::redact_url;
 
 use crate::{password, tls};
 use sqlx::pool::{Pool, PoolOptions};
@@ -72,7 +73,7 @@ pub async fn connect_pool_with<DB: Database>(
 /// [`Error::Unavailable`] for a failed connection to `url`, with the password removed; the
 /// source is kept only for errors that cannot quote the URL.
 fn unavailable(what: &str, url: &str, e: sqlx::Error) -> Error {
-    let mut text = redact_url(&outbox_traits::error_chain_line(&e));
+    let mut text = redact_url(&outbox_url::error_chain_line(&e));
     if let Some(fix) = tls::fix(what, url, &text) {
         text = format!("{text}; {fix}");
     }

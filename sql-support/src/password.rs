@@ -3,7 +3,8 @@
 
 use std::borrow::Cow;
 
-use outbox_traits::{read_secret_file, redact_url, Error};
+use outbox_traits::Error;
+use outbox_url::{read_secret_file, redact_url};
 
 /// The URL option naming the password file.
 pub const PASSWORD_FILE: &str = "password_file";

@@ -177,7 +177,7 @@ mod tests {
     fn one_line_joins_the_sources_without_repeating_them() {
         let inner = std::io::Error::other("invalid peer certificate: UnknownIssuer");
         let outer = sqlx::Error::Io(inner);
-        let text = outbox_traits::error_chain_line(&outer);
+        let text = outbox_url::error_chain_line(&outer);
         assert_eq!(text.matches("UnknownIssuer").count(), 1, "{text}");
         assert!(!text.contains('\n'));
     }

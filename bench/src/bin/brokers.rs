@@ -622,7 +622,7 @@ async fn main() -> BoxResult<()> {
         .max_connections(12)
         .connect(&url)
         .await
-        .map_err(|e| outbox_traits::redact_url(&e.to_string()))?;
+        .map_err(|e| outbox_url::redact_url(&e.to_string()))?;
     println!("| source → broker | messages | time | msg/s | settings |");
     println!("|---|---|---|---|---|");
     for broker in ["none", "nats", "kafka", "redis"] {

@@ -903,7 +903,7 @@ async fn main() -> BoxResult<()> {
         .max_connections(8)
         .connect_with(PgConnectOptions::from_str(&pg_url)?.application_name(APP_NAME))
         .await
-        .map_err(|e| outbox_traits::redact_url(&e.to_string()))?;
+        .map_err(|e| outbox_url::redact_url(&e.to_string()))?;
     let brokers = env_or("OUTBOX_TEST_KAFKA_BROKERS", "127.0.0.1:19092");
     let mysql = if o.has("mysql") {
         let url = env_or("OUTBOX_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test");
@@ -912,7 +912,7 @@ async fn main() -> BoxResult<()> {
                 .max_connections(8)
                 .connect(&url)
                 .await
-                .map_err(|e| outbox_traits::redact_url(&e.to_string()))?,
+                .map_err(|e| outbox_url::redact_url(&e.to_string()))?,
         )
     } else {
         None

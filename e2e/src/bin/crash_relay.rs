@@ -27,7 +27,6 @@
 //! kills the process. The one exception is F4a's `complete`, which was started before the park
 //! and runs on until it ends or the kill stops it.
 
-use std::collections::HashSet;
 use std::future::pending;
 use std::io::{Read, Write};
 use std::process::ExitCode;
@@ -41,8 +40,9 @@ use outbox::relay::{Relay, RelayConfig};
 use outbox::sqlite::{SqliteConfig, SqliteStore};
 use outbox::uuid::Uuid;
 use outbox::{
-    async_trait, Capabilities, Claim, ClaimRequest, Error, FailAction, Failure, HeadPolicy,
-    LeaseToken, Message, NewMessage, OutboxStore, PublishOutcome, Publisher, WakeSource,
+    async_trait, attempt_in_key_order, Capabilities, Claim, ClaimRequest, Error, FailAction,
+    Failure, HeadPolicy, LeaseToken, Message, NewMessage, OutboxStore, PublishOutcome, Publisher,
+    WakeSource,
 };
 use outbox_e2e::crash;
 use rusqlite::TransactionBehavior;
@@ -362,36 +362,37 @@ impl FailpointPublisher {
         let Some(poison) = &self.poison else {
             return self.inner.publish(batch).await;
         };
-        let mut outcomes: Vec<Option<PublishOutcome>> = Vec::with_capacity(batch.len());
-        let mut stopped_keys: HashSet<&str> = HashSet::new();
-        let mut sent = Vec::new();
-        for m in batch {
-            let key = m.partition_key.as_deref();
-            if key.is_some_and(|k| stopped_keys.contains(k)) {
-                outcomes.push(Some(PublishOutcome::NotAttempted));
-            } else if &m.aggregate_id == poison {
-                outcomes.push(Some(PublishOutcome::permanent(
-                    "the crash test's poison message",
-                )));
-                stopped_keys.extend(key);
+        // The contract's per-key rule decides which messages go out: the poison message fails
+        // and its key's later messages are not attempted; each other message is marked `Acked`
+        // here only to say "send it", and gets the real publisher's outcome below.
+        let decided = attempt_in_key_order(batch, |m| {
+            if &m.aggregate_id == poison {
+                PublishOutcome::permanent("the crash test's poison message")
             } else {
-                outcomes.push(None);
-                sent.push(m.clone());
+                PublishOutcome::Acked
             }
-        }
+        });
+        let sent: Vec<Message> = batch
+            .iter()
+            .zip(&decided)
+            .filter(|(_, decided)| decided.is_acked())
+            .map(|(m, _)| m.clone())
+            .collect();
         let mut results = if sent.is_empty() {
             Vec::new()
         } else {
             self.inner.publish(&sent).await
         }
         .into_iter();
-        outcomes
+        decided
             .into_iter()
-            .map(|o| {
-                o.or_else(|| results.next())
-                    .unwrap_or_else(|| PublishOutcome::Ambiguous {
-                        reason: "the publisher returned too few outcomes".into(),
-                    })
+            .map(|decided| {
+                if !decided.is_acked() {
+                    return decided;
+                }
+                results.next().unwrap_or_else(|| PublishOutcome::Ambiguous {
+                    reason: "the publisher returned too few outcomes".into(),
+                })
             })
             .collect()
     }

@@ -1,7 +1,7 @@
 //! Per-key order inside one publish call: once a key's message is not acknowledged, the key's
 //! later messages in the batch are not attempted.
 //!
-//! This is the [`Publisher`](outbox_traits::Publisher) contract's ordering rule. A later message
+//! This is the [`Publisher`](crate::Publisher) contract's ordering rule. A later message
 //! sent after its key's earlier one failed would reach the broker ahead of the earlier one's
 //! retry, so a publisher reports it as [`PublishOutcome::NotAttempted`] instead; the relay gives it
 //! back without counting an attempt, and it goes out after the earlier one. Messages without a
@@ -9,7 +9,7 @@
 
 use std::collections::HashSet;
 
-use outbox_traits::{Message, PublishOutcome};
+use crate::{Message, PublishOutcome};
 
 /// The keys of one batch that are closed: an earlier message of theirs was not acknowledged.
 ///
@@ -18,7 +18,7 @@ use outbox_traits::{Message, PublishOutcome};
 /// when it is known to have failed before its outcome is final).
 ///
 /// ```
-/// use outbox_routing::KeyGate;
+/// use outbox_traits::KeyGate;
 /// # use outbox_traits::{chrono::Utc, uuid::Uuid, Message, PublishOutcome};
 /// # let message = |key: &str| Message { id: Uuid::now_v7(), seq: 1,
 /// #     aggregate_type: "order".into(), aggregate_id: "o-1".into(), event_type: "e".into(),
@@ -115,12 +115,21 @@ pub fn settle_in_key_order(batch: &[Message], outcomes: &mut [PublishOutcome]) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tests_support::message;
 
     fn keyed(key: Option<&str>) -> Message {
-        let mut msg = message();
-        msg.partition_key = key.map(str::to_owned);
-        msg
+        Message {
+            id: uuid::Uuid::now_v7(),
+            seq: 1,
+            aggregate_type: "order".into(),
+            aggregate_id: "order-42".into(),
+            event_type: "order.placed".into(),
+            payload: "{}".into(),
+            headers: Default::default(),
+            partition_key: key.map(str::to_owned),
+            dedup_key: None,
+            attempts: 0,
+            created_at: chrono::Utc::now(),
+        }
     }
 
     #[test]

@@ -2,24 +2,17 @@
 //! no database in the way: the publisher's own ceiling on this machine.
 //!
 //! ```text
-//! OUTBOX_TEST_NATS_URL=nats://127.0.0.1:4222 cargo run --release -p outbox-publisher-nats \
-//!     --example nats_throughput -- [messages=100000] [keys=1000] [batch=500] [concurrency=2]
+//! OUTBOX_TEST_NATS_URL=nats://127.0.0.1:4222 cargo run --release -p outbox-bench \
+//!     --bin nats_throughput -- [messages=100000] [keys=1000] [batch=500] [concurrency=2]
 //! ```
 //!
 //! Messages carry a ~200-byte JSON payload and the standard headers; each batch is one
 //! `publish` call (as the relay makes), with `concurrency` calls in flight. The stream (file
 //! storage) is created first and deleted at the end.
 
-use outbox_conformance_tests::publisher::{drive_throughput, throughput_messages};
-use outbox_publisher_nats::{NatsConfig, NatsPublisher};
+use outbox::nats::{NatsConfig, NatsPublisher};
+use outbox_bench::throughput::{arg, drive_throughput, throughput_messages};
 use uuid::Uuid;
-
-fn arg(n: usize, default: usize) -> usize {
-    std::env::args()
-        .nth(n)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(default)
-}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

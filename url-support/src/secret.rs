@@ -3,7 +3,7 @@
 //! one-line form of an error chain that connection errors are reported in. Shared by the
 //! database and broker crates so they read the files and word their errors the same way.
 
-use crate::Error;
+use outbox_traits::Error;
 
 /// The secret held by the file at `path`, named by URL option `option` of a `what` URL (e.g.
 /// `"Redis"`, `"password_file"`): the file's content without its trailing line break.
@@ -12,7 +12,7 @@ use crate::Error;
 /// the path, never the file's content.
 ///
 /// ```
-/// let err = outbox_traits::read_secret_file("Redis", "password_file", "/nonexistent/pw")
+/// let err = outbox_url::read_secret_file("Redis", "password_file", "/nonexistent/pw")
 ///     .unwrap_err();
 /// assert!(err.to_string().contains("Redis option password_file=/nonexistent/pw cannot be read"));
 /// ```

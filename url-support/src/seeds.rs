@@ -6,7 +6,9 @@
 //! print). Publishers split the list with [`split_seed_list`], parse [`SeedList::first`] as an
 //! ordinary one-host URL and check each of [`SeedList::others`].
 
-use crate::{redact_url, Error};
+use outbox_traits::Error;
+
+use crate::redact_url;
 
 /// A broker URL split into its first seed (as a complete URL) and the others.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,7 +29,7 @@ pub struct SeedList {
 /// [`SeedList::first`]. Errors never show the password.
 ///
 /// ```
-/// use outbox_traits::split_seed_list;
+/// use outbox_url::split_seed_list;
 /// let s = split_seed_list("nats://app:pw@h1:4222,h2:4222,nats://h3:4222?subject=a").unwrap();
 /// assert_eq!(s.first, "nats://app:pw@h1:4222?subject=a");
 /// assert_eq!(s.others, ["h2:4222", "nats://h3:4222"]);

@@ -2,8 +2,8 @@
 //!
 //! ```text
 //! scripts/tansu start
-//! OUTBOX_TEST_KAFKA_BROKERS=127.0.0.1:19092 cargo run --release -p outbox-publisher-kafka \
-//!     --example throughput -- [messages=100000] [keys=1000] [batch=1000] [concurrency=4]
+//! OUTBOX_TEST_KAFKA_BROKERS=127.0.0.1:19092 cargo run --release -p outbox-bench \
+//!     --bin kafka_throughput -- [messages=100000] [keys=1000] [batch=1000] [concurrency=4]
 //! ```
 //!
 //! Extra librdkafka properties: `OUTBOX_KAFKA_PROPS="linger.ms=1,compression.type=lz4"`.
@@ -11,17 +11,10 @@
 //! Messages carry a ~200-byte JSON payload and the standard headers; each batch is one
 //! `publish` call (as the relay makes), with `concurrency` calls in flight.
 
-use outbox_conformance_tests::publisher::{drive_throughput, throughput_messages};
-use outbox_publisher_kafka::{KafkaConfig, KafkaPublisher};
+use outbox::kafka::{KafkaConfig, KafkaPublisher};
+use outbox_bench::throughput::{arg, drive_throughput, throughput_messages};
 use outbox_traits::Publisher;
 use uuid::Uuid;
-
-fn arg(n: usize, default: usize) -> usize {
-    std::env::args()
-        .nth(n)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(default)
-}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
