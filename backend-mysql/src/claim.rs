@@ -1,31 +1,40 @@
 //! The relay's side of the store ([`OutboxStore`]): the claim, and the dispatch of the fenced
 //! transitions to [`crate::lease`].
 //!
-//! The claim: one short transaction of at most nine round trips, whatever the batch size.
+//! The claim: one short transaction of at most eleven round trips (two more when it
+//! dead-letters undecodable rows), whatever the batch size.
 //!
 //! 1. `BEGIN` (READ COMMITTED).
 //! 2. The window: the `seq` of the `4 × limit`-th pending row (none when the backlog is
 //!    shorter). The claim reads no row past it, however long a blocked backlog is.
-//! 3. Lock up to `limit` claimable rows of the window in `seq` order with
-//!    `FOR UPDATE SKIP LOCKED`, reading every column the relay needs, skipping keys whose first
-//!    pending row is not claimable (and, under `Block`, rows behind a dead one). One more row
-//!    carries the lease end, computed once by the database clock.
-//! 4. Per-key order: for the keys of the candidates, one query finds each key's first pending
+//! 3. Find up to `limit` claimable rows of the window in `seq` order with a plain read,
+//!    skipping keys whose first pending row is not claimable (and, under `Block`, rows behind a
+//!    dead one). One more row carries the lease end, computed once by the database clock.
+//! 4. Lock those still claimable by primary key with `FOR UPDATE SKIP LOCKED`, reading every
+//!    column the relay needs.
+//! 5. Per-key order: for the keys of the candidates, one query finds each key's first pending
 //!    row that is not a candidate (and its first dead row under `Block`). A candidate is kept
 //!    only if it comes before both, so every earlier unpublished row of its key is in the
-//!    claim. This catches what step 3 cannot see: rows skipped because a concurrent claim or
-//!    transition had them locked, and rows behind the key's first one that are leased, not
-//!    due or dead.
-//! 5. Fewer than `limit` kept and the window full: look past it (two or three queries, see
+//!    claim. This catches what steps 3 and 4 cannot see: rows skipped because a concurrent
+//!    claim or transition had them locked, and rows behind the key's first one that are
+//!    leased, not due or dead.
+//! 6. Fewer than `limit` kept and the window full: look past it (three queries, see
 //!    `look_past`), locking claimable key heads and unordered messages.
-//! 6. Lease the kept rows, by `seq`, in one `UPDATE`.
-//! 7. `COMMIT`, which releases the locks of the rows that were not kept.
+//! 7. Lease the kept rows, by `seq`, in one `UPDATE`.
+//! 8. `COMMIT`, which releases the locks of the rows that were not kept.
 //!
-//! The candidates stay locked from steps 3 and 5 to the commit, so the checks of step 4 and the
-//! lease of step 6 see them unchanged. Locking reads never wait (`SKIP LOCKED`), the other
-//! reads do not lock, and step 6 updates rows this transaction already holds, so a claim cannot
+//! The candidates stay locked from steps 4 and 6 to the commit, so the checks of step 5 and the
+//! lease of step 7 see them unchanged. Locking reads never wait (`SKIP LOCKED`), the other
+//! reads do not lock, and step 7 updates rows this transaction already holds, so a claim cannot
 //! be part of a deadlock cycle; if InnoDB reports one anyway, the claim runs again (a few
 //! times) before the transient error is returned.
+//!
+//! Every locking read is by primary key, over seqs that plain reads found: InnoDB keeps the
+//! lock of every row a locking scan of a secondary index reads, rejected rows included, until
+//! the transaction ends, and among those are rows that other relays lease. A claim frozen
+//! (SIGSTOP, a paused VM) after such a scan held back the other relays' completions of those
+//! rows until the server ended its idle transaction. Through the primary key a rejected row is
+//! unlocked at once, so a claim holds only rows it is taking, which no one else leases.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -114,7 +123,7 @@ async fn try_claim(
         .fetch_optional(&mut *tx)
         .await
         .map_err(&err)?;
-    let rows: Vec<MySqlRow> = sqlx::query(candidates_sql)
+    let found: Vec<MySqlRow> = sqlx::query(candidates_sql)
         .bind(bound.unwrap_or(i64::MAX))
         .bind(limit)
         .bind(lease_us)
@@ -122,19 +131,27 @@ async fn try_claim(
         .await
         .map_err(&err)?;
     let mut lease_until = None;
+    let mut seqs = Vec::with_capacity(found.len());
+    for row in &found {
+        let get = |name: &str| -> Result<Option<NaiveDateTime>, Error> {
+            row.try_get(name).map_err(|e| decode_error(e, table))
+        };
+        // The extra row holds only the lease end; candidate rows have none.
+        match get("lease_until")? {
+            Some(until) => lease_until = Some(until),
+            None => seqs.push(
+                row.try_get::<i64, _>("seq")
+                    .map_err(|e| decode_error(e, table))?,
+            ),
+        }
+    }
+    let rows = lock(&mut tx, store, &sql.lock, &mut seqs, limit).await?;
     let mut candidates = Vec::with_capacity(rows.len());
     let mut poisoned = Vec::new();
     for row in &rows {
-        // The extra row holds only the lease end; message rows have none.
-        match row
-            .try_get::<Option<NaiveDateTime>, _>("lease_until")
-            .map_err(|e| decode_error(e, table))?
-        {
-            Some(until) => lease_until = Some(until),
-            None => match decode(row, table)? {
-                Ok(message) => candidates.push(message),
-                Err(poison) => poisoned.push(poison),
-            },
+        match decode(row, table)? {
+            Ok(message) => candidates.push(message),
+            Err(poison) => poisoned.push(poison),
         }
     }
     // Rows that cannot become messages are dead-lettered on their own before the order check,
@@ -227,7 +244,8 @@ const CLAIM_WINDOW: u64 = 4;
 /// `rest` claimable heads (a key's first pending row, safe to take alone) and unordered messages
 /// past the window, oldest first, so that a long blocked backlog hides no key. With at most
 /// `window` keys in the per-key index they are found key by key (one index dive each, whatever
-/// the backlog); with more, by reading the rows past the window in seq order.
+/// the backlog); with more, by reading the rows past the window in seq order. Either way by
+/// plain reads, then locked by primary key (see [`lock`]).
 async fn look_past(
     tx: &mut Transaction<'static, MySql>,
     store: &MysqlStore,
@@ -245,28 +263,15 @@ async fn look_past(
         .fetch_all(&mut **tx)
         .await
         .map_err(&err)?;
-    let mut rows: Vec<MySqlRow> = Vec::new();
+    // The seqs of the rows to lock past the window (plain reads; `past_heads` checks each
+    // again under its lock).
+    let mut seqs: Vec<i64>;
     // The walk saw every key (rather than stopping at its limit).
     let walked_every_key = u64::try_from(walk.len()).unwrap_or(u64::MAX) <= window;
     if walked_every_key {
-        let mut heads: Vec<i64> = walk.into_iter().filter(|head| *head > bound).collect();
-        heads.sort_unstable();
-        if !heads.is_empty() {
-            let heads_sql = match head_policy {
-                HeadPolicy::Block => &sql.past_heads_block,
-                HeadPolicy::Skip => &sql.past_heads_skip,
-            };
-            rows.extend(
-                sqlx::query(heads_sql)
-                    .bind(serde_json::to_string(&heads).unwrap_or_default())
-                    .bind(rest)
-                    .fetch_all(&mut **tx)
-                    .await
-                    .map_err(&err)?,
-            );
-        }
-        rows.extend(
-            sqlx::query(&sql.past_unordered)
+        seqs = walk.into_iter().filter(|head| *head > bound).collect();
+        seqs.extend(
+            sqlx::query_scalar::<_, i64>(&sql.past_unordered)
                 .bind(bound)
                 .bind(rest)
                 .fetch_all(&mut **tx)
@@ -278,13 +283,18 @@ async fn look_past(
             HeadPolicy::Block => &sql.past_rows_block,
             HeadPolicy::Skip => &sql.past_rows_skip,
         };
-        rows = sqlx::query(rows_sql)
+        seqs = sqlx::query_scalar(rows_sql)
             .bind(bound)
             .bind(rest)
             .fetch_all(&mut **tx)
             .await
             .map_err(&err)?;
     }
+    let heads_sql = match head_policy {
+        HeadPolicy::Block => &sql.past_heads_block,
+        HeadPolicy::Skip => &sql.past_heads_skip,
+    };
+    let rows = lock(tx, store, heads_sql, &mut seqs, rest).await?;
     let mut messages = Vec::with_capacity(rows.len());
     let mut found = Vec::new();
     for row in &rows {
@@ -296,6 +306,31 @@ async fn look_past(
     quarantine(tx, store, &found).await?;
     poisoned.extend(found);
     Ok(messages)
+}
+
+/// Lock (with `statement`: [`crate::sql::Sql::lock`] or `past_heads_*`) the oldest rows among
+/// `seqs` (sorted here) that the statement still finds claimable, at most `limit`, by primary
+/// key, skipping rows locked elsewhere. The scans that found `seqs` were plain reads: a locking
+/// scan of a secondary index keeps the lock of every row it read and rejected (rows other
+/// relays lease among them) until the claim ends, which a frozen claim would make long.
+async fn lock(
+    tx: &mut Transaction<'static, MySql>,
+    store: &MysqlStore,
+    statement: &str,
+    seqs: &mut Vec<i64>,
+    limit: u64,
+) -> Result<Vec<MySqlRow>, Error> {
+    if seqs.is_empty() || limit == 0 {
+        return Ok(Vec::new());
+    }
+    seqs.sort_unstable();
+    seqs.dedup();
+    sqlx::query(statement)
+        .bind(serde_json::to_string(&seqs).unwrap_or_default())
+        .bind(limit)
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(store.err("claim"))
 }
 
 /// Dead-letter a claim's undecodable rows (locked by its transaction) by `seq`, each with its

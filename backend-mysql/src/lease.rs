@@ -5,11 +5,13 @@
 //! and report the ids that were not held. A transaction InnoDB rolls back as a deadlock victim
 //! runs again (a few times).
 //!
-//! A transition never waits for rows whose lease it lost: the rows are locked with
-//! `SKIP LOCKED`, and only a skipped row that a plain read shows still held (locked by a claim
-//! whose scan read it) is waited for, at most [`LOCK_WAIT_SECS`](crate::sql::LOCK_WAIT_SECS);
-//! `extend` waits at most as long. A lock wait timeout is transient: the relay retries while
-//! its lease lasts.
+//! A transition never waits for rows whose lease it lost: the rows a plain read finds still
+//! held are locked by primary key with `SKIP LOCKED`, and only a skipped row that a second
+//! plain read shows still held (locked by a passing statement) is waited for, at most
+//! [`LOCK_WAIT_SECS`](crate::sql::LOCK_WAIT_SECS); `extend` waits at most as long. A lock wait
+//! timeout is transient: the relay retries while its lease lasts. And it holds no row it does
+//! not hold a lease on: locking by primary key, it unlocks at once a row that fails the fence,
+//! so a relay frozen inside a transition (or a claim) holds back no other relay's calls.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -140,17 +142,26 @@ impl MysqlStore {
         let sql = self.config().sql();
         let token = token.0.hyphenated().to_string();
         let mut tx = self.pool().begin_with(BEGIN).await.map_err(&err)?;
-        let mut held = self.held_ids(&mut tx, &sql.held, list, &token, op).await?;
-        let wanted: Vec<String> = serde_json::from_str(list).unwrap_or_default();
+        // The rows still held, by a plain read; then locked by primary key (see `Sql::held`).
+        let wanted = self
+            .held_ids(&mut tx, &sql.held_unlocked, list, &token, op)
+            .await?;
+        let mut held = if wanted.is_empty() {
+            Vec::new()
+        } else {
+            self.held_ids(&mut tx, &sql.held, &seq_list(&wanted)?, &token, op)
+                .await?
+        };
         if held.len() < wanted.len() {
-            // Skipped rows are either no longer held (expired, taken over, finished) or held
-            // but locked by another transaction. A plain read, which never waits, tells them
-            // apart; only the latter are worth a (bounded) wait. A row taken over by a claim
-            // that froze before committing reads as no longer held: this call does not wait
-            // for that claim.
+            // Skipped rows are either no longer held (expired, taken over, finished since the
+            // first read) or held but locked by another transaction. A plain read, which never
+            // waits, tells them apart; only the latter are worth a (bounded) wait. A row taken
+            // over by a claim that froze before committing reads as no longer held: this call
+            // does not wait for that claim.
             let locked_now: HashSet<&String> = held.iter().map(|row| &row.id).collect();
             let rest: Vec<&String> = wanted
                 .iter()
+                .map(|row| &row.id)
                 .filter(|id| !locked_now.contains(id))
                 .collect();
             let rest = serde_json::to_string(&rest).unwrap_or_default();
@@ -158,15 +169,13 @@ impl MysqlStore {
                 .held_ids(&mut tx, &sql.held_unlocked, &rest, &token, op)
                 .await?;
             if !locked.is_empty() {
-                let locked: Vec<&String> = locked.iter().map(|row| &row.id).collect();
-                let locked = serde_json::to_string(&locked).unwrap_or_default();
                 held.extend(
-                    self.held_ids(&mut tx, &sql.held_wait, &locked, &token, op)
+                    self.held_ids(&mut tx, &sql.held_wait, &seq_list(&locked)?, &token, op)
                         .await?,
                 );
-                held.sort_unstable_by(|a, b| a.id.cmp(&b.id));
             }
         }
+        held.sort_unstable_by(|a, b| a.id.cmp(&b.id));
         if !held.is_empty() {
             // The held rows are locked until commit: no other relay or lease expiry changes
             // them in between, so they are updated without checking the fence again.
@@ -255,7 +264,7 @@ struct Held {
 }
 
 /// The seqs of `held`, sorted, as a JSON array: the list `complete` and `release` update by
-/// primary key.
+/// primary key, and the `held` statements lock.
 fn seq_list(held: &[Held]) -> Result<String, Error> {
     let mut seqs: Vec<i64> = held.iter().map(|row| row.seq).collect();
     seqs.sort_unstable();

@@ -1,8 +1,9 @@
 //! Every SQL statement of the store, built once per config from validated, quoted names.
 //!
 //! MariaDB has no `UPDATE ... RETURNING`, so a claim is one short transaction of constant
-//! shape (see `claim.rs`): lock candidates with `FOR UPDATE SKIP LOCKED`, check per-key order
-//! in one query, lease the chosen rows in one `UPDATE`, commit. Fenced transitions lock the
+//! shape (see `claim.rs`): find candidates with a plain read, lock them by primary key with
+//! `FOR UPDATE SKIP LOCKED`, check per-key order in one query, lease the chosen rows in one
+//! `UPDATE`, commit. Fenced transitions lock the
 //! rows still held (`SELECT ... FOR UPDATE SKIP LOCKED`, then a bounded wait only for rows
 //! still held that someone else had locked) and update them, in one transaction.
 //!
@@ -53,10 +54,10 @@ pub(crate) const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; 
 ///
 /// Claims never wait: their locking reads skip locked rows and their other reads do not lock.
 /// A transition first locks the rows it still holds with `SKIP LOCKED` too; it waits only for
-/// a row that a plain read shows it still holds while another transaction has it locked. That
-/// is a claim whose scan of the claim index read the row: InnoDB keeps the locks of the rows
-/// such a scan read and rejected until the claim ends (a few milliseconds, or
-/// [`IDLE_TRANSACTION_SECS`] if its relay froze).
+/// a row that a plain read shows it still holds while another transaction has it locked: a
+/// passing lock (another statement's probe of the row; a claim's locking reads are by primary
+/// key and release at once a row they reject, so a claim, even a frozen one, holds only rows
+/// that no one else leases).
 pub(crate) const LOCK_WAIT_SECS: u32 = 2;
 
 /// The longest a store transaction may sit idle between its statements, in seconds
@@ -64,7 +65,9 @@ pub(crate) const LOCK_WAIT_SECS: u32 = 2;
 /// A relay frozen mid-claim or mid-transition (SIGSTOP, a paused VM) would otherwise keep the
 /// rows it locked for as long as it is frozen: other claims skip them and hold back the rest
 /// of their keys. Past this the server ends the session, which rolls the transaction back and
-/// frees the rows; the frozen relay sees a lost connection (transient) when it resumes.
+/// frees the rows; the frozen relay sees a lost connection (transient) when it resumes. No
+/// other relay's store call waits for this: the rows a frozen claim or transition locked are
+/// only its own (rows it was taking, or holds), never rows another relay holds.
 pub(crate) const IDLE_TRANSACTION_SECS: u32 = 5;
 
 /// The DDL of the key-lock table, appended after the outbox table's own so the two can change
@@ -164,10 +167,14 @@ pub(crate) struct Sql {
     pub key_locks: String,
     /// `INSERT ... VALUES` up to (not including) the rows; see [`Sql::insert`].
     insert_head: String,
-    /// Claim candidates where dead messages block their key.
+    /// Claim candidates where dead messages block their key: their seqs, by a plain read (no
+    /// lock), and one more row with the lease end.
     pub candidates_block: String,
     /// Claim candidates where dead messages are ignored for ordering.
     pub candidates_skip: String,
+    /// Lock the listed candidates (a JSON array of seqs, sorted) that are still claimable, by
+    /// primary key, skipping locked rows, at most the given number; their message columns.
+    pub lock: String,
     /// Per-key order check where dead messages block their key.
     pub order_block: String,
     /// Per-key order check where dead messages are ignored.
@@ -177,15 +184,19 @@ pub(crate) struct Sql {
     /// Look past a full window: each key's first pending row, one index dive per key, at most
     /// the given number of keys.
     pub past_keys: String,
-    /// Look past a full window: lock the oldest listed heads that are still claimable heads (at
-    /// most the number still wanted), dead messages blocking their key.
+    /// Look past a full window: lock the oldest listed rows (a JSON array of seqs, sorted) that
+    /// are still claimable heads or unordered messages (at most the number still wanted), by
+    /// primary key, skipping locked rows, dead messages blocking their key; their message
+    /// columns.
     pub past_heads_block: String,
     /// The same, dead messages ignored for ordering.
     pub past_heads_skip: String,
-    /// Look past a full window: lock claimable unordered messages past it.
+    /// Look past a full window: the seqs of claimable unordered messages past it (a plain
+    /// read).
     pub past_unordered: String,
-    /// Look past a full window with many keys: lock the claimable heads and unordered messages
-    /// past it, reading the rows in seq order; dead messages blocking their key.
+    /// Look past a full window with many keys: the seqs of the claimable heads and unordered
+    /// messages past it, reading the rows in seq order (a plain read); dead messages blocking
+    /// their key.
     pub past_rows_block: String,
     /// The same, dead messages ignored for ordering.
     pub past_rows_skip: String,
@@ -197,14 +208,14 @@ pub(crate) struct Sql {
     /// Dead-letter undecodable rows of a claim (locked by it) by `seq`: a JSON list of
     /// `{"seq": .., "reason": ..}`.
     pub quarantine: String,
-    /// Lock the listed rows still held under a token, skipping rows another transaction has
-    /// locked; their ids and seqs.
+    /// Lock the listed rows (a JSON array of seqs, sorted) still held under a token, by primary
+    /// key, skipping rows another transaction has locked; their ids and seqs.
     pub held: String,
-    /// The listed rows still held under a token, by a plain read (no lock, no wait): which of
-    /// the rows `held` skipped are still held, and so were only locked by someone else.
+    /// The listed rows (a JSON array of ids) still held under a token, by a plain read (no
+    /// lock, no wait): the rows a transition locks, and which of the rows `held` skipped are
+    /// still held, and so were only locked by someone else.
     pub held_unlocked: String,
-    /// Lock the listed rows still held under a token, waiting at most [`LOCK_WAIT_SECS`] for
-    /// each.
+    /// [`Sql::held`], waiting at most [`LOCK_WAIT_SECS`] for each row instead of skipping it.
     pub held_wait: String,
     /// Complete the held rows, by `seq` (a JSON array of seqs).
     pub complete: String,
@@ -414,7 +425,7 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
                 String::new()
             };
             format!(
-                r#"(SELECT {columns}, NULL AS lease_until
+                r#"(SELECT c.seq, NULL AS lease_until
  FROM {t} c FORCE INDEX (ix_claim)
  WHERE {claimable_c}
    -- The window: up to the last of the first rows of the backlog in seq order (leased ones
@@ -447,14 +458,13 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
              ORDER BY h.seq LIMIT 1)){no_dead_before}))
  ORDER BY c.seq
  LIMIT ?
- -- Rows locked by a concurrent claim or transition are skipped; the order check then holds
- -- back the later rows of their keys.
- FOR UPDATE SKIP LOCKED)
+ -- A plain read: it locks nothing (a locking scan of the claim index would keep the lock of
+ -- every row it read and rejected, rows other relays lease among them, until the claim ends;
+ -- see `lock`).
+ )
 UNION ALL
 -- One more row, so that even an empty claim returns its lease end by the database clock.
-(SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-        UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"#,
-                columns = message_columns("c"),
+(SELECT NULL, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"#,
                 claimable_c = claimable("c"),
                 claimable_h = claimable("h"),
             )
@@ -485,20 +495,42 @@ UNION ALL
              GROUP BY k.partition_key
              LIMIT ?"
         );
+        // Every locking read of a claim is by primary key, over a list of seqs that plain reads
+        // found: InnoDB keeps the lock of every row a locking scan of a secondary index read,
+        // rejected ones included, until the transaction ends (seen on MariaDB 10.11 under READ
+        // COMMITTED), and those are rows other relays lease. A claim that froze with such locks
+        // would hold the other relays' completions of them until the server ended it. Through
+        // the primary key, a row the WHERE rejects is unlocked at once: a claim holds only the
+        // rows it takes, which are claimable, so no one else's lease. Rows locked by a
+        // concurrent claim or transition are skipped; the order check then holds back the later
+        // rows of their keys. The list is sorted and the join keeps its order: the oldest rows
+        // first, and the scan stops, and stops locking, at the number still wanted (an ORDER BY
+        // would sort after locking every row).
+        let lock = format!(
+            r#"SELECT {columns}
+FROM {SEQ_LIST} j
+STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.seq
+WHERE {claimable_c}
+LIMIT ?
+FOR UPDATE SKIP LOCKED"#,
+            columns = message_columns("c"),
+            claimable_c = claimable("c"),
+        );
+        // Past the window: lock the listed rows that are still claimable and unordered or their
+        // key's first pending row (under Block, not behind a dead row), as `lock` does.
         let past_heads = |dead_blocks: bool| -> String {
             format!(
-                r#"SELECT {columns}, NULL AS lease_until
-FROM JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
+                r#"SELECT {columns}
+FROM {SEQ_LIST} j
 STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.seq
 WHERE {claimable_c}
    -- Still its key's first pending row (one index entry read; a NOT EXISTS with
    -- `e.seq < c.seq` would read the key's whole backlog).
-   AND c.seq = (
+   AND (c.partition_key IS NULL OR (
+       c.seq = (
        SELECT e.seq FROM {t} e FORCE INDEX (ix_key)
        WHERE e.partition_key = c.partition_key AND e.state = 'pending'
-       ORDER BY e.seq LIMIT 1){dead}
--- The oldest heads first (the list is sorted and the join keeps its order): the scan stops, and
--- stops locking, at the number still wanted. An ORDER BY would sort after locking every head.
+       ORDER BY e.seq LIMIT 1){dead}))
 LIMIT ?
 FOR UPDATE SKIP LOCKED"#,
                 columns = message_columns("c"),
@@ -506,20 +538,19 @@ FOR UPDATE SKIP LOCKED"#,
                 dead = no_dead_before("c", dead_blocks),
             )
         };
+        // A plain read, like the two below: `past_heads` locks what they find.
         let past_unordered = format!(
-            r#"SELECT {columns}, NULL AS lease_until
+            r#"SELECT c.seq
 FROM {t} c FORCE INDEX (ix_key)
 WHERE c.partition_key IS NULL AND c.state = 'pending' AND c.seq > ?
   AND {claimable_c}
 ORDER BY c.seq
-LIMIT ?
-FOR UPDATE SKIP LOCKED"#,
-            columns = message_columns("c"),
+LIMIT ?"#,
             claimable_c = claimable("c"),
         );
         let past_rows = |dead_blocks: bool| -> String {
             format!(
-                r#"SELECT {columns}, NULL AS lease_until
+                r#"SELECT c.seq
 FROM {t} c FORCE INDEX (ix_claim)
 WHERE {claimable_c} AND c.seq > ?
   -- Heads only: the key's first pending row (a cached subquery per key), so a blocked key's
@@ -529,9 +560,7 @@ WHERE {claimable_c} AND c.seq > ?
                 WHERE h.partition_key = c.partition_key AND h.state = 'pending'
                 ORDER BY h.seq LIMIT 1){dead}))
 ORDER BY c.seq
-LIMIT ?
-FOR UPDATE SKIP LOCKED"#,
-                columns = message_columns("c"),
+LIMIT ?"#,
                 claimable_c = claimable("c"),
                 dead = no_dead_before("c", dead_blocks),
             )
@@ -565,21 +594,33 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             )
         };
 
-        // Fenced transitions run in one transaction: lock the listed rows still held (token,
-        // pending, lease unexpired by the database clock), then update exactly those.
+        // Fenced transitions run in one transaction: find the listed rows still held (token,
+        // pending, lease unexpired by the database clock) by a plain read, lock those by
+        // primary key, checking the fence again, then update exactly those. Through the
+        // primary key a row that no longer passes the fence is unlocked at once (a locking
+        // read through the id index would keep it locked until the transition ends: a relay
+        // frozen in a transition that lists rows it lost would hold the new holder's calls).
         // A row another transaction has locked is skipped first (the caller then tells a row
-        // it no longer holds from one that is only locked, see `held_unlocked`), so that a
-        // transition never waits on a relay that froze mid-claim with rows whose lease this
-        // caller lost.
+        // it no longer holds from one that is only locked, with `held_unlocked` again), so
+        // that a transition never waits on a relay that froze mid-claim with rows whose lease
+        // this caller lost.
+        let fence =
+            "WHERE m.lease_token = ? AND m.state = 'pending' AND m.lease_until > UTC_TIMESTAMP(6)";
         let held_unlocked = format!(
             "SELECT m.id, m.seq
              FROM {ID_LIST} j
              STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
-             WHERE m.lease_token = ? AND m.state = 'pending' AND m.lease_until > UTC_TIMESTAMP(6)"
+             {fence}"
         );
-        let held = format!("{held_unlocked}\n             FOR UPDATE SKIP LOCKED");
+        let held_by_seq = format!(
+            "SELECT m.id, m.seq
+             FROM {SEQ_LIST} j
+             STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
+             {fence}"
+        );
+        let held = format!("{held_by_seq}\n             FOR UPDATE SKIP LOCKED");
         let held_wait = format!(
-            "SET STATEMENT innodb_lock_wait_timeout = {LOCK_WAIT_SECS} FOR\n{held_unlocked}\n             FOR UPDATE"
+            "SET STATEMENT innodb_lock_wait_timeout = {LOCK_WAIT_SECS} FOR\n{held_by_seq}\n             FOR UPDATE"
         );
 
         Self {
@@ -589,6 +630,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             order_skip: order(false),
             past_bound,
             past_keys,
+            lock,
             past_heads_block: past_heads(true),
             past_heads_skip: past_heads(false),
             past_unordered,

@@ -761,39 +761,65 @@ async fn no_wake_source_and_concurrent_claimers() {
 }
 
 /// A transition that InnoDB picks as a deadlock victim is run again instead of failing.
+///
+/// The cycle is made by events, not timing (waiting on the complete's 2 s lock wait made an
+/// earlier version of this test fail under load): a trigger makes the complete's update of
+/// message `a` lock row 1 of a side table, wait for a user lock this test holds, then lock row
+/// 2. Another transaction, heavier (it changed rows, so InnoDB rolls back the complete rather
+/// than it), holds row 2 and asks for row 1. Releasing the user lock closes the cycle. Every
+/// wait is one of the server's long ones (a user lock, the session's lock wait), never the
+/// store's bounded one, so the outcome does not depend on how fast the machine is. (The
+/// earlier version also watched `INNODB_TRX` for the complete's lock wait: MariaDB refreshes
+/// that view only after 100 ms without a read by anyone, so other sessions polling it could
+/// hide the wait past the store's 2 s lock wait.)
 #[tokio::test]
 async fn a_deadlock_victim_transition_is_run_again() {
     let Some(db) = db().await else { return };
     db.enqueue(&[msg("a", "a"), msg("b", "b")]).await;
     let claim = db.claim(10, Block).await;
-    let mut held = ids(&claim);
-    held.sort();
-    let (first, second) = (held[0], held[1]);
-    // Another transaction: heavier (it changed rows), so InnoDB rolls back the complete
-    // rather than it. It locks the second message; the complete locks the first (ids are
-    // locked in sorted order) and waits for the second.
     db.enqueue(
         &(0..20)
             .map(|i| msg("w", &i.to_string()))
             .collect::<Vec<_>>(),
     )
     .await;
-    let mut other = db.pool().begin().await.unwrap();
-    sqlx::query(&format!(
-        "UPDATE {} SET attempts = attempts + 1 WHERE partition_key = 'w'",
-        db.table()
-    ))
-    .execute(&mut *other)
-    .await
-    .unwrap();
-    sqlx::query(&format!(
-        "SELECT 1 FROM {} WHERE id = ? FOR UPDATE",
-        db.table()
-    ))
-    .bind(second.to_string())
-    .execute(&mut *other)
-    .await
-    .unwrap();
+    let name = db.config.table();
+    let side = format!("`{name}_side`");
+    let user_lock = format!("{name}_deadlock");
+    for statement in [
+        format!("CREATE TABLE {side} (id INT PRIMARY KEY) ENGINE = InnoDB"),
+        format!("INSERT INTO {side} VALUES (1), (2)"),
+        format!(
+            "CREATE TRIGGER `{name}_deadlock` BEFORE UPDATE ON {table} FOR EACH ROW BEGIN
+                 IF NEW.state = 'published' AND OLD.partition_key = 'a' THEN
+                     SELECT id INTO @outbox_one FROM {side} WHERE id = 1 FOR UPDATE;
+                     SET @outbox_paused = GET_LOCK('{user_lock}', 300);
+                     SET @outbox_paused = RELEASE_LOCK('{user_lock}');
+                     SELECT id INTO @outbox_two FROM {side} WHERE id = 2 FOR UPDATE;
+                 END IF;
+             END",
+            table = db.table()
+        ),
+    ] {
+        sqlx::query(&statement).execute(db.pool()).await.unwrap();
+    }
+    let mut holder = MySqlConnection::connect(&db.url).await.unwrap();
+    take_user_lock(&mut holder, &user_lock).await;
+    // The other transaction: it changes rows (its weight), holds side row 2, and waits as
+    // long as it takes for row 1.
+    let mut other = MySqlConnection::connect(&db.url).await.unwrap();
+    for statement in [
+        "SET SESSION innodb_lock_wait_timeout = 300".to_owned(),
+        "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED".to_owned(),
+        "START TRANSACTION".to_owned(),
+        format!(
+            "UPDATE {} SET attempts = attempts + 1 WHERE partition_key = 'w'",
+            db.table()
+        ),
+        format!("SELECT id FROM {side} WHERE id = 2 FOR UPDATE"),
+    ] {
+        sqlx::query(&statement).execute(&mut other).await.unwrap();
+    }
     let deadlocks = || async {
         let (_, n): (String, String) = sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Innodb_deadlocks'")
             .fetch_one(db.pool())
@@ -803,42 +829,80 @@ async fn a_deadlock_victim_transition_is_run_again() {
     };
     let deadlocks_before = deadlocks().await;
     let store = db.store.clone();
-    let token = claim.token;
-    let complete = tokio::spawn(async move { store.complete(token, &[first, second]).await });
-    // Wait (bounded) until the complete waits for the lock. MariaDB refreshes INNODB_TRX only
-    // when it was last read more than 100 ms ago, hence the pause between reads.
-    let mut waiting = false;
-    for _ in 0..100 {
+    let (token, held) = (claim.token, ids(&claim));
+    let complete = tokio::spawn(async move { store.complete(token, &held).await });
+    // The complete's update holds side row 1 and waits for the user lock.
+    until("the complete waits for the user lock", || async {
         let n: i64 = sqlx::query_scalar(
-            "SELECT COUNT(*) FROM information_schema.INNODB_TRX
-             WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE ?",
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST
+             WHERE STATE = 'User lock' AND INFO LIKE ?",
         )
-        .bind(format!("%{}%", db.config.table()))
+        .bind(format!("%{name}%"))
         .fetch_one(db.pool())
         .await
         .unwrap();
-        if n > 0 {
-            waiting = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(150)).await;
-    }
-    assert!(waiting, "the complete never waited for the lock");
-    // Close the cycle: this transaction now waits for the first message's lock.
-    sqlx::query(&format!(
-        "SELECT 1 FROM {} WHERE id = ? FOR UPDATE",
-        db.table()
-    ))
-    .bind(first.to_string())
-    .execute(&mut *other)
-    .await
-    .unwrap();
-    other.commit().await.unwrap();
-    complete.await.unwrap().unwrap();
+        n > 0
+    })
+    .await;
+    // The other transaction asks for side row 1, and the complete goes on to side row 2: a
+    // cycle, whichever of the two requests comes second (it is not waited for: the only view
+    // that shows a row lock wait, INNODB_TRX, is a cache that any session's reads can keep
+    // stale for seconds), and InnoDB rolls back the lighter transaction, the complete.
+    let side_one = format!("SELECT id FROM {side} WHERE id = 1 FOR UPDATE");
+    let waiting = tokio::spawn(async move {
+        let result = sqlx::query(&side_one).execute(&mut other).await.map(drop);
+        (other, result)
+    });
+    release_user_lock(&mut holder, &user_lock).await;
+    // The complete was the victim: the other transaction got row 1 and commits; the complete,
+    // run again, then gets through.
+    let (mut other, got_row) = returns("the other transaction", waiting).await.unwrap();
+    got_row.unwrap();
+    sqlx::query("COMMIT").execute(&mut other).await.unwrap();
+    returns("the complete", complete).await.unwrap().unwrap();
     assert!(deadlocks().await > deadlocks_before, "no deadlock happened");
-    assert_eq!(db.state(first).await, "published");
-    assert_eq!(db.state(second).await, "published");
+    for id in ids(&claim) {
+        assert_eq!(db.state(id).await, "published");
+    }
+    sqlx::query(&format!("DROP TABLE {side}"))
+        .execute(db.pool())
+        .await
+        .unwrap();
     db.drop().await;
+}
+
+/// Take user lock `name` on `conn` (free: nobody else takes it).
+async fn take_user_lock(conn: &mut MySqlConnection, name: &str) {
+    let got: i64 = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
+        .bind(name)
+        .fetch_one(conn)
+        .await
+        .unwrap();
+    assert_eq!(got, 1, "user lock {name} is taken");
+}
+
+/// Release user lock `name` that `conn` holds.
+async fn release_user_lock(conn: &mut MySqlConnection, name: &str) {
+    sqlx::query("DO RELEASE_LOCK(?)")
+        .bind(name)
+        .execute(conn)
+        .await
+        .unwrap();
+}
+
+/// Poll `condition` until it holds: a wait for an event another session causes, seen through
+/// the server's views. Fails after [`HANG_DETECTOR`], a failure detector, not a timed
+/// assertion.
+async fn until<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = std::time::Instant::now();
+    while !condition().await {
+        assert!(start.elapsed() < HANG_DETECTOR, "{what}: never happened");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Failure detector for a store call that must not wait on another session's locks: a call
@@ -853,19 +917,29 @@ async fn returns<T>(what: &str, call: impl std::future::Future<Output = T>) -> T
         .unwrap_or_else(|_| panic!("{what} hung on another session's row locks"))
 }
 
-/// The locking step of a claim, in transaction `tx`: claimable rows in seq order through the
-/// claim index, skipping locked ones, at most `limit`. Returns their seqs.
+/// The locking steps of a claim, in transaction `tx`: claimable rows in seq order through the
+/// claim index by a plain read, at most `limit`, then locked by primary key, skipping locked
+/// ones. Returns their seqs.
 async fn lock_like_a_claim(
     tx: &mut sqlx::Transaction<'static, sqlx::MySql>,
     table: &str,
     limit: u32,
 ) -> Vec<i64> {
-    sqlx::query_scalar(&format!(
-        "SELECT seq FROM {table} FORCE INDEX (ix_claim)
-         WHERE state = 'pending' AND (lease_until IS NULL OR lease_until <= UTC_TIMESTAMP(6))
-         ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"
+    let claimable =
+        "state = 'pending' AND (lease_until IS NULL OR lease_until <= UTC_TIMESTAMP(6))";
+    let seqs: Vec<i64> = sqlx::query_scalar(&format!(
+        "SELECT seq FROM {table} FORCE INDEX (ix_claim) WHERE {claimable} ORDER BY seq LIMIT ?"
     ))
     .bind(limit)
+    .fetch_all(&mut **tx)
+    .await
+    .unwrap();
+    sqlx::query_scalar(&format!(
+        "SELECT c.seq FROM JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$')) j
+         STRAIGHT_JOIN {table} c FORCE INDEX (PRIMARY) ON c.seq = j.seq
+         WHERE {claimable} FOR UPDATE SKIP LOCKED"
+    ))
+    .bind(serde_json::to_string(&seqs).unwrap())
     .fetch_all(&mut **tx)
     .await
     .unwrap()
@@ -875,8 +949,6 @@ async fn lock_like_a_claim(
 /// after locking rows whose lease this store lost), one mid-complete (its own rows locked).
 /// The store still claims, extends and completes everything else, and its late complete of
 /// the taken-over rows is refused as a lost lease instead of waiting for the frozen claim.
-/// A frozen claim whose scan read (and so locked) rows this store still holds delays their
-/// completion by at most the store's lock wait, as a transient error, until it ends.
 #[tokio::test]
 async fn relays_frozen_mid_claim_or_mid_complete_block_no_other_call() {
     let Some(db) = db().await else { return };
@@ -953,31 +1025,126 @@ async fn relays_frozen_mid_claim_or_mid_complete_block_no_other_call() {
         assert_eq!(db.state(id).await, "published");
     }
 
-    // A claim that freezes after a scan that read a row this store holds (InnoDB may keep the
-    // lock of a row a scan read and rejected until the transaction ends): completing and
-    // extending that row return, at worst with a transient error, and succeed once the frozen
-    // claim is gone (the server ends it after its idle timeout; here, a rollback).
-    db.enqueue(&[msg("g", "g1")]).await;
-    let g = db.claim(10, Block).await;
-    assert_eq!(names(&g), ["g1"]);
-    let mut frozen_scan = frozen.begin_with(begin).await.unwrap();
-    lock_like_a_claim(&mut frozen_scan, db.table(), 100).await;
-    let transient_or_ok = |what: &str, result: Result<(), Error>| match result {
-        Ok(()) => {}
-        Err(e) => assert!(e.is_transient(), "{what}: {e}"),
-    };
-    let extended = returns("extend", db.store.extend(g.token, Duration::from_secs(30))).await;
-    transient_or_ok("extend", extended.map(drop));
-    let completed = returns("complete", db.store.complete(g.token, &ids(&g))).await;
-    transient_or_ok("complete", completed);
-    frozen_scan.rollback().await.unwrap();
     frozen_claim.rollback().await.unwrap();
     frozen_complete.rollback().await.unwrap();
-    if db.state(g.messages[0].id).await != "published" {
-        db.store.complete(g.token, &ids(&g)).await.unwrap();
-    }
     assert_eq!(names(&db.claim(10, Block).await), ["f1", "f2"]);
     frozen.close().await;
+    db.drop().await;
+}
+
+/// A relay frozen inside the store's own claim, after its locking reads (held here inside the
+/// claim's lease update by a trigger that waits for a user lock this test holds), holds no
+/// other relay's message: another relay extends and completes a message it leases, which the
+/// frozen claim's scan of the claim index passed over, at once. (When the claim locked the
+/// rows it scanned, InnoDB kept that row locked until the claim ended: the complete waited its
+/// 2 s and failed, again and again, until the server ended the frozen claim.) Likewise a relay
+/// frozen inside a complete that lists a message it lost to another relay: the new holder
+/// completes it at once, and the frozen complete, once it goes on, reports it lost.
+#[tokio::test]
+async fn relays_frozen_inside_a_claim_or_a_complete_hold_no_other_relay_s_message() {
+    let Some(db) = db().await else { return };
+    let name = db.config.table();
+    let user_lock = format!("{name}_freeze");
+    sqlx::query(&format!(
+        "CREATE TRIGGER `{name}_freeze` BEFORE UPDATE ON {} FOR EACH ROW
+         BEGIN
+             IF OLD.partition_key = 'freeze' THEN
+                 SET @outbox_frozen = GET_LOCK('{user_lock}', 300);
+                 SET @outbox_frozen = RELEASE_LOCK('{user_lock}');
+             END IF;
+         END",
+        db.table()
+    ))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    let mut holder = MySqlConnection::connect(&db.url).await.unwrap();
+    let frozen_inside = || async {
+        until(
+            "the frozen relay's call waits inside its update",
+            || async {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM information_schema.PROCESSLIST
+                 WHERE STATE = 'User lock' AND INFO LIKE ?",
+                )
+                .bind(format!("%{name}%"))
+                .fetch_one(db.pool())
+                .await
+                .unwrap();
+                n > 0
+            },
+        )
+        .await;
+    };
+    // The relay that freezes: its own pool, as another process would have.
+    let frozen = MysqlStore::connect(&db.url, db.config.clone())
+        .await
+        .unwrap();
+
+    // This store (the other relay) leases `a`, the first row of the claim index.
+    db.enqueue(&[msg("a", "a")]).await;
+    let a = db.claim(10, Block).await;
+    assert_eq!(names(&a), ["a"]);
+    db.enqueue(&[msg("g", "g"), msg("freeze", "f")]).await;
+    take_user_lock(&mut holder, &user_lock).await;
+    let claiming = {
+        let frozen = frozen.clone();
+        tokio::spawn(async move {
+            frozen
+                .claim(&ClaimRequest {
+                    limit: 10,
+                    lease: Duration::from_secs(30),
+                    head_policy: Block,
+                    shard: None,
+                })
+                .await
+        })
+    };
+    frozen_inside().await;
+    // Frozen mid-claim: the other relay's calls on `a` go through at once.
+    returns("extend", db.store.extend(a.token, Duration::from_secs(30)))
+        .await
+        .unwrap();
+    returns("complete", db.store.complete(a.token, &ids(&a)))
+        .await
+        .unwrap();
+    assert_eq!(db.state(a.messages[0].id).await, "published");
+    release_user_lock(&mut holder, &user_lock).await;
+    let taken = returns("the frozen claim", claiming)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(names(&taken), ["g", "f"]);
+
+    // The frozen relay's lease on `g` ends, and this store takes `g` over.
+    sqlx::query(&format!(
+        "UPDATE {} SET lease_until = UTC_TIMESTAMP(6) - INTERVAL 1 SECOND
+         WHERE partition_key = 'g'",
+        db.table()
+    ))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    let g = db.claim(10, Block).await;
+    assert_eq!(names(&g), ["g"]);
+    take_user_lock(&mut holder, &user_lock).await;
+    let completing = {
+        let (frozen, token, listed) = (frozen.clone(), taken.token, ids(&taken));
+        tokio::spawn(async move { frozen.complete(token, &listed).await })
+    };
+    frozen_inside().await;
+    // Frozen mid-complete, its list naming `g`: the new holder completes `g` at once.
+    returns("complete", db.store.complete(g.token, &ids(&g)))
+        .await
+        .unwrap();
+    assert_eq!(db.state(g.messages[0].id).await, "published");
+    release_user_lock(&mut holder, &user_lock).await;
+    match returns("the frozen complete", completing).await.unwrap() {
+        Err(Error::LeaseLost { ids }) => assert_eq!(ids, [g.messages[0].id]),
+        other => panic!("expected the lease on g to be lost: {other:?}"),
+    }
+    assert_eq!(db.state(taken.messages[1].id).await, "published");
+    frozen.pool().close().await;
     db.drop().await;
 }
 

@@ -12,6 +12,14 @@
 //! deliveries seen on a subscription, never by time: the test waits for events, and [`GUARD`]
 //! only catches a stall. Rows the frozen relay had locked in a claim it had not committed are
 //! freed when the server ends its idle transaction (the stores bound that to a few seconds).
+//!
+//! The frozen relay holds none of the other relay's messages, wherever it froze (in a claim, in
+//! a complete, or between them): none of the other relay's store calls may fail for a lock
+//! wait. Such a failure is a call held for the whole statement bound (2 s, `lock_timeout` /
+//! `innodb_lock_wait_timeout`) and then retried; on MariaDB, a claim that locked the rows its
+//! scan read held the other relay's completions that way, 2 s at a time, until the server
+//! ended it (5 s). (The store tests freeze a claim and a complete at a chosen point; here the
+//! freeze falls wherever the relay is.)
 
 use std::collections::HashSet;
 
@@ -159,6 +167,19 @@ async fn frozen(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
         .filter(|l| l.contains("store call failed") || l.contains("could not extend"))
         .count();
     eprintln!("{what}: the other relay retried {retried} store calls");
+    // None of them because the frozen relay held a row it needed: no call was held for the
+    // statement bound.
+    let held_back: Vec<&str> = other_log
+        .lines()
+        .filter(|l| l.contains("store call failed") || l.contains("could not extend"))
+        .filter(|l| l.contains("Lock wait timeout") || l.contains("lock timeout"))
+        .collect();
+    assert!(
+        held_back.is_empty(),
+        "{what}: the other relay's store calls waited the whole statement bound for the frozen \
+         relay's locks:\n{}",
+        held_back.join("\n")
+    );
     // Its late completions of what the other relay took over were refused. Or, when the freeze
     // caught it inside a completion's transaction (a MariaDB completion is several statements;
     // the freeze comes right after a delivery, when a completion is due), the server ended that
