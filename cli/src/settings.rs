@@ -644,13 +644,13 @@ mod tests {
 
     #[test]
     fn otel_export_is_off_by_default_and_the_standard_variables_win() {
-        let env = |vars: &'static [(&'static str, &'static str)]| {
+        fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
             move |name: &str| {
                 vars.iter()
                     .find(|(k, _)| *k == name)
                     .map(|(_, v)| (*v).to_owned())
             }
-        };
+        }
         assert_eq!(resolve_otel(None, env(&[])).unwrap(), None);
         let file = OtelFile {
             endpoint: Some("http://file:4318/".into()),
@@ -682,8 +682,7 @@ mod tests {
             ("OTEL_SDK_DISABLED", "true"),
             ("OTEL_TRACES_EXPORTER", "none"),
         ] {
-            let vars: &'static [(&str, &str)] = Box::leak(Box::new([off]));
-            assert_eq!(resolve_otel(Some(file.clone()), env(vars)).unwrap(), None);
+            assert_eq!(resolve_otel(Some(file.clone()), env(&[off])).unwrap(), None);
         }
         let bad = OtelFile {
             endpoint: Some("https://u:secret@collector:4318".into()),
