@@ -18,7 +18,9 @@
 //!   span (`off`: the capture finds no span and copies nothing) and inside one (`on`: the
 //!   batch is copied with the span's context in each message's headers).
 //!
-//! The order of off and on alternates from one round to the next.
+//! The order of off and on alternates from one round to the next. Beside the rate, each run
+//! prints the CPU this process spent per message (all its threads, the exporter's included):
+//! on a busy machine the rate swings with the other load, the CPU per message much less.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -29,7 +31,7 @@ use opentelemetry::Context;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
-use outbox_bench::{load_average, median, message, thousands};
+use outbox_bench::{load_average, median, message, process_cpu, thousands};
 use outbox_engine::{Relay, RelayConfig, Traces};
 use outbox_traits::Publisher;
 
@@ -75,28 +77,46 @@ fn args() -> BoxResult<(usize, usize)> {
     Ok((rounds, messages))
 }
 
+/// This process's CPU seconds so far (0 where /proc is not there).
+fn cpu() -> f64 {
+    process_cpu(std::process::id()).unwrap_or(0.0)
+}
+
+/// Messages per second and CPU microseconds per message of a run that began at `started`
+/// with `cpu_before`.
+fn figures(n: usize, started: Instant, cpu_before: f64) -> (f64, f64) {
+    (
+        n as f64 / started.elapsed().as_secs_f64(),
+        (cpu() - cpu_before) * 1e6 / n as f64,
+    )
+}
+
 /// Enqueue `n` messages in batches of `batch`, inside `cx` (attached around each call) when
-/// given; returns the messages per second.
+/// given; returns the messages per second and CPU µs per message.
 async fn enqueue(
     pool: &sqlx::PgPool,
     config: &PostgresConfig,
     n: usize,
     batch: usize,
     cx: Option<&Context>,
-) -> BoxResult<f64> {
-    let started = Instant::now();
-    for chunk in (0..n).collect::<Vec<_>>().chunks(batch) {
-        let msgs: Vec<_> = chunk.iter().map(|&i| message(i, 64)).collect();
+) -> BoxResult<(f64, f64)> {
+    let msgs: Vec<Vec<_>> = (0..n)
+        .collect::<Vec<_>>()
+        .chunks(batch)
+        .map(|chunk| chunk.iter().map(|&i| message(i, 64)).collect())
+        .collect();
+    let (started, cpu_before) = (Instant::now(), cpu());
+    for msgs in &msgs {
         let mut tx = pool.begin().await?;
         {
             // The capture runs at the call's first poll, on this thread (the main future of
             // `block_on` never moves): keep the context attached across it.
             let _guard = cx.map(|cx| cx.clone().attach());
-            outbox_backend_postgres::enqueue_batch(&mut *tx, config, &msgs).await?;
+            outbox_backend_postgres::enqueue_batch(&mut *tx, config, msgs).await?;
         }
         tx.commit().await?;
     }
-    Ok(n as f64 / started.elapsed().as_secs_f64())
+    Ok(figures(n, started, cpu_before))
 }
 
 /// Drain the table into a new NATS stream, with or without traces; msg/s.
@@ -105,7 +125,7 @@ async fn drain(
     nats_url: &str,
     traces: Option<Traces>,
     n: usize,
-) -> BoxResult<f64> {
+) -> BoxResult<(f64, f64)> {
     let suffix = outbox_e2e::unique_suffix();
     let stream = format!("BENCH_TRACES_{suffix}");
     let url = format!(
@@ -116,9 +136,9 @@ async fn drain(
     if let Some(traces) = traces {
         relay = relay.with_traces(traces);
     }
-    let started = Instant::now();
+    let (started, cpu_before) = (Instant::now(), cpu());
     let stats = relay.run_until_idle().await?;
-    let rate = stats.published as f64 / started.elapsed().as_secs_f64();
+    let rate = figures(n, started, cpu_before);
     let stored = outbox_e2e::nats::stream_len(nats_url, &stream).await?;
     outbox_e2e::nats::delete_stream(nats_url, &stream).await?;
     if stats.published != n as u64 || stored != n as u64 {
@@ -160,7 +180,15 @@ async fn main() -> BoxResult<()> {
          load average {:.2}",
         load_average().unwrap_or(f64::NAN)
     );
-    let mut results: [Vec<f64>; 4] = Default::default();
+    // [drain off, drain on, enqueue off, enqueue on]: (msg/s, CPU µs per message) per round.
+    let mut results: [Vec<(f64, f64)>; 4] = Default::default();
+    let show_run = |round: usize, what: &str, on: bool, (rate, cpu): (f64, f64)| {
+        println!(
+            "  round {round} {what} {}: {} msg/s, {cpu:.1} µs CPU/msg",
+            if on { "on " } else { "off" },
+            thousands(rate)
+        );
+    };
     for round in 0..rounds {
         let order: [bool; 2] = if round % 2 == 0 {
             [false, true]
@@ -177,17 +205,12 @@ async fn main() -> BoxResult<()> {
                     "nats",
                 )
             });
-            let rate = drain(&store, &nats_url, traces, n).await?;
-            results[usize::from(on)].push(rate);
-            println!(
-                "  round {} drain traces {}: {} msg/s",
-                round + 1,
-                if on { "on " } else { "off" },
-                thousands(rate)
-            );
+            let run = drain(&store, &nats_url, traces, n).await?;
+            results[usize::from(on)].push(run);
+            show_run(round + 1, "drain, traces", on, run);
         }
         for on in order {
-            let rate = enqueue(
+            let run = enqueue(
                 &pool,
                 &config,
                 n,
@@ -195,13 +218,8 @@ async fn main() -> BoxResult<()> {
                 on.then_some(&service),
             )
             .await?;
-            results[2 + usize::from(on)].push(rate);
-            println!(
-                "  round {} enqueue span {}: {} msg/s",
-                round + 1,
-                if on { "on " } else { "off" },
-                thousands(rate)
-            );
+            results[2 + usize::from(on)].push(run);
+            show_run(round + 1, "enqueue, span", on, run);
             // Not timed: empty the table for the next drain.
             let store_relay = Relay::new(
                 store.clone(),
@@ -212,23 +230,28 @@ async fn main() -> BoxResult<()> {
         }
     }
     let _ = provider.force_flush();
-    let show = |label: &str, off: &[f64], on: &[f64]| {
-        let (off, on) = (
-            median(off).unwrap_or(f64::NAN),
-            median(on).unwrap_or(f64::NAN),
-        );
+    let show = |label: &str, off: &[(f64, f64)], on: &[(f64, f64)]| {
+        let med = |runs: &[(f64, f64)], f: fn(&(f64, f64)) -> f64| {
+            median(&runs.iter().map(f).collect::<Vec<_>>()).unwrap_or(f64::NAN)
+        };
+        let (off_rate, on_rate) = (med(off, |r| r.0), med(on, |r| r.0));
+        let (off_cpu, on_cpu) = (med(off, |r| r.1), med(on, |r| r.1));
         println!(
-            "{label}: off {} msg/s, on {} msg/s, on/off {:.2}",
-            thousands(off),
-            thousands(on),
-            on / off
+            "{label}: off {} msg/s ({off_cpu:.1} µs CPU/msg), on {} msg/s ({on_cpu:.1} µs \
+             CPU/msg); rate on/off {:.2}, CPU on/off {:.2}",
+            thousands(off_rate),
+            thousands(on_rate),
+            on_rate / off_rate,
+            on_cpu / off_cpu
         );
     };
     println!("medians of {rounds} rounds:");
     show("drain (Postgres → NATS)", &results[0], &results[1]);
     show("enqueue (batches of 100)", &results[2], &results[3]);
+    let spans = rounds * n + rounds * n.div_ceil(2000);
     println!(
-        "spans exported by the batch processor: {} (the rest dropped by its queue, 2,048 spans by default)",
+        "spans exported by the batch processor: {} of about {spans} made (the rest dropped by \
+         its queue of 2,048)",
         exported.0.load(Ordering::Relaxed)
     );
     let _ = provider.shutdown();
