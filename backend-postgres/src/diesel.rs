@@ -65,6 +65,8 @@ pub async fn enqueue_batch(
     config: &PostgresConfig,
     messages: &[NewMessage],
 ) -> Result<(), Error> {
+    #[cfg(feature = "otel")]
+    let messages = &*outbox_otel::capture(messages);
     if messages.is_empty() {
         return Ok(());
     }

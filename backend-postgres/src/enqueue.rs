@@ -62,6 +62,8 @@ pub async fn enqueue_batch<'c, E>(
 where
     E: Executor<'c, Database = Postgres>,
 {
+    #[cfg(feature = "otel")]
+    let messages = &*outbox_otel::capture(messages);
     if messages.is_empty() {
         return Ok(());
     }

@@ -63,6 +63,8 @@ pub fn enqueue_batch(
     config: &SqliteConfig,
     messages: &[NewMessage],
 ) -> Result<(), Error> {
+    #[cfg(feature = "otel")]
+    let messages = &*outbox_otel::capture(messages);
     let rows = validate_all(config, messages)?;
     if rows.is_empty() {
         return Ok(());
@@ -104,6 +106,8 @@ pub async fn enqueue_batch_async(
     config: &SqliteConfig,
     messages: &[NewMessage],
 ) -> Result<(), Error> {
+    #[cfg(feature = "otel")]
+    let messages = &*outbox_otel::capture(messages);
     if messages.is_empty() {
         return Ok(());
     }

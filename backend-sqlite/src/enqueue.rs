@@ -70,6 +70,8 @@ pub fn enqueue_batch(
     config: &SqliteConfig,
     messages: &[NewMessage],
 ) -> Result<(), Error> {
+    #[cfg(feature = "otel")]
+    let messages = &*outbox_otel::capture(messages);
     let rows = validate_all(config, messages)?;
     if rows.is_empty() {
         return Ok(());

@@ -18,6 +18,8 @@
 
 mod http;
 mod ops;
+#[cfg(feature = "otel")]
+mod otel;
 mod progress;
 mod secrets;
 mod settings;
@@ -273,8 +275,29 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
         tasks.push(http::serve(addr, probe.clone()).await?);
         tasks.push(tokio::spawn(gauges(probe, effective.gauges_every)));
     }
+    #[cfg(feature = "otel")]
+    let exporter = match &effective.otel {
+        Some(settings) => Some(otel::install(settings).await?),
+        None => None,
+    };
+    #[cfg(not(feature = "otel"))]
+    if effective.otel.is_some() {
+        return Err(Error::invalid_input(
+            "trace export is configured ([otel] or OTEL_EXPORTER_OTLP_*), but this build has no \
+             exporter: build outbox-cli with its `otel` feature",
+        ));
+    }
     // Registers the metrics' descriptions with the exporter installed above.
-    let relay = Relay::new(opened.store.clone(), publisher, effective.relay.clone())?;
+    let relay = Relay::new(
+        opened.store.clone(),
+        publisher.clone(),
+        effective.relay.clone(),
+    )?;
+    #[cfg(feature = "otel")]
+    let relay = match &exporter {
+        Some(_) => otel::traced(relay, publisher.name(), broker_url),
+        None => relay,
+    };
     let tuning = relay.tuning();
     tracing::info!(
         target: TARGET,
@@ -335,6 +358,10 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
     };
     for task in &tasks {
         task.abort();
+    }
+    #[cfg(feature = "otel")]
+    if let Some(exporter) = exporter {
+        exporter.shutdown().await;
     }
     let mut stats = stats?;
     if let Some(start) = &start {

@@ -164,6 +164,78 @@ struct FileSettings {
     ready_timeout: Option<String>,
     log_format: Option<LogFormat>,
     log: Option<String>,
+    otel: Option<OtelFile>,
+}
+
+/// The `[otel]` table of the configuration file: OTLP export of the relay's producer spans.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OtelFile {
+    /// The collector's base URL, as `OTEL_EXPORTER_OTLP_ENDPOINT` (`/v1/traces` is appended).
+    endpoint: Option<String>,
+    /// `service.name` of the spans (default `outbox-relay`).
+    service_name: Option<String>,
+}
+
+/// OTLP trace export (HTTP/protobuf) in effect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OtelSettings {
+    /// Where spans are sent: the full traces URL, e.g. `http://collector:4318/v1/traces`.
+    pub endpoint: String,
+    /// `service.name` of the spans.
+    pub service_name: String,
+}
+
+/// The `service.name` of the relay's spans when none is given.
+pub const DEFAULT_SERVICE_NAME: &str = "outbox-relay";
+
+/// The OTLP export in effect, from the standard variables (read through `env`) over the
+/// `[otel]` table: on when `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (used as is),
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` or the table's `endpoint` (both a base URL, `/v1/traces`
+/// appended) is set, unless `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`. The
+/// name is `OTEL_SERVICE_NAME`, else the table's `service_name`, else `outbox-relay`.
+fn resolve_otel(
+    file: Option<OtelFile>,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Option<OtelSettings>, Error> {
+    let file = file.unwrap_or_default();
+    let set = |name: &str| env(name).filter(|v| !v.trim().is_empty());
+    if set("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
+        || set("OTEL_TRACES_EXPORTER").is_some_and(|v| v.trim().eq_ignore_ascii_case("none"))
+    {
+        return Ok(None);
+    }
+    let base = |url: String| format!("{}/v1/traces", url.trim_end_matches('/'));
+    let (endpoint, from) = match (
+        set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+        set("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        file.endpoint,
+    ) {
+        (Some(url), _, _) => (url, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+        (None, Some(url), _) => (base(url), "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        (None, None, Some(url)) => (base(url), "`endpoint` of [otel]"),
+        (None, None, None) => return Ok(None),
+    };
+    let parsed = url::Url::parse(endpoint.trim()).map_err(|e| {
+        Error::invalid_input(format!(
+            "{from} = {:?} is not a URL ({e}); write e.g. \"http://collector:4318\"",
+            mask_url(&endpoint)
+        ))
+    })?;
+    if parsed.scheme() != "http" {
+        return Err(Error::invalid_input(format!(
+            "{from} = {:?}: the OTLP exporter of this program speaks HTTP/protobuf over plain \
+             http:// (a collector beside the relay, port 4318); {}:// is not supported",
+            mask_url(&endpoint),
+            parsed.scheme()
+        )));
+    }
+    Ok(Some(OtelSettings {
+        endpoint: endpoint.trim().to_owned(),
+        service_name: set("OTEL_SERVICE_NAME")
+            .or(file.service_name)
+            .unwrap_or_else(|| DEFAULT_SERVICE_NAME.to_owned()),
+    }))
 }
 
 /// The settings in effect.
@@ -193,6 +265,8 @@ pub struct Effective {
     pub log_format: LogFormat,
     /// Log filter.
     pub log: String,
+    /// OTLP export of producer spans; `None`: off.
+    pub otel: Option<OtelSettings>,
 }
 
 /// The log filter when none is given: the program and the engine at info, the drivers quieter
@@ -248,6 +322,7 @@ impl SettingsArgs {
             (None, None) => None,
         };
         let head = self.head_policy.or(file.head_policy);
+        let otel = resolve_otel(file.otel.clone(), |name| std::env::var(name).ok())?;
         let relay = RelayConfig {
             // Unset: chosen by the store when the relay starts (`RelayConfig::tuned_for`).
             batch_size: self.batch_size.or(file.batch_size).or(defaults.batch_size),
@@ -342,6 +417,7 @@ impl SettingsArgs {
                 .clone()
                 .or(file.log)
                 .unwrap_or_else(|| DEFAULT_LOG.to_owned()),
+            otel,
         };
         Ok(effective)
     }
@@ -452,6 +528,16 @@ impl Effective {
             .into(),
         );
         put("log", self.log.clone().into());
+        if let Some(otel) = &self.otel {
+            let mut t = toml::Table::new();
+            // The base URL, as the table takes it (`/v1/traces` is appended again).
+            t.insert(
+                "endpoint".to_owned(),
+                mask_url(otel.endpoint.trim_end_matches("/v1/traces")).into(),
+            );
+            t.insert("service_name".to_owned(), otel.service_name.clone().into());
+            put("otel", t.into());
+        }
         let mut source = match &self.config {
             Some(path) => format!("# flags > environment > {} > defaults\n", path.display()),
             None => "# flags > environment > defaults (no --config file)\n".to_owned(),
@@ -554,5 +640,62 @@ mod tests {
         let masked = mask_url("nats://s3cr3ttoken@127.0.0.1:4222?subject=a.{event_type}");
         assert!(!masked.contains("s3cr3ttoken"), "{masked}");
         assert!(masked.contains("subject=a.{event_type}"), "{masked}");
+    }
+
+    #[test]
+    fn otel_export_is_off_by_default_and_the_standard_variables_win() {
+        fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+            move |name: &str| {
+                vars.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| (*v).to_owned())
+            }
+        }
+        assert_eq!(resolve_otel(None, env(&[])).unwrap(), None);
+        let file = OtelFile {
+            endpoint: Some("http://file:4318/".into()),
+            service_name: Some("relay-a".into()),
+        };
+        let from_file = resolve_otel(Some(file.clone()), env(&[])).unwrap().unwrap();
+        assert_eq!(from_file.endpoint, "http://file:4318/v1/traces");
+        assert_eq!(from_file.service_name, "relay-a");
+        let generic = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://env:4318"),
+            ("OTEL_SERVICE_NAME", "relay-b"),
+        ];
+        let from_env = resolve_otel(Some(file.clone()), env(&generic))
+            .unwrap()
+            .unwrap();
+        assert_eq!(from_env.endpoint, "http://env:4318/v1/traces");
+        assert_eq!(from_env.service_name, "relay-b");
+        let signal = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://env:4318"),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "http://traces:4318/custom",
+            ),
+        ];
+        let exact = resolve_otel(None, env(&signal)).unwrap().unwrap();
+        assert_eq!(exact.endpoint, "http://traces:4318/custom");
+        assert_eq!(exact.service_name, DEFAULT_SERVICE_NAME);
+        for off in [
+            ("OTEL_SDK_DISABLED", "true"),
+            ("OTEL_TRACES_EXPORTER", "none"),
+        ] {
+            assert_eq!(resolve_otel(Some(file.clone()), env(&[off])).unwrap(), None);
+        }
+        let bad = OtelFile {
+            endpoint: Some("https://u:secret@collector:4318".into()),
+            service_name: None,
+        };
+        let err = resolve_otel(Some(bad), env(&[])).unwrap_err().to_string();
+        assert!(err.contains("https:// is not supported"), "{err}");
+        assert!(!err.contains("secret"), "{err}");
+        let bad = OtelFile {
+            endpoint: Some("collector 4318".into()),
+            service_name: None,
+        };
+        let err = resolve_otel(Some(bad), env(&[])).unwrap_err().to_string();
+        assert!(err.contains("is not a URL"), "{err}");
     }
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::delivery::{DecodeError, Delivery};
 use crate::handler::{FailureKind, Handled, Handler, HandlerError};
@@ -72,6 +73,7 @@ impl Core {
             let started = Instant::now();
             let result = AssertUnwindSafe(self.handler.handle(&delivery))
                 .catch_unwind()
+                .instrument(crate::telemetry::handler_span(&self.name, &delivery))
                 .await;
             self.meters.handler_seconds(started.elapsed().as_secs_f64());
             let error = match result {

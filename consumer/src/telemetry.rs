@@ -4,6 +4,8 @@
 
 use metrics::{counter, describe_counter, describe_histogram, histogram, Unit};
 
+use crate::delivery::{Delivery, Source};
+
 /// The label naming the consumer on every metric: the NATS durable consumer, the Redis group or
 /// the Kafka group.
 pub const CONSUMER_LABEL: &str = "consumer";
@@ -64,6 +66,38 @@ pub fn describe_metrics() {
         Unit::Seconds,
         "Duration of each handler call."
     );
+}
+
+/// The span a handler call runs in: `outbox_handle`, a CONSUMER span in the OpenTelemetry
+/// messaging conventions (`process <destination>`, with `messaging.system`,
+/// `messaging.destination.name`, `messaging.message.id`, `messaging.consumer.group.name`).
+/// With feature `otel` its parent is the trace context the message carries (`traceparent`, the
+/// relay's producer span), so the handler continues the trace of the request that enqueued it;
+/// the `tracing-opentelemetry` layer exports it.
+pub(crate) fn handler_span(consumer: &str, delivery: &Delivery) -> tracing::Span {
+    let (system, destination) = match &delivery.source {
+        Source::Nats { subject, .. } => ("nats", subject.as_str()),
+        Source::Redis { stream, .. } => ("redis", stream.as_str()),
+        Source::Kafka { topic, .. } => ("kafka", topic.as_str()),
+    };
+    let span = tracing::info_span!(
+        "outbox_handle",
+        otel.kind = "consumer",
+        otel.name = %format_args!("process {destination}"),
+        messaging.system = system,
+        messaging.operation.type = "process",
+        messaging.destination.name = destination,
+        messaging.message.id = %delivery.message_id,
+        messaging.consumer.group.name = consumer,
+        attempt = delivery.attempt,
+    );
+    #[cfg(feature = "otel")]
+    if let Some(parent) = outbox_otel::extract(&delivery.headers) {
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        // Fails only for a span already started by the layer, which this one is not.
+        let _ = span.set_parent(parent);
+    }
+    span
 }
 
 /// The metric handles of one consumer.

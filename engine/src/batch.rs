@@ -82,7 +82,13 @@ pub(crate) struct Batch<'a> {
 impl Batch<'_> {
     /// Publish and settle one claim. Returns a permanent store error, if one stopped it, and
     /// whether the broker was found down.
-    pub(crate) async fn run(mut self, claim: Claim, claimed_at: Instant) -> BatchEnd {
+    pub(crate) async fn run(
+        mut self,
+        #[cfg_attr(not(feature = "otel"), allow(unused_mut))] mut claim: Claim,
+        claimed_at: Instant,
+    ) -> BatchEnd {
+        #[cfg(feature = "otel")]
+        let spans = crate::trace::start(self.shared, &mut claim.messages);
         let token = claim.token;
         let Some((outcomes, lease_end)) = self.publish(&claim, claimed_at).await else {
             let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
@@ -90,6 +96,8 @@ impl Batch<'_> {
             let lease_end = Instant::now() + self.shared.config.lease;
             return BatchEnd::fatal(self.release(token, &ids, lease_end).await);
         };
+        #[cfg(feature = "otel")]
+        crate::trace::end(spans, &outcomes);
         if looks_down(&outcomes) {
             if let Some(reason) = broker_down(self.shared.publisher.as_ref()).await {
                 // Nothing was refused: the broker could not be reached. Counting an attempt

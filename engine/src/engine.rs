@@ -62,6 +62,8 @@ impl Relay {
                 tuning,
                 notifier: Notifier::new(),
                 publisher_name,
+                #[cfg(feature = "otel")]
+                traces: None,
             }),
         })
     }
@@ -71,6 +73,17 @@ impl Relay {
     pub fn with_notifier(self, notifier: Notifier) -> Self {
         let mut shared = (*self.shared).clone();
         shared.notifier = notifier;
+        Self {
+            shared: Arc::new(shared),
+        }
+    }
+
+    /// Record a producer span per published message (and per batch) with `traces`, and send
+    /// each message with its span's context as `traceparent` (see [`crate::trace`]).
+    #[cfg(feature = "otel")]
+    pub fn with_traces(self, traces: crate::Traces) -> Self {
+        let mut shared = (*self.shared).clone();
+        shared.traces = Some(Arc::new(traces));
         Self {
             shared: Arc::new(shared),
         }

@@ -137,6 +137,8 @@ mod run_loop;
 mod shared;
 mod stats;
 mod telemetry;
+#[cfg(feature = "otel")]
+pub mod trace;
 mod wait;
 mod wake;
 
@@ -151,6 +153,8 @@ pub use notifier::Notifier;
 pub use run_loop::RELEASE_GRACE;
 pub use stats::RelayStats;
 pub use telemetry::{describe_metrics, record_status, record_up};
+#[cfg(feature = "otel")]
+pub use trace::Traces;
 
 /// Names of the metrics the relay records, and of their label.
 pub mod metric_names {

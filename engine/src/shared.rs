@@ -18,4 +18,7 @@ pub(crate) struct Shared {
     pub(crate) tuning: Tuning,
     pub(crate) notifier: Notifier,
     pub(crate) publisher_name: String,
+    /// Producer spans, when on ([`Relay::with_traces`](crate::Relay::with_traces)).
+    #[cfg(feature = "otel")]
+    pub(crate) traces: crate::trace::SharedTraces,
 }

@@ -68,6 +68,14 @@ pub mod redis {
     pub use outbox_publisher_redis::*;
 }
 
+/// Trace context for messages (feature `otel`): what enqueue captures and the relay and
+/// consumers read back. See the README, "Traces".
+#[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
+pub mod otel {
+    pub use outbox_otel::*;
+}
+
 pub mod broker;
 mod schemes;
 pub mod store;
