@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use outbox_routing::RoutingTemplate;
+use outbox_routing::{Envelope, RoutingTemplate};
 use outbox_traits::{read_secret_file, redact_url, Error};
 
 use crate::security::{NatsAuth, NatsSecurity};
@@ -105,6 +105,10 @@ pub struct NatsConfig {
     pub stream: Option<StreamSetup>,
     /// TLS and credentials.
     pub security: NatsSecurity,
+    /// What each message carries: the standard headers (default) or a CloudEvents event in
+    /// binary or structured mode (URL options `envelope=` and `ce_source=`; see
+    /// [`outbox_routing::envelope`]). `Nats-Msg-Id` is the message id in every mode.
+    pub envelope: Envelope,
 }
 
 impl NatsConfig {
@@ -117,6 +121,7 @@ impl NatsConfig {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             stream: None,
             security: NatsSecurity::default(),
+            envelope: Envelope::default(),
         };
         config.validate()?;
         Ok(config)
@@ -139,7 +144,9 @@ impl NatsConfig {
     /// - `timeout_ms` (default 5000) and `max_in_flight` (default 1024);
     /// - TLS and credentials: `tls_required`, `ca_file`, `cert_file`, `key_file`,
     ///   `password_file`, `token_file`, `nkey_file`, `creds_file` (see [`NatsSecurity`]); a
-    ///   `user:password@` or `token@` in the URL is taken as credentials too.
+    ///   `user:password@` or `token@` in the URL is taken as credentials too;
+    /// - `envelope=outbox|cloudevents|cloudevents-structured` and `ce_source=` (see
+    ///   [`NatsConfig::envelope`]).
     ///
     /// An unknown option, a bad value or a missing `subject` gives [`Error::InvalidInput`] naming
     /// the valid options.
@@ -181,8 +188,13 @@ impl NatsConfig {
         };
         let mut password_file = None;
         let mut auths = Vec::new();
+        let mut envelope = Envelope::default();
         for (key, value) in parsed.query_pairs() {
             let value = value.into_owned();
+            // envelope=, ce_source= (outbox_routing::ENVELOPE_URL_OPTIONS).
+            if envelope.set_url_option(&key, &value)? {
+                continue;
+            }
             match key.as_ref() {
                 "subject" => subject = Some(value),
                 "stream" => stream_name = Some(value),
@@ -228,7 +240,9 @@ impl NatsConfig {
                 other => {
                     return Err(Error::invalid_input(format!(
                         "unknown NATS option {other:?} in {shown:?}; valid options: {}",
-                        URL_OPTIONS.join(", ")
+                        [URL_OPTIONS, outbox_routing::ENVELOPE_URL_OPTIONS]
+                            .concat()
+                            .join(", ")
                     )))
                 }
             }
@@ -308,6 +322,7 @@ impl NatsConfig {
             max_in_flight,
             stream,
             security,
+            envelope,
         };
         config.validate()?;
         Ok(config)
@@ -321,6 +336,7 @@ impl NatsConfig {
     /// Check the values: positive timeout and in-flight limit, a subject template whose literal
     /// text is valid in a NATS subject, a valid stream name and stream subjects.
     pub fn validate(&self) -> Result<(), Error> {
+        self.envelope.validate()?;
         if self.timeout.is_zero() {
             return Err(Error::invalid_input(
                 "NATS timeout must be positive (timeout_ms=5000, for example)",

@@ -300,10 +300,7 @@ impl Envelope {
     pub fn source(&self, msg: &Message) -> String {
         match &self.source {
             Some(template) => template.render_with(msg, encode_uri_value),
-            None => format!(
-                "/outbox/{}",
-                encode_uri_value(&msg.aggregate_type).as_ref()
-            ),
+            None => format!("/outbox/{}", encode_uri_value(&msg.aggregate_type).as_ref()),
         }
     }
 
@@ -539,7 +536,9 @@ mod tests {
     fn options_parse_and_validate() {
         let mut e = Envelope::default();
         assert_eq!(e.mode(), EnvelopeMode::Outbox);
-        assert!(e.set_url_option("envelope", "cloudevents-structured").unwrap());
+        assert!(e
+            .set_url_option("envelope", "cloudevents-structured")
+            .unwrap());
         assert_eq!(e.mode(), EnvelopeMode::CloudEventsStructured);
         let err = e.set_url_option("envelope", "cloudevent").unwrap_err();
         assert!(err.to_string().contains("cloudevents-structured"), "{err}");
@@ -553,7 +552,8 @@ mod tests {
     #[test]
     fn attributes_of_a_message() {
         let mut msg = message();
-        msg.headers.insert("traceparent".into(), "00-ab-cd-01".into());
+        msg.headers
+            .insert("traceparent".into(), "00-ab-cd-01".into());
         msg.headers.insert("X-Request-Id".into(), "r1".into());
         msg.headers.insert("source".into(), "forged".into());
         msg.headers.insert("Message-Id".into(), "forged".into());
@@ -639,7 +639,10 @@ mod tests {
     #[test]
     fn consumer_side_names() {
         assert_eq!(binary_attribute_name("ce_id"), Some(("id".into(), false)));
-        assert_eq!(binary_attribute_name("CE-Type"), Some(("type".into(), true)));
+        assert_eq!(
+            binary_attribute_name("CE-Type"),
+            Some(("type".into(), true))
+        );
         assert_eq!(binary_attribute_name("content-type"), None);
         assert_eq!(binary_attribute_name("ce-"), None);
         assert_eq!(attribute_target("subject"), AttributeTarget::AggregateId);
