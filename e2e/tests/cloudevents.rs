@@ -134,14 +134,14 @@ async fn relay(pg: &str, url: &str) -> HashMap<String, Stored> {
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    let rows: Vec<(String, String, Option<String>, String, DateTime<Utc>)> =
-        sqlx::query_as(&format!(
-            "SELECT id::text, aggregateid, partition_key, payload::text, created_at FROM {}",
-            config.qualified_table()
-        ))
-        .fetch_all(&pool)
-        .await
-        .unwrap();
+    type Row = (String, String, Option<String>, String, DateTime<Utc>);
+    let rows: Vec<Row> = sqlx::query_as(&format!(
+        "SELECT id::text, aggregateid, partition_key, payload::text, created_at FROM {}",
+        config.qualified_table()
+    ))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
     let publisher = outbox::broker::connect(url).await.unwrap();
     let relay = Relay::new(store, Arc::from(publisher), RelayConfig::default()).unwrap();
     let stats = relay.run_until_idle().await.unwrap();
