@@ -466,3 +466,129 @@ fn an_unknown_envelope_is_refused() {
     }
     assert!(errors[3].to_string().contains("envelope=cloudevents"));
 }
+
+/// Exactly-once effects with a CloudEvents envelope on the wire: the exactly-once example's
+/// order service commits orders (and rolls one transaction back) in Postgres, the relay
+/// publishes them with `envelope`, `outbox-consumer` decodes them into its `Delivery` and the
+/// payment service books each once with its inbox in Postgres. A second consumer group then
+/// reads the whole stream again under the same inbox name: every message is a duplicate and
+/// nothing is booked again.
+async fn exactly_once(broker: Broker, envelope: &str) {
+    use outbox_consumer::{handler_fn, CancellationToken, Handled, Handler as _};
+    use outbox_example_exactly_once::{run_payments, Names, Order, OrderService, PaymentService};
+
+    let (Some(pg), Some(server)) = (
+        service_url("OUTBOX_TEST_POSTGRES_URL"),
+        service_url(broker.var()),
+    ) else {
+        return;
+    };
+    let s = unique_suffix();
+    let relay_url = match broker {
+        Broker::Kafka => {
+            outbox_e2e::kafka::create_topic(&server, &format!("cexo{s}"), 2)
+                .await
+                .unwrap();
+            format!("kafka://{server}?topic=cexo{s}&envelope={envelope}")
+        }
+        Broker::Redis => format!("{server}?stream=cexo{s}&envelope={envelope}"),
+        Broker::Nats => unreachable!("not used"),
+    };
+    let consumer_url = |group: &str| match broker {
+        Broker::Kafka => format!("kafka://{server}?topic=cexo{s}&group={group}{s}"),
+        _ => format!("{server}?stream=cexo{s}&group={group}&consumer={group}-1"),
+    };
+
+    let names = Names::with_suffix(&s).unwrap();
+    let orders = OrderService::connect(&pg, names.clone()).await.unwrap();
+    orders.migrate().await.unwrap();
+    let payments = PaymentService::connect(&pg, names.clone(), "payments")
+        .await
+        .unwrap();
+    payments.migrate().await.unwrap();
+    let order = |n: usize| Order {
+        id: format!("order-{n}"),
+        customer: format!("customer-{}", n % 3),
+        seq: n as i64,
+        amount_cents: 100 + n as i64,
+    };
+    let mut committed = Vec::new();
+    for t in 0..3 {
+        let batch: Vec<Order> = (t * 5..t * 5 + 5).map(order).collect();
+        committed.extend(orders.place(&batch, true).await.unwrap());
+    }
+    let rolled_back = orders.place(&[order(99)], false).await.unwrap();
+
+    let store = outbox::store::open(
+        &pg,
+        &outbox::store::StoreOptions {
+            table: Some(names.outbox.clone()),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let publisher = outbox::broker::connect(&relay_url).await.unwrap();
+    let relay = Relay::new(store.store, Arc::from(publisher), RelayConfig::default()).unwrap();
+    let stats = relay.run_until_idle().await.unwrap();
+    assert_eq!(stats.published as usize, committed.len());
+
+    // Consume with `group` until its handler has seen `want` messages handled as `kind`.
+    let consume = |group: &'static str, kind: Handled, want: usize| {
+        let url = consumer_url(group);
+        let payments = payments.clone();
+        async move {
+            let (seen, mut watch) = tokio::sync::watch::channel(0usize);
+            let handler = handler_fn(move |delivery| {
+                let (payments, seen) = (payments.clone(), seen.clone());
+                async move {
+                    let handled = payments.handle(&delivery).await?;
+                    if handled == kind {
+                        seen.send_modify(|n| *n += 1);
+                    }
+                    Ok(handled)
+                }
+            });
+            let stop = CancellationToken::new();
+            let stopping = stop.clone();
+            let task = tokio::spawn(async move { run_payments(handler, &url, stopping).await });
+            tokio::time::timeout(GUARD, watch.wait_for(|n| *n >= want))
+                .await
+                .unwrap_or_else(|_| panic!("{group}: fewer than {want} messages {kind:?}"))
+                .unwrap();
+            stop.cancel();
+            task.await.unwrap().unwrap();
+        }
+    };
+    consume("payments", Handled::Processed, committed.len()).await;
+    let booked = payments.payments().await.unwrap();
+    let mut ids: Vec<_> = booked.iter().map(|p| p.message_id).collect();
+    ids.sort_unstable();
+    let mut want = committed.clone();
+    want.sort_unstable();
+    assert_eq!(ids, want, "exactly one payment per committed order");
+    assert!(!ids.contains(&rolled_back[0]));
+    // Every message again, under the same inbox name: all duplicates, nothing booked again.
+    consume("replay", Handled::Duplicate, committed.len()).await;
+    assert_eq!(payments.payments().await.unwrap(), booked);
+
+    match broker {
+        Broker::Kafka => outbox_e2e::kafka::delete_topic(&server, &format!("cexo{s}"))
+            .await
+            .unwrap(),
+        Broker::Redis => outbox_e2e::redis::delete(&server, &format!("cexo{s}"))
+            .await
+            .unwrap(),
+        Broker::Nats => {}
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_through_redis_with_cloudevents_binary() {
+    exactly_once(Broker::Redis, "cloudevents").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_through_kafka_with_cloudevents_structured() {
+    exactly_once(Broker::Kafka, "cloudevents-structured").await;
+}
