@@ -333,6 +333,8 @@ impl<'a> RawEnvelope<'a> {
                 AttributeTarget::Header => raw.headers.push((name.as_str(), bytes)),
             }
         }
+        // CloudEvents forbids an empty subject: an empty aggregate id is sent without one.
+        raw.aggregate_id.get_or_insert(b"");
         raw.finish(payload, source)
     }
 

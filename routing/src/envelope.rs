@@ -15,7 +15,7 @@
 //! | `id` | the message id (UUID, hyphenated) |
 //! | `source` | the `ce_source` template rendered for the message; default [`DEFAULT_CE_SOURCE`] (`/outbox/{aggregate_type}`) |
 //! | `type` | the event type |
-//! | `subject` | the aggregate id |
+//! | `subject` | the aggregate id (left out when empty, which CloudEvents forbids) |
 //! | `time` | when the message was enqueued (the store's clock, RFC 3339 in UTC) |
 //! | `datacontenttype` | `application/json` |
 //! | `partitionkey` | the partition key, when the message has one (the Partitioning extension) |
