@@ -495,7 +495,10 @@ async fn exactly_once(broker: Broker, envelope: &str) {
         Broker::Nats => unreachable!("not used"),
     };
     let consumer_url = |group: &str| match broker {
-        Broker::Kafka => format!("kafka://{server}?topic=cexo{s}&group={group}{s}"),
+        Broker::Kafka => format!(
+            "kafka://{server}?topic=cexo{s}&group={group}{s}\
+             &session.timeout.ms=2000&heartbeat.interval.ms=300"
+        ),
         _ => format!("{server}?stream=cexo{s}&group={group}&consumer={group}-1"),
     };
 
