@@ -1,7 +1,13 @@
-//! The decoded envelope of an outbox message, as the project's publishers write it.
+//! The decoded envelope of an outbox message, as the project's publishers write it: the
+//! default envelope, or a CloudEvents event in binary or structured mode
+//! ([`outbox_routing::envelope`]), told apart by the message itself.
 
 use std::collections::BTreeMap;
 
+use outbox_routing::envelope::{
+    attribute_target, binary_attribute_name, decode_header_value, is_structured_content_type,
+    AttributeTarget,
+};
 use outbox_routing::{
     HEADER_AGGREGATE_ID, HEADER_AGGREGATE_TYPE, HEADER_EVENT_TYPE, HEADER_MESSAGE_ID,
     HEADER_PARTITION_KEY, STANDARD_HEADER_NAMES,
@@ -17,7 +23,9 @@ use crate::handler::HandlerError;
 /// The fields are those `outbox-publisher-nats`, `outbox-publisher-kafka` and
 /// `outbox-publisher-redis` write: the standard headers of [`outbox_routing::standard_headers`]
 /// (NATS and Kafka) or the entry fields `id`, `event_type`, `aggregate_type`, `aggregate_id`,
-/// `partition_key`, `payload` and `headers` (Redis).
+/// `partition_key`, `payload` and `headers` (Redis); or, with `envelope=cloudevents` or
+/// `envelope=cloudevents-structured` on the publisher, the CloudEvents attributes `id`, `type`,
+/// `subject`, `aggregatetype`, `partitionkey`, extension attributes as headers, and `data`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Delivery {
     /// The outbox message id: stable across redeliveries and republishes. Deduplicate on it
@@ -148,7 +156,15 @@ pub(crate) struct RawEnvelope<'a> {
     /// How the broker names the id, event type, aggregate type, aggregate id and partition key
     /// (for error messages); `None`: the standard header names.
     pub names: Option<[&'static str; 5]>,
+    /// `ce_`/`ce-` prefixed headers (CloudEvents binary mode), as given.
+    pub cloudevent: Vec<(&'a str, &'a [u8])>,
+    /// The `content-type` header, as given.
+    pub content_type: Option<(&'a str, &'a [u8])>,
 }
+
+/// The CloudEvents attribute names of the id, event type, aggregate type, aggregate id and
+/// partition key (for error messages).
+const CLOUDEVENT_NAMES: [&str; 5] = ["id", "type", "aggregatetype", "subject", "partitionkey"];
 
 /// The Redis publisher's entry field names of the envelope.
 pub(crate) const REDIS_FIELD_NAMES: [&str; 5] = [
@@ -163,6 +179,14 @@ impl<'a> RawEnvelope<'a> {
     /// Sort one header of a header-carrying broker (NATS, Kafka) into the envelope. Names are
     /// compared ignoring ASCII case; `Nats-Msg-Id` is dropped (it repeats the message id).
     pub(crate) fn header(&mut self, name: &'a str, value: &'a [u8]) {
+        if binary_attribute_name(name).is_some() {
+            self.cloudevent.push((name, value));
+            return;
+        }
+        if name.eq_ignore_ascii_case("content-type") {
+            self.content_type = Some((name, value));
+            return;
+        }
         let slot = match STANDARD_HEADER_NAMES
             .iter()
             .find(|std| std.eq_ignore_ascii_case(name))
@@ -183,8 +207,138 @@ impl<'a> RawEnvelope<'a> {
         }
     }
 
-    /// Check every field and build the delivery.
-    pub(crate) fn decode(self, payload: &[u8], source: Source) -> Result<Delivery, DecodeError> {
+    /// Check every field and build the delivery: a CloudEvent when the message has no outbox
+    /// id but a structured-mode `content-type` or a binary-mode `id` attribute, else the
+    /// default envelope.
+    pub(crate) fn decode(
+        mut self,
+        payload: &[u8],
+        source: Source,
+    ) -> Result<Delivery, DecodeError> {
+        if self.message_id.is_none() {
+            let structured = self
+                .content_type
+                .and_then(|(_, v)| std::str::from_utf8(v).ok())
+                .is_some_and(is_structured_content_type);
+            if structured {
+                return self.structured(payload, source);
+            }
+            let has_id = self
+                .cloudevent
+                .iter()
+                .any(|(n, _)| binary_attribute_name(n).is_some_and(|(a, _)| a == "id"));
+            if has_id {
+                return self.binary(payload, source);
+            }
+        }
+        // Not a CloudEvent: any such headers were the user's own.
+        let extra = std::mem::take(&mut self.cloudevent);
+        self.headers.extend(extra);
+        self.headers.extend(self.content_type.take());
+        let payload = self.parse_payload(payload, &source)?;
+        self.finish(payload, source)
+    }
+
+    fn parse_payload(
+        &self,
+        payload: &[u8],
+        source: &Source,
+    ) -> Result<serde_json::Value, DecodeError> {
+        serde_json::from_slice(payload).map_err(|e| DecodeError {
+            source_text: source.to_string(),
+            problem: format!("payload ({} bytes) is not JSON: {e}", payload.len()),
+        })
+    }
+
+    /// A CloudEvents binary-mode message: attributes in `ce_` (Kafka) or percent-encoded `ce-`
+    /// (NATS, Redis) headers, the payload as the body.
+    fn binary(self, payload: &[u8], source: Source) -> Result<Delivery, DecodeError> {
+        let mut attributes = Vec::with_capacity(self.cloudevent.len());
+        for (header, value) in &self.cloudevent {
+            let Some((name, encoded)) = binary_attribute_name(header) else {
+                continue;
+            };
+            let text = std::str::from_utf8(value).map_err(|_| DecodeError {
+                source_text: source.to_string(),
+                problem: format!("header {header:?} is not UTF-8 text"),
+            })?;
+            let text = if encoded {
+                decode_header_value(text).map_err(|e| DecodeError {
+                    source_text: source.to_string(),
+                    problem: format!("header {header:?}: {e}"),
+                })?
+            } else {
+                text.into()
+            };
+            attributes.push((name, text.into_owned()));
+        }
+        let payload = self.parse_payload(payload, &source)?;
+        self.with_attributes(&attributes, payload, source)
+    }
+
+    /// A CloudEvents structured-mode message: the body is the JSON event format.
+    fn structured(self, body: &[u8], source: Source) -> Result<Delivery, DecodeError> {
+        let fail = |problem: String| DecodeError {
+            source_text: source.to_string(),
+            problem,
+        };
+        let event: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)
+            .map_err(|e| fail(format!("structured CloudEvent is not a JSON object: {e}")))?;
+        if event.contains_key("data_base64") {
+            return Err(fail(
+                "the CloudEvent carries data_base64; outbox payloads are JSON".into(),
+            ));
+        }
+        let mut payload = serde_json::Value::Null;
+        let mut attributes = Vec::with_capacity(event.len());
+        for (name, value) in event {
+            if name == "data" {
+                payload = value;
+                continue;
+            }
+            let text = match value {
+                serde_json::Value::String(text) => text,
+                other => other.to_string(),
+            };
+            attributes.push((name, text));
+        }
+        self.with_attributes(&attributes, payload, source)
+    }
+
+    /// Sort CloudEvents attributes into the envelope's fields and build the delivery. A user
+    /// header sent beside the event stays a header; an outbox field the attributes lack is
+    /// taken from a plain header or the record key (the Kafka key is the partition key).
+    fn with_attributes(
+        self,
+        attributes: &[(String, String)],
+        payload: serde_json::Value,
+        source: Source,
+    ) -> Result<Delivery, DecodeError> {
+        let mut raw = RawEnvelope {
+            partition_key: self.partition_key,
+            headers: self.headers,
+            names: Some(CLOUDEVENT_NAMES),
+            ..RawEnvelope::default()
+        };
+        for (name, value) in attributes {
+            let bytes = value.as_bytes();
+            let value = Some(bytes);
+            match attribute_target(name) {
+                AttributeTarget::MessageId => raw.message_id = value,
+                AttributeTarget::EventType => raw.event_type = value,
+                AttributeTarget::AggregateType => raw.aggregate_type = value,
+                AttributeTarget::AggregateId => raw.aggregate_id = value,
+                AttributeTarget::PartitionKey => raw.partition_key = value,
+                AttributeTarget::Envelope => {}
+                AttributeTarget::Header => raw.headers.push((name.as_str(), bytes)),
+            }
+        }
+        // CloudEvents forbids an empty subject: an empty aggregate id is sent without one.
+        raw.aggregate_id.get_or_insert(b"");
+        raw.finish(payload, source)
+    }
+
+    fn finish(self, payload: serde_json::Value, source: Source) -> Result<Delivery, DecodeError> {
         let fail = |problem: String| DecodeError {
             source_text: source.to_string(),
             problem,
@@ -217,12 +371,6 @@ impl<'a> RawEnvelope<'a> {
                 .map_err(|_| fail(format!("header {name:?} is not UTF-8 text")))?;
             headers.insert(name.to_owned(), value.to_owned());
         }
-        let payload: serde_json::Value = serde_json::from_slice(payload).map_err(|e| {
-            fail(format!(
-                "payload ({} bytes) is not JSON: {e}",
-                payload.len()
-            ))
-        })?;
         Ok(Delivery {
             message_id,
             event_type,
@@ -280,6 +428,78 @@ mod tests {
         assert_eq!(d.headers["traceparent"], "00-1-2-01");
         assert_eq!(d.payload, serde_json::json!({"n": 1}));
         assert_eq!(d.attempt, 1);
+    }
+
+    #[test]
+    fn decodes_cloudevents_binary_and_structured() {
+        let id = Uuid::now_v7().to_string();
+        // Kafka binary: ce_ headers unencoded, the record key as a fallback partition key.
+        let mut raw = RawEnvelope::default();
+        raw.header("ce_specversion", b"1.0");
+        raw.header("ce_id", id.as_bytes());
+        raw.header("ce_type", b"order.placed");
+        raw.header("ce_subject", b"o 1");
+        raw.header("ce_aggregatetype", b"order");
+        raw.header("ce_traceparent", b"00-1-2-01");
+        raw.header("content-type", b"application/json");
+        raw.header("X-Plain", b"p");
+        raw.partition_key = Some(b"k");
+        let d = raw.decode(br#"{"n":1}"#, source()).unwrap();
+        assert_eq!(d.message_id.to_string(), id);
+        assert_eq!(
+            (d.event_type.as_str(), d.aggregate_type.as_str()),
+            ("order.placed", "order")
+        );
+        assert_eq!(d.aggregate_id, "o 1");
+        assert_eq!(d.partition_key.as_deref(), Some("k"));
+        assert_eq!(d.headers.len(), 2);
+        assert_eq!(d.headers["traceparent"], "00-1-2-01");
+        assert_eq!(d.headers["X-Plain"], "p");
+        assert_eq!(d.payload, serde_json::json!({"n": 1}));
+
+        // NATS binary: ce- headers percent-encoded.
+        let mut raw = RawEnvelope::default();
+        raw.header("Nats-Msg-Id", id.as_bytes());
+        raw.header("ce-id", id.as_bytes());
+        raw.header("ce-type", b"order.placed");
+        raw.header("ce-subject", b"o%201%E2%9C%93");
+        raw.header("ce-aggregatetype", b"order");
+        raw.header("ce-partitionkey", b"k%25");
+        let d = raw.decode(b"[]", source()).unwrap();
+        assert_eq!(d.aggregate_id, "o 1\u{2713}");
+        assert_eq!(d.partition_key.as_deref(), Some("k%"));
+        assert!(d.headers.is_empty());
+
+        // Structured: the body is the event; data is the payload.
+        let body = format!(
+            r#"{{"specversion":"1.0","id":"{id}","source":"/outbox/order","type":"t",
+               "subject":"o-2","aggregatetype":"order","tenant":"acme","data":{{"a":[1]}}}}"#
+        );
+        let mut raw = RawEnvelope::default();
+        raw.header(
+            "content-type",
+            b"application/cloudevents+json; charset=UTF-8",
+        );
+        let d = raw.decode(body.as_bytes(), source()).unwrap();
+        assert_eq!(d.message_id.to_string(), id);
+        assert_eq!(d.aggregate_id, "o-2");
+        assert_eq!(d.partition_key, None);
+        assert_eq!(d.headers["tenant"], "acme");
+        assert_eq!(d.payload, serde_json::json!({"a": [1]}));
+
+        // A CloudEvent without an id is refused, naming the attribute.
+        let mut raw = RawEnvelope::default();
+        raw.header("content-type", b"application/cloudevents+json");
+        let err = raw.decode(br#"{"type":"t"}"#, source()).unwrap_err();
+        assert!(err.to_string().contains("no \"id\""), "{err}");
+
+        // In the default envelope, user headers named like these stay headers.
+        let mut raw = full(&id);
+        raw.header("ce_x", b"1");
+        raw.header("Content-Type", b"text/plain");
+        let d = raw.decode(b"{}", source()).unwrap();
+        assert_eq!(d.headers["ce_x"], "1");
+        assert_eq!(d.headers["Content-Type"], "text/plain");
     }
 
     #[test]

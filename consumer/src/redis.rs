@@ -472,6 +472,21 @@ impl RedisConsumer {
             })?,
             None => Vec::new(),
         };
+        if entry.field("id").is_none() {
+            if let Some(data) = entry.field("data") {
+                // A CloudEvents envelope: `ce-` and `content-type` fields, the body in `data`.
+                let mut raw = RawEnvelope::default();
+                for (name, value) in entry.fields.iter().flatten() {
+                    match std::str::from_utf8(name) {
+                        Ok("data" | "headers") | Err(_) => {}
+                        Ok(name) => raw.header(name, value),
+                    }
+                }
+                raw.headers
+                    .extend(user.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
+                return raw.decode(data, source);
+            }
+        }
         let raw = RawEnvelope {
             message_id: entry.field("id"),
             event_type: entry.field("event_type"),
@@ -483,6 +498,7 @@ impl RedisConsumer {
                 .map(|(n, v)| (n.as_str(), v.as_bytes()))
                 .collect(),
             names: Some(REDIS_FIELD_NAMES),
+            ..RawEnvelope::default()
         };
         let Some(payload) = entry.field("payload") else {
             return Err(DecodeError {

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use outbox_routing::RoutingTemplate;
+use outbox_routing::{Envelope, RoutingTemplate};
 use outbox_traits::Error;
 use outbox_url::{percent_decode, redact_url, UrlOptions};
 use rdkafka::ClientConfig;
@@ -77,6 +77,10 @@ pub struct KafkaConfig {
     /// Extra librdkafka properties, passed through unchanged (e.g. `linger.ms`,
     /// `compression.type`, `security.protocol`, `sasl.username`).
     pub properties: BTreeMap<String, String>,
+    /// What each record carries: the standard headers (default) or a CloudEvents event in
+    /// binary or structured mode (URL options `envelope=` and `ce_source=`; see
+    /// [`outbox_routing::envelope`]). The record key is the partition key in every mode.
+    pub envelope: Envelope,
 }
 
 impl KafkaConfig {
@@ -88,6 +92,7 @@ impl KafkaConfig {
             topic: default_template(),
             message_timeout: DEFAULT_MESSAGE_TIMEOUT,
             properties: BTreeMap::new(),
+            envelope: Envelope::default(),
         }
     }
 
@@ -126,6 +131,8 @@ impl KafkaConfig {
     ///   as-is or percent-encoded.
     /// - `message.timeout.ms` (or its alias `delivery.timeout.ms`) sets
     ///   [`KafkaConfig::message_timeout`].
+    /// - `envelope=outbox|cloudevents|cloudevents-structured` and `ce_source=` set
+    ///   [`KafkaConfig::envelope`].
     /// - Every other key containing a dot, and the undotted librdkafka properties `acks`,
     ///   `debug`, `partitioner` and `retries`, is passed through to librdkafka. Any other key is
     ///   refused with [`Error::InvalidInput`] naming the valid choices.
@@ -174,6 +181,10 @@ impl KafkaConfig {
         }
         for (key, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             let (key, value) = (key.into_owned(), value.into_owned());
+            // envelope=, ce_source= (outbox_routing::ENVELOPE_URL_OPTIONS).
+            if config.envelope.set_url_option(&key, &value)? {
+                continue;
+            }
             match key.as_str() {
                 "topic" => config.topic = parse_topic_template(&value)?,
                 "password_file" => {
@@ -196,7 +207,9 @@ impl KafkaConfig {
                         "unknown option {key:?} in Kafka URL {shown:?}; valid options: {}, \
                          or any librdkafka producer property (every dotted name such as \
                          linger.ms or compression.type, and {})",
-                        URL_OPTIONS.join(", "),
+                        [URL_OPTIONS, outbox_routing::ENVELOPE_URL_OPTIONS]
+                            .concat()
+                            .join(", "),
                         UNDOTTED_PROPERTIES.join(", ")
                     )));
                 }
@@ -209,6 +222,7 @@ impl KafkaConfig {
     /// Check the configuration without connecting: brokers given, timeout in range, no property
     /// that conflicts with what the publisher needs, and every property known to librdkafka.
     pub fn validate(&self) -> Result<(), Error> {
+        self.envelope.validate()?;
         self.client_config().map(|_| ())
     }
 
@@ -285,6 +299,7 @@ impl fmt::Debug for KafkaConfig {
             .field("topic", &self.topic.as_str())
             .field("message_timeout", &self.message_timeout)
             .field("properties", &properties)
+            .field("envelope", &self.envelope)
             .finish()
     }
 }

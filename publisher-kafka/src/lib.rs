@@ -26,6 +26,19 @@
 //!   `partition-key` (absent for unordered messages), then the user's headers in name order,
 //!   including `traceparent`.
 //!
+//! ## CloudEvents (`envelope=cloudevents`, `envelope=cloudevents-structured`)
+//! [`KafkaConfig::envelope`] (URL options `envelope=` and `ce_source=`) sends each message as a
+//! CloudEvents 1.0 event by the Kafka protocol binding instead (see [`outbox_routing::envelope`]
+//! for every attribute). **Binary mode** (`envelope=cloudevents`): headers `ce_specversion`,
+//! `ce_id` (the message id), `ce_source` (default `/outbox/{aggregate_type}`), `ce_type` (the
+//! event type), `ce_subject` (the aggregate id), `ce_time` (enqueue time, RFC 3339),
+//! `ce_partitionkey`, `ce_aggregatetype`, `ce_<name>` for each user header that is a valid
+//! extension name (e.g. `ce_traceparent`), `content-type: application/json`; the value is the
+//! payload as stored. **Structured mode**: `content-type: application/cloudevents+json` and the
+//! whole event (the payload as `data`) as the value. In both, the key stays the partition key,
+//! and user headers that cannot be extension attributes (and `traceparent`, `tracestate`) are
+//! also sent as plain headers. `outbox-consumer` reads every envelope.
+//!
 //! # Delivery and outcomes
 //! A batch is enqueued whole into librdkafka, which batches and pipelines it (up to 5 requests
 //! in flight per broker, as idempotence allows); then all delivery reports are awaited together.

@@ -5,7 +5,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use futures::FutureExt;
-use outbox_routing::standard_headers;
+use outbox_routing::{standard_headers, Binding};
 use outbox_traits::{
     async_trait, settle_in_key_order, Error, KeyGate, Message, PublishOutcome, Publisher,
 };
@@ -246,6 +246,31 @@ impl KafkaPublisher {
         Arc::clone(&guard)
     }
 
+    /// The headers and value of `msg`'s record in the configured envelope (the key is the
+    /// partition key in every envelope).
+    fn envelope<'m>(&self, msg: &'m Message) -> (OwnedHeaders, Cow<'m, str>) {
+        let envelope = &self.config.envelope;
+        let mut headers = OwnedHeaders::new_with_capacity(9 + msg.headers.len());
+        if !envelope.is_cloudevents() {
+            for (name, value) in standard_headers(msg) {
+                headers = headers.insert(Header {
+                    key: &name,
+                    value: Some(value.as_bytes()),
+                });
+            }
+            return (headers, Cow::Borrowed(&msg.payload));
+        }
+        let ce = envelope.headers(msg, Binding::Kafka);
+        let protocol = ce.protocol.iter().map(|(n, v)| (n.as_str(), v.as_str()));
+        for (name, value) in protocol.chain(ce.passthrough.iter().copied()) {
+            headers = headers.insert(Header {
+                key: name,
+                value: Some(value.as_bytes()),
+            });
+        }
+        (headers, envelope.body(msg))
+    }
+
     fn topic_for(&self, msg: &Message) -> Result<String, String> {
         let topic = self.config.topic.render_with(msg, sanitize_topic_value);
         check_topic_name(&topic)?;
@@ -406,15 +431,9 @@ impl Publisher for KafkaPublisher {
                     continue;
                 }
             };
-            let mut headers = OwnedHeaders::new_with_capacity(5 + msg.headers.len());
-            for (name, value) in standard_headers(msg) {
-                headers = headers.insert(Header {
-                    key: &name,
-                    value: Some(value.as_bytes()),
-                });
-            }
+            let (headers, body) = self.envelope(msg);
             let mut record: FutureRecord<'_, str, [u8]> = FutureRecord::to(&topic)
-                .payload(msg.payload.as_bytes())
+                .payload(body.as_bytes())
                 .headers(headers);
             if let Some(k) = key {
                 record = record.key(k);

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use outbox_routing::RoutingTemplate;
+use outbox_routing::{Envelope, RoutingTemplate};
 use outbox_traits::Error;
 use outbox_url::{percent_decode_lossy, redact_url, split_seed_list, UrlOptions};
 
@@ -109,6 +109,10 @@ pub struct NatsConfig {
     pub stream: Option<StreamSetup>,
     /// TLS and credentials.
     pub security: NatsSecurity,
+    /// What each message carries: the standard headers (default) or a CloudEvents event in
+    /// binary or structured mode (URL options `envelope=` and `ce_source=`; see
+    /// [`outbox_routing::envelope`]). `Nats-Msg-Id` is the message id in every mode.
+    pub envelope: Envelope,
 }
 
 impl NatsConfig {
@@ -121,6 +125,7 @@ impl NatsConfig {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             stream: None,
             security: NatsSecurity::default(),
+            envelope: Envelope::default(),
         };
         config.validate()?;
         Ok(config)
@@ -143,7 +148,9 @@ impl NatsConfig {
     /// - `timeout_ms` (default 5000) and `max_in_flight` (default 1024);
     /// - TLS and credentials: `tls_required`, `ca_file`, `cert_file`, `key_file`,
     ///   `password_file`, `token_file`, `nkey_file`, `creds_file` (see [`NatsSecurity`]); a
-    ///   `user:password@` or `token@` in the URL is taken as credentials too.
+    ///   `user:password@` or `token@` in the URL is taken as credentials too;
+    /// - `envelope=outbox|cloudevents|cloudevents-structured` and `ce_source=` (see
+    ///   [`NatsConfig::envelope`]).
     ///
     /// An unknown option, a bad value or a missing `subject` gives [`Error::InvalidInput`] naming
     /// the valid options.
@@ -185,8 +192,13 @@ impl NatsConfig {
         };
         let mut password_file = None;
         let mut auths = Vec::new();
+        let mut envelope = Envelope::default();
         for (key, value) in parsed.query_pairs() {
             let value = value.into_owned();
+            // envelope=, ce_source= (outbox_routing::ENVELOPE_URL_OPTIONS).
+            if envelope.set_url_option(&key, &value)? {
+                continue;
+            }
             match key.as_ref() {
                 "subject" => subject = Some(value),
                 "stream" => stream_name = Some(value),
@@ -223,7 +235,11 @@ impl NatsConfig {
                 "token_file" => auths.push(NatsAuth::Token(OPTIONS.secret_file(&key, &value)?)),
                 "nkey_file" => auths.push(NatsAuth::NkeySeed(OPTIONS.secret_file(&key, &value)?)),
                 "creds_file" => auths.push(NatsAuth::CredsFile(value.into())),
-                other => return Err(OPTIONS.unknown(other, &shown, URL_OPTIONS)),
+                other => return Err(OPTIONS.unknown(
+                        other,
+                        &shown,
+                        &[URL_OPTIONS, outbox_routing::ENVELOPE_URL_OPTIONS].concat(),
+                    )),
             }
         }
         let Some(subject) = subject else {
@@ -304,6 +320,7 @@ impl NatsConfig {
             max_in_flight,
             stream,
             security,
+            envelope,
         };
         config.validate()?;
         Ok(config)
@@ -317,6 +334,7 @@ impl NatsConfig {
     /// Check the values: positive timeout and in-flight limit, a subject template whose literal
     /// text is valid in a NATS subject, a valid stream name and stream subjects.
     pub fn validate(&self) -> Result<(), Error> {
+        self.envelope.validate()?;
         if self.timeout.is_zero() {
             return Err(Error::invalid_input(
                 "NATS timeout must be positive (timeout_ms=5000, for example)",

@@ -250,7 +250,7 @@ impl<'a> Flight<'a> {
         let msg = &self.batch[index];
         let config = self.publisher.config();
         let subject = config.subject.render_with(msg, subject::sanitize_value);
-        let headers = headers_for(msg).map_err(|reason| NotSent {
+        let headers = headers_for(msg, &config.envelope).map_err(|reason| NotSent {
             outcome: PublishOutcome::permanent(reason),
             broken: false,
         })?;
@@ -261,7 +261,7 @@ impl<'a> Flight<'a> {
                 subject,
                 reply,
                 headers,
-                msg.payload.clone().into(),
+                config.envelope.body(msg).into_owned().into(),
             ),
         )
         .await;

@@ -19,6 +19,14 @@
 //!   aggregate type and id, partition key, user headers such as `traceparent`). A user header
 //!   named `Nats-Msg-Id` (in any case) is left out: the id JetStream deduplicates on is always
 //!   the stored message's own.
+//! - **CloudEvents** ([`NatsConfig::envelope`], URL options `envelope=` and `ce_source=`): by the
+//!   NATS protocol binding (1.0.3) instead of the standard headers, with `Nats-Msg-Id` kept.
+//!   `envelope=cloudevents` (binary mode): every attribute in a `ce-` header, values
+//!   percent-encoded as the binding says (`ce-id`, `ce-source`, `ce-type`, `ce-subject`,
+//!   `ce-time`, `ce-datacontenttype: application/json`, `ce-partitionkey`,
+//!   `ce-aggregatetype`, `ce-traceparent`...), the payload as the body.
+//!   `envelope=cloudevents-structured`: `content-type: application/cloudevents+json` and the
+//!   whole event as the body. See [`outbox_routing::envelope`] for every attribute.
 //! - **Pipelining with per-key order**: every partition key is a lane that has at most one
 //!   message in flight, and up to `max_in_flight` lanes run at once. JetStream can store a later
 //!   message after an earlier one failed, so a key never has two messages in flight; different keys

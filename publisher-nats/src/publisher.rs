@@ -7,7 +7,7 @@ use async_nats::connection::State;
 use async_nats::header::{HeaderMap, HeaderName, HeaderValue, NATS_MESSAGE_ID};
 use async_nats::jetstream::{self, ErrorCode};
 use async_trait::async_trait;
-use outbox_routing::{standard_header_refs, STANDARD_HEADER_NAMES};
+use outbox_routing::{standard_header_refs, Binding, Envelope, STANDARD_HEADER_NAMES};
 use outbox_traits::{Error, Message, PublishOutcome, Publisher};
 use outbox_url::redact_url;
 
@@ -259,10 +259,26 @@ impl NatsPublisher {
     }
 }
 
-pub(crate) fn headers_for(msg: &Message) -> Result<HeaderMap, String> {
+/// The headers of `msg` in `envelope`: `Nats-Msg-Id` (the message id, JetStream's dedup) in
+/// every envelope, then the standard headers, or the CloudEvents headers of the NATS binding.
+pub(crate) fn headers_for(msg: &Message, envelope: &Envelope) -> Result<HeaderMap, String> {
     let id = msg.id.hyphenated().to_string();
     let mut headers = HeaderMap::new();
     headers.insert(NATS_MESSAGE_ID, id.as_str());
+    if envelope.is_cloudevents() {
+        let ce = envelope.headers(msg, Binding::Nats);
+        for (name, value) in &ce.protocol {
+            // Prefixed extension names (`a-z0-9`) and percent-encoded values: always valid.
+            let invalid = || format!("CloudEvents header {name:?} of message {id} is not valid");
+            let header_name = HeaderName::from_str(name).map_err(|_| invalid())?;
+            let header_value = HeaderValue::from_str(value).map_err(|_| invalid())?;
+            headers.append(header_name, header_value);
+        }
+        for (name, value) in ce.passthrough {
+            append_user_header(&mut headers, msg, name, value)?;
+        }
+        return Ok(headers);
+    }
     for (name, value) in standard_header_refs(msg, &id) {
         // The id JetStream deduplicates on is the stored message's own: a user header of that
         // name would add a second, contradicting value.
@@ -289,6 +305,35 @@ pub(crate) fn headers_for(msg: &Message) -> Result<HeaderMap, String> {
         headers.append(header_name, header_value);
     }
     Ok(headers)
+}
+
+/// Append a user header sent under its own name beside a CloudEvents envelope, with the same
+/// checks as in the default envelope.
+fn append_user_header(
+    headers: &mut HeaderMap,
+    msg: &Message,
+    name: &str,
+    value: &str,
+) -> Result<(), String> {
+    if name.eq_ignore_ascii_case(NATS_MESSAGE_ID.as_ref()) {
+        return Ok(());
+    }
+    let header_name = HeaderName::from_str(name).map_err(|_| {
+        format!(
+            "header name {name:?} of message {} is not valid in NATS \
+             (ASCII without ':', spaces or control characters)",
+            msg.id
+        )
+    })?;
+    let header_value = HeaderValue::from_str(value).map_err(|_| {
+        format!(
+            "header {name:?} of message {} has a value with a line break, which NATS \
+             headers cannot carry",
+            msg.id
+        )
+    })?;
+    headers.append(header_name, header_value);
+    Ok(())
 }
 
 #[async_trait]

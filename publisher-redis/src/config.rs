@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use outbox_routing::RoutingTemplate;
+use outbox_routing::{Envelope, RoutingTemplate};
 use outbox_traits::Error;
 use outbox_url::{redact_url, split_seed_list, UrlOptions};
 
@@ -65,6 +65,10 @@ pub struct RedisConfig {
     /// replicates asynchronously, so without it a master killed right after acknowledging
     /// loses those entries when its replica takes over. `None`: no wait.
     pub wait_replicas: Option<u32>,
+    /// What each entry holds: the outbox fields (default) or a CloudEvents event in binary
+    /// (`ce-` fields, `content-type`, `data`) or structured (`content-type`, `data`) mode (URL
+    /// options `envelope=` and `ce_source=`; see [`outbox_routing::envelope`]).
+    pub envelope: Envelope,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -83,6 +87,7 @@ impl std::fmt::Debug for RedisConfig {
                 &self.hash_tag.as_ref().map(RoutingTemplate::as_str),
             )
             .field("wait_replicas", &self.wait_replicas)
+            .field("envelope", &self.envelope)
             .finish()
     }
 }
@@ -101,6 +106,7 @@ impl RedisConfig {
             seeds: Vec::new(),
             hash_tag: None,
             wait_replicas: None,
+            envelope: Envelope::default(),
         };
         config.validate()?;
         Ok(config)
@@ -112,7 +118,7 @@ impl RedisConfig {
     /// `outbox.{aggregate_type}`), `maxlen` (approximate trim length), `timeout_ms` (default
     /// 5000), `max_payload` (bytes); `ca_file`, `cert_file`, `key_file` (TLS, see [`RedisTls`])
     /// and `password_file` (the password, read from a file); `cluster` and `hash_tag` (Redis
-    /// Cluster, below). An unknown option, a bad value or a missing `stream` gives
+    /// Cluster, below); `envelope` and `ce_source` ([`RedisConfig::envelope`]). An unknown option, a bad value or a missing `stream` gives
     /// [`Error::InvalidInput`] naming the valid options.
     ///
     /// # Redis Cluster
@@ -165,7 +171,12 @@ impl RedisConfig {
         let mut cluster = false;
         let mut hash_tag = None;
         let mut wait_replicas = None;
+        let mut envelope = Envelope::default();
         for (key, value) in parsed.query_pairs() {
+            // envelope=, ce_source= (outbox_routing::ENVELOPE_URL_OPTIONS).
+            if envelope.set_url_option(&key, &value)? {
+                continue;
+            }
             match key.as_ref() {
                 "stream" => stream = Some(value.into_owned()),
                 "maxlen" => maxlen = Some(OPTIONS.number(&key, &value)?),
@@ -178,7 +189,11 @@ impl RedisConfig {
                 "hash_tag" => hash_tag = Some(RoutingTemplate::parse(&value)?),
                 "wait_replicas" => wait_replicas = Some(OPTIONS.number(&key, &value)?),
                 "password_file" => password = Some(OPTIONS.secret_file(&key, &value)?),
-                other => return Err(OPTIONS.unknown(other, &shown, URL_OPTIONS)),
+                other => return Err(OPTIONS.unknown(
+                        other,
+                        &shown,
+                        &[URL_OPTIONS, outbox_routing::ENVELOPE_URL_OPTIONS].concat(),
+                    )),
             }
         }
         let Some(stream) = stream else {
@@ -222,6 +237,7 @@ impl RedisConfig {
             seeds: others,
             hash_tag,
             wait_replicas,
+            envelope,
         };
         config.validate()?;
         Ok(config)
@@ -230,6 +246,7 @@ impl RedisConfig {
     /// Check the values: a positive timeout, a positive `maxlen` and `max_payload` when set;
     /// seeds and database 0 only for a cluster.
     pub fn validate(&self) -> Result<(), Error> {
+        self.envelope.validate()?;
         if !self.seeds.is_empty() && !self.cluster {
             return Err(Error::invalid_input(
                 "Redis seeds are for a cluster: set cluster (cluster=true in a URL)",

@@ -24,6 +24,20 @@
 //! Headers go in one JSON field rather than one `h:<name>` field each, so a header can never
 //! collide with the fixed fields and a consumer reads them with one lookup.
 //!
+//! ## CloudEvents (`envelope=cloudevents`, `envelope=cloudevents-structured`)
+//! Redis has no CloudEvents binding; with [`RedisConfig::envelope`] (URL options `envelope=`
+//! and `ce_source=`) an entry follows the HTTP binding's header rules, field by field, with the
+//! body in a `data` field (as Dapr's Redis Streams component writes it), so any SDK's HTTP
+//! reader parses it given the fields as headers and `data` as the body:
+//!
+//! | mode | fields |
+//! |---|---|
+//! | binary | `ce-specversion`, `ce-id`, `ce-source`, `ce-type`, `ce-subject`, `ce-time`, `content-type` (= `datacontenttype`, `application/json`), `ce-partitionkey`, `ce-aggregatetype`, `ce-<ext>`; values percent-encoded as in HTTP; `data` = the payload |
+//! | structured | `content-type: application/cloudevents+json`; `data` = the whole event |
+//!
+//! In both, user headers that cannot be extension attributes go in a `headers` JSON field
+//! (only when there are any). See [`outbox_routing::envelope`] for every attribute.
+//!
 //! # Batches, order and outcomes
 //! A batch is one pipeline, in batch order, so per-key order holds: Redis runs a connection's
 //! commands in the order sent. Outcomes:

@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 
 use async_trait::async_trait;
+use outbox_routing::Binding;
 use outbox_traits::{Error, KeyGate, Message, PublishOutcome, Publisher};
 use outbox_url::redact_url;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -212,8 +213,23 @@ impl RedisPublisher {
         if let Some(maxlen) = self.config.maxlen {
             cmd.arg("MAXLEN").arg("~").arg(maxlen);
         }
-        cmd.arg("*")
-            .arg("id")
+        cmd.arg("*");
+        if self.config.envelope.is_cloudevents() {
+            let ce = self.config.envelope.headers(msg, Binding::Redis);
+            for (name, value) in &ce.protocol {
+                cmd.arg(name).arg(value);
+            }
+            cmd.arg("data").arg(self.config.envelope.body(msg).as_ref());
+            if !ce.passthrough.is_empty() {
+                let plain: std::collections::BTreeMap<&str, &str> =
+                    ce.passthrough.into_iter().collect();
+                // A map of strings always serializes; the fallback is never taken.
+                cmd.arg("headers")
+                    .arg(serde_json::to_string(&plain).unwrap_or_else(|_| "{}".to_owned()));
+            }
+            return cmd;
+        }
+        cmd.arg("id")
             .arg(msg.id.hyphenated().to_string())
             .arg("event_type")
             .arg(&msg.event_type)

@@ -6,6 +6,9 @@
 //!   [`Error::InvalidInput`](outbox_traits::Error::InvalidInput) instead of at the first publish.
 //! - [`standard_headers`]: the header set every publisher sends, so that a consumer reads the same
 //!   names whichever broker carried the message.
+//! - [`Envelope`]: what a message is wrapped in on the wire, chosen per broker URL with
+//!   `envelope=`: the standard headers (default) or a CloudEvents 1.0 event in binary or
+//!   structured content mode, by each broker's protocol binding (see the [`envelope`] module).
 //!
 //! The per-key order a publisher keeps inside a batch ([`KeyGate`](outbox_traits::KeyGate)) is a
 //! rule of the [`Publisher`](outbox_traits::Publisher) contract and lives with it, in
@@ -15,9 +18,11 @@
 //! Kafka limits topic characters) is the adapter's job: it passes a sanitizer to
 //! [`RoutingTemplate::render_with`].
 
+pub mod envelope;
 mod headers;
 mod template;
 
+pub use envelope::{Binding, CloudEventHeaders, Envelope, EnvelopeMode, ENVELOPE_URL_OPTIONS};
 pub use headers::{
     standard_header_refs, standard_headers, HEADER_AGGREGATE_ID, HEADER_AGGREGATE_TYPE,
     HEADER_EVENT_TYPE, HEADER_MESSAGE_ID, HEADER_PARTITION_KEY, STANDARD_HEADER_NAMES,
