@@ -6,7 +6,7 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_traits::{Error, OutboxAdmin, OutboxStore, Publisher};
+use outbox_traits::{Error, OutboxAdmin, OutboxStore, Publisher, RelayGroupStore};
 use tokio::sync::oneshot;
 
 use crate::config::{RelayConfig, Tuning};
@@ -62,6 +62,7 @@ impl Relay {
                 tuning,
                 notifier: Notifier::new(),
                 publisher_name,
+                group_store: None,
             }),
         })
     }
@@ -71,6 +72,17 @@ impl Relay {
     pub fn with_notifier(self, notifier: Notifier) -> Self {
         let mut shared = (*self.shared).clone();
         shared.notifier = notifier;
+        Self {
+            shared: Arc::new(shared),
+        }
+    }
+
+    /// Keep this relay's group ([`RelayConfig::group`]) in `store` (usually the same database as
+    /// the outbox: the Postgres and memory stores implement [`RelayGroupStore`]). Without it a
+    /// relay given a group logs a warning and claims every shard, as without a group.
+    pub fn with_group_store(self, store: Arc<dyn RelayGroupStore>) -> Self {
+        let mut shared = (*self.shared).clone();
+        shared.group_store = Some(store);
         Self {
             shared: Arc::new(shared),
         }

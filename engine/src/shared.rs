@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use outbox_traits::{OutboxStore, Publisher};
+use outbox_traits::{OutboxStore, Publisher, RelayGroupStore};
 
 use crate::config::{RelayConfig, Tuning};
 use crate::notifier::Notifier;
@@ -18,4 +18,6 @@ pub(crate) struct Shared {
     pub(crate) tuning: Tuning,
     pub(crate) notifier: Notifier,
     pub(crate) publisher_name: String,
+    /// Where the relay group's leases live, if the store supports groups.
+    pub(crate) group_store: Option<Arc<dyn RelayGroupStore>>,
 }
