@@ -274,7 +274,10 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
         tasks.push(tokio::spawn(gauges(probe, effective.gauges_every)));
     }
     // Registers the metrics' descriptions with the exporter installed above.
-    let relay = Relay::new(opened.store.clone(), publisher, effective.relay.clone())?;
+    let mut relay = Relay::new(opened.store.clone(), publisher, effective.relay.clone())?;
+    if let Some(groups) = opened.group_store() {
+        relay = relay.with_group_store(groups);
+    }
     let tuning = relay.tuning();
     tracing::info!(
         target: TARGET,
@@ -397,7 +400,10 @@ async fn admin(effective: &Effective, command: Command) -> Result<(), Error> {
             ops::print(&json!(counts));
             Ok(())
         }
-        Command::Status { json, keys } => ops::status(admin, json, keys).await,
+        Command::Status { json, keys } => {
+            let group = effective.relay.group.as_deref();
+            ops::status(admin, json, keys, group.zip(opened.group_store())).await
+        }
         Command::Dead(DeadCommand::List {
             after,
             limit,

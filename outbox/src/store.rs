@@ -24,7 +24,7 @@
 
 use std::sync::Arc;
 
-use outbox_traits::{redact_url, Error, OutboxAdmin, OutboxStore};
+use outbox_traits::{redact_url, Error, OutboxAdmin, OutboxStore, RelayGroupStore};
 
 use crate::schemes;
 
@@ -106,6 +106,16 @@ impl OpenedStore {
             #[cfg(feature = "sqlite")]
             Backend::Sqlite(store) => store.migrate().await,
             Backend::None => Ok(()),
+        }
+    }
+
+    /// Where relay groups keep their leases, if the backend supports them (Postgres); MariaDB
+    /// and SQLite do not yet, and a relay given a group there runs as without one.
+    pub fn group_store(&self) -> Option<Arc<dyn RelayGroupStore>> {
+        match &self.backend {
+            #[cfg(feature = "postgres")]
+            Backend::Postgres(store) => Some(Arc::new(store.clone())),
+            _ => None,
         }
     }
 }
