@@ -59,7 +59,7 @@ impl Writer {
             .map(|n| message(n, KEYS))
             .collect();
         self.n += PER_TX;
-        let commit = (self.n / PER_TX) % 4 != 0;
+        let commit = !(self.n / PER_TX).is_multiple_of(4);
         db.write(&batch, commit).await?;
         if commit {
             self.committed.extend(batch);
