@@ -439,6 +439,10 @@ impl Effective {
                 .unwrap_or(i64::MAX)
                 .into(),
         );
+        if let Some(group) = &r.group {
+            put("group", group.clone().into());
+            put("group_lease", d(r.group_lease).into());
+        }
         put("lease", d(r.lease).into());
         put("max_attempts", i64::from(r.max_attempts).into());
         put(
