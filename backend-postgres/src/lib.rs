@@ -9,6 +9,7 @@ mod config;
 pub mod diesel;
 mod enqueue;
 mod error;
+mod group;
 mod lease;
 mod migrate;
 mod row;
@@ -21,6 +22,7 @@ mod wake;
 pub use claim::{PREFERRED_BATCH, PREFERRED_CLAIM_SHARDS};
 pub use config::{PostgresConfig, PostgresConfigBuilder, DEFAULT_SCHEMA, DEFAULT_TABLE};
 pub use enqueue::{enqueue, enqueue_batch};
+pub use group::group_migration_sql;
 pub use migrate::{migrate, MIGRATION_LOCK_KEY};
 pub use store::PostgresStore;
 

@@ -32,6 +32,9 @@ pub async fn migrate(pool: &PgPool, config: &PostgresConfig) -> Result<(), Error
     // Several statements: a query without arguments goes through the simple query protocol,
     // which runs them all, in this transaction.
     tx.execute(config.migration_sql()).await.map_err(err)?;
+    tx.execute(crate::group::group_migration_sql(config).as_str())
+        .await
+        .map_err(err)?;
     tx.commit().await.map_err(err)?;
     Ok(())
 }

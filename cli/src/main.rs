@@ -288,11 +288,14 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
         ));
     }
     // Registers the metrics' descriptions with the exporter installed above.
-    let relay = Relay::new(
+    let mut relay = Relay::new(
         opened.store.clone(),
         publisher.clone(),
         effective.relay.clone(),
     )?;
+    if let Some(groups) = opened.group_store() {
+        relay = relay.with_group_store(groups);
+    }
     #[cfg(feature = "otel")]
     let relay = match &exporter {
         Some(_) => otel::traced(relay, publisher.name(), broker_url),
@@ -424,7 +427,10 @@ async fn admin(effective: &Effective, command: Command) -> Result<(), Error> {
             ops::print(&json!(counts));
             Ok(())
         }
-        Command::Status { json, keys } => ops::status(admin, json, keys).await,
+        Command::Status { json, keys } => {
+            let group = effective.relay.group.as_deref();
+            ops::status(admin, json, keys, group.zip(opened.group_store())).await
+        }
         Command::Dead(DeadCommand::List {
             after,
             limit,

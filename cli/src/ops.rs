@@ -4,7 +4,7 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox::{DeadMessage, Error, OutboxAdmin, StoreStatus};
+use outbox::{DeadMessage, Error, GroupMember, OutboxAdmin, RelayGroupStore, StoreStatus};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -66,16 +66,56 @@ fn table(header: &[&str], rows: &[Vec<String>]) {
 }
 
 /// `outbox-relay status`.
-pub async fn status(admin: &dyn OutboxAdmin, as_json: bool, keys: usize) -> Result<(), Error> {
+///
+/// With `group` (`--group NAME` over a store that keeps groups), also the group's members: the
+/// shards each holds and its last renewal.
+pub async fn status(
+    admin: &dyn OutboxAdmin,
+    as_json: bool,
+    keys: usize,
+    group: Option<(&str, std::sync::Arc<dyn RelayGroupStore>)>,
+) -> Result<(), Error> {
     let status = admin.status(keys).await?;
+    let members = match &group {
+        Some((name, store)) => Some(store.group_status(name).await?),
+        None => None,
+    };
     if as_json {
         let mut value = json!(status);
         value["relay_running"] = json!(status.published_last_minute.map(|n| n > 0));
+        if let (Some((name, _)), Some(members)) = (&group, &members) {
+            value["group"] = json!({"name": name, "members": members});
+        }
         print(&value);
         return Ok(());
     }
     print_status(&status);
+    if let (Some((name, _)), Some(members)) = (&group, &members) {
+        print_group(name, members);
+    }
     Ok(())
+}
+
+fn print_group(name: &str, members: &[GroupMember]) {
+    println!();
+    println!(
+        "relay group {name}: {} live member(s)",
+        members.iter().filter(|m| m.alive).count()
+    );
+    let rows: Vec<Vec<String>> = members
+        .iter()
+        .map(|m| {
+            vec![
+                m.member_name.clone(),
+                m.member.to_string(),
+                if m.alive { "live" } else { "gone" }.to_owned(),
+                format!("{:?}", m.shards),
+                m.renewed_at
+                    .to_rfc3339_opts(outbox::chrono::SecondsFormat::Millis, true),
+            ]
+        })
+        .collect();
+    table(&["member", "id", "state", "shards", "last renewal"], &rows);
 }
 
 fn print_status(s: &StoreStatus) {

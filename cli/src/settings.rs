@@ -93,6 +93,16 @@ pub struct SettingsArgs {
     /// are asked for). `outbox-relay config` shows the value in effect.
     #[arg(long, env = "OUTBOX_CLAIM_SHARDS", global = true)]
     pub claim_shards: Option<usize>,
+    /// Join this relay group: replicas of the relay on one outbox that name the same group
+    /// divide its claim shards between them instead of all claiming every shard (Postgres;
+    /// MariaDB and SQLite run as without a group, with a warning). Only `run` joins.
+    #[arg(long, env = "OUTBOX_GROUP", global = true)]
+    pub group: Option<String>,
+    /// How long a group member's shard leases last, e.g. 10s (default): a replica that dies or
+    /// freezes has its shards taken over within about this long.
+    #[arg(long, env = "OUTBOX_GROUP_LEASE", global = true,
+          value_parser = humantime::parse_duration)]
+    pub group_lease: Option<Duration>,
     /// How long a claim is held before another relay may take it over, e.g. 30s.
     #[arg(long, env = "OUTBOX_LEASE", global = true, value_parser = humantime::parse_duration)]
     pub lease: Option<Duration>,
@@ -152,6 +162,8 @@ struct FileSettings {
     batch_size: Option<usize>,
     concurrency: Option<usize>,
     claim_shards: Option<usize>,
+    group: Option<String>,
+    group_lease: Option<String>,
     lease: Option<String>,
     max_attempts: Option<u32>,
     head_policy: Option<Head>,
@@ -334,6 +346,11 @@ impl SettingsArgs {
                 .claim_shards
                 .or(file.claim_shards)
                 .or(defaults.claim_shards),
+            group: self.group.clone().or(file.group).or(defaults.group.clone()),
+            group_lease: self
+                .group_lease
+                .or(duration("group_lease", file.group_lease)?)
+                .unwrap_or(defaults.group_lease),
             lease: self
                 .lease
                 .or(duration("lease", file.lease)?)
@@ -498,6 +515,10 @@ impl Effective {
                 .unwrap_or(i64::MAX)
                 .into(),
         );
+        if let Some(group) = &r.group {
+            put("group", group.clone().into());
+            put("group_lease", d(r.group_lease).into());
+        }
         put("lease", d(r.lease).into());
         put("max_attempts", i64::from(r.max_attempts).into());
         put(

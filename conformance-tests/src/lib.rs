@@ -38,6 +38,9 @@
 //!   [`outbox_engine::Relay`], with a fault-injecting publisher and the engine aborted at random
 //!   await points (before or after a store or broker call took effect), then restarted until
 //!   drained.
+//! - [`group::check_group`]: relay groups ([`outbox_traits::RelayGroupStore`]): shard leases
+//!   exclusive at every database time, fair shares taken and given back, takeover after expiry
+//!   with the stale holder fenced, leave, concurrent renewals.
 //! - [`property::measure_coverage`]: what generated scenarios exercise, to show they reach every
 //!   situation.
 //! - [`skewed`]: private Postgres and MariaDB servers whose clock runs days ahead of the host's
@@ -55,6 +58,7 @@ pub mod broken;
 pub mod checks;
 pub mod engine;
 pub mod env;
+pub mod group;
 pub mod harness;
 pub mod inbox;
 mod macros;

@@ -89,6 +89,20 @@ pub struct RelayConfig {
     /// [`Relay::run`]: crate::Relay::run
     /// [`RelayHandle`]: crate::RelayHandle
     pub shutdown_deadline: Duration,
+    /// The relay group this relay joins (`None`, the default: no group). Relays of one outbox
+    /// that name the same group divide its claim shards between them, each claiming only the
+    /// shards it holds a lease on (see [`crate::group`] and
+    /// [`RelayGroupStore`](outbox_traits::RelayGroupStore)); a relay that holds none waits as a
+    /// hot standby. Needs a store that supports groups, handed over with
+    /// [`Relay::with_group_store`](crate::Relay::with_group_store) (the `outbox-relay` program
+    /// does it for Postgres); without one the relay logs a warning and runs as without a group.
+    /// Only [`Relay::run`](crate::Relay::run) and [`Relay::spawn`](crate::Relay::spawn) join;
+    /// drains claim every shard.
+    pub group: Option<String>,
+    /// How long a group member's heartbeat and shard leases last (database clock); it renews
+    /// them every third of it. A member that dies or freezes has its shards taken over within
+    /// about this long. Default: 10 s.
+    pub group_lease: Duration,
 }
 
 impl Default for RelayConfig {
@@ -109,6 +123,8 @@ impl Default for RelayConfig {
             poll_min: Duration::from_millis(10),
             poll_max: Duration::from_millis(100),
             shutdown_deadline: Duration::from_secs(10),
+            group: None,
+            group_lease: Duration::from_secs(10),
         }
     }
 }
@@ -215,6 +231,21 @@ impl RelayConfig {
         if let Some(shards) = self.claim_shards {
             check_claim_shards(shards).or_else(bad)?;
         }
+        if let Some(group) = &self.group {
+            if group.is_empty() || group.len() > outbox_traits::MAX_GROUP_NAME_BYTES {
+                return bad(format!(
+                    "group name must be 1 to {} bytes long",
+                    outbox_traits::MAX_GROUP_NAME_BYTES
+                ));
+            }
+        }
+        if self.group_lease < Duration::from_millis(30) {
+            return bad(format!(
+                "group_lease of {:?} is too short; members renew every third of it (default 10s)",
+                self.group_lease
+            ));
+        }
+        outbox_traits::validate_duration("group_lease", self.group_lease)?;
         check_backoff("backoff", &self.backoff)?;
         check_backoff("store_backoff", &self.store_backoff)?;
         if self.poll_min.is_zero() {

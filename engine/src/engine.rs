@@ -6,7 +6,7 @@ use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_traits::{Error, OutboxAdmin, OutboxStore, Publisher};
+use outbox_traits::{Error, OutboxAdmin, OutboxStore, Publisher, RelayGroupStore};
 use tokio::sync::oneshot;
 
 use crate::config::{RelayConfig, Tuning};
@@ -64,6 +64,7 @@ impl Relay {
                 publisher_name,
                 #[cfg(feature = "otel")]
                 traces: None,
+                group_store: None,
             }),
         })
     }
@@ -84,6 +85,17 @@ impl Relay {
     pub fn with_traces(self, traces: crate::Traces) -> Self {
         let mut shared = (*self.shared).clone();
         shared.traces = Some(Arc::new(traces));
+        Self {
+            shared: Arc::new(shared),
+        }
+    }
+
+    /// Keep this relay's group ([`RelayConfig::group`]) in `store` (usually the same database as
+    /// the outbox: the Postgres and memory stores implement [`RelayGroupStore`]). Without it a
+    /// relay given a group logs a warning and claims every shard, as without a group.
+    pub fn with_group_store(self, store: Arc<dyn RelayGroupStore>) -> Self {
+        let mut shared = (*self.shared).clone();
+        shared.group_store = Some(store);
         Self {
             shared: Arc::new(shared),
         }

@@ -127,6 +127,7 @@ mod batch;
 mod config;
 mod drain;
 mod engine;
+pub mod group;
 mod handle;
 mod lease;
 mod notifier;

@@ -29,6 +29,7 @@ use uuid::Uuid;
 
 use crate::batch::{Batch, BatchEnd};
 use crate::config::MAX_CLAIM_SHARDS;
+use crate::group::{changed, Membership, Ownership};
 use crate::outage::{broker_down, drain_error, Availability, Broker};
 use crate::pacing::{earliest, Pacing};
 use crate::shared::Shared;
@@ -77,7 +78,44 @@ pub(crate) async fn run_loop(
     stop: Pin<&mut impl Future<Output = Duration>>,
 ) -> Result<(), Error> {
     let requests = claim_requests(shared);
-    RunLoop::new(shared, rec, mode, &requests).run(stop).await
+    let membership = join_group(shared, mode, requests.len());
+    let shard_recs: Vec<Recorder> = if requests.len() > 1 {
+        (0..requests.len()).map(|i| rec.for_shard(i)).collect()
+    } else {
+        vec![rec.clone()]
+    };
+    let group = membership.as_ref().map(|m| m.ownership.clone());
+    let result = RunLoop::new(shared, rec, &shard_recs, mode, &requests, group)
+        .run(stop)
+        .await;
+    if let Some(membership) = membership {
+        membership.leave(RELEASE_GRACE).await;
+    }
+    result
+}
+
+/// Join the relay group, when serving with one configured and a store that keeps groups.
+fn join_group(shared: &Shared, mode: Mode, shards: usize) -> Option<Membership> {
+    let group = shared.config.group.as_ref()?;
+    if mode != Mode::Serve {
+        return None;
+    }
+    let Some(store) = &shared.group_store else {
+        warn!(
+            group = %group,
+            "the store does not support relay groups; the relay claims every shard, as \
+             without a group"
+        );
+        return None;
+    };
+    // At most MAX_CLAIM_SHARDS requests.
+    let shards = u32::try_from(shards).unwrap_or(1);
+    Some(Membership::join(
+        store.clone(),
+        group.clone(),
+        shards,
+        shared.config.group_lease,
+    ))
 }
 
 /// The claim request of each shard: one per shard (`shard: Some(..)`) when the relay's
@@ -133,6 +171,12 @@ struct Shard<'a> {
 struct RunLoop<'a> {
     shared: &'a Shared,
     rec: &'a Recorder,
+    /// One recorder per shard (counting its claims and publications), or the loop's own.
+    shard_recs: &'a [Recorder],
+    /// Updates of the shards this relay holds in its group (`None`: no group).
+    group: Option<watch::Receiver<Ownership>>,
+    /// The shards this relay holds in its group; `None` without a group: every shard.
+    ownership: Option<Ownership>,
     serve: bool,
     events: FuturesUnordered<BoxFuture<'a, Event>>,
     /// The claim shards, at least one; claims run one per shard at a time.
@@ -159,8 +203,10 @@ impl<'a> RunLoop<'a> {
     fn new(
         shared: &'a Shared,
         rec: &'a Recorder,
+        shard_recs: &'a [Recorder],
         mode: Mode,
         requests: &'a [ClaimRequest],
+        group: Option<watch::Receiver<Ownership>>,
     ) -> Self {
         let serve = mode == Mode::Serve;
         let (abandon_tx, abandon_rx) = watch::channel(false);
@@ -174,6 +220,9 @@ impl<'a> RunLoop<'a> {
         Self {
             shared,
             rec,
+            shard_recs,
+            ownership: group.as_ref().map(|g| g.borrow().clone()),
+            group,
             serve,
             events: FuturesUnordered::new(),
             per_shard: shared.config.concurrency.div_ceil(shards.len().max(1)),
@@ -236,6 +285,7 @@ impl<'a> RunLoop<'a> {
                     Err(e) => self.wake.failed(&e, &shared.config.store_backoff),
                 },
                 grace = &mut stop, if self.stopping.deadline.is_none() => self.shutdown(grace),
+                update = changed(&mut self.group), if listening => self.group_changed(update),
                 () = sleep_until_some(timer), if timer.is_some() => {}
             }
         }
@@ -270,6 +320,25 @@ impl<'a> RunLoop<'a> {
             && self.in_flight.len() + self.claims_running() < self.shared.config.concurrency
             && self.in_flight_of(shard) < self.per_shard
             && (self.serve || !pacing.quiet())
+            && self
+                .ownership
+                .as_ref()
+                .is_none_or(|o| o.holds(shard, Instant::now()))
+    }
+
+    /// Transition (group): the shards this relay holds changed; the ones it gained claim at
+    /// once.
+    fn group_changed(&mut self, update: Option<Ownership>) {
+        let (Some(new), Some(old)) = (update, self.ownership.as_ref()) else {
+            return;
+        };
+        let now = Instant::now();
+        for (index, shard) in self.shards.iter_mut().enumerate() {
+            if new.holds(index, now) && !old.holds(index, now) {
+                shard.pacing.woken_up();
+            }
+        }
+        self.ownership = Some(new);
     }
 
     /// The next time the loop must act on its own: a claim (the earliest over the shards that
@@ -459,14 +528,15 @@ impl<'a> RunLoop<'a> {
     /// give it straight back if it arrived while stopping.
     fn start_batch(&mut self, shard: usize, claim: Claim, started: Instant) {
         let size = claim.messages.len();
-        self.rec.add(Counter::Claimed, size as u64);
+        let rec = &self.shard_recs[shard.min(self.shard_recs.len() - 1)];
+        rec.add(Counter::Claimed, size as u64);
         self.rec.add(Counter::Batches, 1);
         self.rec.batch_size(size);
         let token = claim.token;
         self.in_flight.insert(token, shard);
         let batch = Batch {
             shared: self.shared,
-            rec: self.rec,
+            rec,
             abandon: self.stopping.abandon_rx.clone(),
         };
         let span = info_span!(

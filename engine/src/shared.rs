@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use outbox_traits::{OutboxStore, Publisher};
+use outbox_traits::{OutboxStore, Publisher, RelayGroupStore};
 
 use crate::config::{RelayConfig, Tuning};
 use crate::notifier::Notifier;
@@ -21,4 +21,6 @@ pub(crate) struct Shared {
     /// Producer spans, when on ([`Relay::with_traces`](crate::Relay::with_traces)).
     #[cfg(feature = "otel")]
     pub(crate) traces: crate::trace::SharedTraces,
+    /// Where the relay group's leases live, if the store supports groups.
+    pub(crate) group_store: Option<Arc<dyn RelayGroupStore>>,
 }

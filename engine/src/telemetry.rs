@@ -159,6 +159,31 @@ pub fn describe_metrics() {
     );
     describe_gauge!(BROKER_UP, "1 when the last broker check succeeded.");
     describe_gauge!(STORE_UP, "1 when the last store query succeeded.");
+    describe_gauge!(
+        crate::group::GROUP_OWNED_SHARDS,
+        Unit::Count,
+        "Claim shards this relay holds in its relay group."
+    );
+    describe_gauge!(
+        crate::group::GROUP_MEMBERS,
+        Unit::Count,
+        "Live members of this relay's group at its last renewal."
+    );
+    describe_counter!(
+        crate::group::GROUP_RENEWAL_ERRORS_TOTAL,
+        Unit::Count,
+        "Relay group renewals that failed."
+    );
+    describe_counter!(
+        crate::group::SHARD_CLAIMED_TOTAL,
+        Unit::Count,
+        "Messages handed out by claims, per claim shard."
+    );
+    describe_counter!(
+        crate::group::SHARD_PUBLISHED_TOTAL,
+        Unit::Count,
+        "Messages acknowledged and marked published, per claim shard."
+    );
     describe_counter!(
         BROKER_PROBES_TOTAL,
         Unit::Count,
@@ -171,11 +196,26 @@ pub fn describe_metrics() {
 pub(crate) struct Recorder {
     stats: Arc<StatsCell>,
     publisher: String,
+    /// The claim shard whose batches this recorder counts, when the relay runs several: claims
+    /// and publications are then also counted per shard.
+    shard: Option<String>,
 }
 
 impl Recorder {
     pub(crate) fn new(stats: Arc<StatsCell>, publisher: String) -> Self {
-        Self { stats, publisher }
+        Self {
+            stats,
+            publisher,
+            shard: None,
+        }
+    }
+
+    /// The same recorder, also counting claims and publications under shard `index`.
+    pub(crate) fn for_shard(&self, index: usize) -> Self {
+        Self {
+            shard: Some(index.to_string()),
+            ..self.clone()
+        }
     }
 
     pub(crate) fn stats(&self) -> &StatsCell {
@@ -200,6 +240,15 @@ impl Recorder {
             Counter::Batches => return,
         };
         counter!(name, PUBLISHER_LABEL => self.publisher.clone()).increment(n);
+        if let Some(shard) = &self.shard {
+            let per_shard = match what {
+                Counter::Claimed => crate::group::SHARD_CLAIMED_TOTAL,
+                Counter::Published => crate::group::SHARD_PUBLISHED_TOTAL,
+                _ => return,
+            };
+            counter!(per_shard, PUBLISHER_LABEL => self.publisher.clone(), "shard" => shard.clone())
+                .increment(n);
+        }
     }
 
     /// A lost lease seen by `extend`: the metric counts it, the stats do not (the refused

@@ -11,6 +11,7 @@
 
 mod clock;
 mod defect;
+mod group;
 mod publisher;
 mod store;
 

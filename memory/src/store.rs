@@ -77,6 +77,8 @@ struct Inner {
     deletes_published: bool,
     /// Claims honour [`ClaimRequest::shard`] (see [`MemoryStore::unsharded`]).
     sharded_claims: bool,
+    /// Relay groups (see `group.rs`).
+    groups: Mutex<crate::group::Groups>,
 }
 
 /// An in-memory [`OutboxStore`] + [`OutboxAdmin`] that follows the contract to the letter.
@@ -194,6 +196,7 @@ impl MemoryStore {
                 defect,
                 deletes_published,
                 sharded_claims,
+                groups: Mutex::default(),
             }),
         }
     }
@@ -238,6 +241,16 @@ impl MemoryStore {
             })
             .map(|row| row.message.clone())
             .collect()
+    }
+
+    /// Run `f` on the relay groups under their lock.
+    pub(crate) fn with_groups<R>(&self, f: impl FnOnce(&mut crate::group::Groups) -> R) -> R {
+        let mut groups = self
+            .inner
+            .groups
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        f(&mut groups)
     }
 
     fn state(&self) -> MutexGuard<'_, State> {

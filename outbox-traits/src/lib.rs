@@ -143,6 +143,10 @@ pub use message::{
 };
 pub use publisher::{PublishOutcome, Publisher};
 pub use store::{
+    fair_share, GroupMember, GroupRenewal, GroupView, RelayGroupStore, ShardLease,
+    MAX_GROUP_NAME_BYTES,
+};
+pub use store::{
     validate_duration, validate_failures, validate_lease_extension, validate_purge_batch,
     BlockedKey, Capabilities, Claim, ClaimRequest, ClaimShard, Counts, DeadMessage, FailAction,
     Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, StoreStatus, WakeSource,

@@ -717,3 +717,161 @@ async fn dead_ids<A: OutboxAdmin + ?Sized>(admin: &A, seqs: &[i64]) -> Result<Ve
         }
     }
 }
+
+/// Longest name of a relay group ([`GroupRenewal::group`]) or of a member
+/// ([`GroupRenewal::member_name`]), in bytes.
+pub const MAX_GROUP_NAME_BYTES: usize = 200;
+
+/// Arguments of [`RelayGroupStore::renew_group`]: one member's heartbeat, with the shards it
+/// wants to hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupRenewal {
+    /// The group's name: relays of one outbox that name the same group divide its shards.
+    pub group: String,
+    /// This member's id: random per relay process (a restarted relay is a new member).
+    pub member: Uuid,
+    /// A readable name for operators, e.g. `host:pid`.
+    pub member_name: String,
+    /// How many claim shards the group divides (the relay's claim shards), at least 1.
+    pub shards: u32,
+    /// How long the heartbeat and the shard leases last (by the database's clock).
+    pub lease: Duration,
+}
+
+impl GroupRenewal {
+    /// Refuse a renewal no store can serve: an empty or overlong group or member name, no
+    /// shards, a lease of 0 or longer than [`MAX_DURATION`].
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.group.is_empty() || self.group.len() > MAX_GROUP_NAME_BYTES {
+            return Err(Error::invalid_input(format!(
+                "relay group name must be 1 to {MAX_GROUP_NAME_BYTES} bytes long, got {}",
+                self.group.len()
+            )));
+        }
+        if self.member_name.len() > MAX_GROUP_NAME_BYTES {
+            return Err(Error::invalid_input(format!(
+                "relay group member name is longer than {MAX_GROUP_NAME_BYTES} bytes"
+            )));
+        }
+        if self.shards == 0 {
+            return Err(Error::invalid_input(
+                "relay group shard count is 0; a group divides at least 1 shard",
+            ));
+        }
+        if self.lease.is_zero() {
+            return Err(Error::invalid_input(
+                "relay group lease is 0; give members time to renew, e.g. 10s",
+            ));
+        }
+        validate_duration("relay group lease", self.lease)
+    }
+}
+
+/// One shard held by a member of a relay group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardLease {
+    /// The shard's index, `0..shards`.
+    pub shard: u32,
+    /// Fencing number of this ownership: bumped each time the shard changes hands, never by a
+    /// renewal, so a holder can tell a renewal from a takeover.
+    pub fence: i64,
+    /// When the ownership ends unless renewed, by the database's clock.
+    pub lease_until: DateTime<Utc>,
+}
+
+/// What [`RelayGroupStore::renew_group`] returns: the shards the member holds now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupView {
+    /// The database's time of the renewal.
+    pub now: DateTime<Utc>,
+    /// Live members of the group (unexpired heartbeats), this one included.
+    pub members: u32,
+    /// The shards this member holds after the renewal, by index.
+    pub owned: Vec<ShardLease>,
+}
+
+/// One member of a relay group, as [`RelayGroupStore::group_status`] lists it for operators.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupMember {
+    /// The member's id.
+    pub member: Uuid,
+    /// Its readable name (e.g. `host:pid`).
+    pub member_name: String,
+    /// When it last renewed (database clock).
+    pub renewed_at: DateTime<Utc>,
+    /// When its heartbeat ends unless renewed (database clock).
+    pub lease_until: DateTime<Utc>,
+    /// Whether the heartbeat is still unexpired at the status query's database time.
+    pub alive: bool,
+    /// The shards it holds under an unexpired lease.
+    pub shards: Vec<u32>,
+}
+
+/// A relay group's membership and shard leases, for stores that let replicas of a relay divide
+/// the claim shards ([`ClaimShard`]) between them instead of all claiming every shard.
+///
+/// Optional: a store that does not implement it simply runs relays without groups (every
+/// replica claims every shard, which stays correct, only slower). Implemented by the Postgres
+/// and memory stores.
+///
+/// # Behavior
+/// - Every time comes from the database's clock.
+/// - A member is *live* while its heartbeat (renewed by [`RelayGroupStore::renew_group`]) is
+///   unexpired. A shard is *held* by at most one member at any database time: its lease is
+///   unexpired and names that member.
+/// - A renewal renews the member's heartbeat and the leases of the shards it still holds, gives
+///   back held shards beyond its fair share `ceil(shards / live members)` (highest indexes
+///   first), and takes free shards (never held, given back, or whose lease expired) up to that
+///   share. An expired lease is never revived by its old holder: the shard is taken anew, with
+///   a new fence, by whoever renews first.
+/// - Exclusive shards only narrow what each replica claims; per-key order, fencing and
+///   exclusive claims still come from each claim, so a stale holder costs speed, never
+///   correctness.
+#[async_trait]
+pub trait RelayGroupStore: Send + Sync {
+    /// Renew `req.member`'s heartbeat and shard leases, rebalance toward its fair share, and
+    /// return what it holds now. One round trip.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a request [`GroupRenewal::validate`] refuses, before anything
+    /// changes.
+    async fn renew_group(&self, req: &GroupRenewal) -> Result<GroupView, Error>;
+
+    /// Leave the group: drop `member`'s heartbeat and give back its shards at once, so the
+    /// other members take them at their next renewal. Leaving twice, or a group never joined,
+    /// is not an error.
+    async fn leave_group(&self, group: &str, member: Uuid) -> Result<(), Error>;
+
+    /// The members of `group` (live ones, and expired ones not yet forgotten), oldest first.
+    async fn group_status(&self, group: &str) -> Result<Vec<GroupMember>, Error>;
+}
+
+/// The fair share of one member of a relay group: `ceil(shards / members)` (all of them when
+/// `members` is 0).
+///
+/// ```
+/// assert_eq!(outbox_traits::fair_share(2, 3), 1);
+/// assert_eq!(outbox_traits::fair_share(6, 4), 2);
+/// ```
+pub fn fair_share(shards: u32, members: u32) -> u32 {
+    shards.div_ceil(members.max(1))
+}
+
+macro_rules! forward_group {
+    ($($ty:ty),*) => {$(
+        #[async_trait]
+        impl<T: RelayGroupStore + ?Sized> RelayGroupStore for $ty {
+            async fn renew_group(&self, req: &GroupRenewal) -> Result<GroupView, Error> {
+                (**self).renew_group(req).await
+            }
+            async fn leave_group(&self, group: &str, member: Uuid) -> Result<(), Error> {
+                (**self).leave_group(group, member).await
+            }
+            async fn group_status(&self, group: &str) -> Result<Vec<GroupMember>, Error> {
+                (**self).group_status(group).await
+            }
+        }
+    )*};
+}
+
+forward_group!(&T, Arc<T>, Box<T>);

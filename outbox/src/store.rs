@@ -28,7 +28,7 @@
 
 use std::sync::Arc;
 
-use outbox_traits::{Error, OutboxAdmin, OutboxStore};
+use outbox_traits::{Error, OutboxAdmin, OutboxStore, RelayGroupStore};
 use outbox_url::{redact_url, Migrate};
 
 use crate::schemes;
@@ -50,6 +50,7 @@ pub struct OpenedStore {
     /// The operator's view: counts, dead letters, purge.
     pub admin: Arc<dyn OutboxAdmin>,
     schema: Arc<dyn Migrate>,
+    groups: Option<Arc<dyn RelayGroupStore>>,
     name: &'static str,
 }
 
@@ -73,7 +74,21 @@ impl OpenedStore {
             store: store.clone(),
             admin: store.clone(),
             schema: store,
+            groups: None,
             name,
+        }
+    }
+
+    /// The same, with the store's relay groups ([`OpenedStore::group_store`]).
+    #[cfg(feature = "postgres")]
+    fn with_groups<S>(name: &'static str, store: S) -> Self
+    where
+        S: OutboxStore + OutboxAdmin + Migrate + RelayGroupStore + Clone + 'static,
+    {
+        let groups: Arc<dyn RelayGroupStore> = Arc::new(store.clone());
+        Self {
+            groups: Some(groups),
+            ..Self::new(name, store)
         }
     }
 
@@ -89,6 +104,12 @@ impl OpenedStore {
     /// As the backend's own `migrate`: a permanent error when the role may not create them.
     pub async fn migrate(&self) -> Result<(), Error> {
         self.schema.migrate().await
+    }
+
+    /// Where relay groups keep their leases, if the backend supports them (Postgres); MariaDB
+    /// and SQLite do not yet, and a relay given a group there runs as without one.
+    pub fn group_store(&self) -> Option<Arc<dyn RelayGroupStore>> {
+        self.groups.clone()
     }
 }
 
@@ -118,7 +139,7 @@ pub async fn open(url: &str, options: &StoreOptions) -> Result<OpenedStore, Erro
     })?;
     match scheme {
         #[cfg(feature = "postgres")]
-        "postgres" | "postgresql" => Ok(OpenedStore::new(
+        "postgres" | "postgresql" => Ok(OpenedStore::with_groups(
             "postgres",
             outbox_backend_postgres::url::open_url(url, options).await?,
         )),

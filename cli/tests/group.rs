@@ -1,0 +1,258 @@
+//! A relay group on the real Postgres: `outbox-relay run --group` processes divide the claim
+//! shards, rebalance when a replica joins or leaves (SIGTERM: it gives its shards back), and a
+//! standby or the survivors take over the shards of a replica that is SIGKILLed or frozen
+//! (SIGSTOP) past its shard lease, while a writer commits and rolls back transactions all along.
+//! At the end the NATS stream is read back: every committed message once (NATS dedups), no
+//! rolled-back one, each key in commit order; and the store holds nothing pending.
+//!
+//! Nothing sleeps for a lease: each step waits until the group table shows the expected
+//! division (a status query per tick, bounded by [`GUARD`]), with a short group lease (1 s) so
+//! that takeovers come quickly. Each tick also writes one transaction (one in four rolled back),
+//! so messages keep arriving across every change of ownership.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use outbox::postgres::PostgresStore;
+use outbox::{GroupMember, NewMessage, RelayGroupStore};
+use outbox_conformance_tests::env::service_url;
+use outbox_e2e::{check_delivery, unique_suffix, Expected};
+
+mod common;
+use common::fleet::{spawn_relay, Broker, Db, Relay};
+use common::{message, run, signal, sigterm, BoxError, GUARD};
+
+const GROUP: &str = "relays";
+const SHARDS: usize = 4;
+const KEYS: usize = 16;
+const PER_TX: usize = 8;
+/// Each relay's options: a group of 4 shards with a 1 s lease, short message leases (a frozen
+/// relay's claims hold their keys only that long), fast polls.
+const RUN: [&str; 14] = [
+    "--group",
+    GROUP,
+    "--group-lease",
+    "1s",
+    "--claim-shards",
+    "4",
+    "--concurrency",
+    "4",
+    "--batch-size",
+    "20",
+    "--lease",
+    "2s",
+    "--poll-max",
+    "20ms",
+];
+
+/// What the test writes: the committed messages in commit order, and a counter.
+struct Writer {
+    committed: Vec<NewMessage>,
+    rolled_back: usize,
+    n: usize,
+}
+
+impl Writer {
+    /// One transaction of [`PER_TX`] messages; every fourth is rolled back.
+    async fn write(&mut self, db: &Db) -> Result<(), BoxError> {
+        let batch: Vec<NewMessage> = (self.n..self.n + PER_TX)
+            .map(|n| message(n, KEYS))
+            .collect();
+        self.n += PER_TX;
+        let commit = !(self.n / PER_TX).is_multiple_of(4);
+        db.write(&batch, commit).await?;
+        if commit {
+            self.committed.extend(batch);
+        } else {
+            self.rolled_back += batch.len();
+        }
+        Ok(())
+    }
+}
+
+/// Wait until the live members named in `want` hold exactly those shard counts (and nobody else
+/// live holds any), writing a transaction per tick. Returns the members seen.
+async fn wait_group(
+    store: &PostgresStore,
+    db: &Db,
+    writer: &mut Writer,
+    want: &[(&Relay, usize)],
+    what: &str,
+) -> Result<Vec<GroupMember>, BoxError> {
+    let deadline = tokio::time::Instant::now() + GUARD;
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        tick.tick().await;
+        writer.write(db).await?;
+        let members = store.group_status(GROUP).await?;
+        let holds = |relay: &Relay| -> Option<usize> {
+            let pid = relay.child.id()?;
+            members
+                .iter()
+                .find(|m| m.alive && m.member_name.ends_with(&format!(":{pid}")))
+                .map(|m| m.shards.len())
+        };
+        let named: usize = want.iter().map(|(_, n)| n).sum();
+        let live_held: usize = members
+            .iter()
+            .filter(|m| m.alive)
+            .map(|m| m.shards.len())
+            .sum();
+        let mut all: Vec<u32> = members.iter().flat_map(|m| m.shards.clone()).collect();
+        all.sort_unstable();
+        let before = all.len();
+        all.dedup();
+        assert_eq!(before, all.len(), "{what}: a shard held twice: {members:?}");
+        if want.iter().all(|(r, n)| holds(r) == Some(*n)) && live_held == named {
+            return Ok(members);
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!(
+                "{what}: group never reached {:?}: {members:?}",
+                want.iter()
+                    .map(|(r, n)| (r.name.clone(), *n))
+                    .collect::<Vec<_>>()
+            )
+            .into());
+        }
+    }
+}
+
+#[tokio::test]
+async fn postgres_relay_group_rebalances_and_takes_over_without_loss() -> Result<(), BoxError> {
+    let (Some(pg_url), Some(nats_url)) = (
+        service_url("OUTBOX_TEST_POSTGRES_URL"),
+        service_url("OUTBOX_TEST_NATS_URL"),
+    ) else {
+        return Ok(());
+    };
+    let suffix = unique_suffix();
+    let db = Db::postgres(pg_url, &suffix).await?;
+    let Db::Postgres { store, .. } = &db else {
+        return Err("not postgres".into());
+    };
+    let store = store.clone();
+    let broker = Broker::Nats { url: nats_url };
+    let mut watch = broker.watch(&suffix).await?;
+    let broker_url = broker.relay_url(&suffix);
+    let mut writer = Writer {
+        committed: Vec::new(),
+        rolled_back: 0,
+        n: 0,
+    };
+    let start = |name: &str| {
+        let (db, broker_url, name) = (&db, &broker_url, format!("group-{suffix}-{name}"));
+        async move {
+            let mut relay = spawn_relay(&db.store_args(&name).await?, broker_url, &name, &RUN)?;
+            if let Some(started) = relay.started.take() {
+                tokio::time::timeout(GUARD, started).await??;
+            }
+            Ok::<Relay, BoxError>(relay)
+        }
+    };
+
+    // One replica holds every shard.
+    let a = start("a").await?;
+    wait_group(&store, &db, &mut writer, &[(&a, SHARDS)], "a alone").await?;
+    // A second joins: 2 and 2.
+    let b = start("b").await?;
+    wait_group(&store, &db, &mut writer, &[(&a, 2), (&b, 2)], "b joined").await?;
+    // A third joins: ceil(4 / 3) = 2 each, so it waits as a hot standby.
+    let mut c = start("c").await?;
+    wait_group(
+        &store,
+        &db,
+        &mut writer,
+        &[(&a, 2), (&b, 2), (&c, 0)],
+        "c standby",
+    )
+    .await?;
+    // b is SIGKILLed: the standby takes its shards once its lease is over.
+    let mut b = b;
+    b.child.start_kill()?;
+    b.child.wait().await?;
+    wait_group(&store, &db, &mut writer, &[(&a, 2), (&c, 2)], "b killed").await?;
+    // a is frozen past its lease: c takes every shard.
+    signal(&a.child, "STOP").await?;
+    wait_group(&store, &db, &mut writer, &[(&c, SHARDS)], "a frozen").await?;
+    // a wakes up: it finds its leases taken over (fenced), rejoins, and the two rebalance.
+    signal(&a.child, "CONT").await?;
+    wait_group(&store, &db, &mut writer, &[(&a, 2), (&c, 2)], "a resumed").await?;
+
+    // `status --group` shows the two members and their shards.
+    let Db::Postgres { url, schema, .. } = &db else {
+        return Err("not postgres".into());
+    };
+    let out = run(&[
+        "--store", url, "--schema", schema, "--group", GROUP, "status", "--json",
+    ])
+    .await?;
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let live: Vec<&serde_json::Value> = status["group"]["members"]
+        .as_array()
+        .ok_or("status shows no group")?
+        .iter()
+        .filter(|m| m["alive"] == true)
+        .collect();
+    assert_eq!(live.len(), 2, "{status}");
+    assert!(
+        live.iter()
+            .all(|m| m["shards"].as_array().map(Vec::len) == Some(2)),
+        "{status}"
+    );
+
+    // c leaves gracefully: it gives its shards back at once, and a takes them.
+    let c_pid = c.child.id();
+    sigterm(&c.child).await?;
+    let status_c = tokio::time::timeout(GUARD, c.child.wait()).await??;
+    let log_c = c.stderr.await?;
+    assert!(status_c.success(), "{log_c}");
+    let members = wait_group(&store, &db, &mut writer, &[(&a, SHARDS)], "c left").await?;
+    assert!(
+        members
+            .iter()
+            .all(|m| c_pid.is_none_or(|pid| !m.member_name.ends_with(&format!(":{pid}")))),
+        "a member that left is forgotten at once: {members:?}"
+    );
+
+    // Everything committed reaches the broker; then a stops.
+    let mut seen: HashSet<String> = HashSet::new();
+    watch.wait_for(&mut seen, writer.committed.len()).await?;
+    drop(watch);
+    sigterm(&a.child).await?;
+    let mut a = a;
+    let status_a = tokio::time::timeout(GUARD, a.child.wait()).await??;
+    let log = a.stderr.await?;
+    assert!(status_a.success(), "{log}");
+    assert!(log.contains("relay group: holding shards"), "{log}");
+
+    let received = broker.read_back(&suffix).await?;
+    let stored = db.payloads().await?;
+    let expected: Vec<Expected> = writer
+        .committed
+        .iter()
+        .map(|m| Expected {
+            id: m.id.to_string(),
+            key: m.partition_key.clone(),
+            payload: stored
+                .get(&m.id.to_string())
+                .map(|p| p.as_bytes().to_vec())
+                .unwrap_or_default(),
+        })
+        .collect();
+    let delivery = check_delivery(&received, &expected)?;
+    assert_eq!(delivery.distinct, writer.committed.len());
+    let counts = db.admin().counts().await?;
+    assert_eq!(
+        (counts.pending, counts.leased, counts.dead),
+        (0, 0, 0),
+        "{counts:?}"
+    );
+    eprintln!(
+        "group: {} committed ({} rolled back) across join, standby, SIGKILL, SIGSTOP, leave",
+        writer.committed.len(),
+        writer.rolled_back
+    );
+    broker.delete(&suffix).await?;
+    db.clean_up().await
+}
