@@ -22,8 +22,8 @@ use outbox_backend_mysql::{MysqlConfig, MysqlStore};
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
 use outbox_backend_sqlite::{SqliteConfig, SqliteStore};
 use outbox_bench::message;
-use outbox_memory::RecordingPublisher;
 use outbox_engine::{Relay, RelayConfig};
+use outbox_memory::RecordingPublisher;
 use outbox_traits::{Error, OutboxAdmin, OutboxStore};
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;

@@ -52,9 +52,11 @@ pub struct NatsConsumerConfig {
     pub subject: Option<String>,
     /// Subject of dead letters. Default: `dead.<stream>.<consumer>`.
     pub dead_letter_subject: String,
-    /// A stream to create (if missing) capturing `dead.<stream>.>`, for the default dead-letter
-    /// subject. Default: `Some("<stream>_DEAD")`. With `None`, or a dead-letter subject of your
-    /// own, a stream must already capture the dead-letter subject; `connect` checks it.
+    /// A stream to create (if missing) for the dead letters: it captures `dead.<stream>.>` when
+    /// the dead-letter subject is under it (the default: every consumer of the stream shares
+    /// it), else the dead-letter subject itself. Default: `Some("<stream>_DEAD")`. With `None`,
+    /// a stream must already capture the dead-letter subject; `connect` checks it (also when an
+    /// existing stream of this name captures other subjects).
     pub dead_letter_stream: Option<String>,
     /// How long JetStream waits for an acknowledgement before redelivering. While a message is
     /// between retries the consumer tells JetStream it is in progress every half of this; a
@@ -203,6 +205,18 @@ impl NatsConsumerConfig {
         Ok(config)
     }
 
+    /// The subject filter of the dead-letter stream [`NatsConsumer::connect`] creates: every
+    /// consumer's default dead-letter subject (`dead.<stream>.>`) when the dead-letter subject
+    /// is under it, else the dead-letter subject itself.
+    fn dead_letter_stream_subject(&self) -> String {
+        let shared = format!("dead.{}.", self.stream);
+        if self.dead_letter_subject.starts_with(&shared) {
+            format!("{shared}>")
+        } else {
+            self.dead_letter_subject.clone()
+        }
+    }
+
     /// Check the values without connecting.
     pub fn validate(&self) -> Result<(), Error> {
         self.options.validate()?;
@@ -309,7 +323,7 @@ impl NatsConsumer {
             jetstream
                 .get_or_create_stream(jetstream::stream::Config {
                     name: name.clone(),
-                    subjects: vec![format!("dead.{}.>", config.stream)],
+                    subjects: vec![config.dead_letter_stream_subject()],
                     ..Default::default()
                 })
                 .await

@@ -59,8 +59,8 @@ use outbox_bench::{
     find_process, payload, postgres_background, process_cpu, CpuReading, TimedStore,
 };
 use outbox_e2e::{check_delivery, kafka, Expected};
-use outbox_memory::RecordingPublisher;
 use outbox_engine::{Relay, RelayConfig};
+use outbox_memory::RecordingPublisher;
 use outbox_traits::{OutboxStore, Publisher};
 use oxide_core::prelude::{OutboxConfig, OutboxProcessor, OutboxService};
 use oxide_kafka::{KafkaKeyExtractable, KafkaTransport};
