@@ -87,11 +87,35 @@ impl<ST> QueryFragment<diesel::mysql::Mysql> for Stmt<ST> {
     }
 }
 
+// diesel (sync) runs only the query types that opt in.
+#[cfg(feature = "sqlite")]
+impl<ST, Conn> diesel::RunQueryDsl<Conn> for Stmt<ST> {}
+
+#[cfg(feature = "sqlite")]
+impl<ST> QueryFragment<diesel::sqlite::Sqlite> for Stmt<ST> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, diesel::sqlite::Sqlite>) -> QueryResult<()> {
+        for part in &self.parts {
+            match part {
+                Part::Sql(sql) => out.push_sql(sql),
+                Part::Text(value) => out.push_bind_param::<Text, _>(value)?,
+                Part::BigInt(value) => out.push_bind_param::<BigInt, _>(value)?,
+                Part::Uuid(_) | Part::Uuids(_) => {
+                    return Err(DieselError::QueryBuilderError(
+                        "SQLite statements bind ids as text".into(),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Map a diesel error of operation `op` on `table` (`what` names the database, `module` the
 /// inbox module whose `migrate` creates the table). diesel-async gives a kind and a message, no
 /// error code: a lost connection or read-only server is [`Error::Unavailable`], a
 /// serialization failure, deadlock or lock wait timeout transient, a missing table permanent
 /// with the fix, the rest permanent.
+#[allow(dead_code)] // not with SQLite alone
 pub(crate) fn classify(err: DieselError, op: &str, table: &str, what: &str, module: &str) -> Error {
     let message = format!("inbox {op} on {table} failed: {err}");
     let (kind, text) = match &err {

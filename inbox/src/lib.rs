@@ -14,7 +14,10 @@
 )]
 
 mod common;
-#[cfg(all(feature = "diesel", any(feature = "postgres", feature = "mysql")))]
+#[cfg(all(
+    feature = "diesel",
+    any(feature = "postgres", feature = "mysql", feature = "sqlite")
+))]
 mod diesel_common;
 #[cfg(feature = "mysql")]
 pub mod mysql;

@@ -127,20 +127,53 @@ pub async fn purge(
     older_than: Duration,
     batch: u32,
 ) -> Result<u64, Error> {
+    purge_marks(conn, config, None, older_than, batch).await
+}
+
+/// [`crate::postgres::purge_consumer`] on diesel-async: [`purge`] for one consumer's marks only.
+///
+/// # Errors
+/// As [`crate::postgres::purge_consumer`].
+pub async fn purge_consumer(
+    conn: &mut AsyncPgConnection,
+    config: &InboxConfig,
+    consumer: &str,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error> {
+    check_consumer(consumer)?;
+    purge_marks(conn, config, Some(consumer), older_than, batch).await
+}
+
+async fn purge_marks(
+    conn: &mut AsyncPgConnection,
+    config: &InboxConfig,
+    consumer: Option<&str>,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error> {
     let micros = check_purge(older_than, batch)?;
     let table = config.qualified('"');
-    let deleted = Stmt::<SqlUuid>::new(vec![
+    let mut parts = vec![
         Part::Sql(format!(
             "DELETE FROM {table} WHERE (consumer, message_id) IN (\
              SELECT consumer, message_id FROM {table} WHERE processed_at < now() - "
         )),
         Part::BigInt(micros),
-        Part::Sql(" * interval '1 microsecond' ORDER BY processed_at LIMIT ".into()),
+        Part::Sql(" * interval '1 microsecond'".into()),
+    ];
+    if let Some(consumer) = consumer {
+        parts.push(Part::Sql(" AND consumer = ".into()));
+        parts.push(Part::Text(consumer.to_owned()));
+    }
+    parts.extend([
+        Part::Sql(" ORDER BY processed_at LIMIT ".into()),
         Part::BigInt(i64::from(batch)),
         Part::Sql(" FOR UPDATE SKIP LOCKED)".into()),
-    ])
-    .execute(conn)
-    .await
-    .map_err(|e| map(e, "purge", &table))?;
+    ]);
+    let deleted = Stmt::<SqlUuid>::new(parts)
+        .execute(conn)
+        .await
+        .map_err(|e| map(e, "purge", &table))?;
     Ok(deleted as u64)
 }
