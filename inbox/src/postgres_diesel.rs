@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 use crate::common::{check_batch, check_consumer, check_purge, distinct, receipts};
 use crate::diesel_common::{classify, Part, Stmt};
-use crate::{InboxConfig, Receipt};
+use crate::{InboxConfig, Outcome, Receipt};
 
 /// Re-exported so users name the same diesel-async version as this crate.
 pub use diesel_async;
@@ -114,6 +114,41 @@ pub async fn record_batch(
     .map_err(|e| map(e, "record", &table))?;
     let inserted: HashSet<Uuid> = inserted.into_iter().collect();
     Ok(receipts(ids, &inserted))
+}
+
+/// [`crate::postgres::process`] on diesel-async: handle one delivery exactly once. Begin a
+/// transaction on `conn` (a savepoint when one is open), [`record`] `id` for `consumer` and,
+/// when it is new, run `handler` with the connection and commit. A duplicate rolls back
+/// without calling `handler`; a handler error rolls back and is returned.
+///
+/// ```text
+/// let outcome = outbox_inbox::postgres::diesel::process(&mut conn, &config, "payments", id, async |conn| {
+///     diesel::insert_into(payments::table).values(&payment).execute(conn).await?;
+///     Ok::<_, MyError>(())
+/// }).await?; // then ack (Handled or Duplicate alike)
+/// ```
+///
+/// # Errors
+/// The handler's error, or the inbox's as `E::from`.
+pub async fn process<T, E, F>(
+    conn: &mut AsyncPgConnection,
+    config: &InboxConfig,
+    consumer: &str,
+    id: Uuid,
+    handler: F,
+) -> Result<Outcome<T>, E>
+where
+    F: AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
+    E: From<Error>,
+{
+    check_consumer(consumer)?;
+    crate::diesel_common::process(
+        conn,
+        async |conn| record(conn, config, consumer, id).await,
+        handler,
+        |e, op| map(e, op, "the inbox transaction"),
+    )
+    .await
 }
 
 /// [`crate::postgres::purge`] on diesel-async: delete at most `batch` marks older than
