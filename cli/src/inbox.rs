@@ -40,7 +40,7 @@ impl InboxTable {
 /// Dead letters of `outbox-consumer` are kept by the broker, beside the messages: read them
 /// with the broker's own tools. NATS: stream `<stream>_DEAD` (subjects `dead.<stream>.>`;
 /// `nats stream info <stream>_DEAD`, `nats stream view <stream>_DEAD`). Redis: stream
-/// `<stream>.dead` unless `dead_stream=` says otherwise (`redis-cli XLEN`, `XRANGE key - +
+/// `<stream>:dead` unless `dead_stream=` says otherwise (`redis-cli XLEN`, `XRANGE key - +
 /// COUNT 20`). Kafka: topic `<topic>.dead` unless `dead_topic=` says otherwise
 /// (`kafka-console-consumer --topic <topic>.dead --from-beginning --property
 /// print.headers=true`). Each dead letter carries the original payload and headers plus
