@@ -26,7 +26,13 @@ const BROKER: &str = "Kafka";
 
 /// The query options [`KafkaConsumerConfig::from_url`] understands besides
 /// [`COMMON_URL_OPTIONS`](crate::COMMON_URL_OPTIONS) and librdkafka properties.
-pub const KAFKA_URL_OPTIONS: &[&str] = &["topic", "group", "dead_topic", "timeout_ms"];
+pub const KAFKA_URL_OPTIONS: &[&str] = &[
+    "topic",
+    "group",
+    "dead_topic",
+    "timeout_ms",
+    "password_file",
+];
 
 /// librdkafka properties the consumer sets itself; giving them is refused.
 const OWN_PROPERTIES: &[&str] = &[
@@ -125,7 +131,10 @@ impl KafkaConsumerConfig {
     /// Options: [`KAFKA_URL_OPTIONS`] (`topic` and `group` required; `dead_topic`,
     /// `timeout_ms`), [`COMMON_URL_OPTIONS`](crate::COMMON_URL_OPTIONS), and any librdkafka
     /// property (a dotted name such as `session.timeout.ms`). `user:password@` becomes
-    /// `sasl.username` / `sasl.password`. Anything else gives [`Error::InvalidInput`] naming the
+    /// `sasl.username` / `sasl.password`; `password_file=PATH` reads the SASL password from a
+    /// file instead, as the Kafka publisher does. TLS is librdkafka's, as for the publisher:
+    /// `security.protocol=SSL` (or `SASL_SSL`), `ssl.ca.location`, `ssl.certificate.location`,
+    /// `ssl.key.location`. Anything else gives [`Error::InvalidInput`] naming the
     /// valid options; values are checked by librdkafka itself. Errors never show the password.
     ///
     /// ```
@@ -191,6 +200,16 @@ impl KafkaConsumerConfig {
                 "group" => group = Some(value),
                 "dead_topic" => dead = Some(value),
                 "timeout_ms" => timeout = options::millis(BROKER, &key, &value)?,
+                "password_file" => {
+                    if properties.contains_key("sasl.password") {
+                        return Err(Error::invalid_input(format!(
+                            "Kafka consumer URL {shown:?} has both a password and \
+                             password_file; give one"
+                        )));
+                    }
+                    let password = outbox_traits::read_secret_file(BROKER, &key, &value)?;
+                    properties.insert("sasl.password".to_owned(), password);
+                }
                 _ if key.contains('.') => {
                     properties.insert(key, value);
                 }
