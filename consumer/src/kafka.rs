@@ -60,6 +60,14 @@ pub struct KafkaConsumerConfig {
     pub dead_letter_topic: String,
     /// Further librdkafka properties (e.g. `session.timeout.ms`, `security.protocol`,
     /// `sasl.username`); they apply to the consumer and to the dead-letter producer.
+    ///
+    /// **Static membership**: give each consumer process a stable, unique
+    /// `group.instance.id` (e.g. the pod's name) and a process restarted under the same id
+    /// after a crash takes its partitions back without a rebalance of the group and without
+    /// waiting for the dead member's session timeout (`examples/kafka_static_membership.rs`
+    /// measured 8 s on Tansu against 18 s for a dynamic member, with a 10 s session timeout).
+    /// The other side: a static member that stops for good keeps its partitions unconsumed
+    /// until its session timeout ends, even after a graceful shutdown.
     pub properties: BTreeMap<String, String>,
     /// Timeout of a dead-letter write and of topic creation. Default:
     /// [`DEFAULT_KAFKA_TIMEOUT`].
