@@ -7,12 +7,12 @@ use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-use outbox_sqlx_support::row::counts;
+use outbox_sql_support::admin::{dead_message, purge_age, RequeueCheck};
+use outbox_sql_support::row::counts;
 
 use crate::lease::id_list;
-use crate::row::{decode, micros, text};
+use crate::row::{decode, micros, text, Lenient};
 use crate::store::MysqlStore;
-use outbox_traits::quarantine;
 
 #[async_trait]
 impl OutboxAdmin for MysqlStore {
@@ -33,29 +33,8 @@ impl OutboxAdmin for MysqlStore {
         let table = self.config().qualified_table();
         rows.iter()
             .map(|row| {
-                let (message, raw_id) = match decode(row, table)? {
-                    Ok(message) => (message, None),
-                    // A quarantined row: shown as well as it reads.
-                    Err(poison) => quarantine::lenient(
-                        poison.seq,
-                        |column| {
-                            row.try_get_unchecked::<Option<String>, _>(column)
-                                .ok()
-                                .flatten()
-                        },
-                        row.try_get::<i32, _>("attempts")
-                            .ok()
-                            .and_then(|n| u32::try_from(n).ok()),
-                        row.try_get::<chrono::NaiveDateTime, _>("created_at")
-                            .ok()
-                            .map(|t| t.and_utc()),
-                    ),
-                };
-                Ok(DeadMessage {
-                    message,
-                    last_error: text(row, "last_error", table)?,
-                    raw_id,
-                })
+                let last_error = text(row, "last_error", table)?;
+                Ok(dead_message(decode(row, table)?, &Lenient(row), last_error))
             })
             .collect()
     }
@@ -118,7 +97,7 @@ impl OutboxAdmin for MysqlStore {
             });
         }
         // Nothing was published more than a century ago.
-        let Ok(age_us) = micros("purge age", older_than) else {
+        let Some(age_us) = purge_age(older_than, micros) else {
             return Ok(0);
         };
         let seqs: Vec<i64> = sqlx::query_scalar(&self.config().sql().purge_pick)
@@ -171,32 +150,14 @@ impl MysqlStore {
             .await
             .map_err(self.err("requeue"))?;
         let table = self.config().qualified_table();
-        let mut refused = Vec::new();
+        let mut check = RequeueCheck::default();
         for row in &rows {
-            match decode(row, table)? {
-                Err(poison) => refused.push(poison),
-                Ok(message) => {
-                    let stored = text(row, "id", table)?;
-                    if stored != message.id.to_string() {
-                        refused.push(quarantine::Poison {
-                            seq: message.seq,
-                            partition_key: message.partition_key,
-                            reason: quarantine::reason(
-                                "id",
-                                Some(&stored),
-                                "not in the lower case the relay completes by (another \
-                                 message holds it in lower case); give the row an id of its own",
-                            ),
-                        });
-                    }
-                }
-            }
+            let decoded = decode(row, table)?;
+            // The id as stored: a row that decoded has one that reads as text.
+            let stored = row.try_get_unchecked::<String, _>("id").ok();
+            check.row(decoded, stored.as_deref());
         }
-        if refused.is_empty() {
-            Ok(())
-        } else {
-            Err(quarantine::requeue_refused(table, &refused))
-        }
+        check.finish(table)
     }
 
     /// Delete up to `batch` rows of the key-lock table that no writer holds, in one short

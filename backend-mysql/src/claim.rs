@@ -44,8 +44,8 @@ use crate::lease;
 use crate::row::{decode, decode_error, micros};
 use crate::sql::BEGIN;
 use crate::store::{MysqlStore, DEADLOCK_RETRIES};
-use outbox_sqlx_support::row::truncate_error;
-use outbox_traits::quarantine::{held_back, Poison};
+use outbox_sql_support::limits::truncate_error;
+use outbox_sql_support::quarantine::{held_back, Poison};
 
 #[async_trait]
 impl OutboxStore for MysqlStore {
@@ -319,13 +319,7 @@ async fn quarantine(
         .await
         .map_err(store.err("claim"))?;
     for poison in poisoned {
-        tracing::warn!(
-            table = %table,
-            seq = poison.seq,
-            partition_key = poison.partition_key.as_deref().unwrap_or(""),
-            reason = %poison.reason,
-            "outbox row does not decode; dead-lettered"
-        );
+        poison.log(table);
     }
     Ok(())
 }

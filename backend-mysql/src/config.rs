@@ -3,13 +3,14 @@
 use std::fmt;
 use std::sync::Arc;
 
-use outbox_sqlx_support::TableSettings;
-use outbox_traits::{validate_sql_identifier, Error, Limits};
+use outbox_sql_support::validate_sql_identifier;
+use outbox_sql_support::TableSettings;
+use outbox_traits::Error;
 
 use crate::sql::Sql;
 
 /// The default table: `outbox`, in the connection's database.
-pub use outbox_sqlx_support::DEFAULT_TABLE;
+pub use outbox_sql_support::DEFAULT_TABLE;
 
 /// Where the outbox lives and how enqueue behaves.
 ///
@@ -52,25 +53,11 @@ impl MysqlConfig {
         self.inner.database.as_deref()
     }
 
-    /// The table name.
-    pub fn table(&self) -> &str {
-        &self.inner.common.table
-    }
+    outbox_sql_support::table_settings_getters!(inner.common);
 
     /// `` `database`.`table` `` (or `` `table` ``), quoted as it appears in the SQL.
     pub fn qualified_table(&self) -> &str {
         &self.inner.sql.table
-    }
-
-    /// The payload limits enqueue enforces.
-    pub fn limits(&self) -> Limits {
-        self.inner.common.limits
-    }
-
-    /// Whether completing a message deletes its row instead of marking it published
-    /// (see [`MysqlConfigBuilder::delete_published`]).
-    pub fn delete_published(&self) -> bool {
-        self.inner.common.delete_published
     }
 
     /// Whether enqueue first locks the batch's partition keys until the transaction ends (see
@@ -153,34 +140,9 @@ impl MysqlConfigBuilder {
         self
     }
 
-    /// Outbox table name (default `outbox`).
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.common.table = table.into();
-        self
-    }
-
-    /// Payload limits enforced at enqueue (default 1 MiB).
-    pub fn limits(mut self, limits: Limits) -> Self {
-        self.common.limits = limits;
-        self
-    }
-
-    /// Largest accepted payload, in bytes of its JSON text.
-    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
-        self.common.limits.max_payload_bytes = bytes;
-        self
-    }
-
-    /// Delete a message's row when it is published, instead of marking it `published` (the
-    /// default, `false`). Completion is then a `DELETE` by primary key and no purge job is
-    /// needed; the table keeps no history of published messages (`counts()` reports none), and
-    /// a dedup key is free again as soon as its message is published. The table is the same
-    /// in both modes, so the setting can change between runs. Reported to the relay as
-    /// [`Capabilities::deletes_published`](outbox_traits::Capabilities::deletes_published).
-    pub fn delete_published(mut self, delete: bool) -> Self {
-        self.common.delete_published = delete;
-        self
-    }
+    outbox_sql_support::table_settings_setters!(common;
+        /// Here completion is then a `DELETE` by primary key.
+    );
 
     /// Serialise the writers of one partition key for the length of their transactions
     /// (default off).

@@ -22,7 +22,7 @@ use ::diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use ::diesel::result::{Error as DieselError, QueryResult};
 use ::diesel::sql_types::{Datetime, Nullable, Text};
 use diesel_async::{AsyncMysqlConnection, RunQueryDsl, SimpleAsyncConnection};
-use outbox_sqlx_support::diesel::{classify_insert, DieselDialect};
+use outbox_sql_support::diesel::{classify_insert, DieselDialect};
 use outbox_traits::{Error, NewMessage};
 
 use crate::config::MysqlConfig;
@@ -176,7 +176,7 @@ fn map_insert_error(err: DieselError, config: &MysqlConfig, messages: &[NewMessa
 /// Map a diesel error from operation `op` on `table` to the contract's error.
 #[cfg(test)]
 fn classify(err: DieselError, op: &str, table: &str) -> Error {
-    outbox_sqlx_support::diesel::classify(err, op, table, &DIALECT)
+    outbox_sql_support::diesel::classify(err, op, table, &DIALECT)
 }
 
 #[cfg(test)]

@@ -40,7 +40,7 @@ pub(crate) fn is_deadlock(err: &Error) -> bool {
 /// statement timeouts are transient; a missing table, column or database is permanent with a
 /// hint to run the migration; the rest is permanent.
 pub(crate) fn map_sqlx(err: sqlx::Error, op: &str, table: &str) -> Error {
-    outbox_sqlx_support::map_sqlx(err, WHAT, op, table, |err, text| {
+    outbox_sql_support::map_sqlx(err, WHAT, op, table, |err, text| {
         let number = error_number(&err).unwrap_or(0);
         let sqlstate = err
             .as_database_error()

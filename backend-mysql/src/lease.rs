@@ -15,7 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use chrono::{DateTime, NaiveDateTime, Utc};
-use outbox_sqlx_support::row::truncate_error;
+use outbox_sql_support::limits::truncate_error;
 use outbox_traits::{Error, FailAction, Failure, LeaseToken};
 use sqlx::{MySql, Row, Transaction};
 use uuid::Uuid;

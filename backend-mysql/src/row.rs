@@ -1,14 +1,16 @@
-//! Decoding rows into the contract's types (durations in microseconds and the helpers shared
-//! with Postgres are in `outbox_sqlx_support::row`).
+//! Decoding rows into the contract's types (durations, error texts and the quarantine of rows
+//! that do not decode are shared by every SQL store, in `outbox_sql_support`).
 
 use chrono::NaiveDateTime;
-use outbox_traits::quarantine::{self, Poison};
+use chrono::{DateTime, Utc};
+use outbox_sql_support::admin::LenientRow;
+use outbox_sql_support::quarantine::{self, Poison};
 use outbox_traits::{Error, Message};
 use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-pub(crate) use outbox_sqlx_support::row::{decode_error, micros};
+pub(crate) use outbox_sql_support::limits::{decode_error, micros};
 
 /// A text column. Read without sqlx's type check: MariaDB flags columns with a binary
 /// collation (the table's `utf8mb4_nopad_bin`) as `BINARY`, which sqlx would refuse for
@@ -78,4 +80,27 @@ fn fields(row: &MySqlRow, seq: i64) -> Result<Message, String> {
             .map_err(|e| quarantine::reason("attempts", Some(&attempts.to_string()), e))?,
         created_at: created_at.and_utc(),
     })
+}
+
+/// A dead row read leniently, for showing one that does not decode.
+pub(crate) struct Lenient<'r>(pub(crate) &'r MySqlRow);
+
+impl LenientRow for Lenient<'_> {
+    fn text(&self, column: &str) -> Option<String> {
+        self.0
+            .try_get_unchecked::<Option<String>, _>(column)
+            .ok()
+            .flatten()
+    }
+
+    fn attempts(&self) -> Option<u32> {
+        outbox_sql_support::row::attempts(self.0)
+    }
+
+    fn created_at(&self) -> Option<DateTime<Utc>> {
+        self.0
+            .try_get::<NaiveDateTime, _>("created_at")
+            .ok()
+            .map(|t| t.and_utc())
+    }
 }

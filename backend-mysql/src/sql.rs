@@ -22,7 +22,7 @@
 //! set, neither of which is indexed, so claiming, extending and releasing write no index
 //! entries.
 
-use outbox_sqlx_support::names::derived_name;
+use outbox_sql_support::names::derived_name;
 
 /// Most rows one `INSERT` can carry: MariaDB allows 65,535 placeholders per statement and a row
 /// takes [`INSERT_PARAMS_PER_ROW`].
@@ -679,7 +679,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
                  WHERE m.state = 'dead' AND m.last_error LIKE '{quarantined}%'",
                 columns = message_columns("m"),
-                quarantined = outbox_traits::quarantine::REASON_PREFIX,
+                quarantined = outbox_sql_support::quarantine::REASON_PREFIX,
             ),
             requeue_check_seqs: format!(
                 "SELECT {columns}
@@ -687,7 +687,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
                  STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
                  WHERE m.state = 'dead' AND m.last_error LIKE '{quarantined}%'",
                 columns = message_columns("m"),
-                quarantined = outbox_traits::quarantine::REASON_PREFIX,
+                quarantined = outbox_sql_support::quarantine::REASON_PREFIX,
             ),
             // Checks skipped as for `quarantine`: a requeued row keeps its values, and a
             // quarantined one was checked to decode (`requeue_check`). With the checks on, a

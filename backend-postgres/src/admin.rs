@@ -2,15 +2,16 @@
 
 use std::time::Duration;
 
-use outbox_sqlx_support::row::{counts, micros};
+use outbox_sql_support::admin::{dead_message, purge_age, RequeueCheck};
+use outbox_sql_support::limits::micros;
+use outbox_sql_support::row::counts;
 use outbox_traits::{async_trait, Counts, DeadMessage, Error, OutboxAdmin};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-use crate::row::decode;
+use crate::row::{decode, Lenient};
 use crate::store::PostgresStore;
-use outbox_traits::quarantine;
 
 #[async_trait]
 impl OutboxAdmin for PostgresStore {
@@ -31,26 +32,8 @@ impl OutboxAdmin for PostgresStore {
         let table = self.config().qualified_table();
         rows.iter()
             .map(|row| {
-                let (message, raw_id) = match decode(row, table)? {
-                    Ok(message) => (message, None),
-                    // A quarantined row: shown as well as it reads.
-                    Err(poison) => quarantine::lenient(
-                        poison.seq,
-                        |column| match column {
-                            "id" => row.try_get::<Uuid, _>(column).ok().map(|id| id.to_string()),
-                            _ => row.try_get::<Option<String>, _>(column).ok().flatten(),
-                        },
-                        row.try_get::<i32, _>("attempts")
-                            .ok()
-                            .and_then(|n| u32::try_from(n).ok()),
-                        row.try_get("created_at").ok(),
-                    ),
-                };
-                Ok(DeadMessage {
-                    message,
-                    last_error: row.try_get("last_error").map_err(self.err("list_dead"))?,
-                    raw_id,
-                })
+                let last_error = row.try_get("last_error").map_err(self.err("list_dead"))?;
+                Ok(dead_message(decode(row, table)?, &Lenient(row), last_error))
             })
             .collect()
     }
@@ -99,7 +82,7 @@ impl OutboxAdmin for PostgresStore {
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
         outbox_traits::validate_purge_batch(batch)?;
         // Nothing was published more than a century ago.
-        let Ok(age_us) = micros("purge age", older_than) else {
+        let Some(age_us) = purge_age(older_than, micros) else {
             return Ok(0);
         };
         let done = sqlx::query(&self.config().sql().purge)
@@ -141,17 +124,11 @@ impl PostgresStore {
             .await
             .map_err(self.err("requeue"))?;
         let table = self.config().qualified_table();
-        let mut refused = Vec::new();
+        let mut check = RequeueCheck::default();
         for row in &rows {
-            if let Err(poison) = decode(row, table)? {
-                refused.push(poison);
-            }
+            check.row(decode(row, table)?, None);
         }
-        if refused.is_empty() {
-            Ok(())
-        } else {
-            Err(quarantine::requeue_refused(table, &refused))
-        }
+        check.finish(table)
     }
 
     /// Run `statement` on the dead rows among `seqs`.

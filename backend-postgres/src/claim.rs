@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_sqlx_support::row::{micros, truncate_error};
-use outbox_traits::quarantine::held_back;
+use outbox_sql_support::limits::{micros, truncate_error};
+use outbox_sql_support::quarantine::{held_back, Poison};
 use outbox_traits::{
     async_trait, Capabilities, Claim, ClaimRequest, ClaimShard, Error, Failure, HeadPolicy,
     LeaseToken, Message, OutboxStore, WakeSource,
@@ -132,158 +132,7 @@ pub const PREFERRED_BATCH: usize = 2000;
 #[async_trait]
 impl OutboxStore for PostgresStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
-        req.validate()?;
-        let lease_us = micros("claim lease", req.lease)?;
-        let (shards, shard) = shard_params(req.shard)?;
-        let limit = i64::try_from(req.limit).unwrap_or(i64::MAX);
-        let token = LeaseToken::new();
-        let all = self.config().sql();
-        let (sql, past) = match req.head_policy {
-            HeadPolicy::Block => (&all.claim_block, &all.claim_past_block),
-            HeadPolicy::Skip => (&all.claim_skip, &all.claim_past_skip),
-        };
-        // The claim reads at most this many unpublished rows (leased ones included): the ones in
-        // flight ahead of the claimable rows, and room for rows held back behind them.
-        let window = limit.saturating_mul(CLAIM_WINDOW);
-        // The claim statement runs in a short transaction of its own whose first statement pins
-        // its plan (see `claim_settings`). The transaction runs in its own task, so that a caller
-        // that drops this future (a relay aborted mid-claim) cannot leave it open with its rows
-        // locked on a pooled connection: it always ends, as a single statement would, and what
-        // it leased then expires like a crashed relay's leases.
-        let (pool, sql, past, table) = (
-            self.pool().clone(),
-            sql.clone(),
-            past.clone(),
-            self.config().qualified_table().to_owned(),
-        );
-        let max = req.limit;
-        let policy = req.head_policy;
-        let (quarantine, release) = (all.quarantine.clone(), all.release.clone());
-        let (lease_until, mut messages) = tokio::spawn(async move {
-            let err = |e| map_sqlx(e, "claim", &table);
-            let mut tx = pool.begin_with(claim_begin()).await.map_err(err)?;
-            let mut rows: Vec<PgRow> = claim_statement(&sql, limit, token, lease_us, window)
-                .bind(shards)
-                .bind(shard)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(err)?;
-            // Short from a full window: look past it, where a long blocked backlog may have
-            // hidden claimable keys. A window that held every unpublished row (an idle
-            // relay's polls) has nothing past it: no second statement.
-            let got = messages_in(&rows);
-            let window_end = match rows.first() {
-                Some(row) => row.try_get::<Option<i64>, _>("window_end").map_err(err)?,
-                None => None,
-            };
-            if let (true, Some(window_end)) = (got < max, window_end) {
-                let rest = i64::try_from(max - got).unwrap_or(i64::MAX);
-                let more = claim_statement(&past, rest, token, lease_us, window)
-                    .bind(window_end)
-                    .bind(shards)
-                    .bind(shard)
-                    .fetch_all(&mut *tx)
-                    .await
-                    .map_err(err)?;
-                rows.extend(more);
-            }
-            // More messages than the limit is impossible by the SQL (LIMITs inside MATERIALIZED
-            // CTEs, the second statement asked for the rest only); if it ever happens, lease
-            // nothing and refuse loudly rather than hand out more than asked.
-            let leased = messages_in(&rows);
-            if leased > max {
-                tx.rollback().await.map_err(err)?;
-                return Err(Error::permanent(
-                    format!(
-                        "claim on {table} leased {leased} messages, more than the limit of \
-                         {max}; this is a bug in outbox-backend-postgres, please report it"
-                    ),
-                    None,
-                ));
-            }
-            // Every row of the first statement carries the lease end (the second one's rows,
-            // after them, do not).
-            let lease_until = match rows.first() {
-                Some(row) => Some(
-                    row.try_get::<DateTime<Utc>, _>("lease_until")
-                        .map_err(err)?,
-                ),
-                None => None,
-            };
-            let mut messages = Vec::with_capacity(rows.len());
-            let mut poisoned = Vec::new();
-            for row in &rows {
-                // The single row of an empty claim carries only the lease end.
-                if row.try_get::<Option<Uuid>, _>("id").map_err(err)?.is_some() {
-                    match decode(row, &table)? {
-                        Ok(message) => messages.push(message),
-                        Err(poison) => poisoned.push(poison),
-                    }
-                }
-            }
-            if !poisoned.is_empty() {
-                // Rows that cannot become messages are dead-lettered on their own, in this
-                // transaction; under Block their keys' later rows of this claim wait behind
-                // them like behind any dead head.
-                poisoned.sort_by_key(|p| p.seq);
-                let seqs: Vec<i64> = poisoned.iter().map(|p| p.seq).collect();
-                let reasons: Vec<&str> =
-                    poisoned.iter().map(|p| truncate_error(&p.reason)).collect();
-                sqlx::query(&quarantine)
-                    .bind(token.0)
-                    .bind(&seqs)
-                    .bind(&reasons)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(err)?;
-                let (held, kept): (Vec<Message>, Vec<Message>) = messages
-                    .into_iter()
-                    .partition(|m| held_back(&poisoned, policy, m.seq, m.partition_key.as_deref()));
-                messages = kept;
-                if !held.is_empty() {
-                    let ids: Vec<Uuid> = held.iter().map(|m| m.id).collect();
-                    sqlx::query(&release)
-                        .bind(token.0)
-                        .bind(&ids)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(err)?;
-                }
-                for poison in &poisoned {
-                    tracing::warn!(
-                        table = %table,
-                        seq = poison.seq,
-                        partition_key = poison.partition_key.as_deref().unwrap_or(""),
-                        reason = %poison.reason,
-                        "outbox row does not decode; dead-lettered"
-                    );
-                }
-            }
-            tx.commit().await.map_err(err)?;
-            Ok::<_, Error>((lease_until, messages))
-        })
-        .await
-        .map_err(|e| {
-            Error::transient(
-                format!(
-                    "claim on {} did not finish: {e}",
-                    self.config().qualified_table()
-                ),
-                None,
-            )
-        })??;
-        let table = self.config().qualified_table();
-        // Heads found past the window may be older than rows of the window that committed
-        // late; hand the batch out in seq order all the same.
-        messages.sort_by_key(|m| m.seq);
-        let lease_until = lease_until.ok_or_else(|| {
-            Error::permanent(format!("claim on {table} returned no lease end"), None)
-        })?;
-        Ok(Claim {
-            token,
-            lease_until,
-            messages,
-        })
+        claim(self, req).await
     }
 
     async fn complete(&self, token: LeaseToken, ids: &[Uuid]) -> Result<(), Error> {
@@ -319,6 +168,244 @@ impl OutboxStore for PostgresStore {
         let source = PgWakeSource::listen(self.pool(), self.config()).await?;
         Ok(Some(Box::new(source)))
     }
+}
+
+/// A validated claim request, ready to bind: what the claim's task takes with it.
+struct ClaimPlan {
+    token: LeaseToken,
+    /// The lease in microseconds.
+    lease_us: i64,
+    /// How many messages at most (as the statements' `bigint`, and as asked).
+    limit: i64,
+    max: usize,
+    /// How many unpublished rows the first statement reads (see [`CLAIM_WINDOW`]).
+    window: i64,
+    /// The shard as the statements' parameters (see [`shard_params`]).
+    shards: i32,
+    shard: i32,
+    policy: HeadPolicy,
+    table: String,
+    /// The first statement, the look-past statement, and the two a claim with undecodable
+    /// rows runs.
+    sql: String,
+    past: String,
+    quarantine: String,
+    release: String,
+}
+
+impl ClaimPlan {
+    fn new(store: &PostgresStore, req: &ClaimRequest) -> Result<Self, Error> {
+        req.validate()?;
+        let lease_us = micros("claim lease", req.lease)?;
+        let (shards, shard) = shard_params(req.shard)?;
+        let limit = i64::try_from(req.limit).unwrap_or(i64::MAX);
+        let all = store.config().sql();
+        let (sql, past) = match req.head_policy {
+            HeadPolicy::Block => (&all.claim_block, &all.claim_past_block),
+            HeadPolicy::Skip => (&all.claim_skip, &all.claim_past_skip),
+        };
+        Ok(Self {
+            token: LeaseToken::new(),
+            lease_us,
+            limit,
+            max: req.limit,
+            // The claim reads at most this many unpublished rows (leased ones included): the
+            // ones in flight ahead of the claimable rows, and room for rows held back behind
+            // them.
+            window: limit.saturating_mul(CLAIM_WINDOW),
+            shards,
+            shard,
+            policy: req.head_policy,
+            table: store.config().qualified_table().to_owned(),
+            sql: sql.clone(),
+            past: past.clone(),
+            quarantine: all.quarantine.clone(),
+            release: all.release.clone(),
+        })
+    }
+
+    fn err(&self) -> impl Fn(sqlx::Error) -> Error + '_ {
+        |e| map_sqlx(e, "claim", &self.table)
+    }
+}
+
+/// The claim's transaction, in Postgres's dialect.
+type ClaimTx = sqlx::Transaction<'static, sqlx::Postgres>;
+
+/// [`OutboxStore::claim`] for the store: [`try_claim`] in a task of its own, then the batch in
+/// `seq` order.
+async fn claim(store: &PostgresStore, req: &ClaimRequest) -> Result<Claim, Error> {
+    let plan = ClaimPlan::new(store, req)?;
+    let token = plan.token;
+    // The claim statement runs in a short transaction of its own whose first statement pins
+    // its plan (see `claim_settings`). The transaction runs in its own task, so that a caller
+    // that drops this future (a relay aborted mid-claim) cannot leave it open with its rows
+    // locked on a pooled connection: it always ends, as a single statement would, and what
+    // it leased then expires like a crashed relay's leases.
+    let (lease_until, mut messages) = tokio::spawn(try_claim(store.pool().clone(), plan))
+        .await
+        .map_err(|e| {
+        Error::transient(
+            format!(
+                "claim on {} did not finish: {e}",
+                store.config().qualified_table()
+            ),
+            None,
+        )
+    })??;
+    let table = store.config().qualified_table();
+    // Heads found past the window may be older than rows of the window that committed
+    // late; hand the batch out in seq order all the same.
+    messages.sort_by_key(|m| m.seq);
+    let lease_until = lease_until
+        .ok_or_else(|| Error::permanent(format!("claim on {table} returned no lease end"), None))?;
+    Ok(Claim {
+        token,
+        lease_until,
+        messages,
+    })
+}
+
+/// One claim transaction: lease the window's claimable rows, [`look_past`] the window when it
+/// came back short, decode the rows, [`quarantine`] the ones that do not decode and
+/// [`hold_back`] what waits behind them; commit. Returns the lease end (none when nothing was
+/// unpublished) and the messages handed out.
+async fn try_claim(
+    pool: sqlx::PgPool,
+    plan: ClaimPlan,
+) -> Result<(Option<DateTime<Utc>>, Vec<Message>), Error> {
+    let err = plan.err();
+    let mut tx: ClaimTx = pool.begin_with(claim_begin()).await.map_err(&err)?;
+    let mut rows: Vec<PgRow> = claim_statement(
+        &plan.sql,
+        plan.limit,
+        plan.token,
+        plan.lease_us,
+        plan.window,
+    )
+    .bind(plan.shards)
+    .bind(plan.shard)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(&err)?;
+    let more = look_past(&mut tx, &plan, &rows).await?;
+    rows.extend(more);
+    // More messages than the limit is impossible by the SQL (LIMITs inside MATERIALIZED CTEs,
+    // the second statement asked for the rest only); if it ever happens, lease nothing and
+    // refuse loudly rather than hand out more than asked.
+    let leased = messages_in(&rows);
+    if leased > plan.max {
+        tx.rollback().await.map_err(&err)?;
+        return Err(Error::permanent(
+            format!(
+                "claim on {} leased {leased} messages, more than the limit of {}; this is a                  bug in outbox-backend-postgres, please report it",
+                plan.table, plan.max
+            ),
+            None,
+        ));
+    }
+    // Every row of the first statement carries the lease end (the second one's rows, after
+    // them, do not).
+    let lease_until = match rows.first() {
+        Some(row) => Some(
+            row.try_get::<DateTime<Utc>, _>("lease_until")
+                .map_err(&err)?,
+        ),
+        None => None,
+    };
+    let (mut messages, mut poisoned) = decode_all(&rows, &plan)?;
+    if !poisoned.is_empty() {
+        poisoned.sort_by_key(|p| p.seq);
+        quarantine(&mut tx, &plan, &poisoned).await?;
+        messages = hold_back(&mut tx, &plan, &poisoned, messages).await?;
+        for poison in &poisoned {
+            poison.log(&plan.table);
+        }
+    }
+    tx.commit().await.map_err(&err)?;
+    Ok((lease_until, messages))
+}
+
+/// After a claim came back short from a full window: lease up to the rest of the limit past
+/// it, where a long blocked backlog may have hidden claimable keys. A window that held every
+/// unpublished row (an idle relay's polls) has nothing past it: no second statement.
+async fn look_past(
+    tx: &mut ClaimTx,
+    plan: &ClaimPlan,
+    rows: &[PgRow],
+) -> Result<Vec<PgRow>, Error> {
+    let err = plan.err();
+    let got = messages_in(rows);
+    let window_end = match rows.first() {
+        Some(row) => row.try_get::<Option<i64>, _>("window_end").map_err(&err)?,
+        None => None,
+    };
+    let (true, Some(window_end)) = (got < plan.max, window_end) else {
+        return Ok(Vec::new());
+    };
+    let rest = i64::try_from(plan.max - got).unwrap_or(i64::MAX);
+    claim_statement(&plan.past, rest, plan.token, plan.lease_us, plan.window)
+        .bind(window_end)
+        .bind(plan.shards)
+        .bind(plan.shard)
+        .fetch_all(&mut **tx)
+        .await
+        .map_err(err)
+}
+
+/// The claimed rows as messages, and the [`Poison`]s of those that do not decode.
+fn decode_all(rows: &[PgRow], plan: &ClaimPlan) -> Result<(Vec<Message>, Vec<Poison>), Error> {
+    let mut messages = Vec::with_capacity(rows.len());
+    let mut poisoned = Vec::new();
+    for row in rows {
+        // The single row of an empty claim carries only the lease end.
+        let id = row.try_get::<Option<Uuid>, _>("id").map_err(plan.err())?;
+        if id.is_some() {
+            match decode(row, &plan.table)? {
+                Ok(message) => messages.push(message),
+                Err(poison) => poisoned.push(poison),
+            }
+        }
+    }
+    Ok((messages, poisoned))
+}
+
+/// Dead-letter a claim's undecodable rows (leased by its transaction) by `seq`, each with its
+/// reason, in one statement.
+async fn quarantine(tx: &mut ClaimTx, plan: &ClaimPlan, poisoned: &[Poison]) -> Result<(), Error> {
+    let seqs: Vec<i64> = poisoned.iter().map(|p| p.seq).collect();
+    let reasons: Vec<&str> = poisoned.iter().map(|p| truncate_error(&p.reason)).collect();
+    sqlx::query(&plan.quarantine)
+        .bind(plan.token.0)
+        .bind(&seqs)
+        .bind(&reasons)
+        .execute(&mut **tx)
+        .await
+        .map_err(plan.err())?;
+    Ok(())
+}
+
+/// Under `Block`, a quarantined row's key's later messages of this claim wait behind it like
+/// behind any dead head: release them in the claim's transaction; the rest are handed out.
+async fn hold_back(
+    tx: &mut ClaimTx,
+    plan: &ClaimPlan,
+    poisoned: &[Poison],
+    messages: Vec<Message>,
+) -> Result<Vec<Message>, Error> {
+    let (held, kept): (Vec<Message>, Vec<Message>) = messages
+        .into_iter()
+        .partition(|m| held_back(poisoned, plan.policy, m.seq, m.partition_key.as_deref()));
+    if !held.is_empty() {
+        let ids: Vec<Uuid> = held.iter().map(|m| m.id).collect();
+        sqlx::query(&plan.release)
+            .bind(plan.token.0)
+            .bind(&ids)
+            .execute(&mut **tx)
+            .await
+            .map_err(plan.err())?;
+    }
+    Ok(kept)
 }
 
 #[cfg(test)]

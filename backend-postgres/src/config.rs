@@ -3,14 +3,15 @@
 use std::fmt;
 use std::sync::Arc;
 
-use outbox_sqlx_support::TableSettings;
-use outbox_traits::{validate_sql_identifier, Error, Limits};
+use outbox_sql_support::validate_sql_identifier;
+use outbox_sql_support::TableSettings;
+use outbox_traits::Error;
 
 use crate::sql::Sql;
 
 /// The default schema: `public`.
 pub const DEFAULT_SCHEMA: &str = "public";
-pub use outbox_sqlx_support::DEFAULT_TABLE;
+pub use outbox_sql_support::DEFAULT_TABLE;
 
 /// Where the outbox lives and how enqueue behaves.
 ///
@@ -49,19 +50,11 @@ impl PostgresConfig {
         &self.inner.schema
     }
 
-    /// The table name.
-    pub fn table(&self) -> &str {
-        &self.inner.common.table
-    }
+    outbox_sql_support::table_settings_getters!(inner.common);
 
     /// `"schema"."table"`, quoted as it appears in the SQL.
     pub fn qualified_table(&self) -> &str {
         &self.inner.sql.table
-    }
-
-    /// The payload limits enqueue enforces.
-    pub fn limits(&self) -> Limits {
-        self.inner.common.limits
     }
 
     /// Whether the table's insert trigger wakes relays (see [`PostgresConfigBuilder::notify`]).
@@ -86,12 +79,6 @@ impl PostgresConfig {
     /// The name of the statement-level `AFTER INSERT` trigger that sends the NOTIFY.
     pub fn notify_trigger(&self) -> &str {
         &self.inner.sql.notify_trigger
-    }
-
-    /// Whether completing a message deletes its row instead of marking it published
-    /// (see [`PostgresConfigBuilder::delete_published`]).
-    pub fn delete_published(&self) -> bool {
-        self.inner.common.delete_published
     }
 
     /// The `LISTEN/NOTIFY` channel for this table: `outbox.<schema>.<table>`, shortened with a
@@ -180,23 +167,10 @@ impl PostgresConfigBuilder {
         self
     }
 
-    /// Outbox table name (default `outbox`).
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.common.table = table.into();
-        self
-    }
-
-    /// Payload limits enforced at enqueue (default 1 MiB).
-    pub fn limits(mut self, limits: Limits) -> Self {
-        self.common.limits = limits;
-        self
-    }
-
-    /// Largest accepted payload, in bytes of its JSON text.
-    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
-        self.common.limits.max_payload_bytes = bytes;
-        self
-    }
+    outbox_sql_support::table_settings_setters!(common;
+        /// Here deleting makes completion about three times cheaper (no new row version, no
+        /// index entries), as Debezium-style outboxes do.
+    );
 
     /// Wake relays on every insert into the table (default on).
     ///
@@ -235,24 +209,6 @@ impl PostgresConfigBuilder {
     /// partition key take no lock.
     pub fn lock_keys(mut self, lock: bool) -> Self {
         self.lock_keys = lock;
-        self
-    }
-
-    /// Delete a message's row when it is published, instead of keeping it with state
-    /// `published` until [`OutboxAdmin::purge_published`] removes it (default off: kept).
-    ///
-    /// Deleting makes completion about three times cheaper (no new row version, no index
-    /// entries) and keeps the table small with no purge job, as Debezium-style outboxes do. The
-    /// cost: no history of published messages in the table ([`OutboxAdmin::counts`] reports
-    /// none), and a dedup key is free again as soon as its message is published rather than
-    /// after the purge. The store declares it through
-    /// [`Capabilities::deletes_published`](outbox_traits::Capabilities::deletes_published).
-    /// The table is the same either way, so the setting can change between runs.
-    ///
-    /// [`OutboxAdmin::purge_published`]: outbox_traits::OutboxAdmin::purge_published
-    /// [`OutboxAdmin::counts`]: outbox_traits::OutboxAdmin::counts
-    pub fn delete_published(mut self, delete: bool) -> Self {
-        self.common.delete_published = delete;
         self
     }
 

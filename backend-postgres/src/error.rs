@@ -11,7 +11,7 @@ pub(crate) const WHAT: &str = "postgres";
 /// deadlocks, lock and statement timeouts are transient; a missing table or column is permanent
 /// with a hint to run the migration; the rest is permanent.
 pub(crate) fn map_sqlx(err: sqlx::Error, op: &str, table: &str) -> Error {
-    outbox_sqlx_support::map_sqlx(err, WHAT, op, table, |err, text| {
+    outbox_sql_support::map_sqlx(err, WHAT, op, table, |err, text| {
         let code = err
             .as_database_error()
             .and_then(|db| db.code())

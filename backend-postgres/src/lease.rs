@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_sqlx_support::row::micros;
+use outbox_sql_support::limits::micros;
 use outbox_traits::{Error, FailAction, Failure, LeaseToken};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
@@ -127,5 +127,5 @@ async fn fenced(
 /// The stored error text: cut to its longest length, and without NUL, which Postgres text
 /// cannot hold.
 fn truncate_error(text: &str) -> String {
-    outbox_sqlx_support::row::truncate_error(text).replace('\0', "\u{FFFD}")
+    outbox_sql_support::limits::truncate_error(text).replace('\0', "\u{FFFD}")
 }

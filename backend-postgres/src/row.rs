@@ -1,9 +1,10 @@
-//! Decoding rows into the contract's types (durations in microseconds and the helpers shared
-//! with MariaDB are in `outbox_sqlx_support::row`).
+//! Decoding rows into the contract's types (durations, error texts and the quarantine of rows
+//! that do not decode are shared by every SQL store, in `outbox_sql_support`).
 
 use chrono::{DateTime, Utc};
-use outbox_sqlx_support::row::decode_error;
-use outbox_traits::quarantine::{self, Poison};
+use outbox_sql_support::admin::LenientRow;
+use outbox_sql_support::limits::decode_error;
+use outbox_sql_support::quarantine::{self, Poison};
 use outbox_traits::{Error, Message};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
@@ -55,4 +56,28 @@ fn fields(row: &PgRow, seq: i64) -> Result<Message, String> {
             .map_err(|e| quarantine::reason("attempts", Some(&attempts.to_string()), e))?,
         created_at: get::<DateTime<Utc>>(row, "created_at")?,
     })
+}
+
+/// A dead row read leniently, for showing one that does not decode.
+pub(crate) struct Lenient<'r>(pub(crate) &'r PgRow);
+
+impl LenientRow for Lenient<'_> {
+    fn text(&self, column: &str) -> Option<String> {
+        match column {
+            "id" => self
+                .0
+                .try_get::<Uuid, _>(column)
+                .ok()
+                .map(|id| id.to_string()),
+            _ => self.0.try_get::<Option<String>, _>(column).ok().flatten(),
+        }
+    }
+
+    fn attempts(&self) -> Option<u32> {
+        outbox_sql_support::row::attempts(self.0)
+    }
+
+    fn created_at(&self) -> Option<DateTime<Utc>> {
+        self.0.try_get("created_at").ok()
+    }
 }

@@ -10,8 +10,8 @@
 //! Durations travel as microseconds (`bigint`) and become intervals in SQL, so that every time
 //! decision uses the database's clock (`now()`), never the relay host's.
 
-pub(crate) use outbox_sqlx_support::names::derived_name;
-use outbox_sqlx_support::names::{fnv1a, MAX_IDENT};
+pub(crate) use outbox_sql_support::names::derived_name;
+use outbox_sql_support::names::{fnv1a, MAX_IDENT};
 
 /// Percent of each table page filled by inserts. The rest takes the new row versions of
 /// claims, extends, releases and retries on the row's own page, which HOT updates need.
@@ -747,12 +747,12 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#,
             requeue_check: format!(
                 "SELECT {MESSAGE_COLUMNS} FROM {t}
                  WHERE state = 'dead' AND id = ANY($1) AND last_error LIKE '{quarantined}%'",
-                quarantined = outbox_traits::quarantine::REASON_PREFIX,
+                quarantined = outbox_sql_support::quarantine::REASON_PREFIX,
             ),
             requeue_check_seqs: format!(
                 "SELECT {MESSAGE_COLUMNS} FROM {t}
                  WHERE state = 'dead' AND seq = ANY($1) AND last_error LIKE '{quarantined}%'",
-                quarantined = outbox_traits::quarantine::REASON_PREFIX,
+                quarantined = outbox_sql_support::quarantine::REASON_PREFIX,
             ),
             // The ctid list bounds the batch; a DELETE with a LIMIT needs that subquery, and
             // ctids are stable here because published rows are never updated.

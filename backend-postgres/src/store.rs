@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use outbox_sqlx_support::SqlxStore;
+use outbox_sql_support::SqlxStore;
 use outbox_traits::Error;
 use sqlx::postgres::{PgPool, Postgres};
 

@@ -1,6 +1,6 @@
 //! The operator's side of the store ([`OutboxAdmin`]): dead letters, purge, counts.
 
-use rusqlite::types::{Value, ValueRef};
+use rusqlite::types::Value;
 use rusqlite::{params, Connection, TransactionBehavior};
 
 use std::time::Duration;
@@ -11,11 +11,11 @@ use outbox_traits::{async_trait, Counts, DeadMessage, Error, OutboxAdmin};
 use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
 use crate::lease::db_now;
-use crate::row::duration_ms;
-use crate::row::{decode, id_text, to_time};
+use crate::row::{decode, id_text, Lenient};
 use crate::sql::Sql;
 use crate::store::SqliteStore;
-use outbox_traits::quarantine;
+use outbox_sql_support::admin::{dead_message, purge_age, RequeueCheck};
+use outbox_sql_support::limits::millis;
 
 #[async_trait]
 impl OutboxAdmin for SqliteStore {
@@ -65,7 +65,7 @@ impl OutboxAdmin for SqliteStore {
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
         outbox_traits::validate_purge_batch(batch)?;
         // Nothing was published more than a century ago.
-        let Ok(older_than_ms) = duration_ms(older_than, "purge age") else {
+        let Some(older_than_ms) = purge_age(older_than, millis) else {
             return Ok(0);
         };
         self.run(Ctx::Admin, move |conn, sql, table, caller| {
@@ -76,7 +76,7 @@ impl OutboxAdmin for SqliteStore {
 
     async fn counts(&self) -> Result<Counts, Error> {
         self.run(Ctx::Admin, move |conn, sql, table, _| {
-            counts(conn, sql, table)
+            crate::status::counts(conn, sql, table)
         })
         .await
     }
@@ -122,33 +122,8 @@ pub(crate) fn list_dead(
         .query_map(
             params![after_seq.unwrap_or(i64::MIN), as_i64(limit)],
             |row| {
-                let (message, raw_id) = match decode(row)? {
-                    Ok(message) => (message, None),
-                    // A quarantined row: shown as well as it reads.
-                    Err(poison) => quarantine::lenient(
-                        poison.seq,
-                        |column| {
-                            let i = crate::sql::MESSAGE_COLUMNS
-                                .split(", ")
-                                .position(|c| c == column)?;
-                            match row.get_ref(i).ok()? {
-                                ValueRef::Text(t) => Some(String::from_utf8_lossy(t).into_owned()),
-                                ValueRef::Integer(n) => Some(n.to_string()),
-                                ValueRef::Real(x) => Some(x.to_string()),
-                                _ => None,
-                            }
-                        },
-                        row.get::<_, i64>(9)
-                            .ok()
-                            .and_then(|n| u32::try_from(n).ok()),
-                        row.get::<_, i64>(10).ok().map(to_time),
-                    ),
-                };
-                Ok(DeadMessage {
-                    message,
-                    last_error: row.get::<_, Option<String>>(11)?.unwrap_or_default(),
-                    raw_id,
-                })
+                let last_error = row.get::<_, Option<String>>(11)?.unwrap_or_default();
+                Ok(dead_message(decode(row)?, &Lenient(row), last_error))
             },
         )
         .and_then(|rows| rows.collect())
@@ -201,35 +176,15 @@ fn per_row(
 /// completions match. Runs in the requeue's transaction.
 fn check_requeue(conn: &Connection, table: &str, check: &str, ids: &[Value]) -> Result<(), Error> {
     let mut stmt = conn.prepare_cached(check).map_err(err(table))?;
-    let mut refused = Vec::new();
+    let mut check = RequeueCheck::default();
     for id in ids {
         let mut rows = stmt.query(params![id]).map_err(err(table))?;
         while let Some(row) = rows.next().map_err(err(table))? {
-            match decode(row).map_err(err(table))? {
-                Err(poison) => refused.push(poison),
-                Ok(message) => {
-                    let stored: String = row.get(0).map_err(err(table))?;
-                    if stored != id_text(message.id) {
-                        refused.push(quarantine::Poison {
-                            seq: message.seq,
-                            partition_key: message.partition_key,
-                            reason: quarantine::reason(
-                                "id",
-                                Some(&stored),
-                                "not in the lower case the relay completes by (another \
-                                 message holds it in lower case); give the row an id of its own",
-                            ),
-                        });
-                    }
-                }
-            }
+            let decoded = decode(row).map_err(err(table))?;
+            check.row(decoded, row.get::<_, String>(0).ok().as_deref());
         }
     }
-    if refused.is_empty() {
-        Ok(())
-    } else {
-        Err(quarantine::requeue_refused(table, &refused))
-    }
+    check.finish(table)
 }
 
 pub(crate) fn requeue(
@@ -322,20 +277,4 @@ pub(crate) fn purge_published(
         .map_err(err(table))?;
     caller.commit(tx, err(table))?;
     Ok(deleted as u64)
-}
-
-pub(crate) fn counts(conn: &Connection, sql: &Sql, table: &str) -> Result<Counts, Error> {
-    conn.prepare_cached(&sql.counts)
-        .and_then(|mut s| {
-            s.query_row([], |r| {
-                let n = |i: usize| r.get::<_, i64>(i).map(|n| n.max(0) as u64);
-                Ok(Counts {
-                    pending: n(0)?,
-                    leased: n(1)?,
-                    published: n(2)?,
-                    dead: n(3)?,
-                })
-            })
-        })
-        .map_err(err(table))
 }

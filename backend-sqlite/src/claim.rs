@@ -21,10 +21,12 @@ use std::time::Duration;
 use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
 use crate::lease::{self, db_now, same_change, Change};
-use crate::row::{decode, duration_ms, id_text, to_time};
+use outbox_sql_support::limits::millis;
+
+use crate::row::{decode, id_text, to_time};
 use crate::sql::Sql;
 use crate::store::SqliteStore;
-use outbox_traits::quarantine::{held_back, Poison};
+use outbox_sql_support::quarantine::{held_back, Poison};
 
 /// What the walk knows about one partition key so far.
 struct KeyState {
@@ -55,7 +57,7 @@ struct KeyState {
 impl OutboxStore for SqliteStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, Error> {
         req.validate()?;
-        let lease_ms = duration_ms(req.lease, "lease")?;
+        let lease_ms = millis("lease", req.lease)?;
         let (limit, policy) = (req.limit, req.head_policy);
         self.run(Ctx::Claim, move |conn, sql, table, caller| {
             claim(conn, sql, table, limit, lease_ms, policy, caller)
@@ -81,7 +83,7 @@ impl OutboxStore for SqliteStore {
 
     async fn extend(&self, token: LeaseToken, lease: Duration) -> Result<DateTime<Utc>, Error> {
         outbox_traits::validate_lease_extension(lease)?;
-        let lease_ms = duration_ms(lease, "lease")?;
+        let lease_ms = millis("lease", lease)?;
         self.run(Ctx::Extend, move |conn, sql, table, caller| {
             lease::extend(conn, sql, table, token, lease_ms, caller)
         })
@@ -151,13 +153,7 @@ fn claim(
                     tx.prepare_cached(&sql.quarantine)
                         .and_then(|mut s| s.execute(params![seq, poison.reason]))
                         .map_err(err)?;
-                    tracing::warn!(
-                        table = %table,
-                        seq = poison.seq,
-                        partition_key = poison.partition_key.as_deref().unwrap_or(""),
-                        reason = %poison.reason,
-                        "outbox row does not decode; dead-lettered"
-                    );
+                    poison.log(table);
                     poisoned.push(poison);
                 }
             }

@@ -4,12 +4,13 @@
 
 use std::time::Duration;
 
-use outbox_traits::{validate_sql_identifier, Error, Limits};
+use outbox_sql_support::TableSettings;
+use outbox_traits::Error;
 
 use crate::sql::schema_sql;
 
 /// The table name used when none is configured.
-pub const DEFAULT_TABLE: &str = "outbox";
+pub use outbox_sql_support::DEFAULT_TABLE;
 
 /// The default time a connection waits for another connection's write lock before it reports
 /// `SQLITE_BUSY` (as a transient error).
@@ -72,11 +73,9 @@ impl Synchronous {
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SqliteConfig {
-    pub(crate) table: String,
-    pub(crate) limits: Limits,
-    pub(crate) busy_timeout: Duration,
-    pub(crate) synchronous: Synchronous,
-    pub(crate) delete_published: bool,
+    common: TableSettings,
+    busy_timeout: Duration,
+    synchronous: Synchronous,
 }
 
 impl Default for SqliteConfig {
@@ -93,15 +92,7 @@ impl SqliteConfig {
         SqliteConfigBuilder::default()
     }
 
-    /// The table name.
-    pub fn table(&self) -> &str {
-        &self.table
-    }
-
-    /// The payload limits enqueue enforces.
-    pub fn limits(&self) -> Limits {
-        self.limits
-    }
+    outbox_sql_support::table_settings_getters!(common);
 
     /// How long a connection waits for another connection's write lock.
     pub fn busy_timeout(&self) -> Duration {
@@ -113,20 +104,15 @@ impl SqliteConfig {
         self.synchronous
     }
 
-    /// Whether completing a message deletes its row instead of marking it published
-    /// (see [`SqliteConfigBuilder::delete_published`]).
-    pub fn delete_published(&self) -> bool {
-        self.delete_published
-    }
-
     /// The migration SQL for this table, for teams that apply migrations with their own tool.
     /// It is idempotent; [`crate::migrate`] runs exactly this (and checks an existing table).
     pub fn migration_sql(&self) -> String {
-        schema_sql(&self.table, self.limits.max_payload_bytes)
+        schema_sql(&self.common.table, self.common.limits.max_payload_bytes)
     }
 }
 
-/// Builder of [`SqliteConfig`]; [`SqliteConfigBuilder::build`] validates everything.
+/// Builder of [`SqliteConfig`]; [`SqliteConfigBuilder::build`] validates everything. A table
+/// name is at most 50 bytes here (index names are derived from it).
 #[derive(Debug, Clone)]
 pub struct SqliteConfigBuilder {
     config: SqliteConfig,
@@ -136,35 +122,18 @@ impl Default for SqliteConfigBuilder {
     fn default() -> Self {
         Self {
             config: SqliteConfig {
-                table: DEFAULT_TABLE.to_owned(),
-                limits: Limits::default(),
+                common: TableSettings::default(),
                 busy_timeout: DEFAULT_BUSY_TIMEOUT,
                 synchronous: Synchronous::default(),
-                delete_published: false,
             },
         }
     }
 }
 
 impl SqliteConfigBuilder {
-    /// Outbox table name (default [`DEFAULT_TABLE`], `outbox`). A plain SQL identifier of at
-    /// most 50 bytes (index names are derived from it).
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.config.table = table.into();
-        self
-    }
-
-    /// Payload limits enforced at enqueue (default 1 MiB).
-    pub fn limits(mut self, limits: Limits) -> Self {
-        self.config.limits = limits;
-        self
-    }
-
-    /// Largest accepted payload, in bytes of its JSON text.
-    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
-        self.config.limits.max_payload_bytes = bytes;
-        self
-    }
+    outbox_sql_support::table_settings_setters!(config.common;
+        /// In SQLite, deleting also keeps the database file small.
+    );
 
     /// How long a connection waits for another connection's write lock (default 5 s).
     pub fn busy_timeout(mut self, timeout: Duration) -> Self {
@@ -178,36 +147,20 @@ impl SqliteConfigBuilder {
         self
     }
 
-    /// Delete a message's row when it is published instead of keeping it as `published` until
-    /// [`purge_published`](outbox_traits::OutboxAdmin::purge_published) removes it (default
-    /// off: kept). Deleting keeps the file small with no purge job; the table then holds no
-    /// history of published messages (`counts()` reports none) and a dedup key is free again
-    /// as soon as its message is published. Declared as
-    /// [`Capabilities::deletes_published`](outbox_traits::Capabilities::deletes_published).
-    pub fn delete_published(mut self, delete: bool) -> Self {
-        self.config.delete_published = delete;
-        self
-    }
-
     /// Check every setting and build the config.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] saying which setting to fix.
     pub fn build(self) -> Result<SqliteConfig, Error> {
         let config = self.config;
-        validate_sql_identifier("table name", &config.table)?;
+        config.common.validate()?;
+        let table = &config.common.table;
         // Index names append up to 10 bytes to the table name; keep them inside the limit.
-        if config.table.len() > 50 {
+        if table.len() > 50 {
             return Err(Error::invalid_input(format!(
-                "table name {:?} is {} bytes long; use at most 50 bytes (index names are derived from it)",
-                config.table,
-                config.table.len()
+                "table name {table:?} is {} bytes long; use at most 50 bytes (index names are derived from it)",
+                table.len()
             )));
-        }
-        if config.limits.max_payload_bytes == 0 {
-            return Err(Error::invalid_input(
-                "max_payload_bytes is 0, so no message could be enqueued; use e.g. 1 MiB",
-            ));
         }
         // SQLite takes the busy timeout as a C int of milliseconds.
         if config.busy_timeout.as_millis() > i32::MAX as u128 {

@@ -74,9 +74,9 @@ fn check_directory(path: &Path) -> Result<(), Error> {
 }
 
 fn configure(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
-    let err = |e| map_err(e, Ctx::Open, &config.table);
+    let err = |e| map_err(e, Ctx::Open, config.table());
     // Set first: switching to WAL needs a lock another connection may briefly hold.
-    conn.busy_timeout(config.busy_timeout).map_err(err)?;
+    conn.busy_timeout(config.busy_timeout()).map_err(err)?;
     let mode: String = conn
         .pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0))
         .map_err(err)?;
@@ -89,7 +89,7 @@ fn configure(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
             None,
         ));
     }
-    conn.pragma_update(None, "synchronous", config.synchronous.as_sql())
+    conn.pragma_update(None, "synchronous", config.synchronous().as_sql())
         .map_err(err)?;
     conn.pragma_update(None, "foreign_keys", "ON")
         .map_err(err)?;

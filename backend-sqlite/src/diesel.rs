@@ -67,7 +67,7 @@ pub fn enqueue_batch(
     if rows.is_empty() {
         return Ok(());
     }
-    let table = &config.table;
+    let table = config.table();
     if rows.len() == 1 {
         // A single statement is atomic on its own; no savepoint needed.
         return insert_rows(conn, table, &rows);
@@ -108,7 +108,7 @@ pub async fn enqueue_batch_async(
         return Ok(());
     }
     let (config, messages) = (config.clone(), messages.to_vec());
-    let table = config.table.clone();
+    let table = config.table().to_owned();
     conn.spawn_blocking(move |conn| Ok(enqueue_batch(conn, &config, &messages)))
         .await
         .map_err(|e| classify(e, &table))?

@@ -77,14 +77,14 @@ pub fn enqueue_batch(
     let conn: &Connection = tx;
     if rows.len() == 1 {
         // A single statement is atomic on its own; no savepoint needed.
-        return insert_rows(conn, &config.table, &rows);
+        return insert_rows(conn, config.table(), &rows);
     }
     conn.execute_batch("SAVEPOINT outbox_enqueue")
-        .map_err(|e| map_err(e, Ctx::Enqueue, &config.table))?;
-    match insert_rows(conn, &config.table, &rows) {
+        .map_err(|e| map_err(e, Ctx::Enqueue, config.table()))?;
+    match insert_rows(conn, config.table(), &rows) {
         Ok(()) => conn
             .execute_batch("RELEASE outbox_enqueue")
-            .map_err(|e| map_err(e, Ctx::Enqueue, &config.table)),
+            .map_err(|e| map_err(e, Ctx::Enqueue, config.table())),
         Err(err) => {
             // Undo this batch only; the caller decides about the rest of its transaction. If the
             // undo itself fails the caller must roll back anyway, and the first error says why.
@@ -108,7 +108,7 @@ pub(crate) fn validate_all<'a>(
     config: &SqliteConfig,
     messages: &'a [NewMessage],
 ) -> Result<Vec<Prepared<'a>>, Error> {
-    let rows = validate_batch(messages, &config.limits)?
+    let rows = validate_batch(messages, &config.limits())?
         .into_iter()
         .map(|valid| Prepared {
             message: valid.message,

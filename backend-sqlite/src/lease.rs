@@ -15,12 +15,10 @@ use outbox_traits::{Error, FailAction, Failure, LeaseToken};
 
 use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
-use crate::row::{duration_ms, id_text, to_time};
-use crate::sql::Sql;
+use outbox_sql_support::limits::{millis, truncate_error};
 
-/// Longest stored error text; a publisher error carrying a whole response body must not bloat
-/// the table. Cut at a character boundary.
-const MAX_ERROR_BYTES: usize = 16 * 1024;
+use crate::row::{id_text, to_time};
+use crate::sql::Sql;
 
 /// What to do with one message, validated before the transaction starts.
 pub(crate) enum Change {
@@ -46,11 +44,11 @@ pub(crate) fn failures(failures: &[Failure]) -> Result<Vec<(Uuid, Change)>, Erro
     let mut seen = HashSet::with_capacity(failures.len());
     let mut out = Vec::with_capacity(failures.len());
     for failure in failures {
-        let error = truncate(&failure.error);
+        let error = truncate_error(&failure.error).to_owned();
         let change = match &failure.action {
             FailAction::Retry { delay } => Change::Retry {
                 error,
-                delay_ms: duration_ms(*delay, "retry delay")?,
+                delay_ms: millis("retry delay", *delay)?,
             },
             FailAction::Dead => Change::Dead { error },
         };
@@ -59,17 +57,6 @@ pub(crate) fn failures(failures: &[Failure]) -> Result<Vec<(Uuid, Change)>, Erro
         }
     }
     Ok(out)
-}
-
-fn truncate(text: &str) -> String {
-    if text.len() <= MAX_ERROR_BYTES {
-        return text.to_owned();
-    }
-    let mut end = MAX_ERROR_BYTES;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &text[..end])
 }
 
 /// Apply `changes` under `token` in one transaction; name the messages that were not held.
@@ -164,15 +151,6 @@ pub(crate) fn db_now(tx: &Transaction<'_>, sql: &Sql) -> rusqlite::Result<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn long_errors_are_cut_at_a_char_boundary() {
-        let text = "é".repeat(MAX_ERROR_BYTES);
-        let cut = truncate(&text);
-        assert!(cut.len() <= MAX_ERROR_BYTES + '…'.len_utf8());
-        assert!(cut.ends_with('…'));
-        assert_eq!(truncate("short"), "short");
-    }
 
     #[test]
     fn repeated_ids_are_applied_once() {

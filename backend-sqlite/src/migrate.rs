@@ -7,28 +7,9 @@ use outbox_traits::Error;
 
 use crate::config::SqliteConfig;
 use crate::error::{map_err, Ctx};
-use crate::sql::{lower_ids_sql, schema_sql, upgrade_sql, CONTRACT_MARK, ID_TRIGGER_SUFFIX};
-
-/// Columns the store needs; checked by [`migrate`] on an existing table.
-pub(crate) const COLUMNS: [&str; 17] = [
-    "seq",
-    "id",
-    "aggregatetype",
-    "aggregateid",
-    "type",
-    "payload",
-    "headers",
-    "partition_key",
-    "dedup_key",
-    "state",
-    "attempts",
-    "available_at",
-    "lease_token",
-    "lease_until",
-    "last_error",
-    "created_at",
-    "published_at",
-];
+use crate::sql::{
+    lower_ids_sql, schema_sql, upgrade_sql, COLUMNS, CONTRACT_MARK, ID_TRIGGER_SUFFIX,
+};
 
 /// Create the outbox table and its indexes if they do not exist, then check the table
 /// ([`SqliteStore::migrate`](crate::SqliteStore::migrate) runs this on the store's connection).
@@ -47,11 +28,11 @@ pub(crate) const COLUMNS: [&str; 17] = [
 /// copy holds the write lock for as long as it takes (about a second per few hundred thousand
 /// rows), once.
 pub fn migrate(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
-    let table = config.table.as_str();
+    let table = config.table();
     // Check a table that already exists before the DDL touches it, so an incompatible table
     // gets an error that says what is wrong rather than a failed CREATE INDEX.
     let existing = check_table(conn, table)?;
-    let max_payload_bytes = config.limits.max_payload_bytes;
+    let max_payload_bytes = config.limits().max_payload_bytes;
     let mut ddl = schema_sql(table, max_payload_bytes);
     // A table made before the SQL enqueue contract has no id default and lacks its checks:
     // rebuilt in place, rows and seq counter kept, in the same transaction.

@@ -1,30 +1,12 @@
 //! Conversions between stored rows and contract types: messages, ids and times.
 
-use std::time::Duration;
-
+use outbox_sql_support::admin::LenientRow;
+use outbox_sql_support::quarantine::{self, Poison};
 use outbox_traits::chrono::{DateTime, Utc};
-use outbox_traits::quarantine::{self, Poison};
 use outbox_traits::uuid::Uuid;
-use outbox_traits::{Error, Message};
+use outbox_traits::Message;
 use rusqlite::types::ValueRef;
 use rusqlite::Row;
-
-/// Longest duration accepted for leases, retry delays and purge ages: 100 years. Keeps every
-/// computed time inside both `i64` milliseconds and chrono's range.
-const MAX_DURATION_MS: i64 = 100 * 366 * 24 * 3600 * 1000;
-
-/// `d` in whole milliseconds, rounded up (a 0.5 ms lease must not end at once), or
-/// [`Error::InvalidInput`] naming `what` when it is over 100 years.
-pub(crate) fn duration_ms(d: Duration, what: &str) -> Result<i64, Error> {
-    let ms = d.as_micros().div_ceil(1000);
-    if ms > MAX_DURATION_MS as u128 {
-        return Err(Error::invalid_input(format!(
-            "{what} of {d:?} is too long; use at most 100 years"
-        )));
-    }
-    // Checked just above: ms <= MAX_DURATION_MS, which fits in i64.
-    Ok(ms as i64)
-}
 
 /// A stored millisecond time as a chrono time.
 pub(crate) fn to_time(ms: i64) -> DateTime<Utc> {
@@ -91,16 +73,26 @@ pub(crate) fn id_text(id: Uuid) -> String {
     id.hyphenated().to_string()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// A dead row read leniently (columns as [`crate::sql::MESSAGE_COLUMNS`]), for showing one that
+/// does not decode.
+pub(crate) struct Lenient<'a, 'r>(pub(crate) &'a Row<'r>);
 
-    #[test]
-    fn durations_round_up_and_are_bounded() {
-        assert_eq!(duration_ms(Duration::from_micros(500), "lease").unwrap(), 1);
-        assert_eq!(duration_ms(Duration::from_secs(2), "lease").unwrap(), 2000);
-        assert_eq!(duration_ms(Duration::ZERO, "delay").unwrap(), 0);
-        let err = duration_ms(Duration::from_secs(u64::MAX), "lease").unwrap_err();
-        assert!(err.to_string().contains("lease"), "{err}");
+impl LenientRow for Lenient<'_, '_> {
+    fn text(&self, column: &str) -> Option<String> {
+        let i = crate::sql::MESSAGE_COLUMNS
+            .split(", ")
+            .position(|c| c == column)?;
+        outbox_sql_support::rusqlite::text(self.0, i)
+    }
+
+    fn attempts(&self) -> Option<u32> {
+        self.0
+            .get::<_, i64>(9)
+            .ok()
+            .and_then(|n| u32::try_from(n).ok())
+    }
+
+    fn created_at(&self) -> Option<DateTime<Utc>> {
+        self.0.get::<_, i64>(10).ok().map(to_time)
     }
 }

@@ -1,6 +1,6 @@
 //! Every statement the store runs, and the table's DDL, built once per table name.
 
-use outbox_traits::quarantine::REASON_PREFIX;
+use outbox_sql_support::quarantine::REASON_PREFIX;
 
 /// "Now" in integer milliseconds since the Unix epoch, from SQLite's own clock.
 ///
@@ -161,7 +161,7 @@ WHERE id <> lower(id) AND id GLOB '{glob}' AND state IN ('pending', 'leased');
 /// [`crate::migrate`]'s transaction.
 pub(crate) fn upgrade_sql(table: &str, max_payload_bytes: usize) -> String {
     let new = format!("{table}_contract_upgrade");
-    let columns = crate::migrate::COLUMNS.join(", ");
+    let columns = COLUMNS.join(", ");
     format!(
         "DROP TABLE IF EXISTS {new};
 {create}PRAGMA ignore_check_constraints = ON;
@@ -177,6 +177,27 @@ ALTER TABLE {new} RENAME TO {table};
         create = create_table(&new, false, max_payload_bytes),
     )
 }
+/// Columns the store needs; checked by [`crate::migrate`] on an existing table.
+pub(crate) const COLUMNS: [&str; 17] = [
+    "seq",
+    "id",
+    "aggregatetype",
+    "aggregateid",
+    "type",
+    "payload",
+    "headers",
+    "partition_key",
+    "dedup_key",
+    "state",
+    "attempts",
+    "available_at",
+    "lease_token",
+    "lease_until",
+    "last_error",
+    "created_at",
+    "published_at",
+];
+
 /// The columns of a [`outbox_traits::Message`], in the order [`crate::row::decode`] reads them.
 pub(crate) const MESSAGE_COLUMNS: &str = "id, seq, aggregatetype, aggregateid, type, payload, \
      headers, partition_key, dedup_key, attempts, created_at";

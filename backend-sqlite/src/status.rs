@@ -5,11 +5,18 @@
 use rusqlite::{params, Connection};
 
 use outbox_traits::uuid::Uuid;
-use outbox_traits::{BlockedKey, Error, StoreStatus};
+use outbox_traits::{BlockedKey, Counts, Error, StoreStatus};
 
-use crate::admin;
 use crate::error::{map_err, Ctx};
 use crate::sql::{Sql, NOW_MS};
+
+/// The [`Counts`] of the table's states (part of [`status`], and
+/// [`OutboxAdmin::counts`](outbox_traits::OutboxAdmin::counts)).
+pub(crate) fn counts(conn: &Connection, sql: &Sql, table: &str) -> Result<Counts, Error> {
+    conn.prepare_cached(&sql.counts)
+        .and_then(|mut s| s.query_row([], outbox_sql_support::rusqlite::counts))
+        .map_err(|e| map_err(e, Ctx::Admin, table))
+}
 
 pub(crate) fn status(
     conn: &Connection,
@@ -20,7 +27,7 @@ pub(crate) fn status(
 ) -> Result<StoreStatus, Error> {
     let err = |e| map_err(e, Ctx::Admin, table);
     let t = table;
-    let counts = admin::counts(conn, sql, table)?;
+    let counts = counts(conn, sql, table)?;
     let now: i64 = conn
         .query_row(&format!("SELECT {NOW_MS}"), [], |r| r.get(0))
         .map_err(err)?;

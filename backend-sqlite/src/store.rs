@@ -70,7 +70,7 @@ impl SqliteStore {
         Ok(SqliteStore {
             inner: Arc::new(Inner {
                 conn: Mutex::new(conn),
-                sql: Sql::new(&config.table, config.delete_published),
+                sql: Sql::new(config.table(), config.delete_published()),
                 config,
                 path,
             }),
@@ -137,7 +137,7 @@ impl SqliteStore {
     {
         let result = self
             .blocking(Ctx::Transaction, move |conn, inner, caller| {
-                let table = inner.config.table.as_str();
+                let table = inner.config.table();
                 let tx = match conn.transaction_with_behavior(TransactionBehavior::Immediate) {
                     Ok(tx) => tx,
                     Err(e) => return Err(E::from(map_err(e, Ctx::Transaction, table))),
@@ -190,7 +190,7 @@ impl SqliteStore {
         T: Send + 'static,
     {
         self.blocking(ctx, move |conn, inner, caller| {
-            f(conn, &inner.sql, &inner.config.table, caller)
+            f(conn, &inner.sql, inner.config.table(), caller)
         })
         .await?
     }

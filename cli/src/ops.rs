@@ -377,8 +377,8 @@ pub async fn purge_all(
 }
 
 /// Count in `stats.dead` the rows the store dead-lettered during the run without the relay:
-/// a claim dead-letters a row that does not decode (see `outbox::quarantine`) and hands out
-/// the rest, so the relay never counts it. `start` is the store's status read before the relay
+/// a claim dead-letters a row that does not decode (see `outbox_sql_support::quarantine`) and
+/// hands out the rest, so the relay never counts it. `start` is the store's status read before the relay
 /// started; `dead` becomes the larger of the relay's own count and the growth of the store's
 /// dead count (which also moves with other relays' dead letters and operators' requeues and
 /// discards meanwhile). Best effort: if the status cannot be read, the relay's count stays.

@@ -3,7 +3,8 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use outbox_traits::{validate_sql_identifier, Error};
+use outbox_sql_support::validate_sql_identifier;
+use outbox_traits::Error;
 use uuid::Uuid;
 
 /// The default inbox table: `outbox_inbox`.

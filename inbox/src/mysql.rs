@@ -256,7 +256,7 @@ where
 
 /// Map a sqlx error of operation `op` on `table`, by MariaDB error number.
 pub(crate) fn map_sqlx(err: sqlx::Error, op: &str, table: &str) -> Error {
-    outbox_sqlx_support::map_sqlx(err, WHAT, op, table, |err, text| {
+    outbox_sql_support::map_sqlx(err, WHAT, op, table, |err, text| {
         let number = err
             .as_database_error()
             .and_then(|db| db.try_downcast_ref::<MySqlDatabaseError>())

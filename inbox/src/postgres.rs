@@ -309,7 +309,7 @@ where
 /// are [`Error::Unavailable`], deadlocks, serialization failures and timeouts transient, a
 /// missing table permanent with the fix, the rest permanent. No password appears.
 pub(crate) fn map_sqlx(err: sqlx::Error, op: &str, table: &str) -> Error {
-    outbox_sqlx_support::map_sqlx(err, WHAT, op, table, |err, text| {
+    outbox_sql_support::map_sqlx(err, WHAT, op, table, |err, text| {
         let code = err
             .as_database_error()
             .and_then(|db| db.code())

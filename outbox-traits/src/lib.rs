@@ -17,8 +17,9 @@
 //!    (a partial index), so claims stay fast as history grows.
 //! 2. **Enqueue** is your own function, generic over your driver's transaction, writing a whole
 //!    batch in one round trip. Call [`NewMessage::validate`] first and refuse bad input with
-//!    [`Error::InvalidInput`] before writing anything; name checks go through
-//!    [`validate_sql_identifier`].
+//!    [`Error::InvalidInput`] before writing anything. A SQL store checks every schema or table
+//!    name it splices into SQL (`outbox-sql-support`'s `validate_sql_identifier` does that for
+//!    the repository's stores).
 //! 3. **Claim by state, never by cursor.** `seq > last_seen` loses messages whose transaction
 //!    commits after a later one. Select pending, due rows (or rows whose lease expired), lease
 //!    them under a fresh [`LeaseToken`] with the lease end computed from the *database's* clock,
@@ -126,16 +127,13 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod error;
-mod ident;
 mod message;
 mod publisher;
-pub mod quarantine;
 mod secret;
 mod seeds;
 mod store;
 
 pub use error::{is_secret_option, redact_url, BoxError, Error, ErrorKind};
-pub use ident::validate_sql_identifier;
 pub use message::{
     validate_batch, Limits, Message, NewMessage, ValidMessage, DEFAULT_MAX_PAYLOAD_BYTES,
     TRACEPARENT_HEADER,

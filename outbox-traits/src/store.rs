@@ -464,8 +464,10 @@ pub struct DeadMessage {
     pub message: Message,
     /// The last recorded error.
     pub last_error: String,
-    /// The stored id, when it is not a UUID (a row written by hand that the relay quarantined,
-    /// see [`crate::quarantine`]); `message.id` is then the nil UUID, and the message is
+    /// The stored id, when it is not a UUID (a row written by hand that the relay quarantined:
+    /// a claimed row that does not decode is dead-lettered on its own, without publishing,
+    /// with a `last_error` that starts `undecodable row: ` and names the column and what is
+    /// wrong with it); `message.id` is then the nil UUID, and the message is
     /// requeued or discarded by its `seq` ([`OutboxAdmin::requeue_seqs`]). Columns of such a row
     /// that do not decode are shown empty; `last_error` says which one is wrong.
     pub raw_id: Option<String>,

@@ -24,9 +24,10 @@ use std::time::Duration;
 
 use outbox::relay::{Relay, RelayConfig, RelayStats};
 use outbox::store::StoreOptions;
-use outbox::{validate_sql_identifier, Error, NewMessage};
+use outbox::{Error, NewMessage};
 use outbox_consumer::{async_trait, Delivery, Handled, Handler, HandlerError};
 use outbox_inbox::{InboxConfig, Outcome};
+use outbox_sql_support::validate_sql_identifier;
 use rusqlite::TransactionBehavior;
 use sqlx::{MySqlPool, PgPool};
 use uuid::Uuid;
@@ -131,12 +132,12 @@ impl Db {
         let scheme = url.split_once(':').map_or("", |(scheme, _)| scheme);
         match scheme {
             "postgres" | "postgresql" => Ok(Db::Postgres(
-                outbox_sqlx_support::connect_pool(url, "postgres", CONNECT_TIMEOUT).await?,
+                outbox_sql_support::connect_pool(url, "postgres", CONNECT_TIMEOUT).await?,
             )),
             "mysql" | "mariadb" => {
                 let url = url.replacen("mariadb:", "mysql:", 1);
                 Ok(Db::Mysql(
-                    outbox_sqlx_support::connect_pool(&url, "mysql", CONNECT_TIMEOUT).await?,
+                    outbox_sql_support::connect_pool(&url, "mysql", CONNECT_TIMEOUT).await?,
                 ))
             }
             "sqlite" => {
@@ -186,7 +187,7 @@ fn sqlite_path(url: &str) -> Result<PathBuf, Error> {
 
 fn sql(op: &'static str) -> impl Fn(sqlx::Error) -> Error {
     move |e| {
-        outbox_sqlx_support::map_sqlx(e, "database", op, "the example's tables", |_, text| {
+        outbox_sql_support::map_sqlx(e, "database", op, "the example's tables", |_, text| {
             // Deadlocks and lock waits included: the consumer retries the message.
             Error::transient(format!("{op} failed: {text}"), None)
         })

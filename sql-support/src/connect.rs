@@ -1,38 +1,14 @@
-//! What the sqlx-based outbox stores (`outbox-backend-postgres`, `outbox-backend-mysql`)
-//! share: connecting with an error that names the real cause and never the password, and the
-//! classification of sqlx errors that does not depend on the database.
-//!
-//! A failed connection's error says what to fix as well as what went wrong: a TLS certificate
-//! the client does not trust, a host name the certificate does not list, a TLS-only server
-//! reached without TLS, a wrong password (see the option table in `tls.rs`, also in the
-//! backends' READMEs).
-//!
-//! The database's own error codes stay with each backend: [`map_sqlx`] hands database errors
-//! to the backend's classifier. What else the two stores share lives here too, so that what
-//! differs between them is their dialect: the common configuration settings ([`config`]), the
-//! store's pool and configuration ([`store`]), and row helpers ([`row`]).
-
-pub mod config;
-#[cfg(feature = "diesel")]
-pub mod diesel;
-pub mod names;
-pub mod row;
-pub mod store;
-
-pub use config::{TableSettings, DEFAULT_TABLE};
-pub use store::{SqlxStore, CONNECT_TIMEOUT};
+//! Connecting a sqlx pool (a probed connect whose errors name the real cause and never the
+//! password) and the classification of sqlx errors that does not depend on the database.
 
 use std::str::FromStr;
 use std::time::Duration;
 
 use outbox_traits::{redact_url, BoxError, Error, ErrorKind};
+
+use crate::{password, tls};
 use sqlx::pool::{Pool, PoolOptions};
 use sqlx::{ConnectOptions, Connection, Database};
-
-mod password;
-mod tls;
-
-pub use password::PASSWORD_FILE;
 
 /// Parse `url` (after replacing a `password_file=PATH` option by the password the file holds),
 /// connect once to check that the server answers, and return a lazy pool over

@@ -1,6 +1,6 @@
 //! Validation of SQL identifiers (schema and table names) that backends splice into SQL.
 
-use crate::error::Error;
+use outbox_traits::Error;
 
 /// Check that `name` is a plain SQL identifier: an ASCII letter or underscore, then letters,
 /// digits or underscores, at most 63 bytes (Postgres's limit, also within MySQL's and SQLite's).
@@ -9,7 +9,7 @@ use crate::error::Error;
 /// that a name can never inject SQL. `what` names the setting in the error, e.g. `table name`.
 ///
 /// ```
-/// use outbox_traits::validate_sql_identifier;
+/// use outbox_sql_support::validate_sql_identifier;
 /// assert!(validate_sql_identifier("table name", "outbox_messages").is_ok());
 /// let err = validate_sql_identifier("table name", "a;b").unwrap_err();
 /// assert!(err.to_string().contains("not a valid SQL identifier"));

@@ -6,15 +6,16 @@
 //! [`HeadPolicy::Block`] its key's later rows wait behind it like behind any dead head
 //! ([`held_back`]).
 //!
-//! The helpers here are shared by the stores so that every backend words reasons the same way.
+//! The helpers here are shared by the stores so that every backend words reasons the same way
+//! and logs a quarantined row with the same line ([`Poison::log`]).
 
 use std::collections::BTreeMap;
 use std::fmt::Display;
 
-use chrono::{DateTime, Utc};
-use uuid::Uuid;
+use outbox_traits::chrono::{DateTime, Utc};
+use outbox_traits::uuid::Uuid;
 
-use crate::{Error, HeadPolicy, Message};
+use outbox_traits::{Error, HeadPolicy, Message};
 
 /// How every quarantine [`reason`] begins: a dead row whose `last_error` starts with it was
 /// dead-lettered because it did not decode, so a requeue checks it again
@@ -36,6 +37,21 @@ pub struct Poison {
     pub partition_key: Option<String>,
     /// Why: the column and the value's problem, as stored in `last_error`.
     pub reason: String,
+}
+
+impl Poison {
+    /// The one WARN line every store logs for a row it dead-lettered because it does not
+    /// decode: `outbox row does not decode; dead-lettered`, with the table, the row's `seq`, its
+    /// partition key (empty when unknown) and the reason.
+    pub fn log(&self, table: &str) {
+        tracing::warn!(
+            table = %table,
+            seq = self.seq,
+            partition_key = self.partition_key.as_deref().unwrap_or(""),
+            reason = %self.reason,
+            "outbox row does not decode; dead-lettered"
+        );
+    }
 }
 
 /// The reason for a row whose `column` holds `value` (`None`: the value could not even be read
