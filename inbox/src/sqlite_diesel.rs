@@ -12,7 +12,7 @@
 //! use diesel::connection::SimpleConnection;
 //! use diesel::{Connection, RunQueryDsl, SqliteConnection};
 //! use outbox_inbox::{sqlite, InboxConfig, Outcome};
-//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let mut conn = SqliteConnection::establish(":memory:")?;
 //! conn.batch_execute("CREATE TABLE payments (message_id TEXT PRIMARY KEY)")?;
 //! let config = InboxConfig::default();
