@@ -17,6 +17,8 @@
 //! standard output. Exit status: 0 on success, 1 when a command fails, 2 for bad arguments.
 
 mod http;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod inbox;
 mod ops;
 #[cfg(feature = "otel")]
 mod otel;
@@ -101,6 +103,10 @@ enum Command {
         #[arg(long, default_value_t = 1000, value_parser = positive_usize)]
         batch: usize,
     },
+    /// The consumers' inbox in the store's database: migrate, purge, status.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    #[command(subcommand)]
+    Inbox(inbox::InboxCommand),
     /// Print the effective configuration (flags > environment > file > defaults) as TOML,
     /// secrets masked.
     Config,
@@ -229,6 +235,8 @@ async fn execute(command: Command, effective: Effective) -> Result<(), Error> {
             );
             return Ok(());
         }
+        #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+        Command::Inbox(command) => return inbox::execute(effective.store()?, command).await,
         command => return admin(&effective, command).await,
     };
     relay(&effective, serve).await
@@ -451,6 +459,8 @@ async fn admin(effective: &Effective, command: Command) -> Result<(), Error> {
             ops::print(&json!({"purged": purged}));
             Ok(())
         }
+        #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+        Command::Inbox(_) => Ok(()),
         Command::Run { .. }
         | Command::Drain { .. }
         | Command::Config

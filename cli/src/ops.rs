@@ -19,7 +19,8 @@ pub fn print(value: &Value) {
     println!("{value}");
 }
 
-fn age(seconds: f64) -> String {
+/// A duration in seconds for a table cell (`1h 2m 3s`, or `0.4s` under a second).
+pub fn age(seconds: f64) -> String {
     let whole = Duration::from_secs(seconds.max(0.0) as u64);
     if whole.is_zero() {
         format!("{seconds:.1}s")
@@ -41,7 +42,7 @@ fn cell(text: &str, max: usize) -> String {
 }
 
 /// Print rows as a table with a header, columns padded to their widest cell.
-fn table(header: &[&str], rows: &[Vec<String>]) {
+pub fn table(header: &[&str], rows: &[Vec<String>]) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (w, c) in widths.iter_mut().zip(row) {

@@ -7,7 +7,7 @@ use async_nats::header::HeaderValue;
 use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures::StreamExt;
 use outbox_traits::Error;
-use outbox_url::redact_url;
+use outbox_url::{read_secret_file, redact_url};
 use tokio_util::sync::CancellationToken;
 
 use crate::core::{broker_pause, in_lanes, Core, Verdict};
@@ -29,7 +29,17 @@ pub const NATS_URL_OPTIONS: &[&str] = &[
     "dead_stream",
     "ack_wait_ms",
     "timeout_ms",
+    "tls_required",
+    "ca_file",
+    "cert_file",
+    "key_file",
+    "password_file",
+    "token_file",
+    "nkey_file",
+    "creds_file",
 ];
+
+pub use outbox_publisher_nats::{NatsAuth, NatsSecurity};
 
 /// How long one pull request waits for messages.
 const PULL_EXPIRES: Duration = Duration::from_secs(2);
@@ -53,9 +63,11 @@ pub struct NatsConsumerConfig {
     pub subject: Option<String>,
     /// Subject of dead letters. Default: `dead.<stream>.<consumer>`.
     pub dead_letter_subject: String,
-    /// A stream to create (if missing) capturing `dead.<stream>.>`, for the default dead-letter
-    /// subject. Default: `Some("<stream>_DEAD")`. With `None`, or a dead-letter subject of your
-    /// own, a stream must already capture the dead-letter subject; `connect` checks it.
+    /// A stream to create (if missing) for the dead letters: it captures `dead.<stream>.>` when
+    /// the dead-letter subject is under it (the default: every consumer of the stream shares
+    /// it), else the dead-letter subject itself. Default: `Some("<stream>_DEAD")`. With `None`,
+    /// a stream must already capture the dead-letter subject; `connect` checks it (also when an
+    /// existing stream of this name captures other subjects).
     pub dead_letter_stream: Option<String>,
     /// How long JetStream waits for an acknowledgement before redelivering. While a message is
     /// between retries the consumer tells JetStream it is in progress every half of this; a
@@ -67,6 +79,9 @@ pub struct NatsConsumerConfig {
     pub timeout: Duration,
     /// Retries, batch size and concurrency.
     pub options: ConsumerOptions,
+    /// TLS and credentials: the same settings, URL options and semantics as the NATS
+    /// publisher's ([`NatsSecurity`]). Its `Debug` shows no secret.
+    pub security: NatsSecurity,
 }
 
 impl std::fmt::Debug for NatsConsumerConfig {
@@ -81,6 +96,7 @@ impl std::fmt::Debug for NatsConsumerConfig {
             .field("ack_wait", &self.ack_wait)
             .field("timeout", &self.timeout)
             .field("options", &self.options)
+            .field("security", &self.security)
             .finish()
     }
 }
@@ -98,6 +114,7 @@ impl NatsConsumerConfig {
             ack_wait: DEFAULT_ACK_WAIT,
             timeout: DEFAULT_NATS_TIMEOUT,
             options: ConsumerOptions::default(),
+            security: NatsSecurity::default(),
         }
     }
 
@@ -159,9 +176,39 @@ impl NatsConsumerConfig {
         let (mut subject, mut dead_subject, mut dead_stream) = (None, None, None);
         let (mut ack_wait, mut timeout) = (DEFAULT_ACK_WAIT, DEFAULT_NATS_TIMEOUT);
         let mut common = ConsumerOptions::default();
+        let mut security = NatsSecurity {
+            tls_required: parsed.scheme() == "tls",
+            ..NatsSecurity::default()
+        };
+        let (mut password_file, mut auths) = (None, Vec::new());
         for (key, value) in parsed.query_pairs() {
             let value = value.into_owned();
             match key.as_ref() {
+                "tls_required" => {
+                    security.tls_required = match value.as_str() {
+                        "true" | "1" => true,
+                        "false" | "0" => false,
+                        _ => {
+                            return Err(Error::invalid_input(format!(
+                                "NATS option tls_required={value:?} is not a boolean; use true \
+                                 or false"
+                            )))
+                        }
+                    }
+                }
+                "ca_file" => security.ca_file = Some(value.into()),
+                "cert_file" => security.cert_file = Some(value.into()),
+                "key_file" => security.key_file = Some(value.into()),
+                "password_file" => {
+                    password_file = Some(read_secret_file(BROKER, &key, &value)?);
+                }
+                "token_file" => {
+                    auths.push(NatsAuth::Token(read_secret_file(BROKER, &key, &value)?))
+                }
+                "nkey_file" => {
+                    auths.push(NatsAuth::NkeySeed(read_secret_file(BROKER, &key, &value)?));
+                }
+                "creds_file" => auths.push(NatsAuth::CredsFile(value.into())),
                 "stream" => stream = Some(value),
                 "consumer" => consumer = Some(value),
                 "subject" => subject = Some(value),
@@ -186,10 +233,42 @@ impl NatsConsumerConfig {
             stream.ok_or_else(|| options::missing_option(BROKER, "stream", &shown, example))?;
         let consumer =
             consumer.ok_or_else(|| options::missing_option(BROKER, "consumer", &shown, example))?;
+        let decode = |text: &str| {
+            percent_encoding::percent_decode_str(text)
+                .decode_utf8_lossy()
+                .into_owned()
+        };
+        let user = decode(parsed.username());
+        match (
+            user.is_empty(),
+            parsed.password().map(decode).or(password_file),
+        ) {
+            (true, None) => {}
+            (false, None) => auths.push(NatsAuth::Token(user)),
+            (false, Some(password)) => auths.push(NatsAuth::UserPassword { user, password }),
+            (true, Some(_)) => {
+                return Err(Error::invalid_input(format!(
+                    "NATS consumer URL {shown:?} has a password but no user name; write \
+                     nats://USER@host:4222?password_file=... (or USER:PASSWORD@)"
+                )))
+            }
+        }
+        if auths.len() > 1 {
+            return Err(Error::invalid_input(format!(
+                "NATS consumer URL {shown:?} gives more than one kind of credentials; use one \
+                 of: user:password@ (or user@ with password_file=), token@ (or token_file=), \
+                 nkey_file=, creds_file="
+            )));
+        }
+        security.auth = auths.pop().unwrap_or_default();
         let mut server = parsed.clone();
+        // The credentials are in `security`; the URL keeps none, so it can be shown.
+        let _ = server.set_username("");
+        let _ = server.set_password(None);
         server.set_query(None);
         server.set_fragment(None);
         let mut config = Self::new(server.to_string().trim_end_matches('/'), &stream, &consumer);
+        config.security = security;
         config.subject = subject;
         if let Some(dead_subject) = dead_subject {
             config.dead_letter_subject = dead_subject;
@@ -202,6 +281,18 @@ impl NatsConsumerConfig {
         config.options = common;
         config.validate()?;
         Ok(config)
+    }
+
+    /// The subject filter of the dead-letter stream [`NatsConsumer::connect`] creates: every
+    /// consumer's default dead-letter subject (`dead.<stream>.>`) when the dead-letter subject
+    /// is under it, else the dead-letter subject itself.
+    fn dead_letter_stream_subject(&self) -> String {
+        let shared = format!("dead.{}.", self.stream);
+        if self.dead_letter_subject.starts_with(&shared) {
+            format!("{shared}>")
+        } else {
+            self.dead_letter_subject.clone()
+        }
     }
 
     /// Check the values without connecting.
@@ -217,6 +308,7 @@ impl NatsConsumerConfig {
             }
         }
         options::non_empty(BROKER, "dead-letter subject", &self.dead_letter_subject)?;
+        self.security.validate()?;
         if self.ack_wait < Duration::from_millis(100) {
             return Err(Error::invalid_input(format!(
                 "NATS ack_wait {:?} is too short (at least 100 ms; default 30 s)",
@@ -230,6 +322,80 @@ impl NatsConsumerConfig {
         }
         Ok(())
     }
+}
+
+/// What to change when connecting failed with `text` (the client's message), or `None` when
+/// the message says enough (a refused connection): the NATS publisher's advice.
+fn connect_fix(text: &str, kind: async_nats::ConnectErrorKind) -> Option<&'static str> {
+    use async_nats::ConnectErrorKind as K;
+    let t = text.to_ascii_lowercase();
+    let has = |needles: &[&str]| needles.iter().any(|n| t.contains(n));
+    Some(match kind {
+        K::Authentication | K::AuthorizationViolation => {
+            "check the credentials: the user and password (password_file=), token (token_file=), \
+             NKey seed (nkey_file=) or .creds file (creds_file=) the server expects"
+        }
+        _ if has(&["unknownissuer", "unknown issuer", "badsignature"]) => {
+            "the server's certificate is not signed by a CA this client trusts: set ca_file= to \
+             the file of the CA that signed it"
+        }
+        _ if has(&["notvalidforname", "not valid for name"]) => {
+            "the server's certificate does not name the host in the URL: connect by a name the \
+             certificate lists"
+        }
+        _ if has(&["expired", "notvalidyet"]) => {
+            "the server's certificate is expired or not yet valid: renew it, or check this \
+             machine's clock"
+        }
+        _ if has(&[
+            "certificaterequired",
+            "certificate required",
+            "bad certificate",
+            "badcertificate",
+        ]) =>
+        {
+            "the server requires a client certificate signed by a CA it trusts: set cert_file= \
+             and key_file="
+        }
+        K::Tls => {
+            "the TLS handshake failed: check ca_file=, cert_file= and key_file=, and that the \
+             server speaks TLS"
+        }
+        _ => return None,
+    })
+}
+
+/// `options` with the TLS and credential settings applied, as the NATS publisher applies them.
+async fn apply_security(
+    security: &NatsSecurity,
+    mut options: async_nats::ConnectOptions,
+) -> Result<async_nats::ConnectOptions, Error> {
+    if security.tls_required {
+        options = options.require_tls(true);
+    }
+    if let Some(ca) = &security.ca_file {
+        options = options.add_root_certificates(ca.clone());
+    }
+    if let (Some(cert), Some(key)) = (&security.cert_file, &security.key_file) {
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    Ok(match &security.auth {
+        NatsAuth::Token(token) => options.token(token.clone()),
+        NatsAuth::UserPassword { user, password } => {
+            options.user_and_password(user.clone(), password.clone())
+        }
+        NatsAuth::NkeySeed(seed) => options.nkey(seed.clone()),
+        NatsAuth::CredsFile(path) => options.credentials_file(path).await.map_err(|e| {
+            Error::invalid_input(format!(
+                "NATS creds_file {} is not a valid .creds file ({}); give the file `nsc` \
+                 generated for the user",
+                path.display(),
+                e.kind()
+            ))
+        })?,
+        // `NatsAuth` is non-exhaustive: no credentials, or a kind this consumer does not know.
+        _ => options,
+    })
 }
 
 /// A durable JetStream pull consumer. Build it with [`NatsConsumer::connect`], then
@@ -252,7 +418,8 @@ impl NatsConsumer {
     pub async fn connect(config: NatsConsumerConfig) -> Result<Self, Error> {
         config.validate()?;
         let shown = redact_url(&config.url);
-        let client = async_nats::ConnectOptions::new()
+        let options = apply_security(&config.security, async_nats::ConnectOptions::new()).await?;
+        let client = options
             .name("outbox-consumer")
             .connection_timeout(config.timeout)
             .request_timeout(Some(config.timeout))
@@ -271,11 +438,17 @@ impl NatsConsumer {
             .await
             .map_err(|e| {
                 let detail = redact_url(&outbox_url::error_chain_line(&e));
-                Error::unavailable(
-                    "nats",
-                    format!("cannot connect to {shown}: {detail}"),
-                    detail,
-                )
+                use async_nats::ConnectErrorKind as K;
+                let message = match connect_fix(&detail, e.kind()) {
+                    Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
+                    None => format!("cannot connect to {shown}: {detail}"),
+                };
+                match e.kind() {
+                    K::Authentication | K::AuthorizationViolation | K::ServerParse => {
+                        Error::permanent(message, Some(detail.into()))
+                    }
+                    _ => Error::unavailable("nats", message, detail),
+                }
             })?;
         let mut jetstream = jetstream::new(client);
         jetstream.set_timeout(config.timeout);
@@ -310,7 +483,7 @@ impl NatsConsumer {
             jetstream
                 .get_or_create_stream(jetstream::stream::Config {
                     name: name.clone(),
-                    subjects: vec![format!("dead.{}.>", config.stream)],
+                    subjects: vec![config.dead_letter_stream_subject()],
                     ..Default::default()
                 })
                 .await

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outbox_traits::Error;
-use outbox_url::redact_url;
+use outbox_url::{read_secret_file, redact_url};
+
+pub use outbox_publisher_redis::RedisTls;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Value;
 use tokio_util::sync::CancellationToken;
@@ -31,6 +33,10 @@ pub const REDIS_URL_OPTIONS: &[&str] = &[
     "claim_idle_ms",
     "block_ms",
     "timeout_ms",
+    "ca_file",
+    "cert_file",
+    "key_file",
+    "password_file",
 ];
 
 /// Default [`RedisConsumerConfig::claim_idle`].
@@ -39,6 +45,66 @@ pub const DEFAULT_CLAIM_IDLE: Duration = Duration::from_secs(60);
 pub const DEFAULT_BLOCK: Duration = Duration::from_secs(2);
 /// Default reply timeout (on top of the blocking read's own wait).
 pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What to change when connecting failed with `text`, as the Redis publisher advises.
+fn connect_fix(text: &str) -> Option<&'static str> {
+    let t = text.to_ascii_lowercase();
+    let has = |needles: &[&str]| needles.iter().any(|n| t.contains(n));
+    Some(
+        if has(&["wrongpass", "invalid password", "noauth", "authentication"]) {
+            "check the user name and the password (in the URL, or in a file with password_file=)"
+        } else if has(&["unknownissuer", "unknown issuer", "badsignature"]) {
+            "the server's certificate is not signed by a CA this client trusts: set ca_file= to \
+             the file of the CA that signed it"
+        } else if has(&["notvalidforname", "not valid for name"]) {
+            "the server's certificate does not name the host in the URL: connect by a name the \
+             certificate lists"
+        } else if has(&[
+            "certificaterequired",
+            "certificate required",
+            "bad certificate",
+            "badcertificate",
+        ]) {
+            "the server requires a client certificate signed by a CA it trusts: set cert_file= \
+             and key_file="
+        } else {
+            return None;
+        },
+    )
+}
+
+/// The certificates `tls`'s files hold, read as the Redis publisher reads them.
+fn certificates(tls: &RedisTls) -> Result<redis::TlsCertificates, Error> {
+    let load = |option: &str, path: &Option<std::path::PathBuf>| {
+        path.as_ref()
+            .map(|path| {
+                std::fs::read(path).map_err(|e| {
+                    Error::invalid_input(format!(
+                        "Redis option {option}={} cannot be read ({}); give the path of a \
+                         readable file",
+                        path.display(),
+                        e.kind()
+                    ))
+                })
+            })
+            .transpose()
+    };
+    let root_cert = load("ca_file", &tls.ca_file)?;
+    let client_tls = match (
+        load("cert_file", &tls.cert_file)?,
+        load("key_file", &tls.key_file)?,
+    ) {
+        (Some(client_cert), Some(client_key)) => Some(redis::ClientTlsConfig {
+            client_cert,
+            client_key,
+        }),
+        _ => None,
+    };
+    Ok(redis::TlsCertificates {
+        client_tls,
+        root_cert,
+    })
+}
 
 /// Everything [`RedisConsumer::connect`] needs. `Debug` shows the URL without its password.
 #[derive(Clone)]
@@ -69,6 +135,9 @@ pub struct RedisConsumerConfig {
     pub timeout: Duration,
     /// Retries, batch size and concurrency.
     pub options: ConsumerOptions,
+    /// Certificate files of a `rediss://` connection: the Redis publisher's settings and URL
+    /// options (`ca_file`, `cert_file`, `key_file`).
+    pub tls: RedisTls,
 }
 
 impl std::fmt::Debug for RedisConsumerConfig {
@@ -83,6 +152,7 @@ impl std::fmt::Debug for RedisConsumerConfig {
             .field("block", &self.block)
             .field("timeout", &self.timeout)
             .field("options", &self.options)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -103,6 +173,7 @@ impl RedisConsumerConfig {
             block: DEFAULT_BLOCK,
             timeout: DEFAULT_REDIS_TIMEOUT,
             options: ConsumerOptions::default(),
+            tls: RedisTls::default(),
         }
     }
 
@@ -162,9 +233,14 @@ impl RedisConsumerConfig {
         let mut block = DEFAULT_BLOCK;
         let mut timeout = DEFAULT_REDIS_TIMEOUT;
         let mut common = ConsumerOptions::default();
+        let (mut tls, mut password) = (RedisTls::default(), None);
         for (key, value) in parsed.query_pairs() {
             let value = value.into_owned();
             match key.as_ref() {
+                "ca_file" => tls.ca_file = Some(value.into()),
+                "cert_file" => tls.cert_file = Some(value.into()),
+                "key_file" => tls.key_file = Some(value.into()),
+                "password_file" => password = Some(read_secret_file(BROKER, &key, &value)?),
                 "stream" => stream = Some(value),
                 "group" => group = Some(value),
                 "consumer" => consumer = Some(value),
@@ -192,7 +268,21 @@ impl RedisConsumerConfig {
         let mut server = parsed.clone();
         server.set_query(None);
         server.set_fragment(None);
+        if let Some(password) = password {
+            if parsed.password().is_some() {
+                return Err(Error::invalid_input(format!(
+                    "Redis consumer URL {shown:?} has both a password and password_file; give one"
+                )));
+            }
+            // Kept in the URL, as the publisher does: `Debug` and errors show it redacted.
+            server.set_password(Some(&password)).map_err(|()| {
+                Error::invalid_input(format!(
+                    "Redis consumer URL {shown:?} cannot take a password"
+                ))
+            })?;
+        }
         let mut config = Self::new(server.to_string(), &stream, &group);
+        config.tls = tls;
         if let Some(consumer) = consumer {
             config.consumer = consumer;
         }
@@ -210,6 +300,7 @@ impl RedisConsumerConfig {
     /// Check the values without connecting.
     pub fn validate(&self) -> Result<(), Error> {
         self.options.validate()?;
+        self.tls.validate(&self.url)?;
         options::non_empty(BROKER, "stream", &self.stream)?;
         options::non_empty(BROKER, "group", &self.group)?;
         options::non_empty(BROKER, "consumer name", &self.consumer)?;
@@ -291,13 +382,18 @@ impl RedisConsumer {
         let shown = redact_url(&config.url);
         let unavailable = |e: &dyn std::fmt::Display| {
             let detail = redact_url(&e.to_string());
-            Error::unavailable(
-                "redis",
-                format!("cannot connect to {shown}: {detail}"),
-                detail,
-            )
+            let message = match connect_fix(&detail) {
+                Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
+                None => format!("cannot connect to {shown}: {detail}"),
+            };
+            Error::unavailable("redis", message, detail)
         };
-        let client = redis::Client::open(config.url.as_str()).map_err(|e| {
+        let client = if config.tls.is_set() {
+            redis::Client::build_with_tls(config.url.as_str(), certificates(&config.tls)?)
+        } else {
+            redis::Client::open(config.url.as_str())
+        };
+        let client = client.map_err(|e| {
             Error::invalid_input(format!(
                 "Redis URL {shown:?} is not valid: {}",
                 redact_url(&e.to_string())

@@ -26,7 +26,15 @@ fn nats_urls() {
          &backoff_ms=5&max_backoff_ms=50&unavailable_budget_ms=60000",
     )
     .unwrap();
-    assert_eq!(c.url, "nats://u:s3cret@127.0.0.1:4222");
+    // The credentials move to `security`, as the publisher keeps them.
+    assert_eq!(c.url, "nats://127.0.0.1:4222");
+    assert_eq!(
+        c.security.auth,
+        outbox_consumer::nats::NatsAuth::UserPassword {
+            user: "u".into(),
+            password: "s3cret".into()
+        }
+    );
     assert_eq!(c.subject.as_deref(), Some("o.>"));
     assert_eq!(c.dead_letter_subject, "d.x");
     assert_eq!(c.dead_letter_stream, None);
@@ -122,5 +130,61 @@ async fn an_unknown_scheme_is_refused_before_connecting() {
         "kafka://h:9092?group=g",
     ] {
         invalid(outbox_consumer::Consumer::connect(url).await, url);
+    }
+}
+
+/// Secrets from files, as the publishers take them: read when the URL is parsed, never shown.
+#[test]
+fn credential_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let password = dir.path().join("pw");
+    std::fs::write(&password, "s3cret\n").unwrap();
+    let pw = password.display();
+
+    let kafka = KafkaConsumerConfig::from_url(&format!(
+        "kafka://app@h:9093?topic=t&group=g&security.protocol=SASL_SSL\
+         &sasl.mechanism=SCRAM-SHA-256&password_file={pw}"
+    ))
+    .unwrap();
+    assert_eq!(kafka.properties["sasl.username"], "app");
+    assert_eq!(kafka.properties["sasl.password"], "s3cret");
+    assert!(!format!("{kafka:?}").contains("s3cret"));
+    let both = format!("kafka://app:pw@h:9093?topic=t&group=g&password_file={pw}");
+    assert!(invalid(KafkaConsumerConfig::from_url(&both), &both).contains("give one"));
+
+    let redis = RedisConsumerConfig::from_url(&format!(
+        "redis://h:6379?stream=s&group=g&password_file={pw}"
+    ))
+    .unwrap();
+    assert!(!format!("{redis:?}").contains("s3cret"));
+    let both = format!("redis://:pw@h:6379?stream=s&group=g&password_file={pw}");
+    assert!(invalid(RedisConsumerConfig::from_url(&both), &both).contains("give one"));
+
+    let nats = NatsConsumerConfig::from_url(&format!(
+        "nats://app@h:4222?stream=S&consumer=c&password_file={pw}"
+    ))
+    .unwrap();
+    assert!(!format!("{nats:?}").contains("s3cret"));
+    assert!(
+        !nats.url.contains("app"),
+        "the credentials leave the URL: {}",
+        nats.url
+    );
+    let two = format!("nats://h:4222?stream=S&consumer=c&token_file={pw}&nkey_file={pw}");
+    assert!(invalid(NatsConsumerConfig::from_url(&two), &two).contains("more than one kind"));
+    let no_key = format!("tls://h:4222?stream=S&consumer=c&cert_file={pw}");
+    assert!(invalid(NatsConsumerConfig::from_url(&no_key), &no_key).contains("key_file"));
+
+    for url in [
+        "kafka://app@h:9093?topic=t&group=g&password_file=/nonexistent/pw",
+        "redis://h:6379?stream=s&group=g&password_file=/nonexistent/pw",
+        "nats://app@h:4222?stream=S&consumer=c&password_file=/nonexistent/pw",
+    ] {
+        let err = match url.split(':').next() {
+            Some("kafka") => invalid(KafkaConsumerConfig::from_url(url), url),
+            Some("redis") => invalid(RedisConsumerConfig::from_url(url), url),
+            _ => invalid(NatsConsumerConfig::from_url(url), url),
+        };
+        assert!(err.contains("/nonexistent/pw cannot be read"), "{err}");
     }
 }

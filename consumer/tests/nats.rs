@@ -230,6 +230,41 @@ async fn retries_then_acks_and_dead_letters_poison_and_undecodable_ones() {
 }
 
 #[tokio::test]
+async fn a_dead_letter_stream_of_ones_own_captures_the_subject_given() {
+    let Some(f) = fixture().await else { return };
+    let poison = message(Some("p"), 1, serde_json::json!({"n": 1}));
+    f.publish(std::slice::from_ref(&poison)).await;
+    // A subject outside `dead.<stream>.>` and a stream of its own, created by `connect`: before
+    // the fix that stream captured `dead.<stream>.>` and `connect` refused the subject.
+    let (subject, dead_stream) = (
+        format!("{}dead.poison", f.prefix),
+        format!("{}_OWN", f.stream),
+    );
+    let (handler, mut calls) = Scripted::new();
+    handler.plan(poison.id, Plan::Poison);
+    let consumer = NatsConsumer::connect(
+        f.config("own")
+            .with_dead_letters(subject.clone(), Some(dead_stream.clone()))
+            .with_options(fast_options(3)),
+    )
+    .await
+    .unwrap();
+    let task = tokio::spawn(consumer.run(handler));
+    calls_until(&mut calls, |c| of(c, poison.id).len() == 1).await;
+    f.all_acked("own").await;
+    let dead = f.jetstream.get_stream(&dead_stream).await.unwrap();
+    assert_eq!(dead.cached_info().config.subjects, vec![subject.clone()]);
+    let stored = dead
+        .get_last_raw_message_by_subject(&subject)
+        .await
+        .unwrap();
+    assert_eq!(header(&stored.headers, "message-id"), poison.id.to_string());
+    assert!(header(&stored.headers, DEAD_REASON).contains("poison"));
+    task.abort();
+    let _ = f.jetstream.delete_stream(&dead_stream).await;
+}
+
+#[tokio::test]
 async fn a_message_unacked_by_a_dead_consumer_is_redelivered() {
     let Some(f) = fixture().await else { return };
     let msg = message(Some("k"), 1, serde_json::json!({"n": 1}));

@@ -77,12 +77,7 @@ async fn relays_and_consumers_killed_at_random_leave_exactly_one_effect_per_comm
             ..Default::default()
         })
         .await?;
-        js.create_stream(async_nats::jetstream::stream::Config {
-            name: format!("XODEAD_{s}"),
-            subjects: vec![format!("xodead{s}")],
-            ..Default::default()
-        })
-        .await?;
+        // The consumer creates stream XODEAD_{s} capturing its dead-letter subject.
         let consumer = |name: &str| {
             format!(
                 "{nats}?stream=XO_{s}&consumer={name}&ack_wait_ms=1000\

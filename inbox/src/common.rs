@@ -117,9 +117,10 @@ impl InboxConfig {
         self.schema.as_deref()
     }
 
-    /// The table's name quoted with `quote` (`"` or `` ` ``), schema-qualified when set.
-    #[allow(dead_code)] // not every feature set uses it
-    pub(crate) fn qualified(&self, quote: char) -> String {
+    /// The table's name quoted with `quote` (`"` for Postgres and SQLite, `` ` `` for
+    /// MariaDB), schema-qualified when set: safe to put in statements of your own (e.g. a
+    /// report on the marks), as both names are plain identifiers.
+    pub fn qualified(&self, quote: char) -> String {
         match &self.schema {
             Some(schema) => format!("{quote}{schema}{quote}.{quote}{}{quote}", self.table),
             None => format!("{quote}{}{quote}", self.table),
@@ -131,6 +132,15 @@ impl InboxConfig {
     pub(crate) fn derived(&self, suffix: &str, quote: char) -> String {
         format!("{quote}{}_{suffix}{quote}", self.table)
     }
+}
+
+/// Check a consumer name as every inbox call does, without touching a database: not empty,
+/// at most [`MAX_CONSUMER_CHARS`] characters, no NUL.
+///
+/// # Errors
+/// [`Error::InvalidInput`] saying what is wrong.
+pub fn validate_consumer(consumer: &str) -> Result<(), Error> {
+    check_consumer(consumer)
 }
 
 /// Check a consumer name: not empty, at most [`MAX_CONSUMER_CHARS`] characters, no NUL.

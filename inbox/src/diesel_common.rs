@@ -87,11 +87,75 @@ impl<ST> QueryFragment<diesel::mysql::Mysql> for Stmt<ST> {
     }
 }
 
+// diesel (sync) runs only the query types that opt in.
+#[cfg(feature = "sqlite")]
+impl<ST, Conn> diesel::RunQueryDsl<Conn> for Stmt<ST> {}
+
+#[cfg(feature = "sqlite")]
+impl<ST> QueryFragment<diesel::sqlite::Sqlite> for Stmt<ST> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, diesel::sqlite::Sqlite>) -> QueryResult<()> {
+        for part in &self.parts {
+            match part {
+                Part::Sql(sql) => out.push_sql(sql),
+                Part::Text(value) => out.push_bind_param::<Text, _>(value)?,
+                Part::BigInt(value) => out.push_bind_param::<BigInt, _>(value)?,
+                Part::Uuid(_) | Part::Uuids(_) => {
+                    return Err(DieselError::QueryBuilderError(
+                        "SQLite statements bind ids as text".into(),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The `process` of the diesel-async inboxes: begin a transaction (a savepoint inside one) on
+/// `conn`, run `record`, and when it is new run `handler` and commit; a duplicate or an error
+/// rolls back. `map` classifies the transaction's own errors.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) async fn process<C, T, E, F>(
+    conn: &mut C,
+    record: impl AsyncFnOnce(&mut C) -> Result<crate::Receipt, Error>,
+    handler: F,
+    map: fn(DieselError, &str) -> Error,
+) -> Result<crate::Outcome<T>, E>
+where
+    C: diesel_async::AsyncConnection,
+    F: AsyncFnOnce(&mut C) -> Result<T, E>,
+    E: From<Error>,
+{
+    use crate::{Outcome, Receipt};
+    use diesel_async::TransactionManager;
+    C::TransactionManager::begin_transaction(conn)
+        .await
+        .map_err(|e| E::from(map(e, "begin")))?;
+    let result = match record(conn).await {
+        Err(e) => Err(E::from(e)),
+        Ok(Receipt::Duplicate) => Ok(Outcome::Duplicate),
+        Ok(Receipt::New) => handler(conn).await.map(Outcome::Handled),
+    };
+    if let Ok(Outcome::Handled(value)) = result {
+        C::TransactionManager::commit_transaction(conn)
+            .await
+            .map_err(|e| E::from(map(e, "commit")))?;
+        return Ok(Outcome::Handled(value));
+    }
+    let rolled_back = C::TransactionManager::rollback_transaction(conn).await;
+    match (result, rolled_back) {
+        // The handler's (or the mark's) error says more than the rollback's.
+        (Err(e), _) => Err(e),
+        (Ok(_), Err(e)) => Err(E::from(map(e, "rollback"))),
+        (Ok(outcome), Ok(())) => Ok(outcome),
+    }
+}
+
 /// Map a diesel error of operation `op` on `table` (`what` names the database, `module` the
 /// inbox module whose `migrate` creates the table). diesel-async gives a kind and a message, no
 /// error code: a lost connection or read-only server is [`Error::Unavailable`], a
 /// serialization failure, deadlock or lock wait timeout transient, a missing table permanent
 /// with the fix, the rest permanent.
+#[allow(dead_code)] // not with SQLite alone
 pub(crate) fn classify(err: DieselError, op: &str, table: &str, what: &str, module: &str) -> Error {
     let message = format!("inbox {op} on {table} failed: {err}");
     let (kind, text) = match &err {

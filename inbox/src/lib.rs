@@ -14,7 +14,10 @@
 )]
 
 mod common;
-#[cfg(all(feature = "diesel", any(feature = "postgres", feature = "mysql")))]
+#[cfg(all(
+    feature = "diesel",
+    any(feature = "postgres", feature = "mysql", feature = "sqlite")
+))]
 mod diesel_common;
 #[cfg(feature = "mysql")]
 pub mod mysql;
@@ -27,7 +30,9 @@ pub mod sqlite;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sqlx_common;
 
-pub use common::{InboxConfig, Outcome, Receipt, DEFAULT_TABLE, MAX_BATCH, MAX_CONSUMER_CHARS};
+pub use common::{
+    validate_consumer, InboxConfig, Outcome, Receipt, DEFAULT_TABLE, MAX_BATCH, MAX_CONSUMER_CHARS,
+};
 pub use outbox_traits::Error;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub use sqlx_common::HandlerFuture;

@@ -200,14 +200,53 @@ pub async fn purge<'c, E>(
 where
     E: Executor<'c, Database = MySql>,
 {
+    purge_marks(executor, config, None, older_than, batch).await
+}
+
+/// [`purge`] for the marks of one consumer only (the others' are kept, whatever their age).
+///
+/// # Errors
+/// As [`purge`]; a bad consumer name is [`Error::InvalidInput`].
+pub async fn purge_consumer<'c, E>(
+    executor: E,
+    config: &InboxConfig,
+    consumer: &str,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error>
+where
+    E: Executor<'c, Database = MySql>,
+{
+    check_consumer(consumer)?;
+    purge_marks(executor, config, Some(consumer), older_than, batch).await
+}
+
+async fn purge_marks<'c, E>(
+    executor: E,
+    config: &InboxConfig,
+    consumer: Option<&str>,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error>
+where
+    E: Executor<'c, Database = MySql>,
+{
     let micros = check_purge(older_than, batch)?;
     let table = config.qualified('`');
+    let only = if consumer.is_some() {
+        "AND consumer = ? "
+    } else {
+        ""
+    };
     let sql = format!(
         "DELETE FROM {table} WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND \
-         ORDER BY processed_at LIMIT ?"
+         {only}ORDER BY processed_at LIMIT ?"
     );
-    let done = sqlx::query(&sql)
-        .bind(micros)
+    let mut query = sqlx::query(&sql).bind(micros);
+    if let Some(consumer) = consumer {
+        query = query.bind(consumer);
+    }
+    let done = query
         .bind(batch)
         .execute(executor)
         .await

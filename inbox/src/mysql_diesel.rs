@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use crate::common::{check_batch, check_consumer, check_purge, distinct, receipts};
 use crate::diesel_common::{classify, Part, Stmt};
-use crate::{InboxConfig, Receipt};
+use crate::{InboxConfig, Outcome, Receipt};
 
 /// Re-exported so users name the same diesel-async version as this crate.
 pub use diesel_async;
@@ -110,6 +110,41 @@ pub async fn record_batch(
     Ok(receipts(ids, &inserted))
 }
 
+/// [`crate::mysql::process`] on diesel-async: handle one delivery exactly once. Begin a
+/// transaction on `conn` (a savepoint when one is open), [`record`] `id` for `consumer` and,
+/// when it is new, run `handler` with the connection and commit. A duplicate rolls back
+/// without calling `handler`; a handler error rolls back and is returned.
+///
+/// ```text
+/// let outcome = outbox_inbox::mysql::diesel::process(&mut conn, &config, "payments", id, async |conn| {
+///     diesel::insert_into(payments::table).values(&payment).execute(conn).await?;
+///     Ok::<_, MyError>(())
+/// }).await?; // then ack (Handled or Duplicate alike)
+/// ```
+///
+/// # Errors
+/// The handler's error, or the inbox's as `E::from`.
+pub async fn process<T, E, F>(
+    conn: &mut AsyncMysqlConnection,
+    config: &InboxConfig,
+    consumer: &str,
+    id: Uuid,
+    handler: F,
+) -> Result<Outcome<T>, E>
+where
+    F: AsyncFnOnce(&mut AsyncMysqlConnection) -> Result<T, E>,
+    E: From<Error>,
+{
+    check_consumer(consumer)?;
+    crate::diesel_common::process(
+        conn,
+        async |conn| record(conn, config, consumer, id).await,
+        handler,
+        |e, op| map(e, op, "the inbox transaction"),
+    )
+    .await
+}
+
 /// [`crate::mysql::purge`] on diesel-async: delete at most `batch` marks older than
 /// `older_than`, oldest first; returns how many.
 ///
@@ -121,18 +156,51 @@ pub async fn purge(
     older_than: Duration,
     batch: u32,
 ) -> Result<u64, Error> {
+    purge_marks(conn, config, None, older_than, batch).await
+}
+
+/// [`crate::mysql::purge_consumer`] on diesel-async: [`purge`] for one consumer's marks only.
+///
+/// # Errors
+/// As [`crate::mysql::purge_consumer`].
+pub async fn purge_consumer(
+    conn: &mut AsyncMysqlConnection,
+    config: &InboxConfig,
+    consumer: &str,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error> {
+    check_consumer(consumer)?;
+    purge_marks(conn, config, Some(consumer), older_than, batch).await
+}
+
+async fn purge_marks(
+    conn: &mut AsyncMysqlConnection,
+    config: &InboxConfig,
+    consumer: Option<&str>,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error> {
     let micros = check_purge(older_than, batch)?;
     let table = config.qualified('`');
-    let deleted = Stmt::<Binary>::new(vec![
+    let mut parts = vec![
         Part::Sql(format!(
             "DELETE FROM {table} WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL "
         )),
         Part::BigInt(micros),
-        Part::Sql(" MICROSECOND ORDER BY processed_at LIMIT ".into()),
+        Part::Sql(" MICROSECOND".into()),
+    ];
+    if let Some(consumer) = consumer {
+        parts.push(Part::Sql(" AND consumer = ".into()));
+        parts.push(Part::Text(consumer.to_owned()));
+    }
+    parts.extend([
+        Part::Sql(" ORDER BY processed_at LIMIT ".into()),
         Part::BigInt(i64::from(batch)),
-    ])
-    .execute(conn)
-    .await
-    .map_err(|e| map(e, "purge", &table))?;
+    ]);
+    let deleted = Stmt::<Binary>::new(parts)
+        .execute(conn)
+        .await
+        .map_err(|e| map(e, "purge", &table))?;
     Ok(deleted as u64)
 }

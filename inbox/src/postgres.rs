@@ -250,17 +250,55 @@ pub async fn purge<'c, E>(
 where
     E: Executor<'c, Database = Postgres>,
 {
+    purge_marks(executor, config, None, older_than, batch).await
+}
+
+/// [`purge`] for the marks of one consumer only (the others' are kept, whatever their age).
+///
+/// # Errors
+/// As [`purge`]; a bad consumer name is [`Error::InvalidInput`].
+pub async fn purge_consumer<'c, E>(
+    executor: E,
+    config: &InboxConfig,
+    consumer: &str,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error>
+where
+    E: Executor<'c, Database = Postgres>,
+{
+    check_consumer(consumer)?;
+    purge_marks(executor, config, Some(consumer), older_than, batch).await
+}
+
+async fn purge_marks<'c, E>(
+    executor: E,
+    config: &InboxConfig,
+    consumer: Option<&str>,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error>
+where
+    E: Executor<'c, Database = Postgres>,
+{
     let micros = check_purge(older_than, batch)?;
     let table = config.qualified('"');
+    let only = if consumer.is_some() {
+        "AND consumer = $3 "
+    } else {
+        ""
+    };
     let sql = format!(
         "DELETE FROM {table} WHERE (consumer, message_id) IN (\
          SELECT consumer, message_id FROM {table} \
-         WHERE processed_at < now() - $1 * interval '1 microsecond' \
+         WHERE processed_at < now() - $1 * interval '1 microsecond' {only}\
          ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
     );
-    let done = sqlx::query(&sql)
-        .bind(micros)
-        .bind(i64::from(batch))
+    let mut query = sqlx::query(&sql).bind(micros).bind(i64::from(batch));
+    if let Some(consumer) = consumer {
+        query = query.bind(consumer);
+    }
+    let done = query
         .execute(executor)
         .await
         .map_err(|e| map_sqlx(e, "purge", &table))?;

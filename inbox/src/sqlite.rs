@@ -23,6 +23,10 @@
 //! # }
 //! ```
 
+#[cfg(feature = "diesel")]
+#[path = "sqlite_diesel.rs"]
+pub mod diesel;
+
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -207,18 +211,57 @@ pub fn purge(
     older_than: Duration,
     batch: u32,
 ) -> Result<u64, Error> {
+    purge_marks(conn, config, None, older_than, batch)
+}
+
+/// [`purge`] for the marks of one consumer only (the others' are kept, whatever their age).
+///
+/// # Errors
+/// As [`purge`]; a bad consumer name is [`Error::InvalidInput`].
+pub fn purge_consumer(
+    conn: &Connection,
+    config: &InboxConfig,
+    consumer: &str,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error> {
+    check_consumer(consumer)?;
+    purge_marks(conn, config, Some(consumer), older_than, batch)
+}
+
+fn purge_marks(
+    conn: &Connection,
+    config: &InboxConfig,
+    consumer: Option<&str>,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error> {
     let micros = check_purge(older_than, batch)?;
     let table = config.qualified('"');
-    let sql = format!(
-        "DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} \
-         WHERE processed_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - ?1 \
-         ORDER BY processed_at LIMIT ?2)"
-    );
+    let sql = purge_sql(&table, consumer.is_some());
     let deleted = conn
         .prepare_cached(&sql)
-        .and_then(|mut stmt| stmt.execute((micros / 1000, batch)))
+        .and_then(|mut stmt| match consumer {
+            Some(consumer) => stmt.execute((micros / 1000, batch, consumer)),
+            None => stmt.execute((micros / 1000, batch)),
+        })
         .map_err(|e| map_err(e, "purge", &table))?;
     Ok(deleted as u64)
+}
+
+/// The purge statement on quoted `table`: `?1` the age in milliseconds, `?2` the batch and,
+/// with `one_consumer`, `?3` the consumer.
+pub(crate) fn purge_sql(table: &str, one_consumer: bool) -> String {
+    let only = if one_consumer {
+        "AND consumer = ?3 "
+    } else {
+        ""
+    };
+    format!(
+        "DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} \
+         WHERE processed_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - ?1 {only}\
+         ORDER BY processed_at LIMIT ?2)"
+    )
 }
 
 /// Map a rusqlite error of operation `op` on `table`: a busy or locked database is transient,

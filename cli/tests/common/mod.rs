@@ -23,6 +23,7 @@ pub const GUARD: Duration = Duration::from_secs(60);
 
 /// The `n`th message, keyed by one of `keys` customers; its payload has escapes and non-ASCII
 /// text, so that a relay that re-encodes it would be caught.
+#[allow(dead_code)]
 pub fn message(n: usize, keys: usize) -> NewMessage {
     NewMessage::new(
         "order",

@@ -404,7 +404,7 @@ mod diesel_async_inbox {
     outbox_conformance_tests::inbox_suite!(optional: MySqlInbox::from_env().map(|h| DieselMySqlInbox(h, Idle::default())), reduced: 2);
 
     #[tokio::test]
-    async fn migrate_is_idempotent_and_a_missing_table_says_to_migrate() {
+    async fn migrate_is_idempotent_a_missing_table_says_to_migrate_and_process_applies_once() {
         let Some(harness) = MySqlInbox::from_env() else {
             return;
         };
@@ -428,6 +428,45 @@ mod diesel_async_inbox {
         assert_eq!(first.unwrap(), Receipt::New);
         let again = mysql::diesel::record(&mut conn, &config, "payments", id).await;
         assert_eq!(again.unwrap(), Receipt::Duplicate);
+
+        // `process`: the handler's write and the mark commit together, once.
+        conn.batch_execute(&format!(
+            "CREATE TABLE `{database}`.paid (id TEXT NOT NULL)"
+        ))
+        .await
+        .unwrap();
+        let id = Uuid::now_v7();
+        let insert = format!("INSERT INTO `{database}`.paid VALUES (?)");
+        let failed = mysql::diesel::process(&mut conn, &config, "payments", id, async |conn| {
+            diesel::sql_query(&insert)
+                .bind::<Text, _>(id.to_string())
+                .execute(conn)
+                .await
+                .map_err(harness_error)?;
+            Err::<(), _>(Error::transient("card service down", None))
+        })
+        .await;
+        assert!(failed.is_err());
+        for expected in [Outcome::Handled(1), Outcome::Duplicate] {
+            let outcome =
+                mysql::diesel::process(&mut conn, &config, "payments", id, async |conn| {
+                    diesel::sql_query(&insert)
+                        .bind::<Text, _>(id.to_string())
+                        .execute(conn)
+                        .await
+                        .map_err(harness_error)
+                })
+                .await;
+            assert_eq!(outcome.unwrap(), expected);
+        }
+        let paid = diesel::sql_query(format!("DELETE FROM `{database}`.paid"))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            paid, 1,
+            "one effect for three deliveries, one of them failed"
+        );
         conn.batch_execute(&format!("DROP DATABASE `{database}`"))
             .await
             .unwrap();

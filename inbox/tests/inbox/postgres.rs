@@ -454,7 +454,7 @@ mod diesel_async_inbox {
     outbox_conformance_tests::inbox_suite!(optional: PgInbox::from_env().map(|h| DieselPgInbox(h, Idle::default())), reduced: 2);
 
     #[tokio::test]
-    async fn migrate_is_idempotent_and_a_missing_table_says_to_migrate() {
+    async fn migrate_is_idempotent_a_missing_table_says_to_migrate_and_process_applies_once() {
         let Some(harness) = PgInbox::from_env() else {
             return;
         };
@@ -476,6 +476,45 @@ mod diesel_async_inbox {
         let id = Uuid::now_v7();
         let first = postgres::diesel::record(&mut conn, &config, "payments", id).await;
         assert_eq!(first.unwrap(), Receipt::New);
+
+        // `process`: the handler's write and the mark commit together, once.
+        conn.batch_execute(&format!(
+            "CREATE TABLE \"{schema}\".paid (id UUID NOT NULL)"
+        ))
+        .await
+        .unwrap();
+        let id = Uuid::now_v7();
+        let insert = format!("INSERT INTO \"{schema}\".paid VALUES ($1)");
+        let failed = postgres::diesel::process(&mut conn, &config, "payments", id, async |conn| {
+            diesel::sql_query(&insert)
+                .bind::<SqlUuid, _>(id)
+                .execute(conn)
+                .await
+                .map_err(harness_error)?;
+            Err::<(), _>(Error::transient("card service down", None))
+        })
+        .await;
+        assert!(failed.is_err());
+        for expected in [Outcome::Handled(1), Outcome::Duplicate] {
+            let outcome =
+                postgres::diesel::process(&mut conn, &config, "payments", id, async |conn| {
+                    diesel::sql_query(&insert)
+                        .bind::<SqlUuid, _>(id)
+                        .execute(conn)
+                        .await
+                        .map_err(harness_error)
+                })
+                .await;
+            assert_eq!(outcome.unwrap(), expected);
+        }
+        let paid = diesel::sql_query(format!("DELETE FROM \"{schema}\".paid"))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            paid, 1,
+            "one effect for three deliveries, one of them failed"
+        );
         conn.batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
             .await
             .unwrap();

@@ -1,0 +1,347 @@
+//! `outbox-relay inbox ...`: the consumer side's table on the `--store` database: create it,
+//! purge old marks in bounded batches, and show what it holds.
+
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use outbox::Error;
+use outbox_inbox::{InboxConfig, MAX_BATCH};
+use serde_json::json;
+
+use crate::ops;
+use crate::progress::Progress;
+
+/// Which inbox table: `--inbox-table` (default `outbox_inbox`) and, optionally,
+/// `--inbox-schema`.
+#[derive(Debug, Clone, Args)]
+pub struct InboxTable {
+    /// The inbox table (the consumers' `InboxConfig`).
+    #[arg(long, env = "OUTBOX_INBOX_TABLE", default_value = outbox_inbox::DEFAULT_TABLE)]
+    pub inbox_table: String,
+    /// Its Postgres schema, MariaDB database or SQLite attached database, if not the
+    /// connection's default.
+    #[arg(long, env = "OUTBOX_INBOX_SCHEMA")]
+    pub inbox_schema: Option<String>,
+}
+
+impl InboxTable {
+    fn config(&self) -> Result<InboxConfig, Error> {
+        let config = InboxConfig::new(self.inbox_table.clone())?;
+        match &self.inbox_schema {
+            Some(schema) => config.with_schema(schema.clone()),
+            None => Ok(config),
+        }
+    }
+}
+
+/// The consumers' inbox (`outbox-inbox`) in the `--store` database: the table of processed
+/// message ids that turns at-least-once delivery into exactly-once effects.
+///
+/// Dead letters of `outbox-consumer` are kept by the broker, beside the messages: read them
+/// with the broker's own tools. NATS: stream `<stream>_DEAD` (subjects `dead.<stream>.>`;
+/// `nats stream info <stream>_DEAD`, `nats stream view <stream>_DEAD`). Redis: stream
+/// `<stream>:dead` unless `dead_stream=` says otherwise (`redis-cli XLEN`, `XRANGE key - +
+/// COUNT 20`). Kafka: topic `<topic>.dead` unless `dead_topic=` says otherwise
+/// (`kafka-console-consumer --topic <topic>.dead --from-beginning --property
+/// print.headers=true`). Each dead letter carries the original payload and headers plus
+/// `dead-letter-reason`, `dead-letter-attempts`, `dead-letter-source` and
+/// `dead-letter-consumer`.
+#[derive(Debug, Subcommand)]
+pub enum InboxCommand {
+    /// Create the inbox table and its index if they do not exist (idempotent).
+    Migrate {
+        #[command(flatten)]
+        table: InboxTable,
+    },
+    /// Delete marks (processed message ids) older than a given age, oldest first, in bounded
+    /// batches, each its own short transaction. Keep marks longer than any redelivery can
+    /// arrive: a redelivery whose mark was purged is applied again.
+    Purge {
+        /// Age of the marks to delete, e.g. 7d, 12h.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        older_than: Duration,
+        /// Only this consumer's marks (the others' are kept).
+        #[arg(long)]
+        consumer: Option<String>,
+        /// Marks per delete statement (1 to 10000).
+        #[arg(long, default_value_t = 1000, value_parser = batch)]
+        batch: u32,
+        #[command(flatten)]
+        table: InboxTable,
+    },
+    /// Marks per consumer, with the oldest and newest mark's age: what a purge would find.
+    Status {
+        /// One JSON object per consumer, one a line, instead of the table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        table: InboxTable,
+    },
+}
+
+fn batch(text: &str) -> Result<u32, String> {
+    match text.parse::<u32>() {
+        Ok(n) if (1..=MAX_BATCH as u32).contains(&n) => Ok(n),
+        Ok(n) => Err(format!("must be 1 to {MAX_BATCH}, not {n}")),
+        Err(e) => Err(format!(
+            "{e}; expected a whole number from 1 to {MAX_BATCH}"
+        )),
+    }
+}
+
+/// One consumer's marks.
+struct ConsumerMarks {
+    consumer: String,
+    marks: i64,
+    oldest_age_seconds: f64,
+    newest_age_seconds: f64,
+}
+
+/// The store's connection, opened with the store's own URL handling (TLS, `password_file`).
+enum Db {
+    #[cfg(feature = "postgres")]
+    Postgres(outbox::postgres::PostgresStore),
+    #[cfg(feature = "mysql")]
+    Mysql(outbox::mysql::MysqlStore),
+    #[cfg(feature = "sqlite")]
+    Sqlite(rusqlite::Connection),
+}
+
+async fn open(url: &str) -> Result<Db, Error> {
+    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or_default();
+    match scheme {
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => Ok(Db::Postgres(
+            outbox::postgres::PostgresStore::connect(url, Default::default()).await?,
+        )),
+        #[cfg(feature = "mysql")]
+        "mysql" | "mariadb" => {
+            let url = match url.strip_prefix("mariadb:") {
+                Some(rest) => format!("mysql:{rest}"),
+                None => url.to_owned(),
+            };
+            Ok(Db::Mysql(
+                outbox::mysql::MysqlStore::connect(&url, Default::default()).await?,
+            ))
+        }
+        #[cfg(feature = "sqlite")]
+        "sqlite" => {
+            let rest = &url["sqlite:".len()..];
+            let path = rest.strip_prefix("//").unwrap_or(rest);
+            if path.is_empty() || path.contains('?') {
+                return Err(Error::invalid_input(format!(
+                    "SQLite store URL {url:?} must name a file and take no options: \
+                     sqlite:///absolute/path.db or sqlite://relative/path.db"
+                )));
+            }
+            Ok(Db::Sqlite(outbox::sqlite::open_connection(
+                path,
+                &Default::default(),
+            )?))
+        }
+        _ => Err(Error::invalid_input(format!(
+            "the inbox lives in a SQL database: give --store a postgres://, mysql:// or \
+             sqlite:// URL (compiled in: {}), not {:?}",
+            outbox::store::compiled_in().join(", "),
+            outbox::redact_url(url)
+        ))),
+    }
+}
+
+/// Run one `inbox` command against the store at `url`.
+pub async fn execute(url: &str, command: InboxCommand) -> Result<(), Error> {
+    // Check the names before connecting.
+    let config = match &command {
+        InboxCommand::Migrate { table }
+        | InboxCommand::Purge { table, .. }
+        | InboxCommand::Status { table, .. } => table.config()?,
+    };
+    if let InboxCommand::Purge {
+        consumer: Some(consumer),
+        ..
+    } = &command
+    {
+        outbox_inbox::validate_consumer(consumer)?;
+    }
+    let db = open(url).await?;
+    match command {
+        InboxCommand::Migrate { .. } => {
+            migrate(&db, &config).await?;
+            ops::print(&json!({"migrated": config.table()}));
+            Ok(())
+        }
+        InboxCommand::Purge {
+            older_than,
+            consumer,
+            batch,
+            ..
+        } => {
+            let mut progress = Progress::new("purged", None);
+            let mut purged = 0;
+            loop {
+                let n = purge(&db, &config, consumer.as_deref(), older_than, batch).await?;
+                purged += n;
+                progress.set(purged);
+                if n < u64::from(batch) {
+                    break;
+                }
+            }
+            progress.finish();
+            ops::print(&json!({"purged": purged}));
+            Ok(())
+        }
+        InboxCommand::Status { json: as_json, .. } => {
+            let rows = status(&db, &config).await?;
+            if as_json {
+                for r in &rows {
+                    ops::print(&json!({
+                        "consumer": r.consumer,
+                        "marks": r.marks,
+                        "oldest_age_seconds": r.oldest_age_seconds,
+                        "newest_age_seconds": r.newest_age_seconds,
+                    }));
+                }
+            } else {
+                let cells: Vec<Vec<String>> = rows
+                    .iter()
+                    .map(|r| {
+                        vec![
+                            r.consumer.clone(),
+                            r.marks.to_string(),
+                            ops::age(r.oldest_age_seconds),
+                            ops::age(r.newest_age_seconds),
+                        ]
+                    })
+                    .collect();
+                ops::table(&["CONSUMER", "MARKS", "OLDEST", "NEWEST"], &cells);
+            }
+            Ok(())
+        }
+    }
+}
+
+async fn migrate(db: &Db, config: &InboxConfig) -> Result<(), Error> {
+    match db {
+        #[cfg(feature = "postgres")]
+        Db::Postgres(store) => outbox_inbox::postgres::migrate(store.pool(), config).await,
+        #[cfg(feature = "mysql")]
+        Db::Mysql(store) => outbox_inbox::mysql::migrate(store.pool(), config).await,
+        #[cfg(feature = "sqlite")]
+        Db::Sqlite(conn) => outbox_inbox::sqlite::migrate(conn, config),
+    }
+}
+
+async fn purge(
+    db: &Db,
+    config: &InboxConfig,
+    consumer: Option<&str>,
+    older_than: Duration,
+    batch: u32,
+) -> Result<u64, Error> {
+    match (db, consumer) {
+        #[cfg(feature = "postgres")]
+        (Db::Postgres(store), None) => {
+            outbox_inbox::postgres::purge(store.pool(), config, older_than, batch).await
+        }
+        #[cfg(feature = "postgres")]
+        (Db::Postgres(store), Some(c)) => {
+            outbox_inbox::postgres::purge_consumer(store.pool(), config, c, older_than, batch).await
+        }
+        #[cfg(feature = "mysql")]
+        (Db::Mysql(store), None) => {
+            outbox_inbox::mysql::purge(store.pool(), config, older_than, batch).await
+        }
+        #[cfg(feature = "mysql")]
+        (Db::Mysql(store), Some(c)) => {
+            outbox_inbox::mysql::purge_consumer(store.pool(), config, c, older_than, batch).await
+        }
+        #[cfg(feature = "sqlite")]
+        (Db::Sqlite(conn), None) => outbox_inbox::sqlite::purge(conn, config, older_than, batch),
+        #[cfg(feature = "sqlite")]
+        (Db::Sqlite(conn), Some(c)) => {
+            outbox_inbox::sqlite::purge_consumer(conn, config, c, older_than, batch)
+        }
+    }
+}
+
+fn read_error(table: &str) -> impl Fn(String) -> Error + '_ {
+    move |e| {
+        Error::permanent(
+            format!(
+                "cannot read inbox table {table}: {e}; `outbox-relay inbox migrate` creates it"
+            ),
+            None,
+        )
+    }
+}
+
+async fn status(db: &Db, config: &InboxConfig) -> Result<Vec<ConsumerMarks>, Error> {
+    match db {
+        #[cfg(feature = "postgres")]
+        Db::Postgres(store) => {
+            let table = config.qualified('"');
+            let sql = format!(
+                "SELECT consumer, count(*), \
+                 EXTRACT(EPOCH FROM now() - min(processed_at))::float8, \
+                 EXTRACT(EPOCH FROM now() - max(processed_at))::float8 \
+                 FROM {table} GROUP BY consumer ORDER BY consumer"
+            );
+            let rows: Vec<(String, i64, f64, f64)> = sqlx::query_as(&sql)
+                .fetch_all(store.pool())
+                .await
+                .map_err(|e| read_error(&table)(e.to_string()))?;
+            Ok(rows.into_iter().map(ConsumerMarks::from).collect())
+        }
+        #[cfg(feature = "mysql")]
+        Db::Mysql(store) => {
+            let table = config.qualified('`');
+            let sql = format!(
+                "SELECT consumer, count(*), \
+                 CAST(TIMESTAMPDIFF(MICROSECOND, min(processed_at), UTC_TIMESTAMP(6)) AS DOUBLE) / 1e6, \
+                 CAST(TIMESTAMPDIFF(MICROSECOND, max(processed_at), UTC_TIMESTAMP(6)) AS DOUBLE) / 1e6 \
+                 FROM {table} GROUP BY consumer ORDER BY consumer"
+            );
+            // The column's binary collation makes it VARBINARY to the driver.
+            let rows: Vec<(Vec<u8>, i64, f64, f64)> = sqlx::query_as(&sql)
+                .fetch_all(store.pool())
+                .await
+                .map_err(|e| read_error(&table)(e.to_string()))?;
+            Ok(rows
+                .into_iter()
+                .map(|(consumer, marks, oldest, newest)| {
+                    let consumer = String::from_utf8_lossy(&consumer).into_owned();
+                    ConsumerMarks::from((consumer, marks, oldest, newest))
+                })
+                .collect())
+        }
+        #[cfg(feature = "sqlite")]
+        Db::Sqlite(conn) => {
+            let table = config.qualified('"');
+            let sql = format!(
+                "SELECT consumer, count(*), \
+                 (CAST(unixepoch('subsec') * 1000 AS INTEGER) - min(processed_at)) / 1000.0, \
+                 (CAST(unixepoch('subsec') * 1000 AS INTEGER) - max(processed_at)) / 1000.0 \
+                 FROM {table} GROUP BY consumer ORDER BY consumer"
+            );
+            let read = || -> rusqlite::Result<Vec<(String, i64, f64, f64)>> {
+                let mut stmt = conn.prepare(&sql)?;
+                let rows =
+                    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?;
+                rows.collect()
+            };
+            let rows = read().map_err(|e| read_error(&table)(e.to_string()))?;
+            Ok(rows.into_iter().map(ConsumerMarks::from).collect())
+        }
+    }
+}
+
+impl From<(String, i64, f64, f64)> for ConsumerMarks {
+    fn from((consumer, marks, oldest, newest): (String, i64, f64, f64)) -> Self {
+        Self {
+            consumer,
+            marks,
+            oldest_age_seconds: oldest,
+            newest_age_seconds: newest,
+        }
+    }
+}
