@@ -62,6 +62,7 @@ impl Relay {
                 tuning,
                 notifier: Notifier::new(),
                 publisher_name,
+                outbox: None,
             }),
         })
     }
@@ -74,6 +75,23 @@ impl Relay {
         Self {
             shared: Arc::new(shared),
         }
+    }
+
+    /// Label every metric this relay records with `outbox = name` (see
+    /// [`OUTBOX_LABEL`](crate::metric_names::OUTBOX_LABEL)), beside `publisher`: for a process
+    /// that runs one relay per outbox and serves their metrics on one endpoint. The metric
+    /// names stay the same; a relay without a name records no `outbox` label.
+    pub fn for_outbox(self, name: impl Into<String>) -> Self {
+        let mut shared = (*self.shared).clone();
+        shared.outbox = Some(name.into());
+        Self {
+            shared: Arc::new(shared),
+        }
+    }
+
+    /// The `outbox` label given by [`for_outbox`](Self::for_outbox), if any.
+    pub fn outbox(&self) -> Option<&str> {
+        self.shared.outbox.as_deref()
     }
 
     /// The notifier that wakes this relay; call [`Notifier::notify`] after an enqueue commits.
@@ -152,7 +170,7 @@ impl Relay {
         F: Future<Output = ()>,
     {
         let stats = Arc::new(StatsCell::default());
-        let rec = Recorder::new(stats.clone(), self.shared.publisher_name.clone());
+        let rec = Recorder::for_shared(stats.clone(), &self.shared);
         until_drained(&self.shared, &rec, admin, shutdown).await?;
         Ok(stats.snapshot())
     }
@@ -172,7 +190,7 @@ impl Relay {
     {
         let deadline = self.shared.config.shutdown_deadline;
         let stats = Arc::new(StatsCell::default());
-        let rec = Recorder::new(stats.clone(), self.shared.publisher_name.clone());
+        let rec = Recorder::for_shared(stats.clone(), &self.shared);
         let stop = async move {
             shutdown.await;
             deadline
@@ -192,7 +210,7 @@ impl Relay {
     pub fn spawn(&self) -> RelayHandle {
         let (stop_tx, stop_rx) = oneshot::channel::<Duration>();
         let stats = Arc::new(StatsCell::default());
-        let rec = Recorder::new(stats.clone(), self.shared.publisher_name.clone());
+        let rec = Recorder::for_shared(stats.clone(), &self.shared);
         let shared = self.shared.clone();
         let default_deadline = shared.config.shutdown_deadline;
         let task = tokio::spawn(async move {

@@ -18,4 +18,6 @@ pub(crate) struct Shared {
     pub(crate) tuning: Tuning,
     pub(crate) notifier: Notifier,
     pub(crate) publisher_name: String,
+    /// The `outbox` label of this relay's metrics, when it serves one outbox among several.
+    pub(crate) outbox: Option<String>,
 }

@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_memory::{MemoryStore, RecordingPublisher};
 use outbox_engine::{Relay, RelayConfig};
+use outbox_memory::{MemoryStore, RecordingPublisher};
 use outbox_traits::chrono::{DateTime, Utc};
 use outbox_traits::uuid::Uuid;
 use outbox_traits::{

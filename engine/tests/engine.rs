@@ -8,8 +8,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_memory::RecordingPublisher;
 use outbox_engine::{Backoff, Relay, RelayConfig, RelayStats};
+use outbox_memory::RecordingPublisher;
 use outbox_traits::{Error, HeadPolicy, OutboxAdmin, PublishOutcome};
 use support::*;
 

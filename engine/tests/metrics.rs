@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-use outbox_memory::RecordingPublisher;
 use outbox_engine::{metric_names as m, Relay, RelayConfig};
+use outbox_memory::RecordingPublisher;
 use outbox_traits::PublishOutcome;
 use support::*;
 

@@ -8,8 +8,8 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_memory::RecordingPublisher;
 use outbox_engine::{Relay, RelayConfig};
+use outbox_memory::RecordingPublisher;
 use outbox_traits::{Error, OutboxAdmin, PublishOutcome};
 use support::*;
 use tokio::time::Instant;

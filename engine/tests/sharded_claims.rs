@@ -17,8 +17,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_memory::{MemoryStore, RecordingPublisher};
 use outbox_engine::{Chosen, Relay, RelayConfig};
+use outbox_memory::{MemoryStore, RecordingPublisher};
 use outbox_traits::{
     async_trait, chrono, Capabilities, Claim, ClaimRequest, ClaimShard, Error, Failure, LeaseToken,
     Message, OutboxStore, PublishOutcome, Publisher,

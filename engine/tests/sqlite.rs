@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_backend_sqlite::{enqueue_batch, sqlite_error, SqliteConfig, SqliteStore};
-use outbox_memory::RecordingPublisher;
 use outbox_engine::{Relay, RelayConfig, RelayStats};
+use outbox_memory::RecordingPublisher;
 use outbox_traits::{Error, NewMessage, OutboxAdmin, PublishOutcome};
 use support::*;
 
