@@ -41,7 +41,8 @@ fn cell(text: &str, max: usize) -> String {
 }
 
 /// Print rows as a table with a header, columns padded to their widest cell.
-fn table(header: &[&str], rows: &[Vec<String>]) {
+/// Print rows under `header`, columns aligned.
+pub fn table(header: &[&str], rows: &[Vec<String>]) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (w, c) in widths.iter_mut().zip(row) {

@@ -164,6 +164,11 @@ struct FileSettings {
     ready_timeout: Option<String>,
     log_format: Option<LogFormat>,
     log: Option<String>,
+    /// `[[outbox]]` tables: the outboxes one `run` serves (see `crate::multi`).
+    #[serde(default)]
+    outbox: Vec<crate::multi::OutboxFile>,
+    /// How often `schemas` patterns are looked up again.
+    discover_every: Option<String>,
 }
 
 /// The settings in effect.
@@ -193,6 +198,11 @@ pub struct Effective {
     pub log_format: LogFormat,
     /// Log filter.
     pub log: String,
+    /// The outboxes of the configuration file's `[[outbox]]` tables; empty: the one outbox of
+    /// `store`.
+    pub outboxes: Vec<crate::multi::OutboxSpec>,
+    /// How often `schemas` patterns are looked up again (default 30s).
+    pub discover_every: Duration,
 }
 
 /// The log filter when none is given: the program and the engine at info, the drivers quieter
@@ -232,7 +242,7 @@ fn read_file(path: &Path) -> Result<FileSettings, Error> {
 impl SettingsArgs {
     /// Merge with the configuration file and the defaults, and check the result.
     pub fn resolve(&self) -> Result<Effective, Error> {
-        let file = match &self.config {
+        let mut file = match &self.config {
             Some(path) => read_file(path)?,
             None => FileSettings::default(),
         };
@@ -282,7 +292,10 @@ impl SettingsArgs {
                 .unwrap_or(defaults.shutdown_deadline),
             ..defaults
         };
-        let effective = Effective {
+        let outbox_files = std::mem::take(&mut file.outbox);
+        let discover_every = duration("discover_every", file.discover_every.take())?
+            .unwrap_or(Duration::from_secs(30));
+        let mut effective = Effective {
             config: self.config.clone(),
             store: pick(
                 self.store.clone(),
@@ -342,7 +355,10 @@ impl SettingsArgs {
                 .clone()
                 .or(file.log)
                 .unwrap_or_else(|| DEFAULT_LOG.to_owned()),
+            outboxes: Vec::new(),
+            discover_every,
         };
+        effective.outboxes = crate::multi::resolve(outbox_files, &effective)?;
         Ok(effective)
     }
 }
@@ -375,6 +391,7 @@ impl Effective {
             ("--purge-every", self.purge_every),
             ("--gauges-every", self.gauges_every),
             ("--ready-timeout", self.ready_timeout),
+            ("discover_every", self.discover_every),
         ] {
             if value.is_zero() {
                 return Err(Error::invalid_input(format!(
