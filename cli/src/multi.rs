@@ -118,9 +118,18 @@ impl OutboxSpec {
     }
 
     fn is_postgres(&self) -> bool {
-        self.store.starts_with("postgres:") || self.store.starts_with("postgresql:")
+        is_postgres(&self.store)
     }
 }
+
+fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres:") || url.starts_with("postgresql:")
+}
+
+/// The longest idle wait of a Postgres outbox among several when `poll_max` is left at its
+/// default: wake-ups come from `LISTEN`, so a poll only catches what a lost notification or a
+/// retry coming due left behind.
+pub const PG_POLL_MAX: Duration = Duration::from_secs(1);
 
 fn duration(name: &str, key: &str, text: Option<String>) -> Result<Option<Duration>, Error> {
     text.map(|text| {
@@ -224,7 +233,16 @@ pub fn resolve(files: Vec<OutboxFile>, base: &Effective) -> Result<Vec<OutboxSpe
                 Some(Head::Skip) => HeadPolicy::Skip,
                 None => b.head_policy,
             },
-            poll_max: duration(&name, "poll_max", file.poll_max)?.unwrap_or(b.poll_max),
+            poll_max: match duration(&name, "poll_max", file.poll_max)? {
+                Some(given) => given,
+                // Woken by the database's LISTEN connection: polling is only the fallback, and
+                // a hundred outboxes polling ten times a second would keep a database busy
+                // doing nothing.
+                None if is_postgres(&store) && b.poll_max == RelayConfig::default().poll_max => {
+                    PG_POLL_MAX
+                }
+                None => b.poll_max,
+            },
             shutdown_deadline: duration(&name, "shutdown_deadline", file.shutdown_deadline)?
                 .unwrap_or(b.shutdown_deadline),
             ..b.clone()

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{relay_process, sigterm, BoxError, GUARD};
+use common::{BoxError, GUARD};
 use futures::StreamExt;
 use outbox::NewMessage;
 use outbox_conformance_tests::env::service_url;
@@ -92,7 +92,22 @@ struct Deliveries {
 }
 
 impl Deliveries {
+    /// Delete the stream.
+    async fn delete(&self, nats: &str) -> TestResult {
+        outbox_e2e::nats::delete_stream(nats, &self.prefix).await
+    }
+
+    /// A JetStream stream named `prefix` over `prefix.>` (the relays' publishes are acked by
+    /// it), and a core subscription to the same subjects.
     async fn subscribe(nats: &str, prefix: &str) -> Result<Self, BoxError> {
+        let client = async_nats::connect(nats).await?;
+        async_nats::jetstream::new(client)
+            .create_stream(async_nats::jetstream::stream::Config {
+                name: prefix.to_owned(),
+                subjects: vec![format!("{prefix}.>")],
+                ..Default::default()
+            })
+            .await?;
         let sub = common::nats_subscription(nats, format!("{prefix}.>")).await?;
         Ok(Self {
             sub,
@@ -133,8 +148,12 @@ impl Deliveries {
 
     /// Take messages until `total` have arrived.
     async fn until_total(&mut self, total: usize) -> Result<(), BoxError> {
+        let start = Instant::now();
         while self.total < total {
-            self.next().await?;
+            let (outbox, _) = self.next().await?;
+            if std::env::var_os("MANY_LOG").is_some() && self.total % 50 == 0 {
+                eprintln!("{:?} {} {outbox}", start.elapsed(), self.total);
+            }
         }
         Ok(())
     }
@@ -153,7 +172,18 @@ impl Deliveries {
             let got = self.by_outbox.get(outbox).cloned().unwrap_or_default();
             let unique: HashSet<&String> = got.iter().collect();
             if unique.len() != got.len() {
-                return Err(format!("outbox {outbox}: duplicates delivered").into());
+                let mut seen = HashMap::new();
+                for id in &got {
+                    *seen.entry(id).or_insert(0) += 1;
+                }
+                let twice = seen.values().filter(|n| **n > 1).count();
+                let missing = ids.iter().filter(|id| !seen.contains_key(id)).count();
+                return Err(format!(
+                    "outbox {outbox}: {} delivered, {twice} of them more than once, {missing} \
+                     missing",
+                    got.len()
+                )
+                .into());
             }
             let want: HashSet<&String> = ids.iter().collect();
             if unique != want {
@@ -175,6 +205,63 @@ impl Deliveries {
             return Err(format!("messages under unknown outboxes: {extra:?}").into());
         }
         Ok(())
+    }
+}
+
+/// `outbox-relay --config CONFIG run`, its standard error into `log` (printed by [`Relay::fail`]).
+struct Relay {
+    child: tokio::process::Child,
+    log: std::path::PathBuf,
+}
+
+impl Relay {
+    fn start(config: &Path) -> Result<Self, BoxError> {
+        let log = config.with_extension("log");
+        let child = tokio::process::Command::new(common::BIN)
+            .arg("--config")
+            .arg(config)
+            .arg("run")
+            .env("RUST_LOG", "info")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .kill_on_drop(true)
+            .spawn()?;
+        Ok(Self { child, log })
+    }
+
+    /// The relay's log, for a failure report.
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Add the relay's warnings to a failure.
+    fn fail<T>(&self, result: Result<T, BoxError>) -> Result<T, BoxError> {
+        result.map_err(|e| {
+            let log = self.log();
+            eprintln!("{e}\nrelay log:\n{log}");
+            let warnings: Vec<&str> = log
+                .lines()
+                .filter(|l| !l.contains(" INFO ") || std::env::var_os("MANY_LOG").is_some())
+                .take(200)
+                .collect();
+            format!("{e}\nrelay log (not INFO):\n{}", warnings.join("\n")).into()
+        })
+    }
+
+    /// SIGTERM, and wait for a clean exit: its log.
+    async fn stop(mut self) -> Result<String, BoxError> {
+        let pid = self.child.id().ok_or("the relay already exited")?;
+        tokio::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .await?;
+        let status = tokio::time::timeout(GUARD, self.child.wait()).await??;
+        let log = self.log();
+        if !status.success() {
+            return Err(format!("relay exited with {status}:\n{log}").into());
+        }
+        Ok(log)
     }
 }
 
@@ -290,11 +377,10 @@ async fn one_relay_serves_fifty_schemas_and_two_sqlite_files() -> TestResult {
         &config,
         format!(
             r#"
-broker = "{nats}?subject={p}.{{outbox}}.{{event_type}}"
+broker = "{nats}?subject={p}.{{outbox}}.{{event_type}}&stream={p}"
 metrics_addr = "{metrics}"
 gauges_every = "1s"
 discover_every = "1s"
-poll_max = "50ms"
 
 [[outbox]]
 store = "{pg}"
@@ -315,9 +401,9 @@ batch_size = 50
     )?;
     let mut deliveries = Deliveries::subscribe(&nats, &p).await?;
     let started = Instant::now();
-    let relay = relay_process(["--config".as_ref(), config.as_os_str(), "run".as_ref()])?;
+    let relay = Relay::start(&config)?;
     let first: usize = expected.values().map(Vec::len).sum();
-    deliveries.until_total(first).await?;
+    relay.fail(deliveries.until_total(first).await)?;
     eprintln!(
         "{first} messages of 52 outboxes delivered in {:?}",
         started.elapsed()
@@ -326,8 +412,8 @@ batch_size = 50
     let late = format!("{p}_t50");
     expected.insert(late.clone(), pg_outbox(&pool, &late, 20).await?);
     schemas.push(late.clone());
-    deliveries.until_total(first + 20).await?;
-    deliveries.check(&expected)?;
+    relay.fail(deliveries.until_total(first + 20).await)?;
+    relay.fail(deliveries.check(&expected))?;
     // Readiness reports each outbox; metrics carry each one's label and count its own messages.
     let ready = until_http(
         &metrics,
@@ -360,10 +446,7 @@ batch_size = 50
             "outbox_published_total{{outbox=\"{outbox}\"}}"
         );
     }
-    sigterm(&relay).await?;
-    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+    let stderr = relay.stop().await?;
     // The schema without the table: one line, however many discovery rounds ran.
     assert_eq!(
         stderr
@@ -373,11 +456,8 @@ batch_size = 50
         1,
         "{stderr}"
     );
-    eprintln!(
-        "test took {:?} (relay {:?})",
-        started.elapsed(),
-        started.elapsed()
-    );
+    eprintln!("test took {:?} after the setup", started.elapsed());
+    deliveries.delete(&nats).await?;
     DropSchemas { pool, schemas }.run().await
 }
 
@@ -410,11 +490,10 @@ async fn an_outbox_whose_database_is_down_for_30s_does_not_stop_the_others() -> 
         &config,
         format!(
             r#"
-broker = "{nats}?subject={p}.{{outbox}}.{{event_type}}"
+broker = "{nats}?subject={p}.{{outbox}}.{{event_type}}&stream={p}"
 metrics_addr = "{metrics}"
 gauges_every = "1s"
 ready_timeout = "1s"
-poll_max = "50ms"
 
 [[outbox]]
 name = "{down}"
@@ -435,8 +514,8 @@ store = "sqlite://{file}"
         ),
     )?;
     let mut deliveries = Deliveries::subscribe(&nats, &p).await?;
-    let relay = relay_process(["--config".as_ref(), config.as_os_str(), "run".as_ref()])?;
-    deliveries.until_total(30).await?;
+    let relay = Relay::start(&config)?;
+    relay.fail(deliveries.until_total(30).await)?;
     private_pool.close().await;
     private.stop()?;
     let outage = Instant::now();
@@ -449,8 +528,8 @@ store = "sqlite://{file}"
         let a = pg_enqueue(&pool, &up_pg, n..n + 1).await?;
         let b = sqlite_enqueue(&file, &up_file, n..n + 1)?;
         n += 1;
-        deliveries.until_id(&a[0]).await?;
-        deliveries.until_id(&b[0]).await?;
+        relay.fail(deliveries.until_id(&a[0]).await)?;
+        relay.fail(deliveries.until_id(&b[0]).await)?;
         expected.get_mut(&up_pg).ok_or("up_pg")?.extend(a);
         expected.get_mut(&up_file).ok_or("up_file")?.extend(b);
         during += 2;
@@ -479,10 +558,10 @@ store = "sqlite://{file}"
     let private_pool = sqlx::PgPool::connect(&private.url()).await?;
     let late = pg_enqueue(&private_pool, &down, 10..20).await?;
     for id in &late {
-        deliveries.until_id(id).await?;
+        relay.fail(deliveries.until_id(id).await)?;
     }
     expected.get_mut(&down).ok_or("down")?.extend(late);
-    deliveries.check(&expected)?;
+    relay.fail(deliveries.check(&expected))?;
     // Each outbox's messages counted under its own label only.
     let text = until_http(&metrics, "/metrics", "the counts", |_, body| {
         by_outbox(body, "outbox_published_total").get(&down) == Some(&20.0)
@@ -492,13 +571,8 @@ store = "sqlite://{file}"
     for (outbox, ids) in &expected {
         assert_eq!(published.get(outbox), Some(&(ids.len() as f64)), "{outbox}");
     }
-    sigterm(&relay).await?;
-    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    relay.stop().await?;
+    deliveries.delete(&nats).await?;
     DropSchemas {
         pool,
         schemas: vec![up_pg],
@@ -536,7 +610,7 @@ async fn a_large_backlog_does_not_starve_small_tenants() -> TestResult {
         &config,
         format!(
             r#"
-broker = "{nats}?subject={p}.{{outbox}}.{{event_type}}"
+broker = "{nats}?subject={p}.{{outbox}}.{{event_type}}&stream={p}"
 
 [[outbox]]
 store = "{pg}"
@@ -545,10 +619,10 @@ schemas = "{p}_*"
         ),
     )?;
     let mut deliveries = Deliveries::subscribe(&nats, &p).await?;
-    let relay = relay_process(["--config".as_ref(), config.as_os_str(), "run".as_ref()])?;
+    let relay = Relay::start(&config)?;
     // The backlog is being worked off.
     while !deliveries.by_outbox.contains_key(&big) {
-        deliveries.next().await?;
+        relay.fail(deliveries.next().await)?;
     }
     let last_of_backlog = backlog.last().ok_or("no backlog")?.clone();
     let mut committed: HashMap<String, Instant> = HashMap::new();
@@ -577,7 +651,7 @@ schemas = "{p}_*"
         }
     }
     for id in committed.keys() {
-        deliveries.until_id(id).await?;
+        relay.fail(deliveries.until_id(id).await)?;
     }
     let mut latencies: Vec<Duration> = committed
         .iter()
@@ -607,15 +681,10 @@ schemas = "{p}_*"
         assert_eq!(ids.len(), n, "{s}");
         expected.insert(s.clone(), ids);
     }
-    deliveries.check(&expected)?;
-    sigterm(&relay).await?;
-    let out = tokio::time::timeout(GUARD, relay.wait_with_output()).await??;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    relay.fail(deliveries.check(&expected))?;
+    relay.stop().await?;
     let mut schemas = small;
     schemas.push(big);
+    deliveries.delete(&nats).await?;
     DropSchemas { pool, schemas }.run().await
 }
