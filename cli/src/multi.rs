@@ -997,6 +997,87 @@ mod pg;
 mod tests {
     use super::*;
 
+    /// The configuration example of the README's "Many outboxes" section is one this program
+    /// accepts, and means what the section says.
+    #[test]
+    fn the_readme_example_configuration_parses() -> Result<(), Box<dyn std::error::Error>> {
+        let readme = include_str!("../../README.md");
+        let section = readme
+            .split("### Many outboxes")
+            .nth(1)
+            .ok_or("no Many outboxes section")?;
+        let example = section
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|rest| rest.split("```").next())
+            .ok_or("no toml example")?;
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("relay.toml");
+        std::fs::write(&path, example)?;
+        let effective = crate::settings::SettingsArgs {
+            config: Some(path),
+            ..Default::default()
+        }
+        .resolve()?;
+        let names: Vec<&str> = effective.outboxes.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(names, ["billing", "{schema}", "edge"]);
+        let [billing, tenants, edge] = &effective.outboxes[..] else {
+            return Err("three outboxes".into());
+        };
+        assert_eq!(billing.relay.batch_size, Some(500), "top-level default");
+        assert_eq!(billing.options.schema.as_deref(), Some("billing"));
+        assert_eq!(billing.relay.poll_max, PG_POLL_MAX);
+        assert!(billing.broker.contains("{outbox}"));
+        assert_eq!(tenants.schemas.as_deref(), Some("tenant_*"));
+        assert_eq!(
+            tenants.broker_for("tenant_acme", Some("tenant_acme")),
+            "nats://127.0.0.1:4222?subject=tenants.tenant_acme.{event_type}&stream=TENANTS"
+        );
+        assert_eq!(edge.relay.concurrency, 1);
+        assert_eq!(edge.relay.poll_max, Duration::from_millis(50));
+        assert!(edge.broker.starts_with("redis://"));
+        Ok(())
+    }
+
+    #[test]
+    fn bad_outbox_tables_are_refused_before_anything_opens(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        for (text, expected) in [
+            ("[[outbox]]\nstore = \"sqlite://a.db\"\nbroker = \"stdout://\"\n", "no `name`"),
+            (
+                "broker = \"stdout://\"\n[[outbox]]\nname = \"a\"\nstore = \"sqlite://a.db\"\n\
+                 [[outbox]]\nname = \"a\"\nstore = \"sqlite://b.db\"\n",
+                "unique",
+            ),
+            (
+                "[[outbox]]\nstore = \"sqlite://a.db\"\nschemas = \"t_*\"\nbroker = \"stdout://\"\n",
+                "needs a postgres",
+            ),
+            ("[[outbox]]\nname = \"a\"\nstore = \"sqlite://a.db\"\n", "no broker"),
+            (
+                "[[outbox]]\nname = \"a b\"\nstore = \"sqlite://a.db\"\nbroker = \"stdout://\"\n",
+                "not valid",
+            ),
+            (
+                "[[outbox]]\nname = \"a\"\nstore = \"sqlite://a.db\"\nbroker = \"stdout://\"\nlease = \"soon\"\n",
+                "not a duration",
+            ),
+        ] {
+            let path = dir.path().join("bad.toml");
+            std::fs::write(&path, text)?;
+            let err = crate::settings::SettingsArgs {
+                config: Some(path),
+                ..Default::default()
+            }
+            .resolve()
+            .err()
+            .ok_or(format!("accepted: {text}"))?;
+            assert!(err.to_string().contains(expected), "{text}: {err}");
+        }
+        Ok(())
+    }
+
     #[test]
     fn schema_patterns_become_like_patterns() {
         assert_eq!(like_pattern("tenant_*"), "tenant\\_%");
