@@ -517,6 +517,9 @@ impl Fleet {
     }
 }
 
+/// A broker connection several outboxes publish through.
+type SharedPublisher = Arc<dyn Publisher>;
+
 /// Shared connections: one Postgres pool (and `LISTEN` connection) per store URL, one broker
 /// connection per broker URL. Each is made on first use, by the outbox that needs it; a failure
 /// is that outbox's alone (the next one to need the URL tries again).
@@ -524,7 +527,7 @@ struct Shared {
     migrate: bool,
     #[cfg(feature = "postgres")]
     pools: Mutex<HashMap<String, Arc<OnceCell<pg::PgShared>>>>,
-    brokers: Mutex<HashMap<String, Arc<OnceCell<Arc<dyn Publisher>>>>>,
+    brokers: Mutex<HashMap<String, Arc<OnceCell<SharedPublisher>>>>,
 }
 
 impl Shared {
@@ -706,7 +709,7 @@ impl Fleet {
     }
 
     /// The names of the outboxes that came from `[[outbox]]` table `origin`.
-    fn from_origin(&self, origin: usize) -> Vec<String> {
+    fn named_by(&self, origin: usize) -> Vec<String> {
         lock(&self.slots)
             .iter()
             .filter(|(_, slot)| slot.origin == origin)
@@ -767,7 +770,7 @@ async fn discover(
                 continue;
             }
             skipped.remove(&schema);
-            let mine = fleet.from_origin(origin).contains(&name);
+            let mine = fleet.named_by(origin).contains(&name);
             if !mine && fleet.contains(&name) {
                 if clashes.insert(name.clone()) {
                     tracing::warn!(target: TARGET, outbox = %name, schema = %schema,
@@ -781,7 +784,7 @@ async fn discover(
                 fleet.start(&shared, origin, &spec, Some(schema));
             }
         }
-        for name in fleet.from_origin(origin) {
+        for name in fleet.named_by(origin) {
             if !live.contains(&name) {
                 tracing::info!(target: TARGET, outbox = %name,
                                "schema or table gone; stopping its relay");
@@ -873,7 +876,7 @@ pub async fn run(
     }
     let mut total = RelayStats::default();
     for s in stats.values() {
-        total += s.clone();
+        total += *s;
     }
     eprintln!("{}", json!({"outboxes": stats, "total": total}));
     Ok(())
