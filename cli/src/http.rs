@@ -19,13 +19,26 @@ use serde_json::json;
 
 use crate::TARGET;
 
+/// What readiness checks: one outbox's store and broker, or every outbox of a fleet.
+#[derive(Clone)]
+pub enum Ready {
+    /// One outbox.
+    One {
+        /// The store, for `ping`.
+        admin: Arc<dyn OutboxAdmin>,
+        /// The broker, for `check`.
+        publisher: Arc<dyn Publisher>,
+    },
+    /// The outboxes of a `[[outbox]]` configuration: ready when every one is, `degraded`
+    /// (still 200) when some are, 503 when none is; `?all` makes anything short of all 503.
+    Many(crate::multi::Fleet),
+}
+
 /// What the endpoints look at.
 #[derive(Clone)]
 pub struct Probe {
-    /// The store, for `ping`.
-    pub admin: Arc<dyn OutboxAdmin>,
-    /// The broker, for `check`.
-    pub publisher: Arc<dyn Publisher>,
+    /// What readiness checks.
+    pub ready: Ready,
     /// How long readiness waits for each.
     pub timeout: Duration,
     /// The exporter's handle, rendered on `/metrics`.
@@ -138,7 +151,24 @@ async fn respond<B>(probe: &Probe, req: Request<B>) -> Response<Full<Bytes>> {
             }
         }
         "/health/ready" => {
-            let (store, broker) = ready(probe).await;
+            let (admin, publisher) = match &probe.ready {
+                Ready::One { admin, publisher } => (admin, publisher),
+                Ready::Many(fleet) => {
+                    let (all, any, body) = fleet.ready(probe.timeout).await;
+                    let strict = req
+                        .uri()
+                        .query()
+                        .is_some_and(|q| q.split('&').any(|p| p == "all"));
+                    let ok = if strict { all } else { any };
+                    let status = if ok {
+                        StatusCode::OK
+                    } else {
+                        StatusCode::SERVICE_UNAVAILABLE
+                    };
+                    return reply(status, JSON, body.to_string());
+                }
+            };
+            let (store, broker) = ready(admin.as_ref(), publisher.as_ref(), probe.timeout).await;
             let ok = store.is_ok() && broker.is_ok();
             let show = |r: &Result<(), String>| match r {
                 Ok(()) => json!("ok"),
@@ -165,14 +195,19 @@ async fn respond<B>(probe: &Probe, req: Request<B>) -> Response<Full<Bytes>> {
 }
 
 /// Ping the store and check the broker, together, each within the timeout.
-pub async fn ready(probe: &Probe) -> (Result<(), String>, Result<(), String>) {
+pub async fn ready(
+    admin: &dyn OutboxAdmin,
+    publisher: &dyn Publisher,
+    timeout: Duration,
+) -> (Result<(), String>, Result<(), String>) {
     tokio::join!(
-        bounded("store", probe.timeout, probe.admin.ping()),
-        bounded("broker", probe.timeout, probe.publisher.check()),
+        bounded("store", timeout, admin.ping()),
+        bounded("broker", timeout, publisher.check()),
     )
 }
 
-async fn bounded(
+/// `check`, within `timeout`: its error (redacted) or a timeout naming `what`.
+pub async fn bounded(
     what: &str,
     timeout: Duration,
     check: impl std::future::Future<Output = Result<(), Error>>,

@@ -19,6 +19,7 @@
 mod http;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod inbox;
+mod multi;
 mod ops;
 #[cfg(feature = "otel")]
 mod otel;
@@ -219,6 +220,29 @@ fn init_logs(effective: &Effective) {
 }
 
 async fn execute(command: Command, effective: Effective) -> Result<(), Error> {
+    // `[[outbox]]` tables in the configuration file: `run` and `status` serve them all.
+    if !effective.outboxes.is_empty() {
+        match command {
+            Command::Run { migrate } => {
+                return multi::run(&effective, migrate, Stop::listen().requested()).await
+            }
+            Command::Status { json, .. } => return multi::status(&effective, json).await,
+            Command::Config => {
+                print!("{}", effective.to_masked_toml());
+                print!("{}", multi::masked_tables(&effective.outboxes));
+                return Ok(());
+            }
+            Command::Completions { .. } => {}
+            _ if effective.store.is_some() => {}
+            _ => {
+                return Err(Error::invalid_input(
+                    "the configuration has [[outbox]] tables, which `run`, `status` and \
+                     `config` serve; this command works on one outbox: give its --store (and \
+                     --schema, --table)",
+                ))
+            }
+        }
+    }
     let serve = match command {
         Command::Run { migrate } => (true, migrate),
         Command::Drain { migrate } => (false, migrate),
@@ -274,8 +298,10 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
         let heartbeat = http::Heartbeat::new(effective.gauges_every * 3 + effective.ready_timeout);
         heartbeat.beat();
         let probe = http::Probe {
-            admin: opened.admin.clone(),
-            publisher: publisher.clone(),
+            ready: http::Ready::One {
+                admin: opened.admin.clone(),
+                publisher: publisher.clone(),
+            },
             timeout: effective.ready_timeout,
             metrics: handle,
             heartbeat,
@@ -391,13 +417,16 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
 
 /// Refresh the store gauges and the up gauges, and beat the heartbeat, every `every`.
 async fn gauges(probe: http::Probe, every: Duration) {
+    let http::Ready::One { admin, publisher } = probe.ready.clone() else {
+        return;
+    };
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         probe.heartbeat.beat();
         probe.metrics.run_upkeep();
-        let status = tokio::time::timeout(probe.timeout * 5, probe.admin.status(0)).await;
+        let status = tokio::time::timeout(probe.timeout * 5, admin.status(0)).await;
         let store_up = match status {
             Ok(Ok(status)) => {
                 outbox::relay::record_status(&status);
@@ -413,7 +442,7 @@ async fn gauges(probe: http::Probe, every: Duration) {
             }
         };
         let broker_up = matches!(
-            tokio::time::timeout(probe.timeout, probe.publisher.check()).await,
+            tokio::time::timeout(probe.timeout, publisher.check()).await,
             Ok(Ok(()))
         );
         outbox::relay::record_up(broker_up, store_up);

@@ -177,6 +177,11 @@ struct FileSettings {
     log_format: Option<LogFormat>,
     log: Option<String>,
     otel: Option<OtelFile>,
+    /// `[[outbox]]` tables: the outboxes one `run` serves (see `crate::multi`).
+    #[serde(default)]
+    outbox: Vec<crate::multi::OutboxFile>,
+    /// How often `schemas` patterns are looked up again.
+    discover_every: Option<String>,
 }
 
 /// The `[otel]` table of the configuration file: OTLP export of the relay's producer spans.
@@ -279,6 +284,11 @@ pub struct Effective {
     pub log: String,
     /// OTLP export of producer spans; `None`: off.
     pub otel: Option<OtelSettings>,
+    /// The outboxes of the configuration file's `[[outbox]]` tables; empty: the one outbox of
+    /// `store`.
+    pub outboxes: Vec<crate::multi::OutboxSpec>,
+    /// How often `schemas` patterns are looked up again (default 30s).
+    pub discover_every: Duration,
 }
 
 /// The log filter when none is given: the program and the engine at info, the drivers quieter
@@ -318,7 +328,7 @@ fn read_file(path: &Path) -> Result<FileSettings, Error> {
 impl SettingsArgs {
     /// Merge with the configuration file and the defaults, and check the result.
     pub fn resolve(&self) -> Result<Effective, Error> {
-        let file = match &self.config {
+        let mut file = match &self.config {
             Some(path) => read_file(path)?,
             None => FileSettings::default(),
         };
@@ -374,7 +384,10 @@ impl SettingsArgs {
                 .unwrap_or(defaults.shutdown_deadline),
             ..defaults
         };
-        let effective = Effective {
+        let outbox_files = std::mem::take(&mut file.outbox);
+        let discover_every = duration("discover_every", file.discover_every.take())?
+            .unwrap_or(Duration::from_secs(30));
+        let mut effective = Effective {
             config: self.config.clone(),
             store: pick(
                 self.store.clone(),
@@ -435,7 +448,10 @@ impl SettingsArgs {
                 .or(file.log)
                 .unwrap_or_else(|| DEFAULT_LOG.to_owned()),
             otel,
+            outboxes: Vec::new(),
+            discover_every,
         };
+        effective.outboxes = crate::multi::resolve(outbox_files, &effective)?;
         Ok(effective)
     }
 }
@@ -468,6 +484,7 @@ impl Effective {
             ("--purge-every", self.purge_every),
             ("--gauges-every", self.gauges_every),
             ("--ready-timeout", self.ready_timeout),
+            ("discover_every", self.discover_every),
         ] {
             if value.is_zero() {
                 return Err(Error::invalid_input(format!(

@@ -65,6 +65,7 @@ impl Relay {
                 #[cfg(feature = "otel")]
                 traces: None,
                 group_store: None,
+                outbox: None,
             }),
         })
     }
@@ -90,6 +91,18 @@ impl Relay {
         }
     }
 
+    /// Label every metric this relay records with `outbox = name` (see
+    /// [`OUTBOX_LABEL`](crate::metric_names::OUTBOX_LABEL)), beside `publisher`: for a process
+    /// that runs one relay per outbox and serves their metrics on one endpoint. The metric
+    /// names stay the same; a relay without a name records no `outbox` label.
+    pub fn for_outbox(self, name: impl Into<String>) -> Self {
+        let mut shared = (*self.shared).clone();
+        shared.outbox = Some(name.into());
+        Self {
+            shared: Arc::new(shared),
+        }
+    }
+
     /// Keep this relay's group ([`RelayConfig::group`]) in `store` (usually the same database as
     /// the outbox: the Postgres and memory stores implement [`RelayGroupStore`]). Without it a
     /// relay given a group logs a warning and claims every shard, as without a group.
@@ -99,6 +112,11 @@ impl Relay {
         Self {
             shared: Arc::new(shared),
         }
+    }
+
+    /// The `outbox` label given by [`for_outbox`](Self::for_outbox), if any.
+    pub fn outbox(&self) -> Option<&str> {
+        self.shared.outbox.as_deref()
     }
 
     /// The notifier that wakes this relay; call [`Notifier::notify`] after an enqueue commits.
@@ -177,7 +195,7 @@ impl Relay {
         F: Future<Output = ()>,
     {
         let stats = Arc::new(StatsCell::default());
-        let rec = Recorder::new(stats.clone(), self.shared.publisher_name.clone());
+        let rec = Recorder::for_shared(stats.clone(), &self.shared);
         until_drained(&self.shared, &rec, admin, shutdown).await?;
         Ok(stats.snapshot())
     }
@@ -197,7 +215,7 @@ impl Relay {
     {
         let deadline = self.shared.config.shutdown_deadline;
         let stats = Arc::new(StatsCell::default());
-        let rec = Recorder::new(stats.clone(), self.shared.publisher_name.clone());
+        let rec = Recorder::for_shared(stats.clone(), &self.shared);
         let stop = async move {
             shutdown.await;
             deadline
@@ -217,7 +235,7 @@ impl Relay {
     pub fn spawn(&self) -> RelayHandle {
         let (stop_tx, stop_rx) = oneshot::channel::<Duration>();
         let stats = Arc::new(StatsCell::default());
-        let rec = Recorder::new(stats.clone(), self.shared.publisher_name.clone());
+        let rec = Recorder::for_shared(stats.clone(), &self.shared);
         let shared = self.shared.clone();
         let default_deadline = shared.config.shutdown_deadline;
         let task = tokio::spawn(async move {

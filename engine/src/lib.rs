@@ -153,7 +153,7 @@ pub use handle::RelayHandle;
 pub use notifier::Notifier;
 pub use run_loop::RELEASE_GRACE;
 pub use stats::RelayStats;
-pub use telemetry::{describe_metrics, record_status, record_up};
+pub use telemetry::{describe_metrics, record_status, record_status_for, record_up, record_up_for};
 #[cfg(feature = "otel")]
 pub use trace::Traces;
 
@@ -161,8 +161,8 @@ pub use trace::Traces;
 pub mod metric_names {
     pub use crate::telemetry::{
         BATCH_SIZE, CLAIMED_TOTAL, CLAIM_SECONDS, DEAD_TOTAL, LEASE_LOST_TOTAL,
-        ORDER_VIOLATIONS_TOTAL, PUBLISHED_TOTAL, PUBLISHER_LABEL, PUBLISH_SECONDS, RELEASED_TOTAL,
-        RETRIED_TOTAL, STORE_ERRORS_TOTAL,
+        ORDER_VIOLATIONS_TOTAL, OUTBOX_LABEL, PUBLISHED_TOTAL, PUBLISHER_LABEL, PUBLISH_SECONDS,
+        RELEASED_TOTAL, RETRIED_TOTAL, STORE_ERRORS_TOTAL,
     };
     pub use crate::telemetry::{
         BATCH_SIZE_BUCKETS, BLOCKED_KEYS, BROKER_PROBES_TOTAL, BROKER_UP, CALL_BUCKETS,

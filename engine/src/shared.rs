@@ -23,4 +23,6 @@ pub(crate) struct Shared {
     pub(crate) traces: crate::trace::SharedTraces,
     /// Where the relay group's leases live, if the store supports groups.
     pub(crate) group_store: Option<Arc<dyn RelayGroupStore>>,
+    /// The `outbox` label of this relay's metrics, when it serves one outbox among several.
+    pub(crate) outbox: Option<String>,
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use metrics::{
-    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Label, Unit,
 };
 use outbox_traits::chrono::Utc;
 use outbox_traits::{Message, PublishOutcome, StoreStatus};
@@ -96,8 +96,32 @@ pub fn record_up(broker_up: bool, store_up: bool) {
     gauge!(BROKER_UP).set(if broker_up { 1.0 } else { 0.0 });
     gauge!(STORE_UP).set(if store_up { 1.0 } else { 0.0 });
 }
+
+/// [`record_status`] for one outbox of several: the gauges carry [`OUTBOX_LABEL`] = `outbox`.
+pub fn record_status_for(outbox: &str, status: &StoreStatus) {
+    let l = [Label::new(OUTBOX_LABEL, outbox.to_owned())];
+    gauge!(PENDING_MESSAGES, l.iter()).set(status.pending as f64);
+    gauge!(LEASED_MESSAGES, l.iter()).set(status.leased as f64);
+    gauge!(DEAD_MESSAGES, l.iter()).set(status.dead as f64);
+    gauge!(OLDEST_PENDING_AGE_SECONDS, l.iter())
+        .set(status.oldest_pending_age_seconds.unwrap_or(0.0));
+    if let Some(blocked) = status.blocked_keys {
+        gauge!(BLOCKED_KEYS, l.iter()).set(blocked as f64);
+    }
+}
+
+/// [`record_up`] for one outbox of several: the gauges carry [`OUTBOX_LABEL`] = `outbox`.
+pub fn record_up_for(outbox: &str, broker_up: bool, store_up: bool) {
+    let l = [Label::new(OUTBOX_LABEL, outbox.to_owned())];
+    gauge!(BROKER_UP, l.iter()).set(if broker_up { 1.0 } else { 0.0 });
+    gauge!(STORE_UP, l.iter()).set(if store_up { 1.0 } else { 0.0 });
+}
+
 /// The label carrying [`Publisher::name`](outbox_traits::Publisher::name) on every metric.
 pub const PUBLISHER_LABEL: &str = "publisher";
+/// The label naming the outbox on every metric of a relay given a name with
+/// [`Relay::for_outbox`](crate::Relay::for_outbox) (a process serving several outboxes).
+pub const OUTBOX_LABEL: &str = "outbox";
 
 /// Register descriptions and units of the relay's metrics with the installed recorder.
 ///
@@ -195,17 +219,28 @@ pub fn describe_metrics() {
 #[derive(Debug, Clone)]
 pub(crate) struct Recorder {
     stats: Arc<StatsCell>,
-    publisher: String,
+    /// `publisher`, and `outbox` when the relay has a name.
+    labels: Vec<Label>,
+    /// `outbox` alone (the up gauges carry no publisher label).
+    outbox: Vec<Label>,
     /// The claim shard whose batches this recorder counts, when the relay runs several: claims
     /// and publications are then also counted per shard.
     shard: Option<String>,
 }
 
 impl Recorder {
-    pub(crate) fn new(stats: Arc<StatsCell>, publisher: String) -> Self {
+    pub(crate) fn for_shared(stats: Arc<StatsCell>, shared: &crate::shared::Shared) -> Self {
+        let outbox: Vec<Label> = shared
+            .outbox
+            .iter()
+            .map(|name| Label::new(OUTBOX_LABEL, name.clone()))
+            .collect();
+        let mut labels = vec![Label::new(PUBLISHER_LABEL, shared.publisher_name.clone())];
+        labels.extend(outbox.iter().cloned());
         Self {
             stats,
-            publisher,
+            labels,
+            outbox,
             shard: None,
         }
     }
@@ -239,38 +274,37 @@ impl Recorder {
             // Batches are visible as the count of the batch-size histogram.
             Counter::Batches => return,
         };
-        counter!(name, PUBLISHER_LABEL => self.publisher.clone()).increment(n);
+        counter!(name, self.labels.iter()).increment(n);
         if let Some(shard) = &self.shard {
             let per_shard = match what {
                 Counter::Claimed => crate::group::SHARD_CLAIMED_TOTAL,
                 Counter::Published => crate::group::SHARD_PUBLISHED_TOTAL,
                 _ => return,
             };
-            counter!(per_shard, PUBLISHER_LABEL => self.publisher.clone(), "shard" => shard.clone())
-                .increment(n);
+            let mut labels = self.labels.clone();
+            labels.push(Label::new("shard", shard.clone()));
+            counter!(per_shard, labels.iter()).increment(n);
         }
     }
 
     /// A lost lease seen by `extend`: the metric counts it, the stats do not (the refused
     /// transitions that follow are counted per message).
     pub(crate) fn extend_lost(&self) {
-        counter!(LEASE_LOST_TOTAL, PUBLISHER_LABEL => self.publisher.clone()).increment(1);
+        counter!(LEASE_LOST_TOTAL, self.labels.iter()).increment(1);
     }
 
     pub(crate) fn claim_took(&self, took: Duration) {
-        histogram!(CLAIM_SECONDS, PUBLISHER_LABEL => self.publisher.clone())
-            .record(took.as_secs_f64());
+        histogram!(CLAIM_SECONDS, self.labels.iter()).record(took.as_secs_f64());
     }
 
     pub(crate) fn publish_took(&self, took: Duration) {
-        histogram!(PUBLISH_SECONDS, PUBLISHER_LABEL => self.publisher.clone())
-            .record(took.as_secs_f64());
+        histogram!(PUBLISH_SECONDS, self.labels.iter()).record(took.as_secs_f64());
     }
 
     /// Record commit-to-acknowledgement latency of the acknowledged messages of a batch.
     pub(crate) fn acked(&self, batch: &[Message], outcomes: &[PublishOutcome]) {
         let now = Utc::now();
-        let h = histogram!(COMMIT_TO_ACK_SECONDS, PUBLISHER_LABEL => self.publisher.clone());
+        let h = histogram!(COMMIT_TO_ACK_SECONDS, self.labels.iter());
         for (message, _) in batch.iter().zip(outcomes).filter(|(_, o)| o.is_acked()) {
             let took = (now - message.created_at)
                 .num_microseconds()
@@ -282,20 +316,20 @@ impl Recorder {
 
     /// The relay found the broker down (`false`) or back (`true`).
     pub(crate) fn broker_up(&self, up: bool) {
-        gauge!(BROKER_UP).set(if up { 1.0 } else { 0.0 });
+        gauge!(BROKER_UP, self.outbox.iter()).set(if up { 1.0 } else { 0.0 });
     }
 
     /// The relay found the store down (`false`) or back (`true`).
     pub(crate) fn store_up(&self, up: bool) {
-        gauge!(STORE_UP).set(if up { 1.0 } else { 0.0 });
+        gauge!(STORE_UP, self.outbox.iter()).set(if up { 1.0 } else { 0.0 });
     }
 
     /// A probe of a broker that is down.
     pub(crate) fn probed(&self) {
-        counter!(BROKER_PROBES_TOTAL, PUBLISHER_LABEL => self.publisher.clone()).increment(1);
+        counter!(BROKER_PROBES_TOTAL, self.labels.iter()).increment(1);
     }
 
     pub(crate) fn batch_size(&self, size: usize) {
-        histogram!(BATCH_SIZE, PUBLISHER_LABEL => self.publisher.clone()).record(size as f64);
+        histogram!(BATCH_SIZE, self.labels.iter()).record(size as f64);
     }
 }
