@@ -235,11 +235,13 @@ impl NatsConfig {
                 "token_file" => auths.push(NatsAuth::Token(OPTIONS.secret_file(&key, &value)?)),
                 "nkey_file" => auths.push(NatsAuth::NkeySeed(OPTIONS.secret_file(&key, &value)?)),
                 "creds_file" => auths.push(NatsAuth::CredsFile(value.into())),
-                other => return Err(OPTIONS.unknown(
+                other => {
+                    return Err(OPTIONS.unknown(
                         other,
                         &shown,
                         &[URL_OPTIONS, outbox_routing::ENVELOPE_URL_OPTIONS].concat(),
-                    )),
+                    ))
+                }
             }
         }
         let Some(subject) = subject else {

@@ -189,11 +189,13 @@ impl RedisConfig {
                 "hash_tag" => hash_tag = Some(RoutingTemplate::parse(&value)?),
                 "wait_replicas" => wait_replicas = Some(OPTIONS.number(&key, &value)?),
                 "password_file" => password = Some(OPTIONS.secret_file(&key, &value)?),
-                other => return Err(OPTIONS.unknown(
+                other => {
+                    return Err(OPTIONS.unknown(
                         other,
                         &shown,
                         &[URL_OPTIONS, outbox_routing::ENVELOPE_URL_OPTIONS].concat(),
-                    )),
+                    ))
+                }
             }
         }
         let Some(stream) = stream else {
