@@ -235,6 +235,15 @@ impl<'a> RawEnvelope<'a> {
         let extra = std::mem::take(&mut self.cloudevent);
         self.headers.extend(extra);
         self.headers.extend(self.content_type.take());
+        // Without an id the message was not written by an outbox publisher: say so, rather
+        // than what else is wrong with it (its payload, say).
+        if self.message_id.is_none() {
+            let [id_name, ..] = self.names.unwrap_or(STANDARD_NAMES);
+            return Err(DecodeError {
+                source_text: source.to_string(),
+                problem: missing(id_name),
+            });
+        }
         let payload = self.parse_payload(payload, &source)?;
         self.finish(payload, source)
     }
@@ -344,12 +353,7 @@ impl<'a> RawEnvelope<'a> {
             problem,
         };
         let text = |field: &str, value: Option<&[u8]>| -> Result<String, DecodeError> {
-            let value = value.ok_or_else(|| {
-                fail(format!(
-                    "no {field:?}; outbox publishers always send it, so this message was not \
-                     written by one (or was altered)"
-                ))
-            })?;
+            let value = value.ok_or_else(|| fail(missing(field)))?;
             String::from_utf8(value.to_vec())
                 .map_err(|_| fail(format!("{field:?} is not UTF-8 text")))
         };
@@ -391,6 +395,14 @@ pub(crate) fn json_headers(text: &[u8]) -> Result<Vec<(String, String)>, String>
     let map: BTreeMap<String, String> = serde_json::from_slice(text)
         .map_err(|e| format!("field \"headers\" is not a JSON object of strings: {e}"))?;
     Ok(map.into_iter().collect())
+}
+
+/// The problem of a message without `field`, which every outbox publisher sends.
+fn missing(field: &str) -> String {
+    format!(
+        "no {field:?}; outbox publishers always send it, so this message was not written by one \
+         (or was altered)"
+    )
 }
 
 #[cfg(test)]
