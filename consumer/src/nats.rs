@@ -324,80 +324,6 @@ impl NatsConsumerConfig {
     }
 }
 
-/// What to change when connecting failed with `text` (the client's message), or `None` when
-/// the message says enough (a refused connection): the NATS publisher's advice.
-fn connect_fix(text: &str, kind: async_nats::ConnectErrorKind) -> Option<&'static str> {
-    use async_nats::ConnectErrorKind as K;
-    let t = text.to_ascii_lowercase();
-    let has = |needles: &[&str]| needles.iter().any(|n| t.contains(n));
-    Some(match kind {
-        K::Authentication | K::AuthorizationViolation => {
-            "check the credentials: the user and password (password_file=), token (token_file=), \
-             NKey seed (nkey_file=) or .creds file (creds_file=) the server expects"
-        }
-        _ if has(&["unknownissuer", "unknown issuer", "badsignature"]) => {
-            "the server's certificate is not signed by a CA this client trusts: set ca_file= to \
-             the file of the CA that signed it"
-        }
-        _ if has(&["notvalidforname", "not valid for name"]) => {
-            "the server's certificate does not name the host in the URL: connect by a name the \
-             certificate lists"
-        }
-        _ if has(&["expired", "notvalidyet"]) => {
-            "the server's certificate is expired or not yet valid: renew it, or check this \
-             machine's clock"
-        }
-        _ if has(&[
-            "certificaterequired",
-            "certificate required",
-            "bad certificate",
-            "badcertificate",
-        ]) =>
-        {
-            "the server requires a client certificate signed by a CA it trusts: set cert_file= \
-             and key_file="
-        }
-        K::Tls => {
-            "the TLS handshake failed: check ca_file=, cert_file= and key_file=, and that the \
-             server speaks TLS"
-        }
-        _ => return None,
-    })
-}
-
-/// `options` with the TLS and credential settings applied, as the NATS publisher applies them.
-async fn apply_security(
-    security: &NatsSecurity,
-    mut options: async_nats::ConnectOptions,
-) -> Result<async_nats::ConnectOptions, Error> {
-    if security.tls_required {
-        options = options.require_tls(true);
-    }
-    if let Some(ca) = &security.ca_file {
-        options = options.add_root_certificates(ca.clone());
-    }
-    if let (Some(cert), Some(key)) = (&security.cert_file, &security.key_file) {
-        options = options.add_client_certificate(cert.clone(), key.clone());
-    }
-    Ok(match &security.auth {
-        NatsAuth::Token(token) => options.token(token.clone()),
-        NatsAuth::UserPassword { user, password } => {
-            options.user_and_password(user.clone(), password.clone())
-        }
-        NatsAuth::NkeySeed(seed) => options.nkey(seed.clone()),
-        NatsAuth::CredsFile(path) => options.credentials_file(path).await.map_err(|e| {
-            Error::invalid_input(format!(
-                "NATS creds_file {} is not a valid .creds file ({}); give the file `nsc` \
-                 generated for the user",
-                path.display(),
-                e.kind()
-            ))
-        })?,
-        // `NatsAuth` is non-exhaustive: no credentials, or a kind this consumer does not know.
-        _ => options,
-    })
-}
-
 /// A durable JetStream pull consumer. Build it with [`NatsConsumer::connect`], then
 /// [`run`](NatsConsumer::run) it with your handler.
 #[derive(Debug)]
@@ -418,7 +344,10 @@ impl NatsConsumer {
     pub async fn connect(config: NatsConsumerConfig) -> Result<Self, Error> {
         config.validate()?;
         let shown = redact_url(&config.url);
-        let options = apply_security(&config.security, async_nats::ConnectOptions::new()).await?;
+        let options = config
+            .security
+            .apply(async_nats::ConnectOptions::new())
+            .await?;
         let client = options
             .name("outbox-consumer")
             .connection_timeout(config.timeout)
@@ -439,7 +368,7 @@ impl NatsConsumer {
             .map_err(|e| {
                 let detail = redact_url(&outbox_url::error_chain_line(&e));
                 use async_nats::ConnectErrorKind as K;
-                let message = match connect_fix(&detail, e.kind()) {
+                let message = match outbox_publisher_nats::connect_fix(&detail, e.kind()) {
                     Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
                     None => format!("cannot connect to {shown}: {detail}"),
                 };

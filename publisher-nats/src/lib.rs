@@ -93,4 +93,4 @@ mod subject;
 
 pub use config::{NatsConfig, StreamSetup, DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT, URL_OPTIONS};
 pub use publisher::NatsPublisher;
-pub use security::{NatsAuth, NatsSecurity};
+pub use security::{connect_fix, NatsAuth, NatsSecurity};

@@ -65,7 +65,7 @@ impl NatsPublisher {
             .await
             .map_err(|e| {
                 let detail = redact_url(&outbox_url::error_chain_line(&e));
-                let message = match crate::security::fix(&detail, e.kind()) {
+                let message = match crate::security::connect_fix(&detail, e.kind()) {
                     Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
                     None => format!("cannot connect to {shown}: {detail}"),
                 };

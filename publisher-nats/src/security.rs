@@ -109,8 +109,12 @@ impl NatsSecurity {
         Ok(())
     }
 
-    /// `options` with these settings applied.
-    pub(crate) async fn apply(
+    /// `options` with these settings applied (TLS, client certificate, credentials), as the
+    /// publisher connects; the NATS consumer of `outbox-consumer` connects the same way.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for an NKey seed or `.creds` file that cannot be used.
+    pub async fn apply(
         &self,
         mut options: async_nats::ConnectOptions,
     ) -> Result<async_nats::ConnectOptions, Error> {
@@ -153,8 +157,9 @@ impl NatsSecurity {
 }
 
 /// What to change when connecting failed with `text` (the client's message), or `None` when
-/// the message says enough (a refused connection).
-pub(crate) fn fix(text: &str, kind: async_nats::ConnectErrorKind) -> Option<&'static str> {
+/// the message says enough (a refused connection). Shared with the NATS consumer of
+/// `outbox-consumer`.
+pub fn connect_fix(text: &str, kind: async_nats::ConnectErrorKind) -> Option<&'static str> {
     use async_nats::ConnectErrorKind as K;
     let t = text.to_ascii_lowercase();
     let has = |needles: &[&str]| needles.iter().any(|n| t.contains(n));
