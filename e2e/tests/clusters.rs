@@ -400,10 +400,11 @@ async fn redis_cluster_under_fault(options: &str, fault: RedisFault) {
 }
 
 /// A master is failed over to its replica (`CLUSTER FAILOVER`) mid-stream: the relay follows
-/// the slot's move by itself and nothing is lost. With `wait_replicas=1`, as the Redis publisher's docs
-/// advise for Redis Cluster: replication is asynchronous, and when the failover's client pause runs out
-/// before the replica takes over (a loaded machine: seen in a cold CI run, 137 of 2,200 entries
-/// the old master took in that gap were gone), only entries a replica held count as delivered.
+/// the slot's move by itself and nothing is lost. With `wait_replicas=1`, as the Redis
+/// publisher's docs advise for Redis Cluster: replication is asynchronous, and when the
+/// failover's client pause runs out before the replica takes over (a loaded machine: seen in a
+/// cold CI run, 137 of 2,200 entries the old master took in that gap were gone), only entries a
+/// replica held count as delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_master_failed_over_while_publishing() {
     redis_cluster_under_fault("&wait_replicas=1", RedisFault::Failover).await;
