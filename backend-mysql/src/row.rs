@@ -73,6 +73,7 @@ fn fields(row: &MySqlRow, seq: i64) -> Result<Message, String> {
         aggregate_id: text("aggregateid")?,
         event_type: text("type")?,
         payload: text("payload")?,
+        binary: None,
         headers,
         partition_key: optional_text("partition_key")?,
         dedup_key: optional_text("dedup_key")?,

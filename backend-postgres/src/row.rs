@@ -49,6 +49,7 @@ fn fields(row: &PgRow, seq: i64) -> Result<Message, String> {
         aggregate_id: get(row, "aggregateid")?,
         event_type: get(row, "type")?,
         payload: get(row, "payload")?,
+        binary: None,
         headers: quarantine::headers(&headers)?,
         partition_key: get(row, "partition_key")?,
         dedup_key: get(row, "dedup_key")?,

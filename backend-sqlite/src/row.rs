@@ -60,6 +60,7 @@ fn fields(row: &Row<'_>, seq: i64) -> Result<Message, String> {
         aggregate_id: get(row, 3, "aggregateid")?,
         event_type: get(row, 4, "type")?,
         payload: get(row, 5, "payload")?,
+        binary: None,
         headers,
         partition_key: get(row, 7, "partition_key")?,
         dedup_key: get(row, 8, "dedup_key")?,

@@ -28,6 +28,7 @@ pub fn throughput_messages(total: usize, keys: usize) -> Vec<Message> {
                 aggregate_id: key.clone(),
                 event_type: "order.placed".into(),
                 payload: payload.clone(),
+                binary: None,
                 headers: BTreeMap::new(),
                 partition_key: Some(key),
                 dedup_key: None,

@@ -99,6 +99,7 @@ pub fn message(key: Option<&str>, payload: &str) -> Message {
         aggregate_id: key.unwrap_or("no-key").into(),
         event_type: "conformance.event".into(),
         payload: payload.into(),
+        binary: None,
         headers: BTreeMap::new(),
         partition_key: key.map(String::from),
         dedup_key: None,

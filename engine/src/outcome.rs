@@ -180,6 +180,7 @@ mod tests {
             aggregate_id: "a".into(),
             event_type: "e".into(),
             payload: "{}".into(),
+            binary: None,
             headers: Default::default(),
             partition_key: key.map(str::to_owned),
             dedup_key: None,

@@ -321,6 +321,7 @@ impl MemoryStore {
                         aggregate_id: message.aggregate_id,
                         event_type: message.event_type,
                         payload,
+                        binary: message.binary,
                         headers: message.headers,
                         partition_key: message.partition_key,
                         dedup_key: message.dedup_key,

@@ -12,6 +12,7 @@ fn message(key: Option<&str>, seq: i64) -> Message {
         aggregate_id: key.unwrap_or("none").into(),
         event_type: "order.placed".into(),
         payload: "{}".into(),
+        binary: None,
         headers: Default::default(),
         partition_key: key.map(Into::into),
         dedup_key: None,

@@ -124,6 +124,7 @@ mod tests {
             aggregate_id: "order-42".into(),
             event_type: "order.placed".into(),
             payload: "{}".into(),
+            binary: None,
             headers: Default::default(),
             partition_key: key.map(str::to_owned),
             dedup_key: None,

@@ -138,8 +138,8 @@ mod store;
 pub use error::{BoxError, Error, ErrorKind};
 pub use key_order::{attempt_in_key_order, settle_in_key_order, KeyGate};
 pub use message::{
-    validate_batch, Limits, Message, NewMessage, ValidMessage, DEFAULT_MAX_PAYLOAD_BYTES,
-    TRACEPARENT_HEADER,
+    validate_batch, validate_content_type, Binary, Limits, Message, NewMessage, ValidMessage,
+    DEFAULT_MAX_PAYLOAD_BYTES, JSON_CONTENT_TYPE, MAX_CONTENT_TYPE_BYTES, TRACEPARENT_HEADER,
 };
 pub use publisher::{PublishOutcome, Publisher};
 pub use store::{

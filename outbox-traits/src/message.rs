@@ -11,6 +11,92 @@ use crate::error::Error;
 /// The default upper bound on a payload's serialized size: 1 MiB.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 
+/// The longest content type a binary payload may carry, in bytes.
+pub const MAX_CONTENT_TYPE_BYTES: usize = 255;
+
+/// The content type of a JSON payload, as publishers send it.
+pub const JSON_CONTENT_TYPE: &str = "application/json";
+
+/// A binary payload: bytes sent to the broker untouched, with their content type.
+///
+/// Protobuf, Avro, Confluent schema-registry framed data or plain text: the store keeps the bytes
+/// as they are (`bytea` / `LONGBLOB` / `BLOB`), and every publisher sends them as the message's
+/// body, with the content type as a header (`content-type`).
+///
+/// ```
+/// use outbox_traits::{Binary, NewMessage};
+/// let msg = NewMessage::binary(
+///     "order", "order-42", "order.placed",
+///     Binary::new("application/x-protobuf", vec![0x08, 0x2a]),
+/// );
+/// assert_eq!(msg.binary.as_ref().map(|b| b.data.len()), Some(2));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Binary {
+    /// The media type of `data`, e.g. `application/x-protobuf`, `application/avro`,
+    /// `application/vnd.confluent.avro` or `text/plain; charset=utf-8`. Printable ASCII,
+    /// with a `/`, at most [`MAX_CONTENT_TYPE_BYTES`].
+    pub content_type: String,
+    /// The bytes, sent untouched.
+    pub data: Vec<u8>,
+}
+
+impl Binary {
+    /// Bytes with their content type.
+    pub fn new(content_type: impl Into<String>, data: impl Into<Vec<u8>>) -> Self {
+        Self {
+            content_type: content_type.into(),
+            data: data.into(),
+        }
+    }
+
+    /// Check the content type and size against the rules every backend enforces.
+    pub fn validate(&self, id: Uuid, limits: &Limits) -> Result<(), Error> {
+        validate_content_type(&self.content_type)
+            .map_err(|problem| Error::invalid_input(format!("message {id} has {problem}")))?;
+        if self.data.len() > limits.max_payload_bytes {
+            return Err(Error::invalid_input(format!(
+                "binary payload of message {id} is {} bytes, over the limit of {} bytes; \
+                 store large bodies elsewhere and enqueue a reference, or raise the limit",
+                self.data.len(),
+                limits.max_payload_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Check a binary payload's content type: not empty, at most [`MAX_CONTENT_TYPE_BYTES`],
+/// printable ASCII (spaces allowed, for parameters), and of the form `type/subtype`. The error
+/// names the problem (e.g. "a content type with a line break").
+pub fn validate_content_type(content_type: &str) -> Result<(), String> {
+    if content_type.trim().is_empty() {
+        return Err("an empty content type; set one such as \"application/x-protobuf\"".into());
+    }
+    if content_type.len() > MAX_CONTENT_TYPE_BYTES {
+        return Err(format!(
+            "a content type of {} bytes, over the limit of {MAX_CONTENT_TYPE_BYTES}",
+            content_type.len()
+        ));
+    }
+    if let Some(c) = content_type
+        .chars()
+        .find(|c| !(c.is_ascii_graphic() || *c == ' '))
+    {
+        return Err(format!(
+            "a content type with the character {c:?}; use printable ASCII such as \"application/avro\""
+        ));
+    }
+    let media = content_type.split(';').next().unwrap_or_default().trim();
+    match media.split_once('/') {
+        Some((kind, sub)) if !kind.is_empty() && !sub.is_empty() && !sub.contains('/') => Ok(()),
+        _ => Err(format!(
+            "the content type {content_type:?}, which is not of the form type/subtype \
+             (e.g. \"application/x-protobuf\")"
+        )),
+    }
+}
+
 /// Header that carries a W3C trace context from the enqueuing service to the consumer.
 ///
 /// Publishers forward every header; this name is listed so that services and publishers agree on
@@ -39,8 +125,12 @@ pub struct NewMessage {
     pub aggregate_id: String,
     /// Event type, e.g. `order.placed`. Must not be empty. Debezium's `type`.
     pub event_type: String,
-    /// The JSON payload.
+    /// The JSON payload (`null` for a binary message).
     pub payload: serde_json::Value,
+    /// A binary payload, sent instead of the JSON one ([`NewMessage::binary`]); `None` for a
+    /// JSON message. A binary message's `payload` must be `null`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub binary: Option<Binary>,
     /// String headers forwarded to the broker as message headers.
     pub headers: BTreeMap<String, String>,
     /// Ordering key. Messages with the same key are published in the order they were inserted
@@ -74,10 +164,29 @@ impl NewMessage {
             aggregate_id,
             event_type: event_type.into(),
             payload,
+            binary: None,
             headers: BTreeMap::new(),
             dedup_key: None,
             not_before: None,
         }
+    }
+
+    /// A message whose payload is bytes with a content type ([`Binary`]): Protobuf, Avro,
+    /// schema-registry framed data, plain text. Everything else is as [`NewMessage::new`].
+    pub fn binary(
+        aggregate_type: impl Into<String>,
+        aggregate_id: impl Into<String>,
+        event_type: impl Into<String>,
+        payload: Binary,
+    ) -> Self {
+        let mut message = Self::new(
+            aggregate_type,
+            aggregate_id,
+            event_type,
+            serde_json::Value::Null,
+        );
+        message.binary = Some(payload);
+        message
     }
 
     /// Use this id instead of the generated one (e.g. an id the caller already stored).
@@ -117,11 +226,23 @@ impl NewMessage {
         self
     }
 
-    /// The payload as JSON text, checked against `limits`.
+    /// The payload as JSON text, checked against `limits` (`null` for a binary message, whose
+    /// bytes are checked instead).
     ///
     /// Backends call this (or [`NewMessage::validate`]) before they write anything, so a bad
     /// message never reaches the database.
     pub fn payload_json(&self, limits: &Limits) -> Result<String, Error> {
+        if let Some(binary) = &self.binary {
+            if !self.payload.is_null() {
+                return Err(Error::invalid_input(format!(
+                    "message {} has both a binary and a JSON payload; a binary message's \
+                     `payload` must be null",
+                    self.id
+                )));
+            }
+            binary.validate(self.id, limits)?;
+            return Ok("null".to_owned());
+        }
         let text = serde_json::to_string(&self.payload).map_err(|e| {
             Error::invalid_input(format!("payload of message {} is not JSON: {e}", self.id))
         })?;
@@ -178,7 +299,8 @@ impl NewMessage {
 /// Limits a backend applies to every enqueued message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Largest accepted payload, in bytes of its JSON text. Default: 1 MiB.
+    /// Largest accepted payload, in bytes of its JSON text (or of a binary payload's data).
+    /// Default: 1 MiB.
     pub max_payload_bytes: usize,
 }
 
@@ -204,8 +326,12 @@ pub struct Message {
     pub aggregate_id: String,
     /// Event type.
     pub event_type: String,
-    /// JSON payload as text, exactly as the store returned it.
+    /// JSON payload as text, exactly as the store returned it (`null` for a binary message).
     pub payload: String,
+    /// The binary payload, for a message enqueued with one; publishers send it instead of
+    /// `payload` ([`Message::body`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub binary: Option<Binary>,
     /// Headers given at enqueue.
     pub headers: BTreeMap<String, String>,
     /// Ordering key, if any.
@@ -218,13 +344,37 @@ pub struct Message {
     pub created_at: DateTime<Utc>,
 }
 
+impl Message {
+    /// The bytes a publisher sends: the binary payload's data, or the JSON text.
+    pub fn body(&self) -> &[u8] {
+        match &self.binary {
+            Some(binary) => &binary.data,
+            None => self.payload.as_bytes(),
+        }
+    }
+
+    /// The body's content type: the binary payload's, or [`JSON_CONTENT_TYPE`].
+    pub fn content_type(&self) -> &str {
+        match &self.binary {
+            Some(binary) => &binary.content_type,
+            None => JSON_CONTENT_TYPE,
+        }
+    }
+
+    /// Whether the payload is binary (see [`Binary`]).
+    pub fn is_binary(&self) -> bool {
+        self.binary.is_some()
+    }
+}
+
 /// A message of a batch that passed [`validate_batch`], with its payload and headers as the
 /// JSON text a store writes.
 #[derive(Debug)]
 pub struct ValidMessage<'a> {
     /// The message as given.
     pub message: &'a NewMessage,
-    /// The payload as JSON text (from [`NewMessage::validate`]).
+    /// The payload as JSON text (from [`NewMessage::validate`]; `null` for a binary message,
+    /// whose bytes are `message.binary`).
     pub payload: String,
     /// The headers as a JSON object.
     pub headers: String,
@@ -278,4 +428,97 @@ pub fn validate_batch<'a>(
         });
     }
     Ok(valid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(max: usize) -> Limits {
+        Limits {
+            max_payload_bytes: max,
+        }
+    }
+
+    #[test]
+    fn a_binary_payload_is_checked_and_stored_as_null_json() -> Result<(), Error> {
+        let ok = NewMessage::binary(
+            "order",
+            "o-1",
+            "placed",
+            Binary::new("application/avro", [1u8, 0, 2]),
+        );
+        assert_eq!(ok.validate(&limits(3))?, "null");
+        let too_big = NewMessage::binary(
+            "order",
+            "o-1",
+            "placed",
+            Binary::new("text/plain", [0u8; 4]),
+        );
+        let err = too_big
+            .validate(&limits(3))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("4 bytes, over the limit of 3"), "{err}");
+        let mut both = ok.clone();
+        both.payload = serde_json::json!({"n": 1});
+        let err = both
+            .validate(&limits(3))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("both a binary and a JSON payload"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn content_types_are_checked() {
+        for good in [
+            "application/x-protobuf",
+            "application/vnd.confluent.avro",
+            "text/plain; charset=utf-8",
+        ] {
+            assert_eq!(validate_content_type(good), Ok(()), "{good}");
+        }
+        for (bad, says) in [
+            ("", "empty"),
+            ("   ", "empty"),
+            ("protobuf", "type/subtype"),
+            ("a/b/c", "type/subtype"),
+            ("/x", "type/subtype"),
+            ("text/plain\r\nx: y", "character"),
+            ("text/plé", "character"),
+        ] {
+            let err = validate_content_type(bad).err().unwrap_or_default();
+            assert!(err.contains(says), "{bad:?}: {err}");
+        }
+        let long = format!("application/{}", "x".repeat(MAX_CONTENT_TYPE_BYTES));
+        assert!(validate_content_type(&long).is_err());
+    }
+
+    #[test]
+    fn a_message_s_body_is_its_bytes_or_its_json_text() {
+        let mut message = Message {
+            id: Uuid::nil(),
+            seq: 1,
+            aggregate_type: "order".into(),
+            aggregate_id: "o-1".into(),
+            event_type: "placed".into(),
+            payload: r#"{"n":1}"#.into(),
+            binary: None,
+            headers: BTreeMap::new(),
+            partition_key: None,
+            dedup_key: None,
+            attempts: 0,
+            created_at: Utc::now(),
+        };
+        assert_eq!(message.body(), br#"{"n":1}"#);
+        assert_eq!(message.content_type(), JSON_CONTENT_TYPE);
+        message.payload = "null".into();
+        message.binary = Some(Binary::new("application/x-protobuf", [0u8, 0xff]));
+        assert_eq!(message.body(), &[0u8, 0xff]);
+        assert_eq!(message.content_type(), "application/x-protobuf");
+        assert!(message.is_binary());
+    }
 }

@@ -441,6 +441,7 @@ fn sample_message() -> outbox_traits::Message {
         aggregate_id: "x".into(),
         event_type: "x".into(),
         payload: "{}".into(),
+        binary: None,
         headers: BTreeMap::new(),
         partition_key: Some("x".into()),
         dedup_key: None,

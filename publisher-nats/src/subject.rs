@@ -116,6 +116,7 @@ fn sample_message() -> Message {
         aggregate_id: String::new(),
         event_type: String::new(),
         payload: String::new(),
+        binary: None,
         headers: Default::default(),
         partition_key: None,
         dedup_key: None,

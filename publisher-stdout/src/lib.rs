@@ -174,6 +174,7 @@ mod tests {
             aggregate_id: new.aggregate_id,
             event_type: new.event_type,
             payload: payload.to_string(),
+            binary: None,
             headers: BTreeMap::from([("tenant".to_string(), "acme".to_string())]),
             partition_key: new.partition_key,
             dedup_key: None,

@@ -41,6 +41,7 @@ mod tests_support {
             aggregate_id: "order-42".into(),
             event_type: "order.placed".into(),
             payload: "{}".into(),
+            binary: None,
             headers: Default::default(),
             partition_key: Some("key-1".into()),
             dedup_key: None,

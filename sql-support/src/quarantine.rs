@@ -161,6 +161,7 @@ pub fn lenient(
         aggregate_id: text("aggregateid").unwrap_or_default(),
         event_type: text("type").unwrap_or_default(),
         payload: text("payload").unwrap_or_default(),
+        binary: None,
         headers: text("headers")
             .and_then(|h| headers(&h).ok())
             .unwrap_or_default(),

@@ -48,6 +48,7 @@ fn messages(count: usize, keys: usize) -> Vec<Message> {
                 aggregate_id: new.aggregate_id,
                 event_type: new.event_type,
                 payload: new.payload.to_string(),
+                binary: None,
                 headers: new.headers,
                 partition_key: new.partition_key,
                 dedup_key: None,

@@ -37,6 +37,7 @@ pub fn message(key: Option<&str>, seq: i64, payload: serde_json::Value) -> Messa
         aggregate_id: format!("order-{seq}"),
         event_type: "order.placed".into(),
         payload: payload.to_string(),
+        binary: None,
         headers,
         partition_key: key.map(str::to_owned),
         dedup_key: None,

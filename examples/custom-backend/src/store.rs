@@ -211,6 +211,7 @@ impl VecTx {
                 aggregate_id: m.aggregate_id.clone(),
                 event_type: m.event_type.clone(),
                 payload,
+                binary: None,
                 headers: m.headers.clone(),
                 partition_key: m.partition_key.clone(),
                 dedup_key: m.dedup_key.clone(),

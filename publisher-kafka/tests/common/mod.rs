@@ -31,6 +31,7 @@ pub fn message(key: Option<&str>, seq: i64, payload: &str) -> Message {
         aggregate_id: key.unwrap_or("none").into(),
         event_type: "order.placed".into(),
         payload: payload.into(),
+        binary: None,
         headers: BTreeMap::new(),
         partition_key: key.map(str::to_owned),
         dedup_key: None,
