@@ -452,11 +452,13 @@ fn outcome() -> impl Strategy<Value = OutcomeSpec> {
     ]
 }
 
-/// No shard two times in three; otherwise shard `index` of `count`, `count` from 1 to 3.
+/// No shard half the time; otherwise shard `index` of `count`, `count` from 1 to 3, mostly 2:
+/// a store's shard function shows only when two claims of one count but different indexes
+/// meet the same key, so most sharded claims share one count.
 fn shard() -> impl Strategy<Value = Option<ShardSpec>> {
     prop_oneof![
-        2 => Just(None),
-        1 => (1u8..=3)
+        1 => Just(None),
+        1 => prop_oneof![1 => Just(1u8), 4 => Just(2u8), 1 => Just(3u8)]
             .prop_flat_map(|count| (0..count).prop_map(move |index| Some(ShardSpec { index, count }))),
     ]
 }
