@@ -2,7 +2,10 @@
 //! tracer provider with a batch processor and the HTTP/protobuf exporter, installed as the
 //! global provider, and the relay's [`Traces`] for the broker URL.
 
-use opentelemetry_otlp::{SpanExporter, WithExportConfig};
+use std::path::Path;
+use std::time::Duration;
+
+use opentelemetry_otlp::{SpanExporter, WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::Resource;
 use outbox::relay::{Relay, Traces};
@@ -27,8 +30,10 @@ pub async fn install(settings: &OtelSettings) -> Result<Exporter, Error> {
     let settings = settings.clone();
     // The blocking HTTP client may not be built (or dropped) on a runtime thread.
     let provider = tokio::task::spawn_blocking(move || {
+        let client = http_client(&settings)?;
         let exporter = SpanExporter::builder()
             .with_http()
+            .with_http_client(client)
             .with_endpoint(settings.endpoint.clone())
             .build()
             .map_err(|e| {
@@ -52,6 +57,66 @@ pub async fn install(settings: &OtelSettings) -> Result<Exporter, Error> {
     .map_err(|e| Error::permanent(format!("OTLP exporter set-up failed: {e}"), None))??;
     opentelemetry::global::set_tracer_provider(provider.clone());
     Ok(Exporter { provider })
+}
+
+/// How long one export may take when `OTEL_EXPORTER_OTLP_TIMEOUT` does not say: the
+/// specification's default.
+const DEFAULT_EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The exporter's blocking HTTP client: rustls (ring) verifying an `https://` collector against
+/// the system's roots plus the configured CA file, presenting the client certificate if one is
+/// set, with the export timeout of `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT` or
+/// `OTEL_EXPORTER_OTLP_TIMEOUT` (milliseconds). Built on a blocking thread.
+fn http_client(settings: &OtelSettings) -> Result<reqwest::blocking::Client, Error> {
+    // rustls needs one crypto provider per process; another part of the program (a driver) may
+    // have installed it already, which is just as good.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let timeout = [
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+    ]
+    .iter()
+    .find_map(|name| std::env::var(name).ok()?.trim().parse::<u64>().ok())
+    .map_or(DEFAULT_EXPORT_TIMEOUT, Duration::from_millis);
+    let mut builder = reqwest::blocking::Client::builder().timeout(timeout);
+    if let Some(ca) = &settings.certificate {
+        let certs = reqwest::Certificate::from_pem_bundle(&read_pem(ca, "CA certificates")?)
+            .map_err(|e| {
+                Error::invalid_input(format!(
+                    "OTLP export: {} holds no PEM CA certificate: {e}",
+                    ca.display()
+                ))
+            })?;
+        builder = builder.tls_certs_merge(certs);
+    }
+    if let Some((cert, key)) = &settings.client_identity {
+        let mut pem = read_pem(cert, "client certificate")?;
+        pem.push(b'\n');
+        pem.extend(read_pem(key, "client key")?);
+        let identity = reqwest::Identity::from_pem(&pem).map_err(|e| {
+            Error::invalid_input(format!(
+                "OTLP export: {} and {} are not a PEM certificate and its private key: {e}",
+                cert.display(),
+                key.display()
+            ))
+        })?;
+        builder = builder.identity(identity);
+    }
+    builder.build().map_err(|e| {
+        Error::invalid_input(format!(
+            "cannot build the OTLP exporter's HTTP client for {}: {e}",
+            crate::settings::mask_url(&settings.endpoint)
+        ))
+    })
+}
+
+fn read_pem(path: &Path, what: &str) -> Result<Vec<u8>, Error> {
+    std::fs::read(path).map_err(|e| {
+        Error::invalid_input(format!(
+            "OTLP export: cannot read the {what} file {}: {e}",
+            path.display()
+        ))
+    })
 }
 
 impl Exporter {

@@ -192,6 +192,14 @@ struct OtelFile {
     endpoint: Option<String>,
     /// `service.name` of the spans (default `outbox-relay`).
     service_name: Option<String>,
+    /// PEM file of CA certificates trusted for an `https://` endpoint, besides the system's
+    /// (as `OTEL_EXPORTER_OTLP_CERTIFICATE`).
+    certificate: Option<PathBuf>,
+    /// PEM file of the client certificate for an `https://` collector that asks for one (as
+    /// `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE`); needs `client_key`.
+    client_certificate: Option<PathBuf>,
+    /// PEM file of the client certificate's private key (as `OTEL_EXPORTER_OTLP_CLIENT_KEY`).
+    client_key: Option<PathBuf>,
 }
 
 /// OTLP trace export (HTTP/protobuf) in effect.
@@ -201,6 +209,10 @@ pub struct OtelSettings {
     pub endpoint: String,
     /// `service.name` of the spans.
     pub service_name: String,
+    /// CA certificates (PEM) trusted for an `https://` endpoint besides the system's.
+    pub certificate: Option<PathBuf>,
+    /// Client certificate and key (PEM files) for a collector that verifies clients.
+    pub client_identity: Option<(PathBuf, PathBuf)>,
 }
 
 /// The `service.name` of the relay's spans when none is given.
@@ -239,12 +251,52 @@ fn resolve_otel(
             mask_url(&endpoint)
         ))
     })?;
-    if parsed.scheme() != "http" {
+    if !matches!(parsed.scheme(), "http" | "https") {
         return Err(Error::invalid_input(format!(
-            "{from} = {:?}: the OTLP exporter of this program speaks HTTP/protobuf over plain \
-             http:// (a collector beside the relay, port 4318); {}:// is not supported",
+            "{from} = {:?}: the OTLP exporter of this program speaks HTTP/protobuf over \
+             http:// or https:// (port 4318 by convention); {}:// is not supported",
             mask_url(&endpoint),
             parsed.scheme()
+        )));
+    }
+    // A signal's own variable, then the generic one, then the table's key.
+    let path = |signal: &str, generic: &str, from_file: Option<PathBuf>| {
+        set(signal)
+            .or_else(|| set(generic))
+            .map(|v| PathBuf::from(v.trim()))
+            .or(from_file)
+    };
+    let certificate = path(
+        "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+        "OTEL_EXPORTER_OTLP_CERTIFICATE",
+        file.certificate,
+    );
+    let client_certificate = path(
+        "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE",
+        "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
+        file.client_certificate,
+    );
+    let client_key = path(
+        "OTEL_EXPORTER_OTLP_TRACES_CLIENT_KEY",
+        "OTEL_EXPORTER_OTLP_CLIENT_KEY",
+        file.client_key,
+    );
+    let client_identity = match (client_certificate, client_key) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        (Some(_), None) | (None, Some(_)) => {
+            return Err(Error::invalid_input(
+                "OTLP export: a client certificate needs its key and a key its certificate \
+                 (OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE and OTEL_EXPORTER_OTLP_CLIENT_KEY, or \
+                 `client_certificate` and `client_key` of [otel])",
+            ))
+        }
+    };
+    if parsed.scheme() == "http" && (certificate.is_some() || client_identity.is_some()) {
+        return Err(Error::invalid_input(format!(
+            "{from} = {:?} is plain http://, but OTLP certificates are set: use an https:// \
+             endpoint, or leave the certificates out",
+            mask_url(&endpoint)
         )));
     }
     Ok(Some(OtelSettings {
@@ -252,6 +304,8 @@ fn resolve_otel(
         service_name: set("OTEL_SERVICE_NAME")
             .or(file.service_name)
             .unwrap_or_else(|| DEFAULT_SERVICE_NAME.to_owned()),
+        certificate,
+        client_identity,
     }))
 }
 
@@ -574,6 +628,16 @@ impl Effective {
                 mask_url(otel.endpoint.trim_end_matches("/v1/traces")).into(),
             );
             t.insert("service_name".to_owned(), otel.service_name.clone().into());
+            if let Some(ca) = &otel.certificate {
+                t.insert("certificate".to_owned(), ca.display().to_string().into());
+            }
+            if let Some((cert, key)) = &otel.client_identity {
+                t.insert(
+                    "client_certificate".to_owned(),
+                    cert.display().to_string().into(),
+                );
+                t.insert("client_key".to_owned(), key.display().to_string().into());
+            }
             put("otel", t.into());
         }
         let mut source = match &self.config {
@@ -693,6 +757,7 @@ mod tests {
         let file = OtelFile {
             endpoint: Some("http://file:4318/".into()),
             service_name: Some("relay-a".into()),
+            ..OtelFile::default()
         };
         let from_file = resolve_otel(Some(file.clone()), env(&[])).unwrap().unwrap();
         assert_eq!(from_file.endpoint, "http://file:4318/v1/traces");
@@ -723,17 +788,68 @@ mod tests {
             assert_eq!(resolve_otel(Some(file.clone()), env(&[off])).unwrap(), None);
         }
         let bad = OtelFile {
-            endpoint: Some("https://u:secret@collector:4318".into()),
-            service_name: None,
+            endpoint: Some("grpc://u:secret@collector:4317".into()),
+            ..OtelFile::default()
         };
         let err = resolve_otel(Some(bad), env(&[])).unwrap_err().to_string();
-        assert!(err.contains("https:// is not supported"), "{err}");
+        assert!(err.contains("grpc:// is not supported"), "{err}");
         assert!(!err.contains("secret"), "{err}");
         let bad = OtelFile {
             endpoint: Some("collector 4318".into()),
-            service_name: None,
+            ..OtelFile::default()
         };
         let err = resolve_otel(Some(bad), env(&[])).unwrap_err().to_string();
         assert!(err.contains("is not a URL"), "{err}");
+    }
+
+    #[test]
+    fn an_https_endpoint_takes_a_ca_file_and_a_client_certificate() {
+        fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+            move |name: &str| {
+                vars.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| (*v).to_owned())
+            }
+        }
+        let file = OtelFile {
+            endpoint: Some("https://collector:4318".into()),
+            certificate: Some("/etc/file-ca.pem".into()),
+            ..OtelFile::default()
+        };
+        let plain = resolve_otel(Some(file.clone()), env(&[])).unwrap().unwrap();
+        assert_eq!(plain.endpoint, "https://collector:4318/v1/traces");
+        assert_eq!(plain.certificate, Some(PathBuf::from("/etc/file-ca.pem")));
+        assert_eq!(plain.client_identity, None);
+        let vars = [
+            ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/etc/env-ca.pem"),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+                "/etc/traces-ca.pem",
+            ),
+            ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "/etc/client.pem"),
+            ("OTEL_EXPORTER_OTLP_CLIENT_KEY", "/etc/client.key"),
+        ];
+        let tls = resolve_otel(Some(file.clone()), env(&vars))
+            .unwrap()
+            .unwrap();
+        assert_eq!(tls.certificate, Some(PathBuf::from("/etc/traces-ca.pem")));
+        assert_eq!(
+            tls.client_identity,
+            Some(("/etc/client.pem".into(), "/etc/client.key".into()))
+        );
+        let half = [("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "/etc/client.pem")];
+        let err = resolve_otel(Some(file), env(&half))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("needs its key"), "{err}");
+        let on_http = OtelFile {
+            endpoint: Some("http://collector:4318".into()),
+            certificate: Some("/etc/ca.pem".into()),
+            ..OtelFile::default()
+        };
+        let err = resolve_otel(Some(on_http), env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("use an https:// endpoint"), "{err}");
     }
 }

@@ -330,3 +330,145 @@ async fn a_request_trace_runs_through_enqueue_relay_and_consumer() -> TestResult
         .await?;
     Ok(())
 }
+
+/// Run `outbox-relay drain` on the SQLite outbox at `path` into `stdout://`, exporting to the
+/// https `otlp` endpoint with the `OTEL_*` variables `vars`; returns its standard error.
+async fn drain_tls(
+    path: &std::path::Path,
+    otlp: &str,
+    vars: &[(&str, &std::path::Path)],
+) -> Result<String, BoxError> {
+    let store = format!("sqlite://{}", path.display());
+    let mut relay = command([
+        "--store",
+        &store,
+        "drain",
+        "--migrate",
+        "--broker",
+        "stdout://",
+    ]);
+    relay
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", otlp)
+        .env("OTEL_SERVICE_NAME", "outbox-relay-tls-test")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_CERTIFICATE")
+        .env_remove("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE")
+        .env_remove("OTEL_EXPORTER_OTLP_CLIENT_KEY")
+        .env_remove("OTEL_SDK_DISABLED")
+        .env_remove("OTEL_TRACES_EXPORTER");
+    for (name, value) in vars {
+        relay.env(name, value);
+    }
+    let out = output(relay).await?;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "relay failed: {stderr}");
+    Ok(stderr)
+}
+
+/// The TLS front's runtime, shut down without blocking when the test ends (a runtime may not be
+/// dropped inside another).
+struct Front(Option<tokio::runtime::Runtime>);
+
+impl Drop for Front {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// Producer spans the receiver holds for `id`.
+fn spans_for(received: &Received, id: Uuid) -> usize {
+    received
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, s)| string_attr(&s.attributes, "messaging.message.id") == Some(id.to_string()))
+        .count()
+}
+
+/// An `https://` collector that verifies clients: the relay trusts it through
+/// `OTEL_EXPORTER_OTLP_CERTIFICATE` and presents `OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE` and
+/// `_KEY`. Trusting another CA, or presenting no client certificate, exports nothing (the drain
+/// flushes its exporter before it exits, so "nothing" is final when it returns).
+#[tokio::test]
+async fn an_https_collector_gets_the_spans_only_over_verified_tls() -> TestResult {
+    let received: Received = Arc::default();
+    let plain = otlp_receiver(received.clone()).await?;
+    let inner: u16 = plain.rsplit(':').next().unwrap_or_default().parse()?;
+    let pki = outbox_e2e::private::Pki::new()?;
+    let port = outbox_e2e::private::free_port()?;
+    let _front = Front(Some(outbox_e2e::private::tls_front(
+        &pki, port, inner, true,
+    )?));
+    let otlp = format!("https://{}:{port}", outbox_e2e::private::TLS_HOST);
+
+    let dir = tempfile::tempdir()?;
+    let enqueue = |path: &std::path::Path, n: usize| -> Result<Uuid, BoxError> {
+        let sqlite = outbox::sqlite::SqliteConfig::default();
+        let mut conn = outbox::sqlite::open_connection(path, &sqlite)?;
+        outbox::sqlite::migrate(&conn, &sqlite)?;
+        let msg = message(n, 1);
+        let tx = conn.transaction()?;
+        outbox::sqlite::enqueue(&tx, &sqlite, &msg)?;
+        tx.commit()?;
+        Ok(msg.id)
+    };
+
+    // Another CA: the collector's certificate is refused, nothing arrives.
+    let wrong = dir.path().join("wrong.db");
+    let id = enqueue(&wrong, 1)?;
+    drain_tls(
+        &wrong,
+        &otlp,
+        &[
+            ("OTEL_EXPORTER_OTLP_CERTIFICATE", &pki.other_ca),
+            ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", &pki.client_cert),
+            ("OTEL_EXPORTER_OTLP_CLIENT_KEY", &pki.client_key),
+        ],
+    )
+    .await?;
+    assert_eq!(
+        spans_for(&received, id),
+        0,
+        "exported past a CA the relay does not trust"
+    );
+
+    // The right CA but no client certificate: the collector refuses the relay.
+    let anonymous = dir.path().join("anonymous.db");
+    let id = enqueue(&anonymous, 2)?;
+    drain_tls(
+        &anonymous,
+        &otlp,
+        &[("OTEL_EXPORTER_OTLP_CERTIFICATE", &pki.ca)],
+    )
+    .await?;
+    assert_eq!(
+        spans_for(&received, id),
+        0,
+        "a collector that verifies clients took an anonymous one"
+    );
+
+    // Both: the producer span arrives.
+    let good = dir.path().join("good.db");
+    let id = enqueue(&good, 3)?;
+    drain_tls(
+        &good,
+        &otlp,
+        &[
+            ("OTEL_EXPORTER_OTLP_CERTIFICATE", &pki.ca),
+            ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", &pki.client_cert),
+            ("OTEL_EXPORTER_OTLP_CLIENT_KEY", &pki.client_key),
+        ],
+    )
+    .await?;
+    assert_eq!(spans_for(&received, id), 1, "no producer span over https");
+    let service = received
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|(_, s)| string_attr(&s.attributes, "messaging.message.id") == Some(id.to_string()))
+        .map(|(service, _)| service.clone());
+    assert_eq!(service.as_deref(), Some("outbox-relay-tls-test"));
+    Ok(())
+}

@@ -808,7 +808,7 @@ impl PrivateKafkaTls {
             &log,
         )?;
         wait_port(inner, Some(&mut child.0), &log)?;
-        let front = tls_front(pki, port, inner)?;
+        let front = tls_front(pki, port, inner, false)?;
         wait_port(port, None, &log)?;
         Ok(Some(Self {
             _tansu: child,
@@ -828,19 +828,36 @@ impl Drop for PrivateKafkaTls {
 }
 
 /// A runtime serving TLS on `port` with `pki`'s server certificate, forwarding each connection
-/// to `inner` in plaintext.
-fn tls_front(pki: &Pki, port: u16, inner: u16) -> Result<tokio::runtime::Runtime, BoxError> {
+/// to `inner` in plaintext; with `verify_clients`, only clients presenting a certificate signed
+/// by `pki`'s CA get through. Drop the runtime (or shut it down) to stop it.
+pub fn tls_front(
+    pki: &Pki,
+    port: u16,
+    inner: u16,
+    verify_clients: bool,
+) -> Result<tokio::runtime::Runtime, BoxError> {
     use tokio_rustls::rustls::pki_types::pem::PemObject;
     use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    use tokio_rustls::rustls::{self, ServerConfig};
+    use tokio_rustls::rustls::server::WebPkiClientVerifier;
+    use tokio_rustls::rustls::{self, RootCertStore, ServerConfig};
 
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
     let certs = CertificateDer::pem_file_iter(&pki.server_cert)?.collect::<Result<Vec<_>, _>>()?;
     let key = PrivateKeyDer::from_pem_file(&pki.server_key)?;
-    let config =
-        ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()?
-            .with_no_client_auth()
-            .with_single_cert(certs, key)?;
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()?;
+    let builder = if verify_clients {
+        let mut roots = RootCertStore::empty();
+        for cert in CertificateDer::pem_file_iter(&pki.ca)? {
+            roots.add(cert?)?;
+        }
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build()?;
+        builder.with_client_cert_verifier(verifier)
+    } else {
+        builder.with_no_client_auth()
+    };
+    let config = builder.with_single_cert(certs, key)?;
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
