@@ -30,6 +30,9 @@ pub struct Received {
     /// The partition key the record carries (Kafka record key, `partition-key` header, Redis
     /// `partition_key` field).
     pub key: Option<String>,
+    /// The content type the record carries (`content-type` header, Redis `content_type`
+    /// field): a binary payload's; none for a JSON one in the default envelope.
+    pub content_type: Option<String>,
 }
 
 /// A message the service committed, as the consumer must eventually see it.
@@ -175,6 +178,10 @@ pub mod nats {
                 key: stored
                     .headers
                     .get(PARTITION_KEY)
+                    .map(|v| v.as_str().to_owned()),
+                content_type: stored
+                    .headers
+                    .get("content-type")
                     .map(|v| v.as_str().to_owned()),
             });
         }
@@ -360,6 +367,7 @@ pub mod kafka {
                 id: message_id(&m).unwrap_or_default(),
                 payload: m.payload().unwrap_or_default().to_vec(),
                 key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+                content_type: header(&m, "content-type"),
             });
         }
         Ok(by_partition.into_iter().flatten().collect())
@@ -410,6 +418,7 @@ pub mod redis {
                     id: text("id").unwrap_or_default(),
                     payload: field("payload").unwrap_or_default(),
                     key: text("partition_key"),
+                    content_type: text("content_type"),
                 }
             })
             .collect())

@@ -4,7 +4,7 @@
 //! eval "$(scripts/services)"
 //! cargo run --release -p outbox-bench --bin brokers -- [nats|kafka|redis|all|none] [messages=100000]
 //!     [keys=1000] [batch=N] [concurrency=N] [partitions=N] [max_in_flight=N] [kafka_props=a=b;c=d]
-//!     [verify=full|count] [relays=N] [delete_published=true|false]
+//!     [verify=full|count] [relays=N] [delete_published=true|false] [payload=json|bytes:N]
 //! ```
 //!
 //! For each broker: enqueue MESSAGES messages over KEYS partition keys into a fresh Postgres
@@ -23,6 +23,9 @@
 //! (`nats-server`, `tansu` or `redis-server`), in seconds and in µs per message. Client and
 //! servers share the machine's cores, so these say where a drain's time goes and let figures
 //! taken on different machines be compared by cost rather than by rate.
+//!
+//! `payload=bytes:N` enqueues binary payloads of N bytes (`application/octet-stream`, not valid
+//! UTF-8) instead of the ~200-byte JSON ones, and the row adds the payload bytes per second.
 //!
 //! Afterwards the broker is read back with its own client: with `verify=full` (default) every
 //! message must be there, byte-equal, in per-key order; `verify=count` only counts. The schema,
@@ -66,6 +69,8 @@ struct Settings {
     relays: usize,
     /// The store deletes messages as they are published instead of marking them.
     delete_published: bool,
+    /// Binary payloads of this many bytes instead of JSON ones.
+    bytes: Option<usize>,
 }
 
 impl Settings {
@@ -82,6 +87,7 @@ impl Settings {
             verify_full: true,
             relays: 1,
             delete_published: false,
+            bytes: None,
         };
         for arg in std::env::args().skip(1) {
             let Some((key, value)) = arg.split_once('=') else {
@@ -106,11 +112,18 @@ impl Settings {
                 "verify" => s.verify_full = value == "full",
                 "relays" => s.relays = value.parse::<usize>()?.max(1),
                 "delete_published" => s.delete_published = value.parse()?,
+                "payload" => {
+                    s.bytes = match value.split_once(':') {
+                        None if value == "json" => None,
+                        Some(("bytes", n)) => Some(n.parse()?),
+                        _ => return Err(format!("payload={value:?}: use json or bytes:N").into()),
+                    }
+                }
                 _ => {
                     return Err(format!(
                         "unknown option {key:?}; use messages, keys, batch, concurrency, \
                          partitions, max_in_flight, kafka_props, verify, relays, \
-                         delete_published"
+                         delete_published, payload"
                     )
                     .into())
                 }
@@ -453,7 +466,13 @@ async fn bench_in(
     config: &PostgresConfig,
 ) -> BoxResult<()> {
     for chunk in (0..s.messages).collect::<Vec<_>>().chunks(ENQUEUE_BATCH) {
-        let batch: Vec<_> = chunk.iter().map(|&n| message(n, s.keys)).collect();
+        let batch: Vec<_> = chunk
+            .iter()
+            .map(|&n| match s.bytes {
+                None => message(n, s.keys),
+                Some(size) => binary_message(n, s.keys, size),
+            })
+            .collect();
         let mut tx = pool.begin().await?;
         outbox_backend_postgres::enqueue_batch(&mut *tx, config, &batch).await?;
         tx.commit().await?;
@@ -527,18 +546,19 @@ async fn drain(
     // What the broker must hold, read before the drain: a store that deletes published rows
     // has none left afterwards.
     let expected = if s.verify_full && !matches!(destination, Destination::None) {
-        let rows: Vec<(String, Option<String>, String)> = sqlx::query_as(&format!(
-            "SELECT id::text, partition_key, payload::text FROM {} ORDER BY seq",
-            config.qualified_table()
-        ))
-        .fetch_all(pool)
-        .await?;
+        let rows: Vec<(String, Option<String>, String, Option<Vec<u8>>)> =
+            sqlx::query_as(&format!(
+                "SELECT id::text, partition_key, payload::text, payload_bytes FROM {} ORDER BY seq",
+                config.qualified_table()
+            ))
+            .fetch_all(pool)
+            .await?;
         Some(
             rows.into_iter()
-                .map(|(id, key, payload)| Expected {
+                .map(|(id, key, payload, bytes)| Expected {
                     id,
                     key,
-                    payload: payload.into_bytes(),
+                    payload: bytes.unwrap_or_else(|| payload.into_bytes()),
                 })
                 .collect::<Vec<_>>(),
         )
@@ -555,8 +575,15 @@ async fn drain(
     for r in results {
         stats += r?;
     }
+    let payload = match s.bytes {
+        None => "JSON payloads".to_owned(),
+        Some(size) => format!(
+            "{size}-byte binary payloads, {:.1} MB/s",
+            (size * s.messages) as f64 / 1e6 / elapsed.as_secs_f64()
+        ),
+    };
     println!(
-        "| postgres → {broker} | {} | {:.2} s | {:.0} msg/s | {settings} |",
+        "| postgres → {broker} | {} | {:.2} s | {:.0} msg/s | {settings}, {payload} |",
         s.messages,
         elapsed.as_secs_f64(),
         s.messages as f64 / elapsed.as_secs_f64()
@@ -609,6 +636,21 @@ async fn drain(
         eprintln!("  {broker}: broker holds {count} records");
     }
     Ok(())
+}
+
+/// Message `n` with a binary payload of `size` bytes: not UTF-8, different per message.
+fn binary_message(n: usize, keys: usize, size: usize) -> outbox_traits::NewMessage {
+    let key = format!("customer-{}", n % keys);
+    let data: Vec<u8> = (0..size)
+        .map(|i| (i.wrapping_mul(31) ^ n.wrapping_mul(7)) as u8 | 0x80)
+        .collect();
+    outbox_traits::NewMessage::binary(
+        "order",
+        format!("order-{n}"),
+        "order.placed",
+        outbox_traits::Binary::new("application/octet-stream", data),
+    )
+    .with_partition_key(key)
 }
 
 #[tokio::main]
