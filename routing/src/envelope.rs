@@ -711,10 +711,9 @@ mod tests {
             .protocol
             .contains(&("content-type".into(), "application/x-protobuf".into())));
         let nats = binary.headers(&msg, Binding::Nats);
-        assert!(nats.protocol.contains(&(
-            "ce-datacontenttype".into(),
-            "application/x-protobuf".into()
-        )));
+        assert!(nats
+            .protocol
+            .contains(&("ce-datacontenttype".into(), "application/x-protobuf".into())));
         // Structured: data_base64 and the content type, no data.
         let structured = envelope(EnvelopeMode::CloudEventsStructured).body(&msg);
         let event: std::collections::BTreeMap<String, String> =

@@ -144,12 +144,16 @@ mod tests {
     #[test]
     fn content_type_only_for_binary_payloads() {
         let mut msg = message();
-        msg.headers.insert("Content-Type".into(), "text/plain".into());
+        msg.headers
+            .insert("Content-Type".into(), "text/plain".into());
         let json = standard_headers(&msg);
         assert!(json
             .iter()
             .all(|(n, _)| !n.eq_ignore_ascii_case(HEADER_CONTENT_TYPE)));
-        msg.binary = Some(outbox_traits::Binary::new("application/x-protobuf", [0u8, 0xff]));
+        msg.binary = Some(outbox_traits::Binary::new(
+            "application/x-protobuf",
+            [0u8, 0xff],
+        ));
         let binary = standard_headers(&msg);
         let types: Vec<&(String, String)> = binary
             .iter()
@@ -157,7 +161,10 @@ mod tests {
             .collect();
         assert_eq!(
             types,
-            [&("content-type".to_string(), "application/x-protobuf".to_string())]
+            [&(
+                "content-type".to_string(),
+                "application/x-protobuf".to_string()
+            )]
         );
     }
 }
