@@ -129,6 +129,8 @@ async fn decodes_what_the_publisher_wrote_and_commits_after_the_handler() {
         .collect();
     batch[1].headers.clear();
     batch.push(message(None, 7, serde_json::json!(null)));
+    batch.push(binary_message(Some("k2"), 8));
+    batch.push(binary_message(None, 9));
     f.publish(&batch).await;
 
     let (handler, mut calls) = Scripted::new();

@@ -122,6 +122,7 @@ async fn decodes_what_the_publisher_wrote_and_acks_each_once() {
         ),
         message(None, 2, serde_json::json!("text")),
         message(Some("k1"), 3, serde_json::json!({"nested": {"a": null}})),
+        binary_message(Some("k3"), 4),
     ];
     batch[1].headers.clear();
     f.publish(&batch).await;
@@ -129,7 +130,7 @@ async fn decodes_what_the_publisher_wrote_and_acks_each_once() {
     let (handler, mut calls) = Scripted::new();
     let consumer = RedisConsumer::connect(f.config("decode")).await.unwrap();
     let task = tokio::spawn(consumer.run(handler));
-    let seen = calls_until(&mut calls, |c| c.len() >= 3).await;
+    let seen = calls_until(&mut calls, |c| c.len() >= batch.len()).await;
     for msg in &batch {
         let got = of(&seen, msg.id);
         assert_eq!(got.len(), 1, "{} handled once", msg.id);
@@ -146,7 +147,7 @@ async fn decodes_what_the_publisher_wrote_and_acks_each_once() {
         .map(|c| c.delivery.message_id)
         .collect();
     assert_eq!(k1, vec![batch[0].id, batch[2].id], "key order");
-    f.all_acked("decode", 3).await;
+    f.all_acked("decode", batch.len()).await;
     task.abort();
 }
 
