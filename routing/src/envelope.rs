@@ -41,10 +41,10 @@
 //!   message id, JetStream's dedup) is sent in every mode.
 //! - **Redis Streams** (no official binding): the HTTP binding's header rules applied to the
 //!   entry's fields, the body in a `data` field, as Dapr's Redis Streams component does. Binary
-//!   mode: `ce-` fields (percent-encoded), `content-type` = `datacontenttype`, `data` = the
-//!   payload. Structured mode: `content-type: application/cloudevents+json` and `data` = the
-//!   event. Any SDK's HTTP binding reads an entry given its fields as headers and `data` as the
-//!   body.
+//!   mode: `ce-` fields (percent-encoded), `content-type` = `datacontenttype` (not encoded, as
+//!   HTTP's `Content-Type`), `data` = the payload. Structured mode: `content-type:
+//!   application/cloudevents+json` and `data` = the event. Any SDK's HTTP binding reads an
+//!   entry given its fields as headers and `data` as the body.
 //!
 //! # Binary payloads
 //!
@@ -197,7 +197,7 @@ pub enum Binding {
     /// NATS: `ce-` headers, percent-encoded; `datacontenttype` as `ce-datacontenttype`.
     Nats,
     /// Redis Streams entry fields, by the HTTP binding's rules: `ce-` fields, percent-encoded;
-    /// `datacontenttype` as `content-type`.
+    /// `datacontenttype` as `content-type`, unencoded.
     Redis,
 }
 
@@ -364,9 +364,15 @@ impl Envelope {
                         (Binding::Kafka, _) => format!("ce_{name}"),
                         (Binding::Nats | Binding::Redis, _) => format!("ce-{name}"),
                     };
-                    let value = match binding {
-                        Binding::Kafka => value.into_owned(),
-                        Binding::Nats | Binding::Redis => encode_header_value(&value).into_owned(),
+                    // HTTP (and so Redis) maps `datacontenttype` to a plain `Content-Type`,
+                    // which is not percent-encoded (a checked content type is printable ASCII).
+                    let value = match (binding, name.as_ref()) {
+                        (Binding::Kafka, _) | (Binding::Redis, "datacontenttype") => {
+                            value.into_owned()
+                        }
+                        (Binding::Nats | Binding::Redis, _) => {
+                            encode_header_value(&value).into_owned()
+                        }
                     };
                     protocol.push((header, value));
                 }
@@ -714,6 +720,20 @@ mod tests {
         assert!(nats
             .protocol
             .contains(&("ce-datacontenttype".into(), "application/x-protobuf".into())));
+        // Parameters: percent-encoded in a NATS ce- header, not in a Redis content-type.
+        let mut text = msg.clone();
+        text.binary = Some(outbox_traits::Binary::new(
+            "text/plain; charset=utf-8",
+            bytes.clone(),
+        ));
+        assert!(binary.headers(&text, Binding::Nats).protocol.contains(&(
+            "ce-datacontenttype".into(),
+            "text/plain;%20charset=utf-8".into()
+        )));
+        assert!(binary
+            .headers(&text, Binding::Redis)
+            .protocol
+            .contains(&("content-type".into(), "text/plain; charset=utf-8".into())));
         // Structured: data_base64 and the content type, no data.
         let structured = envelope(EnvelopeMode::CloudEventsStructured).body(&msg);
         let event: std::collections::BTreeMap<String, String> =
