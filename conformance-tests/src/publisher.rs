@@ -8,7 +8,8 @@
 //! What is checked:
 //! - [`check_round_trip`]: ids, payload bytes and headers (the standard set from
 //!   [`outbox_routing::standard_headers`], user headers and `traceparent` included) arrive
-//!   unchanged, and the broker's key is the partition key;
+//!   unchanged, and the broker's key is the partition key; a binary payload (bytes with `0x00`,
+//!   `0xff` and invalid UTF-8) arrives byte for byte with its `content-type`;
 //! - [`check_key_order`]: many keys interleaved in one batch keep their order per key;
 //! - [`check_partial_failure`]: a message the broker refuses permanently fails alone, its key's
 //!   later messages are `NotAttempted` and not stored, everything else is `Acked` and stored;
@@ -22,7 +23,8 @@ use std::time::Duration;
 
 use outbox_routing::standard_headers;
 use outbox_traits::{
-    async_trait, chrono::Utc, uuid::Uuid, Error, ErrorKind, Message, PublishOutcome, Publisher,
+    async_trait, chrono::Utc, uuid::Uuid, Binary, Error, ErrorKind, Message, PublishOutcome,
+    Publisher,
 };
 
 /// One message as the broker stored it, read back by a [`BrokerReader`].
@@ -30,10 +32,11 @@ use outbox_traits::{
 pub struct ReceivedMessage {
     /// The message id the broker carries (header or field), as text.
     pub id: String,
-    /// The stored payload bytes.
+    /// The stored payload bytes: the JSON text, or a binary payload's bytes.
     pub payload: Vec<u8>,
     /// The stored headers (for brokers without headers, the fields that stand for them, under
-    /// the names of [`outbox_routing::standard_headers`]).
+    /// the names of [`outbox_routing::standard_headers`]; a binary payload's content type is
+    /// the `content-type` header).
     pub headers: Vec<(String, String)>,
     /// The broker's key for the message (Kafka record key, the partition key header or field
     /// elsewhere), if any.
@@ -123,7 +126,26 @@ fn assert_outcome_count(batch: &[Message], outcomes: &[PublishOutcome]) {
     );
 }
 
-/// Ids, payload bytes, headers and keys arrive unchanged.
+/// The bytes of the binary payload [`check_round_trip`] sends: a NUL, `0xff`, a lone
+/// continuation byte and a truncated UTF-8 sequence (not UTF-8 text), and a JSON-looking part.
+pub const BINARY_PAYLOAD: &[u8] = &[
+    0x00, 0xff, 0x80, 0xc3, 0x28, b'{', b'"', b'n', b'"', b':', b'1', b'}', 0xe2, 0x82, 0x00,
+    b'\n', 0xfe,
+];
+
+/// The content type of [`BINARY_PAYLOAD`].
+pub const BINARY_CONTENT_TYPE: &str = "application/x-protobuf";
+
+/// A binary message as a store would hand it to a relay: [`message`] with `binary` set and a
+/// `null` JSON payload.
+pub fn binary_message(key: Option<&str>, content_type: &str, data: &[u8]) -> Message {
+    let mut msg = message(key, "null");
+    msg.binary = Some(Binary::new(content_type, data));
+    msg
+}
+
+/// Ids, payload bytes, headers and keys arrive unchanged; so does a binary payload, with its
+/// content type.
 pub async fn check_round_trip(publisher: &dyn Publisher, reader: &dyn BrokerReader) {
     let payloads = [
         r#"{"n":1}"#.to_string(),
@@ -147,6 +169,11 @@ pub async fn check_round_trip(publisher: &dyn Publisher, reader: &dyn BrokerRead
     let mut unordered = message(None, r#"{"unordered":true}"#);
     unordered.headers.insert("x-only".into(), "1".into());
     batch.push(unordered);
+    let mut binary = binary_message(Some("rt-bin"), BINARY_CONTENT_TYPE, BINARY_PAYLOAD);
+    binary
+        .headers
+        .insert("x-tenant".into(), "tenant-bin".into());
+    batch.push(binary);
 
     let outcomes = publisher.publish(&batch).await;
     assert_outcome_count(&batch, &outcomes);
@@ -171,9 +198,23 @@ pub async fn check_round_trip(publisher: &dyn Publisher, reader: &dyn BrokerRead
         let got = copies[0];
         assert_eq!(
             got.payload,
-            msg.payload.as_bytes(),
+            msg.body(),
             "payload of {id} changed on the way"
         );
+        let content_type = got
+            .headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case("content-type"))
+            .map(|(_, v)| v.as_str());
+        match &msg.binary {
+            Some(binary) => assert_eq!(
+                content_type,
+                Some(binary.content_type.as_str()),
+                "content type of binary message {id}"
+            ),
+            // JSON messages are sent as before binary payloads existed: no content type.
+            None => assert_eq!(content_type, None, "content type of JSON message {id}"),
+        }
         for (name, value) in standard_headers(msg) {
             assert!(
                 got.headers.iter().any(|(n, v)| n == &name && v == &value),

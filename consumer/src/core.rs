@@ -294,6 +294,7 @@ mod tests {
             partition_key: None,
             headers: Default::default(),
             payload: serde_json::Value::Null,
+            binary: None,
             source: Source::Redis {
                 stream: "s".into(),
                 entry_id: "1-0".into(),

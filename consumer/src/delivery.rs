@@ -2,16 +2,18 @@
 //! default envelope, or a CloudEvents event in binary or structured mode
 //! ([`outbox_routing::envelope`]), told apart by the message itself.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use outbox_routing::envelope::{
-    attribute_target, binary_attribute_name, decode_header_value, is_structured_content_type,
-    AttributeTarget,
+    attribute_target, binary_attribute_name, decode_base64, decode_header_value,
+    is_json_content_type, is_structured_content_type, AttributeTarget,
 };
 use outbox_routing::{
     HEADER_AGGREGATE_ID, HEADER_AGGREGATE_TYPE, HEADER_EVENT_TYPE, HEADER_MESSAGE_ID,
     HEADER_PARTITION_KEY, STANDARD_HEADER_NAMES,
 };
+use outbox_traits::{Binary, JSON_CONTENT_TYPE};
 use serde::de::DeserializeOwned;
 use uuid::Uuid;
 
@@ -26,6 +28,14 @@ use crate::handler::HandlerError;
 /// `partition_key`, `payload` and `headers` (Redis); or, with `envelope=cloudevents` or
 /// `envelope=cloudevents-structured` on the publisher, the CloudEvents attributes `id`, `type`,
 /// `subject`, `aggregatetype`, `partitionkey`, extension attributes as headers, and `data`.
+///
+/// # Binary payloads
+/// A message whose content type is not JSON (the `content-type` header, the Redis
+/// `content_type` field, or the CloudEvent's `datacontenttype`; JSON is `application/json` or
+/// any `+json` type, and a message without one is JSON) is a binary payload: [`Delivery::binary`]
+/// holds its bytes, exactly as sent, and its content type, and [`Delivery::payload`] is `null`.
+/// A structured CloudEvent's `data_base64` is decoded to those bytes. [`Delivery::body`] gives
+/// the bytes of either kind.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Delivery {
     /// The outbox message id: stable across redeliveries and republishes. Deduplicate on it
@@ -42,8 +52,11 @@ pub struct Delivery {
     /// The user's headers (e.g. `traceparent`, `tenant`): every header that is not one of the
     /// standard ones above (nor NATS's own `Nats-Msg-Id`).
     pub headers: BTreeMap<String, String>,
-    /// The JSON payload.
+    /// The JSON payload (`null` for a binary payload).
     pub payload: serde_json::Value,
+    /// The binary payload (bytes and content type), for a message whose content type is not
+    /// JSON; `None` for a JSON payload.
+    pub binary: Option<Binary>,
     /// Where the broker keeps the message.
     pub source: Source,
     /// This consumer's attempt at the message, from 1: it grows by one for each handler error
@@ -54,16 +67,69 @@ pub struct Delivery {
 }
 
 impl Delivery {
-    /// The payload deserialized as `T`. A payload of another shape gives a
-    /// [permanent](crate::FailureKind::Permanent) [`HandlerError`]: retrying cannot fix it, so
+    /// The payload deserialized as `T`. A payload of another shape, or a binary payload, gives
+    /// a [permanent](crate::FailureKind::Permanent) [`HandlerError`]: retrying cannot fix it, so
     /// `?` in a handler sends the message to the dead letters.
     pub fn payload_as<T: DeserializeOwned>(&self) -> Result<T, HandlerError> {
+        if let Some(binary) = &self.binary {
+            return Err(HandlerError::permanent(format!(
+                "payload of message {} ({}) is binary ({}, {} bytes), not JSON; read it with \
+                 Delivery::body",
+                self.message_id,
+                self.event_type,
+                binary.content_type,
+                binary.data.len()
+            )));
+        }
         T::deserialize(&self.payload).map_err(|e| {
             HandlerError::permanent(format!(
                 "payload of message {} ({}) does not have the expected shape: {e}",
                 self.message_id, self.event_type
             ))
         })
+    }
+}
+
+impl Delivery {
+    /// The body's bytes: a binary payload's, exactly as the broker delivered them, or the JSON
+    /// payload as compact JSON text (re-encoded: not necessarily the sent bytes).
+    pub fn body(&self) -> Cow<'_, [u8]> {
+        match &self.binary {
+            Some(binary) => Cow::Borrowed(&binary.data),
+            None => Cow::Owned(self.payload.to_string().into_bytes()),
+        }
+    }
+
+    /// The body's content type: a binary payload's, or `application/json`.
+    pub fn content_type(&self) -> &str {
+        match &self.binary {
+            Some(binary) => &binary.content_type,
+            None => JSON_CONTENT_TYPE,
+        }
+    }
+
+    /// Whether the payload is binary ([`Delivery::binary`]).
+    pub fn is_binary(&self) -> bool {
+        self.binary.is_some()
+    }
+}
+
+/// A decoded body: JSON, or a binary payload (then `json` is `null`).
+struct Body {
+    json: serde_json::Value,
+    binary: Option<Binary>,
+}
+
+impl Body {
+    fn json(json: serde_json::Value) -> Self {
+        Self { json, binary: None }
+    }
+
+    fn binary(content_type: &str, data: Vec<u8>) -> Self {
+        Self {
+            json: serde_json::Value::Null,
+            binary: Some(Binary::new(content_type, data)),
+        }
     }
 }
 
@@ -158,7 +224,7 @@ pub(crate) struct RawEnvelope<'a> {
     pub names: Option<[&'static str; 5]>,
     /// `ce_`/`ce-` prefixed headers (CloudEvents binary mode), as given.
     pub cloudevent: Vec<(&'a str, &'a [u8])>,
-    /// The `content-type` header, as given.
+    /// The `content-type` header (Redis: the `content_type` field), as given.
     pub content_type: Option<(&'a str, &'a [u8])>,
 }
 
@@ -231,10 +297,11 @@ impl<'a> RawEnvelope<'a> {
                 return self.binary(payload, source);
             }
         }
-        // Not a CloudEvent: any such headers were the user's own.
+        // Not a CloudEvent: any such headers were the user's own. The content type is the
+        // body's (publishers leave out a user header of that name).
         let extra = std::mem::take(&mut self.cloudevent);
         self.headers.extend(extra);
-        self.headers.extend(self.content_type.take());
+        let content_type = self.content_type.take();
         // Without an id the message was not written by an outbox publisher: say so, rather
         // than what else is wrong with it (its payload, say).
         if self.message_id.is_none() {
@@ -244,19 +311,15 @@ impl<'a> RawEnvelope<'a> {
                 problem: missing(id_name),
             });
         }
-        let payload = self.parse_payload(payload, &source)?;
-        self.finish(payload, source)
-    }
-
-    fn parse_payload(
-        &self,
-        payload: &[u8],
-        source: &Source,
-    ) -> Result<serde_json::Value, DecodeError> {
-        serde_json::from_slice(payload).map_err(|e| DecodeError {
-            source_text: source.to_string(),
-            problem: format!("payload ({} bytes) is not JSON: {e}", payload.len()),
-        })
+        let content_type = match content_type {
+            Some((name, value)) => Some(std::str::from_utf8(value).map_err(|_| DecodeError {
+                source_text: source.to_string(),
+                problem: format!("{name:?} is not UTF-8 text"),
+            })?),
+            None => None,
+        };
+        let body = read_body(payload, content_type, &source)?;
+        self.finish(body, source)
     }
 
     /// A CloudEvents binary-mode message: attributes in `ce_` (Kafka) or percent-encoded `ce-`
@@ -281,8 +344,21 @@ impl<'a> RawEnvelope<'a> {
             };
             attributes.push((name, text.into_owned()));
         }
-        let payload = self.parse_payload(payload, &source)?;
-        self.with_attributes(&attributes, payload, source)
+        // `datacontenttype`: a `ce-` header on NATS, `content-type` on Kafka and Redis.
+        let header_type = match self.content_type {
+            Some((name, value)) => Some(std::str::from_utf8(value).map_err(|_| DecodeError {
+                source_text: source.to_string(),
+                problem: format!("header {name:?} is not UTF-8 text"),
+            })?),
+            None => None,
+        };
+        let content_type = attributes
+            .iter()
+            .find(|(name, _)| name == "datacontenttype")
+            .map(|(_, value)| value.as_str())
+            .or(header_type);
+        let body = read_body(payload, content_type, &source)?;
+        self.with_attributes(&attributes, body, source)
     }
 
     /// A CloudEvents structured-mode message: the body is the JSON event format.
@@ -293,25 +369,52 @@ impl<'a> RawEnvelope<'a> {
         };
         let event: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)
             .map_err(|e| fail(format!("structured CloudEvent is not a JSON object: {e}")))?;
-        if event.contains_key("data_base64") {
-            return Err(fail(
-                "the CloudEvent carries data_base64; outbox payloads are JSON".into(),
-            ));
-        }
-        let mut payload = serde_json::Value::Null;
+        let mut data = None;
+        let mut data_base64 = None;
         let mut attributes = Vec::with_capacity(event.len());
         for (name, value) in event {
-            if name == "data" {
-                payload = value;
-                continue;
+            match name.as_str() {
+                "data" => data = Some(value),
+                "data_base64" => data_base64 = Some(value),
+                _ => {
+                    let text = match value {
+                        serde_json::Value::String(text) => text,
+                        other => other.to_string(),
+                    };
+                    attributes.push((name, text));
+                }
             }
-            let text = match value {
-                serde_json::Value::String(text) => text,
-                other => other.to_string(),
-            };
-            attributes.push((name, text));
         }
-        self.with_attributes(&attributes, payload, source)
+        let content_type = attributes
+            .iter()
+            .find(|(name, _)| name == "datacontenttype")
+            .map(|(_, value)| value.as_str());
+        let body =
+            match (data, data_base64) {
+                (Some(_), Some(_)) => return Err(fail(
+                    "the CloudEvent has both data and data_base64, which the JSON event format \
+                     forbids"
+                        .into(),
+                )),
+                // Binary data (JSON event format 3.1): the bytes, of `datacontenttype` (or
+                // unknown: application/octet-stream).
+                (None, Some(encoded)) => {
+                    let text = encoded
+                        .as_str()
+                        .ok_or_else(|| fail("data_base64 is not a string".into()))?;
+                    let bytes = decode_base64(text).map_err(fail)?;
+                    Body::binary(content_type.unwrap_or("application/octet-stream"), bytes)
+                }
+                // Text of a non-JSON type (e.g. text/plain) is held as a JSON string: its bytes.
+                (Some(serde_json::Value::String(text)), None)
+                    if content_type.is_some_and(|t| !is_json_content_type(t)) =>
+                {
+                    Body::binary(content_type.unwrap_or_default(), text.into_bytes())
+                }
+                (Some(json), None) => Body::json(json),
+                (None, None) => Body::json(serde_json::Value::Null),
+            };
+        self.with_attributes(&attributes, body, source)
     }
 
     /// Sort CloudEvents attributes into the envelope's fields and build the delivery. A user
@@ -320,7 +423,7 @@ impl<'a> RawEnvelope<'a> {
     fn with_attributes(
         self,
         attributes: &[(String, String)],
-        payload: serde_json::Value,
+        body: Body,
         source: Source,
     ) -> Result<Delivery, DecodeError> {
         let mut raw = RawEnvelope {
@@ -344,10 +447,10 @@ impl<'a> RawEnvelope<'a> {
         }
         // CloudEvents forbids an empty subject: an empty aggregate id is sent without one.
         raw.aggregate_id.get_or_insert(b"");
-        raw.finish(payload, source)
+        raw.finish(body, source)
     }
 
-    fn finish(self, payload: serde_json::Value, source: Source) -> Result<Delivery, DecodeError> {
+    fn finish(self, body: Body, source: Source) -> Result<Delivery, DecodeError> {
         let fail = |problem: String| DecodeError {
             source_text: source.to_string(),
             problem,
@@ -382,10 +485,31 @@ impl<'a> RawEnvelope<'a> {
             aggregate_id,
             partition_key,
             headers,
-            payload,
+            payload: body.json,
+            binary: body.binary,
             source,
             attempt: 1,
         })
+    }
+}
+
+/// The body as JSON when its content type is JSON or not given, else as a binary payload of
+/// that type.
+fn read_body(
+    body: &[u8],
+    content_type: Option<&str>,
+    source: &Source,
+) -> Result<Body, DecodeError> {
+    match content_type {
+        Some(content_type) if !is_json_content_type(content_type) => {
+            Ok(Body::binary(content_type, body.to_vec()))
+        }
+        _ => serde_json::from_slice(body)
+            .map(Body::json)
+            .map_err(|e| DecodeError {
+                source_text: source.to_string(),
+                problem: format!("payload ({} bytes) is not JSON: {e}", body.len()),
+            }),
     }
 }
 
@@ -505,13 +629,86 @@ mod tests {
         let err = raw.decode(br#"{"type":"t"}"#, source()).unwrap_err();
         assert!(err.to_string().contains("no \"id\""), "{err}");
 
-        // In the default envelope, user headers named like these stay headers.
+        // In the default envelope, user headers named like these stay headers; content-type
+        // is the body's type, a JSON one as any message without it.
         let mut raw = full(&id);
         raw.header("ce_x", b"1");
-        raw.header("Content-Type", b"text/plain");
+        raw.header("Content-Type", b"application/json; charset=utf-8");
         let d = raw.decode(b"{}", source()).unwrap();
+        assert_eq!(d.headers.len(), 1);
         assert_eq!(d.headers["ce_x"], "1");
-        assert_eq!(d.headers["Content-Type"], "text/plain");
+        assert_eq!(d.payload, serde_json::json!({}));
+        assert_eq!(d.binary, None);
+    }
+
+    /// Bytes that are not UTF-8 and hold a NUL.
+    const BYTES: &[u8] = &[0x00, 0xff, 0xc3, 0x28, b'{', 0x80];
+
+    #[test]
+    fn decodes_binary_payloads_in_every_envelope() {
+        let id = Uuid::now_v7().to_string();
+        let check = |d: &Delivery| {
+            let binary = d.binary.as_ref().expect("a binary payload");
+            assert_eq!(binary.content_type, "application/x-protobuf");
+            assert_eq!(binary.data, BYTES);
+            assert_eq!(d.body().as_ref(), BYTES);
+            assert_eq!(d.content_type(), "application/x-protobuf");
+            assert!(d.is_binary());
+            assert_eq!(d.payload, serde_json::Value::Null);
+            assert_eq!(d.headers.len(), 0, "{:?}", d.headers);
+            let err = d.payload_as::<serde_json::Value>().unwrap_err();
+            assert!(err.to_string().contains("binary"), "{err}");
+        };
+        // Default envelope: content-type header, the bytes as the body.
+        let mut raw = full(&id);
+        raw.header("content-type", b"application/x-protobuf");
+        check(&raw.decode(BYTES, source()).unwrap());
+        // Kafka binary mode: content-type is datacontenttype.
+        let mut raw = RawEnvelope::default();
+        raw.header("ce_id", id.as_bytes());
+        raw.header("ce_type", b"t");
+        raw.header("ce_aggregatetype", b"order");
+        raw.header("content-type", b"application/x-protobuf");
+        check(&raw.decode(BYTES, source()).unwrap());
+        // NATS binary mode: ce-datacontenttype, percent-encoded.
+        let mut raw = RawEnvelope::default();
+        raw.header("ce-id", id.as_bytes());
+        raw.header("ce-type", b"t");
+        raw.header("ce-aggregatetype", b"order");
+        raw.header("ce-datacontenttype", b"application%2Fx-protobuf");
+        check(&raw.decode(BYTES, source()).unwrap());
+        // Structured: data_base64 (padded or not).
+        for encoded in ["AP/DKHuA", "AP/DKHuA=="] {
+            let body = format!(
+                r#"{{"specversion":"1.0","id":"{id}","type":"t","aggregatetype":"order",
+                   "datacontenttype":"application/x-protobuf","data_base64":"{encoded}"}}"#
+            );
+            let mut raw = RawEnvelope::default();
+            raw.header("content-type", b"application/cloudevents+json");
+            check(&raw.decode(body.as_bytes(), source()).unwrap());
+        }
+        // Structured text data of a non-JSON type: its bytes.
+        let body = format!(
+            r#"{{"id":"{id}","type":"t","aggregatetype":"order","datacontenttype":"text/plain",
+               "data":"hé"}}"#
+        );
+        let mut raw = RawEnvelope::default();
+        raw.header("content-type", b"application/cloudevents+json");
+        let d = raw.decode(body.as_bytes(), source()).unwrap();
+        assert_eq!(d.body().as_ref(), "h\u{e9}".as_bytes());
+        assert_eq!(d.content_type(), "text/plain");
+        // Bad base64, or data beside data_base64: refused.
+        for extra in [r#""data_base64":"!!""#, r#""data_base64":"AA==","data":1"#] {
+            let body = format!(r#"{{"id":"{id}","type":"t","aggregatetype":"o",{extra}}}"#);
+            let mut raw = RawEnvelope::default();
+            raw.header("content-type", b"application/cloudevents+json");
+            assert!(raw.decode(body.as_bytes(), source()).is_err());
+        }
+        // A JSON message's body() is its JSON text.
+        let d = full(&id).decode(br#"{"n": 1}"#, source()).unwrap();
+        assert_eq!(d.body().as_ref(), br#"{"n":1}"#);
+        assert_eq!(d.content_type(), "application/json");
+        assert!(!d.is_binary());
     }
 
     #[test]

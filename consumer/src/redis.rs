@@ -594,6 +594,7 @@ impl RedisConsumer {
                 .map(|(n, v)| (n.as_str(), v.as_bytes()))
                 .collect(),
             names: Some(REDIS_FIELD_NAMES),
+            content_type: entry.field("content_type").map(|v| ("content_type", v)),
             ..RawEnvelope::default()
         };
         let Some(payload) = entry.field("payload") else {

@@ -16,6 +16,7 @@ use outbox_conformance_tests::env::service_url;
 use outbox_consumer::kafka::{KafkaConsumer, KafkaConsumerConfig};
 use outbox_consumer::{CancellationToken, Source, DEAD_ATTEMPTS, DEAD_REASON, DEAD_SOURCE};
 use outbox_publisher_kafka::{KafkaConfig, KafkaPublisher};
+use outbox_routing::{Envelope, EnvelopeMode};
 use outbox_traits::{Message, PublishOutcome, Publisher};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -56,6 +57,19 @@ impl Fixture {
 
     async fn publish(&self, batch: &[Message]) {
         let outcomes = self.publisher.publish(batch).await;
+        assert!(
+            outcomes.iter().all(|o| *o == PublishOutcome::Acked),
+            "{outcomes:?}"
+        );
+    }
+
+    /// Publish `batch` to the same topic in a CloudEvents envelope (`mode`).
+    async fn publish_in(&self, mode: EnvelopeMode, batch: &[Message]) {
+        let mut config = KafkaConfig::new(self.brokers.clone())
+            .with_topic(&self.topic)
+            .unwrap();
+        config.envelope = Envelope::new(mode);
+        let outcomes = KafkaPublisher::new(config).unwrap().publish(batch).await;
         assert!(
             outcomes.iter().all(|o| *o == PublishOutcome::Acked),
             "{outcomes:?}"
@@ -129,7 +143,20 @@ async fn decodes_what_the_publisher_wrote_and_commits_after_the_handler() {
         .collect();
     batch[1].headers.clear();
     batch.push(message(None, 7, serde_json::json!(null)));
+    batch.push(binary_message(Some("k2"), 8));
+    batch.push(binary_message(None, 9));
     f.publish(&batch).await;
+    // Binary payloads in both CloudEvents modes: the body, and data_base64.
+    let ce_binary = binary_message(Some("ce"), 10);
+    let ce_structured = binary_message(Some("ce"), 11);
+    f.publish_in(EnvelopeMode::CloudEvents, std::slice::from_ref(&ce_binary))
+        .await;
+    f.publish_in(
+        EnvelopeMode::CloudEventsStructured,
+        std::slice::from_ref(&ce_structured),
+    )
+    .await;
+    batch.extend([ce_binary, ce_structured]);
 
     let (handler, mut calls) = Scripted::new();
     let consumer = KafkaConsumer::connect(f.config("decode")).await.unwrap();

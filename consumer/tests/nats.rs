@@ -67,6 +67,22 @@ impl Fixture {
         );
     }
 
+    /// Publish `batch` to the same destination with `envelope=` `envelope` (a CloudEvents mode).
+    async fn publish_in(&self, envelope: &str, batch: &[Message]) {
+        let url = format!(
+            "{}?subject={}.{{aggregate_type}}.{{partition_key}}&stream={}&envelope={envelope}",
+            self.url, self.prefix, self.stream
+        );
+        let publisher = NatsPublisher::connect(NatsConfig::from_url(&url).unwrap())
+            .await
+            .unwrap();
+        let outcomes = publisher.publish(batch).await;
+        assert!(
+            outcomes.iter().all(|o| *o == PublishOutcome::Acked),
+            "{outcomes:?}"
+        );
+    }
+
     /// The consumer's acknowledgement floor reaches the stream's last sequence, with nothing
     /// pending or waiting for an ack.
     async fn all_acked(&self, consumer: &str) {
@@ -122,14 +138,26 @@ async fn decodes_what_the_publisher_wrote_and_acks_each_once() {
         ),
         message(Some("k2"), 2, serde_json::json!("text")),
         message(Some("k1"), 3, serde_json::json!({"nested": {"a": null}})),
+        binary_message(Some("k3"), 4),
     ];
     batch[1].headers.clear();
     f.publish(&batch).await;
+    // Binary payloads in both CloudEvents modes: the body, and data_base64.
+    let ce_binary = binary_message(Some("ce"), 5);
+    let ce_structured = binary_message(Some("ce"), 6);
+    f.publish_in("cloudevents", std::slice::from_ref(&ce_binary))
+        .await;
+    f.publish_in(
+        "cloudevents-structured",
+        std::slice::from_ref(&ce_structured),
+    )
+    .await;
+    batch.extend([ce_binary, ce_structured]);
 
     let (handler, mut calls) = Scripted::new();
     let consumer = NatsConsumer::connect(f.config("decode")).await.unwrap();
     let task = tokio::spawn(consumer.run(handler));
-    let seen = calls_until(&mut calls, |c| c.len() >= 3).await;
+    let seen = calls_until(&mut calls, |c| c.len() >= batch.len()).await;
     for msg in &batch {
         let got = of(&seen, msg.id);
         assert_eq!(got.len(), 1, "{} handled once", msg.id);

@@ -57,6 +57,19 @@ impl Fixture {
         );
     }
 
+    /// Publish `batch` to the same destination with `envelope=` `envelope` (a CloudEvents mode).
+    async fn publish_in(&self, envelope: &str, batch: &[Message]) {
+        let url = format!("{}?stream={}&envelope={envelope}", self.url, self.stream);
+        let publisher = RedisPublisher::connect(RedisConfig::from_url(&url).unwrap())
+            .await
+            .unwrap();
+        let outcomes = publisher.publish(batch).await;
+        assert!(
+            outcomes.iter().all(|o| *o == PublishOutcome::Acked),
+            "{outcomes:?}"
+        );
+    }
+
     /// Entries delivered to the group and not acknowledged, per consumer.
     async fn pending(&self, group: &str) -> HashMap<String, u64> {
         let reply: redis::streams::StreamPendingReply = self
@@ -122,14 +135,26 @@ async fn decodes_what_the_publisher_wrote_and_acks_each_once() {
         ),
         message(None, 2, serde_json::json!("text")),
         message(Some("k1"), 3, serde_json::json!({"nested": {"a": null}})),
+        binary_message(Some("k3"), 4),
     ];
     batch[1].headers.clear();
     f.publish(&batch).await;
+    // Binary payloads in both CloudEvents modes: the body, and data_base64.
+    let ce_binary = binary_message(Some("ce"), 5);
+    let ce_structured = binary_message(Some("ce"), 6);
+    f.publish_in("cloudevents", std::slice::from_ref(&ce_binary))
+        .await;
+    f.publish_in(
+        "cloudevents-structured",
+        std::slice::from_ref(&ce_structured),
+    )
+    .await;
+    batch.extend([ce_binary, ce_structured]);
 
     let (handler, mut calls) = Scripted::new();
     let consumer = RedisConsumer::connect(f.config("decode")).await.unwrap();
     let task = tokio::spawn(consumer.run(handler));
-    let seen = calls_until(&mut calls, |c| c.len() >= 3).await;
+    let seen = calls_until(&mut calls, |c| c.len() >= batch.len()).await;
     for msg in &batch {
         let got = of(&seen, msg.id);
         assert_eq!(got.len(), 1, "{} handled once", msg.id);
@@ -146,7 +171,7 @@ async fn decodes_what_the_publisher_wrote_and_acks_each_once() {
         .map(|c| c.delivery.message_id)
         .collect();
     assert_eq!(k1, vec![batch[0].id, batch[2].id], "key order");
-    f.all_acked("decode", 3).await;
+    f.all_acked("decode", batch.len()).await;
     task.abort();
 }
 

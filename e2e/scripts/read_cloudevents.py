@@ -5,7 +5,9 @@ Used by e2e/tests/cloudevents.rs: a reader no one in this project wrote. Standar
 JSON object per line, a message as the broker gave it:
 
     {"binding": "kafka" | "nats" | "redis", "headers": {name: value}, "key": str | null,
-     "body": str}
+     "body_base64": str}
+
+(`body_base64`: the body's bytes in base64, as a binary payload's body need not be UTF-8.)
 
 (`headers` are a Kafka record's headers, a NATS message's headers, or a Redis entry's fields
 other than `data`, whose value is `body`). Each message is parsed with the SDK's own binding
@@ -20,9 +22,13 @@ code, the content mode detected by the SDK:
   the HTTP binding's rules applied to entry fields.
 
 Standard output gets one JSON object per message: {"attributes": {...}, "data": ...}, with
-`time` in ISO 8601. Any parse error ends the script with a non-zero status.
+`time` in ISO 8601; when the SDK gives the data as bytes (a binary payload: the body of a
+binary-mode event whose `datacontenttype` is not JSON, or a structured event's `data_base64`),
+{"attributes": {...}, "data_base64": "..."} instead. Any parse error ends the script with a
+non-zero status.
 """
 
+import base64
 import json
 import sys
 
@@ -32,7 +38,7 @@ from cloudevents.core.formats.json import JSONFormat
 
 def parse(message):
     binding = message["binding"]
-    body = message["body"].encode("utf-8")
+    body = base64.b64decode(message["body_base64"])
     if binding == "kafka":
         record = kafka.KafkaMessage(
             headers={k: v.encode("utf-8") for k, v in message["headers"].items()},
@@ -53,7 +59,11 @@ def main():
         attributes = {}
         for name, value in event.get_attributes().items():
             attributes[name] = value.isoformat() if hasattr(value, "isoformat") else value
-        print(json.dumps({"attributes": attributes, "data": event.get_data()}))
+        data = event.get_data()
+        if isinstance(data, (bytes, bytearray)):
+            print(json.dumps({"attributes": attributes, "data_base64": base64.b64encode(data).decode()}))
+        else:
+            print(json.dumps({"attributes": attributes, "data": data}))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 //! `envelope=cloudevents-structured`): Postgres → relay → Kafka (Tansu), NATS and Redis, each
 //! message read back with the broker's own client and parsed by the CloudEvents SDK for Python
 //! (`e2e/scripts/read_cloudevents.py`, PyPI `cloudevents`, installed by `scripts/build-deps`),
-//! every attribute checked against the stored message. Then exactly-once effects through
-//! `outbox-consumer` and its inbox with a CloudEvents envelope on the wire.
+//! every attribute checked against the stored message. Binary payloads (bytes that are not
+//! UTF-8, with their content type) are read by the SDK in both modes: the body in binary mode,
+//! `data_base64` in structured mode. Then exactly-once effects through `outbox-consumer` and its
+//! inbox with a CloudEvents envelope on the wire.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -11,10 +13,12 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
 use outbox::chrono::{DateTime, Utc};
 use outbox::postgres::{PostgresConfig, PostgresStore};
 use outbox::relay::{Relay, RelayConfig};
-use outbox::NewMessage;
+use outbox::{Binary, NewMessage};
 use outbox_conformance_tests::env::{service_url, services_required};
 use outbox_e2e::unique_suffix;
 use serde_json::{json, Value};
@@ -56,7 +60,7 @@ impl Broker {
 struct Raw {
     headers: Vec<(String, String)>,
     key: Option<String>,
-    body: String,
+    body: Vec<u8>,
 }
 
 impl Raw {
@@ -164,11 +168,11 @@ async fn relay(pg: &str, url: &str) -> HashMap<String, Stored> {
 }
 
 /// Read every message of the test's destination back with the broker's own client.
-async fn read_back(broker: Broker, server: &str, name: &str) -> Vec<Raw> {
+async fn read_back(broker: Broker, server: &str, name: &str, count: usize) -> Vec<Raw> {
     match broker {
         Broker::Kafka => {
             let (server, name) = (server.to_owned(), name.to_owned());
-            tokio::task::spawn_blocking(move || read_kafka(&server, &name))
+            tokio::task::spawn_blocking(move || read_kafka(&server, &name, count))
                 .await
                 .unwrap()
         }
@@ -190,7 +194,7 @@ async fn read_back(broker: Broker, server: &str, name: &str) -> Vec<Raw> {
                 out.push(Raw {
                     headers,
                     key: None,
-                    body: String::from_utf8(stored.payload.to_vec()).unwrap(),
+                    body: stored.payload.to_vec(),
                 });
             }
             js.delete_stream(name).await.unwrap();
@@ -211,12 +215,14 @@ async fn read_back(broker: Broker, server: &str, name: &str) -> Vec<Raw> {
                 .ids
                 .into_iter()
                 .map(|entry| {
-                    let mut fields: BTreeMap<String, String> = entry
-                        .map
+                    let mut fields: BTreeMap<String, redis::Value> =
+                        entry.map.into_iter().collect();
+                    let data = fields.remove("data").expect("a data field");
+                    let body = redis::from_redis_value::<Vec<u8>>(&data).unwrap();
+                    let fields: BTreeMap<String, String> = fields
                         .into_iter()
                         .map(|(k, v)| (k, redis::from_redis_value::<String>(&v).unwrap()))
                         .collect();
-                    let body = fields.remove("data").expect("a data field");
                     Raw {
                         headers: fields.into_iter().collect(),
                         key: None,
@@ -228,16 +234,16 @@ async fn read_back(broker: Broker, server: &str, name: &str) -> Vec<Raw> {
     }
 }
 
-fn read_kafka(brokers: &str, topic: &str) -> Vec<Raw> {
+fn read_kafka(brokers: &str, topic: &str, count: usize) -> Vec<Raw> {
     use rdkafka::consumer::BaseConsumer;
     use rdkafka::message::{Headers, Message};
     let consumer: BaseConsumer = outbox_e2e::kafka::consumer_from_start(brokers, topic, 1).unwrap();
     let started = Instant::now();
     let mut out = Vec::new();
-    while out.len() < N {
+    while out.len() < count {
         assert!(
             started.elapsed() < GUARD,
-            "read {} of {N} records",
+            "read {} of {count} records",
             out.len()
         );
         let Some(record) = consumer.poll(Duration::from_millis(200)) else {
@@ -258,13 +264,14 @@ fn read_kafka(brokers: &str, topic: &str) -> Vec<Raw> {
         out.push(Raw {
             headers,
             key: record.key().map(|k| String::from_utf8(k.to_vec()).unwrap()),
-            body: String::from_utf8(record.payload().unwrap_or_default().to_vec()).unwrap(),
+            body: record.payload().unwrap_or_default().to_vec(),
         });
     }
     out
 }
 
-/// Parse every message with the CloudEvents SDK for Python; one event (attributes, data) each.
+/// Parse every message with the CloudEvents SDK for Python; one event (attributes, and `data`
+/// or, for bytes, `data_base64`) each.
 fn parse_with_sdk(broker: Broker, raws: &[Raw]) -> Vec<Value> {
     let mut child = Command::new("python3")
         .arg(READER)
@@ -285,7 +292,7 @@ fn parse_with_sdk(broker: Broker, raws: &[Raw]) -> Vec<Value> {
                 "binding": broker.binding(),
                 "headers": headers,
                 "key": raw.key,
-                "body": raw.body,
+                "body_base64": BASE64.encode(&raw.body),
             });
             writeln!(stdin, "{line}").unwrap();
         }
@@ -338,7 +345,7 @@ async fn round_trip(broker: Broker, envelope: &str, ce_source: Option<&str>) {
         ),
     };
     let stored = relay(&pg, &url).await;
-    let raws = read_back(broker, &server, &name).await;
+    let raws = read_back(broker, &server, &name, N).await;
     if broker == Broker::Kafka {
         outbox_e2e::kafka::delete_topic(&server, &name)
             .await
@@ -374,7 +381,7 @@ async fn round_trip(broker: Broker, envelope: &str, ce_source: Option<&str>) {
         let payload: Value = serde_json::from_str(&stored.payload).unwrap();
         assert_eq!(event["data"], payload, "{id}");
         if !structured {
-            assert_eq!(raw.body, stored.payload);
+            assert_eq!(raw.body, stored.payload.as_bytes());
         }
         // The broker-level ids and keys are unchanged in every mode.
         match broker {
@@ -444,6 +451,156 @@ async fn redis_structured_read_by_the_sdk() {
         Some("urn:outbox:{aggregate_type}"),
     )
     .await;
+}
+
+/// Binary messages per test of [`binary_round_trip`].
+const N_BINARY: usize = 3;
+
+/// The `n`th binary payload: not UTF-8 (a NUL, `0xff`, a lone continuation byte, a truncated
+/// sequence), a different length each.
+fn binary_bytes(n: usize) -> Vec<u8> {
+    let mut bytes = vec![0x00, 0xff, 0x80, 0xc3, 0x28, b'{', 0xe2, 0x82, n as u8];
+    bytes.extend(std::iter::repeat_n(0xfe, n * 7));
+    bytes
+}
+
+/// Relay [`N_BINARY`] binary messages (from the in-memory store, which keeps the bytes) in
+/// `envelope` to `broker`, read them back, and check that the CloudEvents SDK gives exactly the
+/// bytes as the event's data with their content type as `datacontenttype`; in binary mode the
+/// broker's body is the bytes themselves.
+async fn binary_round_trip(broker: Broker, envelope: &str) {
+    let Some(server) = service_url(broker.var()) else {
+        return;
+    };
+    if !sdk_available() {
+        return;
+    }
+    let s = unique_suffix();
+    let (url, name) = match broker {
+        Broker::Kafka => {
+            let topic = format!("ceb-{s}");
+            outbox_e2e::kafka::create_topic(&server, &topic, 1)
+                .await
+                .unwrap();
+            (format!("kafka://{server}?topic={topic}&envelope={envelope}"), topic)
+        }
+        Broker::Nats => (
+            format!("{server}?subject=ceb{s}.{{aggregate_type}}&stream=CEB_{s}&create_stream=true&envelope={envelope}"),
+            format!("CEB_{s}"),
+        ),
+        Broker::Redis => (
+            format!("{server}?stream=ceb-{s}&envelope={envelope}"),
+            format!("ceb-{s}"),
+        ),
+    };
+    let content_types = [
+        "application/x-protobuf",
+        "application/vnd.confluent.avro",
+        "text/plain; charset=utf-8",
+    ];
+    // By id: the bytes, their content type and the partition key.
+    let mut sent: HashMap<String, (Vec<u8>, &str, Option<String>)> = HashMap::new();
+    let mut messages = Vec::new();
+    for n in 0..N_BINARY {
+        let content_type = content_types[n % content_types.len()];
+        let msg = NewMessage::binary(
+            "order",
+            format!("order-{n}"),
+            "order.placed",
+            Binary::new(content_type, binary_bytes(n)),
+        )
+        .with_header("tenant", "acme");
+        let msg = if n == 2 { msg.unordered() } else { msg };
+        let expected = (binary_bytes(n), content_type, msg.partition_key.clone());
+        sent.insert(msg.id.to_string(), expected);
+        messages.push(msg);
+    }
+    let store = Arc::new(outbox::memory::MemoryStore::new());
+    store.enqueue(messages).unwrap();
+    let publisher = outbox::broker::connect(&url).await.unwrap();
+    let relay = Relay::new(store, Arc::from(publisher), RelayConfig::default()).unwrap();
+    let stats = relay.run_until_idle().await.unwrap();
+    assert_eq!((stats.published as usize, stats.dead), (N_BINARY, 0));
+    let raws = read_back(broker, &server, &name, N_BINARY).await;
+    if broker == Broker::Kafka {
+        outbox_e2e::kafka::delete_topic(&server, &name)
+            .await
+            .unwrap();
+    }
+    assert_eq!(raws.len(), N_BINARY);
+    let events = parse_with_sdk(broker, &raws);
+    assert_eq!(events.len(), N_BINARY);
+    let structured = envelope == "cloudevents-structured";
+    for (raw, event) in raws.iter().zip(&events) {
+        let attributes = &event["attributes"];
+        let id = attributes["id"].as_str().expect("an id");
+        let (bytes, content_type, key) = sent.get(id).unwrap_or_else(|| panic!("unknown id {id}"));
+        assert_eq!(
+            attributes["datacontenttype"].as_str(),
+            Some(*content_type),
+            "{id}"
+        );
+        assert_eq!(attributes["partitionkey"].as_str(), key.as_deref(), "{id}");
+        assert_eq!(attributes["tenant"].as_str(), Some("acme"));
+        let data = event["data_base64"]
+            .as_str()
+            .unwrap_or_else(|| panic!("the SDK did not give bytes for {id}: {event}"));
+        assert_eq!(BASE64.decode(data).unwrap(), *bytes, "data of {id}");
+        if structured {
+            assert_eq!(
+                raw.header("content-type"),
+                Some("application/cloudevents+json")
+            );
+            // The event format's binary data: data_base64, no data.
+            let body: Value = serde_json::from_slice(&raw.body).unwrap();
+            assert!(body.get("data").is_none(), "{body}");
+            assert_eq!(
+                BASE64
+                    .decode(body["data_base64"].as_str().unwrap())
+                    .unwrap(),
+                *bytes
+            );
+        } else {
+            assert_eq!(raw.body, *bytes, "body of {id}: the bytes, untouched");
+            match broker {
+                Broker::Nats => {
+                    assert_eq!(raw.header("content-type"), None);
+                    let encoded = raw.header("ce-datacontenttype").unwrap();
+                    assert_eq!(
+                        encoded
+                            .replace("%2F", "/")
+                            .replace("%3B", ";")
+                            .replace("%20", " "),
+                        *content_type
+                    );
+                }
+                Broker::Kafka | Broker::Redis => {
+                    assert_eq!(raw.header("content-type"), Some(*content_type));
+                }
+            }
+        }
+        if broker == Broker::Kafka {
+            assert_eq!(raw.key, *key, "the record key is the partition key");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_binary_payload_in_both_modes_read_by_the_sdk() {
+    binary_round_trip(Broker::Kafka, "cloudevents").await;
+    binary_round_trip(Broker::Kafka, "cloudevents-structured").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_binary_payload_in_both_modes_read_by_the_sdk() {
+    binary_round_trip(Broker::Nats, "cloudevents").await;
+    binary_round_trip(Broker::Nats, "cloudevents-structured").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_binary_payload_in_both_modes_read_by_the_sdk() {
+    binary_round_trip(Broker::Redis, "cloudevents").await;
+    binary_round_trip(Broker::Redis, "cloudevents-structured").await;
 }
 
 /// An unknown envelope is refused with a typed error before anything is sent.

@@ -20,11 +20,12 @@
 //!   An unordered message (no partition key) is sent without a key and spread over partitions.
 //!   librdkafka's default partitioner (`consistent_random`, CRC32) differs from the Java client's
 //!   murmur2; set `partitioner=murmur2_random` to place keys as Java producers do.
-//! - **Value**: the payload's JSON text, byte for byte as stored.
+//! - **Value**: the payload's JSON text, byte for byte as stored; for a binary payload
+//!   ([`outbox_traits::Binary`]), its bytes, untouched.
 //! - **Headers** ([`outbox_routing::standard_headers`]): `message-id` (the message's UUID, the
 //!   same on every attempt, for consumer dedup), `event-type`, `aggregate-type`, `aggregate-id`,
-//!   `partition-key` (absent for unordered messages), then the user's headers in name order,
-//!   including `traceparent`.
+//!   `partition-key` (absent for unordered messages), `content-type` (a binary payload's content
+//!   type; absent for JSON), then the user's headers in name order, including `traceparent`.
 //!
 //! ## CloudEvents (`envelope=cloudevents`, `envelope=cloudevents-structured`)
 //! [`KafkaConfig::envelope`] (URL options `envelope=` and `ce_source=`) sends each message as a
@@ -33,9 +34,10 @@
 //! `ce_id` (the message id), `ce_source` (default `/outbox/{aggregate_type}`), `ce_type` (the
 //! event type), `ce_subject` (the aggregate id), `ce_time` (enqueue time, RFC 3339),
 //! `ce_partitionkey`, `ce_aggregatetype`, `ce_<name>` for each user header that is a valid
-//! extension name (e.g. `ce_traceparent`), `content-type: application/json`; the value is the
-//! payload as stored. **Structured mode**: `content-type: application/cloudevents+json` and the
-//! whole event (the payload as `data`) as the value. In both, the key stays the partition key,
+//! extension name (e.g. `ce_traceparent`), `content-type: application/json` (or a binary
+//! payload's content type); the value is the payload as stored (a binary payload's bytes).
+//! **Structured mode**: `content-type: application/cloudevents+json` and the whole event (the
+//! payload as `data`, a binary one base64-encoded as `data_base64`) as the value. In both, the key stays the partition key,
 //! and user headers that cannot be extension attributes (and `traceparent`, `tracestate`) are
 //! also sent as plain headers. `outbox-consumer` reads every envelope.
 //!

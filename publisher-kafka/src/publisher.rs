@@ -248,7 +248,7 @@ impl KafkaPublisher {
 
     /// The headers and value of `msg`'s record in the configured envelope (the key is the
     /// partition key in every envelope).
-    fn envelope<'m>(&self, msg: &'m Message) -> (OwnedHeaders, Cow<'m, str>) {
+    fn envelope<'m>(&self, msg: &'m Message) -> (OwnedHeaders, Cow<'m, [u8]>) {
         let envelope = &self.config.envelope;
         let mut headers = OwnedHeaders::new_with_capacity(9 + msg.headers.len());
         if !envelope.is_cloudevents() {
@@ -258,7 +258,7 @@ impl KafkaPublisher {
                     value: Some(value.as_bytes()),
                 });
             }
-            return (headers, Cow::Borrowed(&msg.payload));
+            return (headers, Cow::Borrowed(msg.body()));
         }
         let ce = envelope.headers(msg, Binding::Kafka);
         let protocol = ce.protocol.iter().map(|(n, v)| (n.as_str(), v.as_str()));
@@ -433,7 +433,7 @@ impl Publisher for KafkaPublisher {
             };
             let (headers, body) = self.envelope(msg);
             let mut record: FutureRecord<'_, str, [u8]> = FutureRecord::to(&topic)
-                .payload(body.as_bytes())
+                .payload(body.as_ref())
                 .headers(headers);
             if let Some(k) = key {
                 record = record.key(k);

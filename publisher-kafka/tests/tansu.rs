@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::{consume, create_topic, message, unique_topic};
 use outbox_conformance_tests::env::service_url;
 use outbox_publisher_kafka::{KafkaConfig, KafkaPublisher};
-use outbox_traits::{Error, PublishOutcome, Publisher};
+use outbox_traits::{Binary, Error, PublishOutcome, Publisher};
 
 fn brokers() -> Option<String> {
     service_url("OUTBOX_TEST_KAFKA_BROKERS")
@@ -78,6 +78,47 @@ async fn payload_key_and_headers_arrive_byte_equal() {
         Some(unordered.id.to_string().as_str())
     );
     assert_eq!(second.header("partition-key"), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_payload_is_the_record_value_with_its_content_type() {
+    let Some(brokers) = brokers() else { return };
+    let topic = unique_topic("binary");
+    create_topic(&brokers, &topic, 1).await;
+    let publisher = publisher(&brokers, &topic);
+
+    // Not UTF-8: a NUL, 0xff, a lone continuation byte, a truncated sequence.
+    let bytes: Vec<u8> = vec![0x00, 0xff, 0x80, 0xc3, 0x28, b'{', 0xe2, 0x82, 0x00];
+    let mut msg = message(Some("order-7"), 1, "null");
+    msg.binary = Some(Binary::new("application/x-protobuf", bytes.clone()));
+    msg.headers.insert("tenant".into(), "acme".into());
+    // The content type is the payload's own: a user header of that name is left out.
+    msg.headers
+        .insert("Content-Type".into(), "text/plain".into());
+    let json = message(Some("order-8"), 2, r#"{"n":1}"#);
+
+    let outcomes = publisher.publish(&[msg.clone(), json.clone()]).await;
+    assert_eq!(outcomes, vec![PublishOutcome::Acked, PublishOutcome::Acked]);
+    let records = consume(&brokers, &topic, 1, 2);
+    let record = &records[0];
+    assert_eq!(record.payload, bytes, "the value is the bytes, untouched");
+    assert_eq!(record.key.as_deref(), Some("order-7".as_bytes()));
+    let expected: Vec<(String, Vec<u8>)> = [
+        ("message-id", msg.id.to_string()),
+        ("event-type", "order.placed".into()),
+        ("aggregate-type", "order".into()),
+        ("aggregate-id", "order-7".into()),
+        ("partition-key", "order-7".into()),
+        ("content-type", "application/x-protobuf".into()),
+        ("tenant", "acme".into()),
+    ]
+    .into_iter()
+    .map(|(n, v)| (n.to_owned(), v.into_bytes()))
+    .collect();
+    assert_eq!(record.headers, expected);
+    // A JSON message beside it carries no content type, as before binary payloads.
+    assert_eq!(records[1].payload, br#"{"n":1}"#);
+    assert_eq!(records[1].header("content-type"), None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

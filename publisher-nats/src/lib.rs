@@ -16,9 +16,9 @@
 //!   and an empty token becomes `_` (dots are kept, so `order.placed` adds a subject level).
 //! - **Headers**: `Nats-Msg-Id` = the message id (JetStream drops a republish within the stream's
 //!   duplicate window), plus [`outbox_routing::standard_headers`] (message id, event type,
-//!   aggregate type and id, partition key, user headers such as `traceparent`). A user header
-//!   named `Nats-Msg-Id` (in any case) is left out: the id JetStream deduplicates on is always
-//!   the stored message's own.
+//!   aggregate type and id, partition key, `content-type` for a binary payload, user headers
+//!   such as `traceparent`). A user header named `Nats-Msg-Id` (in any case) is left out: the
+//!   id JetStream deduplicates on is always the stored message's own.
 //! - **CloudEvents** ([`NatsConfig::envelope`], URL options `envelope=` and `ce_source=`): by the
 //!   NATS protocol binding (1.0.3) instead of the standard headers, with `Nats-Msg-Id` kept.
 //!   `envelope=cloudevents` (binary mode): every attribute in a `ce-` header, values
@@ -27,6 +27,10 @@
 //!   `ce-aggregatetype`, `ce-traceparent`...), the payload as the body.
 //!   `envelope=cloudevents-structured`: `content-type: application/cloudevents+json` and the
 //!   whole event as the body. See [`outbox_routing::envelope`] for every attribute.
+//! - **Binary payloads** ([`outbox_traits::Binary`]): the body is the bytes, untouched, with
+//!   their content type in `content-type` (binary mode: `ce-datacontenttype`); structured mode
+//!   carries them base64-encoded in the event's `data_base64`. JSON messages get no
+//!   `content-type` in the default envelope, as before.
 //! - **Pipelining with per-key order**: every partition key is a lane that has at most one
 //!   message in flight, and up to `max_in_flight` lanes run at once. JetStream can store a later
 //!   message after an earlier one failed, so a key never has two messages in flight; different keys

@@ -18,7 +18,8 @@
 //! | `id` | message id (UUID, hyphenated): consumers deduplicate on it |
 //! | `event_type`, `aggregate_type`, `aggregate_id` | the message's fields |
 //! | `partition_key` | only when the message has one |
-//! | `payload` | the JSON payload text, byte for byte |
+//! | `content_type` | a binary payload's content type; absent for JSON |
+//! | `payload` | the JSON payload text, byte for byte, or a binary payload's bytes, untouched (Redis strings are binary-safe) |
 //! | `headers` | the user headers (including `traceparent`) as one JSON object, `{}` when none |
 //!
 //! Headers go in one JSON field rather than one `h:<name>` field each, so a header can never
@@ -32,8 +33,8 @@
 //!
 //! | mode | fields |
 //! |---|---|
-//! | binary | `ce-specversion`, `ce-id`, `ce-source`, `ce-type`, `ce-subject`, `ce-time`, `content-type` (= `datacontenttype`, `application/json`), `ce-partitionkey`, `ce-aggregatetype`, `ce-<ext>`; values percent-encoded as in HTTP; `data` = the payload |
-//! | structured | `content-type: application/cloudevents+json`; `data` = the whole event |
+//! | binary | `ce-specversion`, `ce-id`, `ce-source`, `ce-type`, `ce-subject`, `ce-time`, `content-type` (= `datacontenttype`: `application/json`, or a binary payload's type), `ce-partitionkey`, `ce-aggregatetype`, `ce-<ext>`; values percent-encoded as in HTTP; `data` = the payload (a binary payload's bytes) |
+//! | structured | `content-type: application/cloudevents+json`; `data` = the whole event (a binary payload base64-encoded in its `data_base64`) |
 //!
 //! In both, user headers that cannot be extension attributes go in a `headers` JSON field
 //! (only when there are any). See [`outbox_routing::envelope`] for every attribute.

@@ -240,7 +240,11 @@ impl RedisPublisher {
         if let Some(key) = &msg.partition_key {
             cmd.arg("partition_key").arg(key);
         }
-        cmd.arg("payload").arg(&msg.payload);
+        // A binary payload's type; a JSON entry has no such field, as before binary payloads.
+        if let Some(binary) = &msg.binary {
+            cmd.arg("content_type").arg(&binary.content_type);
+        }
+        cmd.arg("payload").arg(msg.body());
         cmd.arg("headers").arg(headers_json(msg));
         cmd
     }
@@ -322,12 +326,12 @@ impl Publisher for RedisPublisher {
                 continue; // stays NotAttempted
             }
             if let Some(limit) = self.config.max_payload {
-                if msg.payload.len() > limit {
+                if msg.body().len() > limit {
                     outcomes[index] = PublishOutcome::permanent(format!(
                         "payload of message {} is {} bytes, over this publisher's max_payload of \
                          {limit}; store large bodies elsewhere and publish a reference",
                         msg.id,
-                        msg.payload.len()
+                        msg.body().len()
                     ));
                     gate.record(msg, &outcomes[index]);
                     continue;

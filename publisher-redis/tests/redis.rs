@@ -12,8 +12,8 @@ use outbox_conformance_tests::publisher::{
 };
 use outbox_publisher_redis::{RedisConfig, RedisPublisher};
 use outbox_routing::{
-    HEADER_AGGREGATE_ID, HEADER_AGGREGATE_TYPE, HEADER_EVENT_TYPE, HEADER_MESSAGE_ID,
-    HEADER_PARTITION_KEY,
+    HEADER_AGGREGATE_ID, HEADER_AGGREGATE_TYPE, HEADER_CONTENT_TYPE, HEADER_EVENT_TYPE,
+    HEADER_MESSAGE_ID, HEADER_PARTITION_KEY,
 };
 use outbox_traits::{async_trait, Error, ErrorKind, PublishOutcome, Publisher};
 use redis::AsyncCommands;
@@ -89,6 +89,10 @@ impl BrokerReader for RedisReader {
             ];
             if let Some(key) = &key {
                 headers.push((HEADER_PARTITION_KEY.to_owned(), key.clone()));
+            }
+            // A binary payload's type: the `content_type` field.
+            if let Some(content_type) = text("content_type") {
+                headers.push((HEADER_CONTENT_TYPE.to_owned(), content_type));
             }
             let user: std::collections::BTreeMap<String, String> =
                 serde_json::from_str(&text("headers").unwrap_or_default()).unwrap();

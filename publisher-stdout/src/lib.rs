@@ -15,6 +15,8 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine as _;
 use outbox_traits::{async_trait, attempt_in_key_order, Message, PublishOutcome, Publisher};
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -24,6 +26,15 @@ use serde_json::value::RawValue;
 /// The line holds `id`, `seq`, `aggregate_type`, `aggregate_id`, `event_type`, `partition_key`,
 /// `headers`, `attempts` and the `payload` embedded as JSON. A batch is written with one write
 /// and one flush; if the writer fails, every message of the batch is a transient failure.
+///
+/// A message with a binary payload ([`outbox_traits::Binary`]) has `"payload": null` and two
+/// more members at the end of its line: `content_type` (e.g. `"application/x-protobuf"`) and
+/// `payload_base64`, its bytes in base64 (standard alphabet, padded), so the line stays JSON
+/// text. A JSON message's line has neither, as before binary payloads existed:
+///
+/// ```text
+/// {"id":"…","seq":7,…,"attempts":0,"payload":null,"content_type":"application/x-protobuf","payload_base64":"CCo="}
+/// ```
 pub struct StdoutPublisher {
     out: Mutex<Box<dyn Write + Send>>,
 }
@@ -39,6 +50,10 @@ struct Line<'a> {
     headers: &'a BTreeMap<String, String>,
     attempts: u32,
     payload: &'a RawValue,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content_type: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    payload_base64: Option<String>,
 }
 
 impl StdoutPublisher {
@@ -63,23 +78,29 @@ impl StdoutPublisher {
     fn render(batch: &[Message]) -> (Vec<u8>, Vec<PublishOutcome>) {
         let mut bytes = Vec::with_capacity(batch.len() * 256);
         let outcomes = attempt_in_key_order(batch, |message| {
-            let rendered =
-                serde_json::from_str::<&RawValue>(&message.payload).and_then(|payload| {
-                    serde_json::to_writer(
-                        &mut bytes,
-                        &Line {
-                            id: message.id,
-                            seq: message.seq,
-                            aggregate_type: &message.aggregate_type,
-                            aggregate_id: &message.aggregate_id,
-                            event_type: &message.event_type,
-                            partition_key: message.partition_key.as_deref(),
-                            headers: &message.headers,
-                            attempts: message.attempts,
-                            payload,
-                        },
-                    )
-                });
+            // A binary message's JSON payload is null whatever the store returned for it.
+            let json = match message.binary {
+                Some(_) => "null",
+                None => message.payload.as_str(),
+            };
+            let rendered = serde_json::from_str::<&RawValue>(json).and_then(|payload| {
+                serde_json::to_writer(
+                    &mut bytes,
+                    &Line {
+                        id: message.id,
+                        seq: message.seq,
+                        aggregate_type: &message.aggregate_type,
+                        aggregate_id: &message.aggregate_id,
+                        event_type: &message.event_type,
+                        partition_key: message.partition_key.as_deref(),
+                        headers: &message.headers,
+                        attempts: message.attempts,
+                        payload,
+                        content_type: message.binary.as_ref().map(|b| b.content_type.as_str()),
+                        payload_base64: message.binary.as_ref().map(|b| STANDARD.encode(&b.data)),
+                    },
+                )
+            });
             match rendered {
                 Ok(()) => {
                     bytes.push(b'\n');
@@ -199,6 +220,37 @@ mod tests {
         assert_eq!(lines[0]["payload"], serde_json::json!({"n": 1}));
         assert_eq!(lines[0]["headers"]["tenant"], "acme");
         assert_eq!(lines[1]["partition_key"], "b");
+    }
+
+    #[tokio::test]
+    async fn binary_payload_as_base64_with_its_content_type() {
+        let (publisher, buffer) = StdoutPublisher::to_buffer();
+        let mut binary = message(1, "a", "");
+        let bytes = vec![0u8, 0xff, 0xc3, 0x28, b'\n'];
+        binary.binary = Some(outbox_traits::Binary::new(
+            "application/x-protobuf",
+            bytes.clone(),
+        ));
+        let json = message(2, "b", r#"{"n":1}"#);
+        let outcomes = publisher.publish(&[binary, json]).await;
+        assert_eq!(outcomes, vec![PublishOutcome::Acked, PublishOutcome::Acked]);
+        let text = buffer.contents();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines[0]["payload"], serde_json::Value::Null);
+        assert_eq!(lines[0]["content_type"], "application/x-protobuf");
+        let encoded = lines[0]["payload_base64"].as_str().unwrap();
+        assert_eq!(STANDARD.decode(encoded).unwrap(), bytes);
+        // The JSON line is as it always was: no binary members.
+        let json_line = text.lines().nth(1).unwrap();
+        assert!(!json_line.contains("content_type"), "{json_line}");
+        assert!(!json_line.contains("payload_base64"), "{json_line}");
+        assert!(
+            json_line.ends_with(r#""attempts":0,"payload":{"n":1}}"#),
+            "{json_line}"
+        );
     }
 
     #[tokio::test]

@@ -17,7 +17,7 @@
 //! | `type` | the event type |
 //! | `subject` | the aggregate id (left out when empty, which CloudEvents forbids) |
 //! | `time` | when the message was enqueued (the store's clock, RFC 3339 in UTC) |
-//! | `datacontenttype` | `application/json` |
+//! | `datacontenttype` | `application/json`, or a binary payload's content type |
 //! | `partitionkey` | the partition key, when the message has one (the Partitioning extension) |
 //! | `aggregatetype` | the aggregate type (this project's extension, so that a consumer gets every field back) |
 //! | any other | each user header whose name is a valid extension name (`a-z`, `0-9`, at most 20) and not one of the above, e.g. `traceparent` and `tracestate` (Distributed Tracing extension) or `tenant` |
@@ -41,12 +41,22 @@
 //!   message id, JetStream's dedup) is sent in every mode.
 //! - **Redis Streams** (no official binding): the HTTP binding's header rules applied to the
 //!   entry's fields, the body in a `data` field, as Dapr's Redis Streams component does. Binary
-//!   mode: `ce-` fields (percent-encoded), `content-type` = `datacontenttype`, `data` = the
-//!   payload. Structured mode: `content-type: application/cloudevents+json` and `data` = the
-//!   event. Any SDK's HTTP binding reads an entry given its fields as headers and `data` as the
-//!   body.
+//!   mode: `ce-` fields (percent-encoded), `content-type` = `datacontenttype` (not encoded, as
+//!   HTTP's `Content-Type`), `data` = the payload. Structured mode: `content-type:
+//!   application/cloudevents+json` and `data` = the event. Any SDK's HTTP binding reads an
+//!   entry given its fields as headers and `data` as the body.
+//!
+//! # Binary payloads
+//!
+//! A message with a binary payload ([`outbox_traits::Binary`]) is sent the same way with its
+//! bytes in place of the JSON text: in the default envelope and in binary mode the body is the
+//! bytes, untouched, and `content-type` (NATS binary mode: `ce-datacontenttype`) is their content
+//! type. In structured mode the event carries them base64-encoded in `data_base64` (the JSON
+//! event format, section 3.1) instead of `data`, with `datacontenttype` = their content type.
 
 use std::borrow::Cow;
+
+use base64::Engine as _;
 
 use outbox_traits::chrono::SecondsFormat;
 use outbox_traits::{Error, Message};
@@ -66,7 +76,8 @@ pub const DEFAULT_CE_SOURCE: &str = "/outbox/{aggregate_type}";
 /// The media type of a structured-mode event in the JSON event format.
 pub const CLOUDEVENTS_JSON: &str = "application/cloudevents+json";
 
-/// The `datacontenttype` of every event: outbox payloads are JSON.
+/// The `datacontenttype` of an event with a JSON payload (a binary payload's is its own
+/// content type).
 pub const DATA_CONTENT_TYPE: &str = "application/json";
 
 /// The CloudEvents version sent.
@@ -186,7 +197,7 @@ pub enum Binding {
     /// NATS: `ce-` headers, percent-encoded; `datacontenttype` as `ce-datacontenttype`.
     Nats,
     /// Redis Streams entry fields, by the HTTP binding's rules: `ce-` fields, percent-encoded;
-    /// `datacontenttype` as `content-type`.
+    /// `datacontenttype` as `content-type`, unencoded.
     Redis,
 }
 
@@ -324,7 +335,7 @@ impl Envelope {
             "time",
             Cow::Owned(msg.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true)),
         );
-        push("datacontenttype", Cow::Borrowed(DATA_CONTENT_TYPE));
+        push("datacontenttype", Cow::Borrowed(msg.content_type()));
         if let Some(key) = msg.partition_key.as_deref() {
             push(ATTR_PARTITION_KEY, Cow::Borrowed(key));
         }
@@ -353,9 +364,15 @@ impl Envelope {
                         (Binding::Kafka, _) => format!("ce_{name}"),
                         (Binding::Nats | Binding::Redis, _) => format!("ce-{name}"),
                     };
-                    let value = match binding {
-                        Binding::Kafka => value.into_owned(),
-                        Binding::Nats | Binding::Redis => encode_header_value(&value).into_owned(),
+                    // HTTP (and so Redis) maps `datacontenttype` to a plain `Content-Type`,
+                    // which is not percent-encoded (a checked content type is printable ASCII).
+                    let value = match (binding, name.as_ref()) {
+                        (Binding::Kafka, _) | (Binding::Redis, "datacontenttype") => {
+                            value.into_owned()
+                        }
+                        (Binding::Nats | Binding::Redis, _) => {
+                            encode_header_value(&value).into_owned()
+                        }
                     };
                     protocol.push((header, value));
                 }
@@ -376,15 +393,20 @@ impl Envelope {
         }
     }
 
-    /// The message body: the payload itself (default envelope, binary mode), or the whole
-    /// event in the JSON event format (structured mode), with the payload embedded as `data`
-    /// exactly as stored.
-    pub fn body<'m>(&self, msg: &'m Message) -> Cow<'m, str> {
+    /// The message body: the payload itself (default envelope, binary mode: the JSON text or a
+    /// binary payload's bytes, see [`Message::body`]), or the whole event in the JSON event
+    /// format (structured mode), with a JSON payload embedded as `data` exactly as stored and a
+    /// binary one base64-encoded as `data_base64`.
+    pub fn body<'m>(&self, msg: &'m Message) -> Cow<'m, [u8]> {
         if self.mode != EnvelopeMode::CloudEventsStructured {
-            return Cow::Borrowed(&msg.payload);
+            return Cow::Borrowed(msg.body());
         }
         let attributes = self.attributes(msg);
-        let mut out = String::with_capacity(msg.payload.len() + 64 * attributes.len() + 16);
+        let data_len = match &msg.binary {
+            Some(binary) => binary.data.len().div_ceil(3) * 4,
+            None => msg.payload.len(),
+        };
+        let mut out = String::with_capacity(data_len + 64 * attributes.len() + 24);
         out.push('{');
         for (name, value) in &attributes {
             push_json_string(&mut out, name);
@@ -392,12 +414,22 @@ impl Envelope {
             push_json_string(&mut out, value);
             out.push(',');
         }
-        out.push_str("\"data\":");
-        // The store holds JSON (a json/jsonb column or a checked text column): embedded as is,
-        // byte for byte, as the default envelope sends it.
-        out.push_str(&msg.payload);
+        match &msg.binary {
+            Some(binary) => {
+                // Standard alphabet with padding: the JSON event format's `Binary` type.
+                out.push_str("\"data_base64\":\"");
+                base64::engine::general_purpose::STANDARD.encode_string(&binary.data, &mut out);
+                out.push('"');
+            }
+            None => {
+                out.push_str("\"data\":");
+                // The store holds JSON (a json/jsonb column or a checked text column): embedded
+                // as is, byte for byte, as the default envelope sends it.
+                out.push_str(&msg.payload);
+            }
+        }
         out.push('}');
-        Cow::Owned(out)
+        Cow::Owned(out.into_bytes())
     }
 }
 
@@ -514,6 +546,37 @@ pub fn binary_attribute_name(header: &str) -> Option<(String, bool)> {
     (!name.is_empty()).then_some((name, encoded))
 }
 
+/// Whether a content type is JSON: `application/json` or any `+json` suffix (parameters and
+/// case ignored). A consumer reads such a body as JSON and any other as a binary payload.
+///
+/// ```
+/// use outbox_routing::envelope::is_json_content_type;
+/// assert!(is_json_content_type("Application/JSON; charset=utf-8"));
+/// assert!(is_json_content_type("application/vnd.acme+json"));
+/// assert!(!is_json_content_type("application/x-protobuf"));
+/// ```
+pub fn is_json_content_type(value: &str) -> bool {
+    let media = value.split(';').next().unwrap_or_default().trim();
+    media.eq_ignore_ascii_case("application/json")
+        || media
+            .len()
+            .checked_sub(5)
+            .and_then(|start| media.get(start..))
+            .is_some_and(|suffix| suffix.eq_ignore_ascii_case("+json"))
+}
+
+/// Decode a structured event's `data_base64` (standard alphabet; padding optional, as some
+/// SDKs leave it out).
+///
+/// # Errors
+/// A message saying why the text is not base64.
+pub fn decode_base64(text: &str) -> Result<Vec<u8>, String> {
+    let trimmed = text.trim_end_matches('=');
+    base64::engine::general_purpose::STANDARD_NO_PAD
+        .decode(trimmed)
+        .map_err(|e| format!("data_base64 is not base64: {e}"))
+}
+
 /// Whether a `content-type` value marks a structured-mode event (`application/cloudevents`,
 /// any format suffix and parameters, case ignored).
 pub fn is_structured_content_type(value: &str) -> bool {
@@ -621,7 +684,7 @@ mod tests {
         let e = envelope(EnvelopeMode::CloudEventsStructured)
             .with_source("https://example.com/{aggregate_type}")
             .unwrap();
-        let body = e.body(&msg);
+        let body = String::from_utf8(e.body(&msg).into_owned()).unwrap();
         assert!(body.ends_with(r#""data":{"n":1,"s":"a\"b"}}"#), "{body}");
         assert!(body.contains(r#""source":"https://example.com/or%20der%2Fx""#));
         assert!(body.contains(r#""tenant":"ac\"me\n""#));
@@ -631,9 +694,64 @@ mod tests {
             [("content-type".to_string(), CLOUDEVENTS_JSON.to_string())]
         );
         assert_eq!(
-            envelope(EnvelopeMode::CloudEvents).body(&msg),
-            msg.payload.as_str()
+            envelope(EnvelopeMode::CloudEvents).body(&msg).as_ref(),
+            msg.payload.as_bytes()
         );
+    }
+
+    #[test]
+    fn binary_payloads_in_every_mode() {
+        let mut msg = message();
+        msg.payload = "null".into();
+        let bytes = vec![0u8, 0xff, 0xc3, 0x28, b'"', b'\n', 0x80];
+        msg.binary = Some(outbox_traits::Binary::new(
+            "application/x-protobuf",
+            bytes.clone(),
+        ));
+        // Default envelope and binary mode: the bytes as they are.
+        assert_eq!(envelope(EnvelopeMode::Outbox).body(&msg).as_ref(), bytes);
+        let binary = envelope(EnvelopeMode::CloudEvents);
+        assert_eq!(binary.body(&msg).as_ref(), bytes);
+        let kafka = binary.headers(&msg, Binding::Kafka);
+        assert!(kafka
+            .protocol
+            .contains(&("content-type".into(), "application/x-protobuf".into())));
+        let nats = binary.headers(&msg, Binding::Nats);
+        assert!(nats
+            .protocol
+            .contains(&("ce-datacontenttype".into(), "application/x-protobuf".into())));
+        // Parameters: percent-encoded in a NATS ce- header, not in a Redis content-type.
+        let mut text = msg.clone();
+        text.binary = Some(outbox_traits::Binary::new(
+            "text/plain; charset=utf-8",
+            bytes.clone(),
+        ));
+        assert!(binary.headers(&text, Binding::Nats).protocol.contains(&(
+            "ce-datacontenttype".into(),
+            "text/plain;%20charset=utf-8".into()
+        )));
+        assert!(binary
+            .headers(&text, Binding::Redis)
+            .protocol
+            .contains(&("content-type".into(), "text/plain; charset=utf-8".into())));
+        // Structured: data_base64 and the content type, no data.
+        let structured = envelope(EnvelopeMode::CloudEventsStructured).body(&msg);
+        let event: std::collections::BTreeMap<String, String> =
+            serde_json::from_slice(&structured).unwrap();
+        assert_eq!(event["datacontenttype"], "application/x-protobuf");
+        assert_eq!(decode_base64(&event["data_base64"]).unwrap(), bytes);
+        assert!(!event.contains_key("data"));
+        assert!(decode_base64("AP/DKCIKgA").unwrap() == bytes);
+        assert!(decode_base64("not base64!").is_err());
+    }
+
+    #[test]
+    fn json_content_types() {
+        assert!(is_json_content_type("application/json"));
+        assert!(is_json_content_type(" application/cloudevents+json "));
+        assert!(!is_json_content_type("text/plain"));
+        assert!(!is_json_content_type("json"));
+        assert!(!is_json_content_type("application/jsonx"));
     }
 
     #[test]

@@ -13,6 +13,9 @@ pub const HEADER_AGGREGATE_TYPE: &str = "aggregate-type";
 pub const HEADER_AGGREGATE_ID: &str = "aggregate-id";
 /// The partition (ordering) key; absent for an unordered message.
 pub const HEADER_PARTITION_KEY: &str = "partition-key";
+/// The body's media type, sent with a binary payload only (e.g. `application/x-protobuf`); a
+/// message without it carries JSON, as it always did.
+pub const HEADER_CONTENT_TYPE: &str = "content-type";
 
 /// The names [`standard_headers`] sets from the message's own fields.
 pub const STANDARD_HEADER_NAMES: &[&str] = &[
@@ -21,22 +24,27 @@ pub const STANDARD_HEADER_NAMES: &[&str] = &[
     HEADER_AGGREGATE_TYPE,
     HEADER_AGGREGATE_ID,
     HEADER_PARTITION_KEY,
+    HEADER_CONTENT_TYPE,
 ];
 
 /// The headers to send with `msg`: the standard ones first ([`HEADER_MESSAGE_ID`],
 /// [`HEADER_EVENT_TYPE`], [`HEADER_AGGREGATE_TYPE`], [`HEADER_AGGREGATE_ID`], and
-/// [`HEADER_PARTITION_KEY`] when the message has a key), then the user's headers in name order,
-/// including a W3C `traceparent` when the message carries one.
+/// [`HEADER_PARTITION_KEY`] when the message has a key, [`HEADER_CONTENT_TYPE`] when its payload
+/// is binary), then the user's headers in name order, including a W3C `traceparent` when the
+/// message carries one. A JSON message gets no `content-type`: its headers are what they were
+/// before binary payloads existed.
 ///
 /// A user header whose name equals a standard one (ignoring ASCII case) is left out: the standard
 /// value comes from the stored message itself, and a consumer's dedup must not be fooled by a
-/// header that contradicts the real id.
+/// header that contradicts the real id. That includes `content-type`, which a consumer reads as
+/// the body's type: a user's `content-type: text/plain` on a JSON message would make its body
+/// look binary.
 ///
 /// ```
 /// # use outbox_traits::{Message, chrono::Utc, uuid::Uuid};
 /// # let msg = Message { id: Uuid::nil(), seq: 1, aggregate_type: "order".into(),
 /// #   aggregate_id: "o-1".into(), event_type: "order.placed".into(), payload: "{}".into(),
-/// #   headers: [("traceparent".to_string(), "00-ab-cd-01".to_string())].into(),
+/// #   binary: None, headers: [("traceparent".to_string(), "00-ab-cd-01".to_string())].into(),
 /// #   partition_key: None, dedup_key: None, attempts: 0, created_at: Utc::now() };
 /// let headers = outbox_routing::standard_headers(&msg);
 /// assert_eq!(headers[0], ("message-id".to_string(), Uuid::nil().to_string()));
@@ -59,7 +67,7 @@ pub fn standard_headers(msg: &Message) -> Vec<(String, String)> {
 /// # use outbox_traits::{Message, chrono::Utc, uuid::Uuid};
 /// # let msg = Message { id: Uuid::nil(), seq: 1, aggregate_type: "order".into(),
 /// #   aggregate_id: "o-1".into(), event_type: "order.placed".into(), payload: "{}".into(),
-/// #   headers: [("tenant".to_string(), "acme".to_string())].into(),
+/// #   binary: None, headers: [("tenant".to_string(), "acme".to_string())].into(),
 /// #   partition_key: None, dedup_key: None, attempts: 0, created_at: Utc::now() };
 /// use outbox_routing::{standard_header_refs, standard_headers};
 /// let id = msg.id.hyphenated().to_string();
@@ -80,6 +88,9 @@ pub fn standard_header_refs<'m>(
         msg.partition_key
             .as_deref()
             .map(|key| (HEADER_PARTITION_KEY, key)),
+        msg.binary
+            .as_ref()
+            .map(|binary| (HEADER_CONTENT_TYPE, binary.content_type.as_str())),
     ];
     let user = msg
         .headers
@@ -128,5 +139,32 @@ mod tests {
         msg.partition_key = None;
         let h = standard_headers(&msg);
         assert!(h.iter().all(|(n, _)| n != HEADER_PARTITION_KEY));
+    }
+
+    #[test]
+    fn content_type_only_for_binary_payloads() {
+        let mut msg = message();
+        msg.headers
+            .insert("Content-Type".into(), "text/plain".into());
+        let json = standard_headers(&msg);
+        assert!(json
+            .iter()
+            .all(|(n, _)| !n.eq_ignore_ascii_case(HEADER_CONTENT_TYPE)));
+        msg.binary = Some(outbox_traits::Binary::new(
+            "application/x-protobuf",
+            [0u8, 0xff],
+        ));
+        let binary = standard_headers(&msg);
+        let types: Vec<&(String, String)> = binary
+            .iter()
+            .filter(|(n, _)| n.eq_ignore_ascii_case(HEADER_CONTENT_TYPE))
+            .collect();
+        assert_eq!(
+            types,
+            [&(
+                "content-type".to_string(),
+                "application/x-protobuf".to_string()
+            )]
+        );
     }
 }

@@ -25,7 +25,8 @@ mod template;
 pub use envelope::{Binding, CloudEventHeaders, Envelope, EnvelopeMode, ENVELOPE_URL_OPTIONS};
 pub use headers::{
     standard_header_refs, standard_headers, HEADER_AGGREGATE_ID, HEADER_AGGREGATE_TYPE,
-    HEADER_EVENT_TYPE, HEADER_MESSAGE_ID, HEADER_PARTITION_KEY, STANDARD_HEADER_NAMES,
+    HEADER_CONTENT_TYPE, HEADER_EVENT_TYPE, HEADER_MESSAGE_ID, HEADER_PARTITION_KEY,
+    STANDARD_HEADER_NAMES,
 };
 pub use template::{Field, RoutingTemplate, PLACEHOLDERS};
 

@@ -10,7 +10,7 @@ use chrono::Utc;
 use outbox_consumer::{
     async_trait, ConsumerOptions, Delivery, Handled, Handler, HandlerError, RetryPolicy,
 };
-use outbox_traits::Message;
+use outbox_traits::{Binary, Message};
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
@@ -46,7 +46,19 @@ pub fn message(key: Option<&str>, seq: i64, payload: serde_json::Value) -> Messa
     }
 }
 
-/// Checks that `delivery` carries exactly what `msg` had.
+/// Bytes of a binary payload that are not UTF-8: a NUL, 0xff, a lone continuation byte, a
+/// truncated sequence.
+pub const BINARY: &[u8] = &[0x00, 0xff, 0x80, 0xc3, 0x28, b'{', 0xe2, 0x82, 0x00, b'\n'];
+
+/// An outbox message with a binary payload ([`BINARY`], `application/x-protobuf`).
+pub fn binary_message(key: Option<&str>, seq: i64) -> Message {
+    let mut msg = message(key, seq, serde_json::Value::Null);
+    msg.binary = Some(Binary::new("application/x-protobuf", BINARY));
+    msg
+}
+
+/// Checks that `delivery` carries exactly what `msg` had: its JSON payload, or its binary
+/// payload's bytes and content type.
 pub fn assert_decoded(delivery: &Delivery, msg: &Message) {
     assert_eq!(delivery.message_id, msg.id);
     assert_eq!(delivery.event_type, msg.event_type);
@@ -54,6 +66,12 @@ pub fn assert_decoded(delivery: &Delivery, msg: &Message) {
     assert_eq!(delivery.aggregate_id, msg.aggregate_id);
     assert_eq!(delivery.partition_key, msg.partition_key);
     assert_eq!(delivery.headers, msg.headers);
+    assert_eq!(delivery.binary, msg.binary, "binary payload of {}", msg.id);
+    if let Some(binary) = &msg.binary {
+        assert_eq!(delivery.body().as_ref(), binary.data.as_slice());
+        assert_eq!(delivery.payload, serde_json::Value::Null);
+        return;
+    }
     let payload: serde_json::Value = serde_json::from_str(&msg.payload).unwrap();
     assert_eq!(delivery.payload, payload);
 }
