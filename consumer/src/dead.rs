@@ -8,7 +8,7 @@
 //! one stream or topic share that destination; each dead letter names the consumer that wrote
 //! it ([`DeadLetter::consumer`]).
 
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use outbox_routing::{HEADER_MESSAGE_ID, HEADER_PARTITION_KEY};
 use outbox_traits::Error;
@@ -114,8 +114,9 @@ impl std::fmt::Display for DeadLetterPosition {
 /// # Errors
 /// [`Error::InvalidInput`] for a bad URL or a `limit` above [`MAX_DEAD_LETTER_LIMIT`] (before
 /// connecting), or a Redis key that is not a stream; [`Error::Unavailable`] naming the broker
-/// (`nats`, `redis`, `kafka`) when it cannot be reached or does not answer in time. No message
-/// contains a password.
+/// (`nats`, `redis`, `kafka`) when it cannot be reached or does not answer in time (a Redis
+/// password refused is one too, as the Redis consumer reports it); [`Error::Backend`] when NATS
+/// refuses the credentials or librdkafka the properties. No message contains a password.
 pub async fn dead_letters(consumer_url: &str, limit: usize) -> Result<DeadLetters, Error> {
     if limit > MAX_DEAD_LETTER_LIMIT {
         return Err(Error::invalid_input(format!(
@@ -232,6 +233,7 @@ impl Fields {
 }
 
 /// The error of a broker that cannot be reached, with the password removed.
+#[cfg(any(feature = "nats", feature = "kafka"))]
 fn unavailable(broker: &str, what: String, e: &dyn std::fmt::Display) -> Error {
     let detail = redact_url(&e.to_string());
     Error::unavailable(broker, format!("{what}: {detail}"), detail)
@@ -271,7 +273,14 @@ mod nats {
                     Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
                     None => format!("cannot connect to {shown}: {detail}"),
                 };
-                Error::unavailable("nats", message, detail)
+                // As the consumer's own connect: refused credentials are no outage.
+                use async_nats::ConnectErrorKind as K;
+                match e.kind() {
+                    K::Authentication | K::AuthorizationViolation | K::ServerParse => {
+                        Error::permanent(message, Some(detail.into()))
+                    }
+                    _ => Error::unavailable("nats", message, detail),
+                }
             })?;
         let mut context = jetstream::new(client);
         context.set_timeout(config.timeout);
@@ -382,6 +391,8 @@ mod nats {
 
 #[cfg(feature = "redis")]
 mod redis {
+    use std::time::Duration;
+
     use ::redis::Value;
 
     use super::*;
@@ -519,7 +530,7 @@ mod redis {
 #[cfg(feature = "kafka")]
 mod kafka {
     use std::collections::HashMap;
-    use std::time::Instant;
+    use std::time::{Duration, Instant};
 
     use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::error::RDKafkaErrorCode;
@@ -708,5 +719,56 @@ mod kafka {
             },
             time,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_come_from_standard_and_cloudevents_headers() {
+        let mut fields = Fields::default();
+        fields.take("Message-Id", b"id-1");
+        fields.take("message-id", b"id-2");
+        fields.take("partition-key", b"k");
+        fields.take(DEAD_ATTEMPTS, b" 3 ");
+        fields.take(DEAD_REASON, b"why");
+        fields.take("traceparent", b"00-1-2-01");
+        let letter = fields.letter(5, DeadLetterPosition::Nats { sequence: 9 }, None);
+        assert_eq!(letter.message_id.as_deref(), Some("id-1"), "the first wins");
+        assert_eq!(letter.partition_key.as_deref(), Some("k"));
+        assert_eq!(
+            (letter.attempts, letter.reason.as_deref()),
+            (Some(3), Some("why"))
+        );
+        assert_eq!(
+            (letter.body_bytes, letter.position.to_string()),
+            (5, "sequence 9".into())
+        );
+
+        // CloudEvents: `ce-` (NATS, Redis) percent-encoded, `ce_` (Kafka) as is.
+        let mut fields = Fields::default();
+        fields.take("ce-id", b"a%20b");
+        fields.take("ce-partitionkey", b"k%25");
+        fields.take("content-type", b"application/cloudevents+json");
+        fields.take(DEAD_ATTEMPTS, b"many");
+        let letter = fields.letter(
+            0,
+            DeadLetterPosition::Redis {
+                entry_id: "1-0".into(),
+            },
+            None,
+        );
+        assert_eq!(letter.message_id.as_deref(), Some("a b"));
+        assert_eq!(letter.partition_key.as_deref(), Some("k%"));
+        assert_eq!(
+            letter.content_type.as_deref(),
+            Some("application/cloudevents+json")
+        );
+        assert_eq!(letter.attempts, None, "not a number");
+        let mut fields = Fields::default();
+        fields.take("ce_id", b"a%20b");
+        assert_eq!(fields.message_id.as_deref(), Some("a%20b"));
     }
 }
