@@ -356,15 +356,16 @@ fn masked(e: Error, url: &str) -> Error {
     };
     let token = parsed.username();
     let nats = matches!(parsed.scheme(), "nats" | "tls" | "ws" | "wss");
-    let text = e.to_string();
-    if !nats || token.is_empty() || parsed.password().is_some() || !text.contains(token) {
+    if !nats || token.is_empty() || parsed.password().is_some() || !e.to_string().contains(token) {
         return e;
     }
-    let text = text.replace(token, "***");
+    let mask = |text: &str| text.replace(token, "***");
     match e {
-        Error::InvalidInput(_) => Error::invalid_input(text),
-        Error::Unavailable { what, .. } => Error::unavailable(what, text, "see the message"),
-        _ => Error::permanent(text, None),
+        Error::InvalidInput(message) => Error::invalid_input(mask(&message)),
+        Error::Unavailable { what, message, .. } => {
+            Error::unavailable(what, mask(&message), "see the message")
+        }
+        other => Error::permanent(mask(&other.to_string()), None),
     }
 }
 

@@ -173,3 +173,21 @@ async fn dead_letters_of_a_redis_consumer_as_a_table_and_as_json() -> Result<(),
     assert!(!stderr.contains("s3cret"), "{stderr}");
     Ok(())
 }
+
+/// A NATS token given as the URL's user name is a secret too: masked in the error.
+#[tokio::test]
+async fn a_nats_token_in_the_consumer_url_is_masked_in_errors() -> Result<(), BoxError> {
+    let out = run(&[
+        "inbox",
+        "dead-letters",
+        "--consumer-url",
+        "nats://t0ken@127.0.0.1:4222?consumer=c",
+    ])
+    .await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("no stream option"), "{stderr}");
+    assert!(stderr.contains("nats://***@127.0.0.1"), "{stderr}");
+    assert!(!stderr.contains("t0ken"), "{stderr}");
+    Ok(())
+}
