@@ -1,10 +1,12 @@
 //! `outbox-relay inbox ...`: the consumer side's table on the `--store` database: create it,
-//! purge old marks in bounded batches, and show what it holds.
+//! purge old marks in bounded batches, and show what it holds; and a consumer's dead letters on
+//! its broker.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use clap::{Args, Subcommand};
 use outbox::Error;
+use outbox_consumer::DeadLetterPosition;
 use outbox_inbox::{InboxConfig, MAX_BATCH};
 use serde_json::json;
 
@@ -35,17 +37,19 @@ impl InboxTable {
 }
 
 /// The consumers' inbox (`outbox-inbox`) in the `--store` database: the table of processed
-/// message ids that turns at-least-once delivery into exactly-once effects.
+/// message ids that turns at-least-once delivery into exactly-once effects; and the dead
+/// letters of an `outbox-consumer`, kept by its broker.
 ///
-/// Dead letters of `outbox-consumer` are kept by the broker, beside the messages: read them
-/// with the broker's own tools. NATS: stream `<stream>_DEAD` (subjects `dead.<stream>.>`;
-/// `nats stream info <stream>_DEAD`, `nats stream view <stream>_DEAD`). Redis: stream
-/// `<stream>:dead` unless `dead_stream=` says otherwise (`redis-cli XLEN`, `XRANGE key - +
-/// COUNT 20`). Kafka: topic `<topic>.dead` unless `dead_topic=` says otherwise
-/// (`kafka-console-consumer --topic <topic>.dead --from-beginning --property
-/// print.headers=true`). Each dead letter carries the original payload and headers plus
-/// `dead-letter-reason`, `dead-letter-attempts`, `dead-letter-source` and
-/// `dead-letter-consumer`.
+/// `dead-letters --consumer-url URL` takes the URL the consumer itself is configured with and
+/// reads, without consuming anything, its dead-letter stream or topic: NATS stream
+/// `<stream>_DEAD` (subjects `dead.<stream>.>`; or `dead_stream=`), Redis stream `<stream>:dead`
+/// (or `dead_stream=`), Kafka topic `<topic>.dead` (or `dead_topic=`). The consumers of one
+/// stream or topic share it by default; each dead letter names its consumer. It prints how many
+/// it holds and the newest ones: message id, consumer, attempts, reason
+/// (`dead-letter-reason`), source (`dead-letter-source`), partition key, body size and type,
+/// position and time. To requeue or delete them, use the broker's own tools (e.g.
+/// `nats stream view`, `redis-cli XRANGE`, `kafka-console-consumer --property
+/// print.headers=true`).
 #[derive(Debug, Subcommand)]
 pub enum InboxCommand {
     /// Create the inbox table and its index if they do not exist (idempotent).
@@ -77,6 +81,30 @@ pub enum InboxCommand {
         #[command(flatten)]
         table: InboxTable,
     },
+    /// A consumer's dead letters on its broker: how many its dead-letter stream or topic holds,
+    /// and the newest, newest first. Needs no --store.
+    DeadLetters {
+        /// The consumer's own URL, options included (nats://, redis:// or kafka://, e.g.
+        /// redis://127.0.0.1:6379?stream=outbox.order&group=payments).
+        #[arg(long, env = "OUTBOX_CONSUMER_URL", hide_env_values = true)]
+        consumer_url: String,
+        /// How many of the newest to list (0 to 10000); the count covers them all.
+        #[arg(long, default_value_t = 20, value_parser = limit)]
+        limit: usize,
+        /// A JSON line with the count, then one JSON object per dead letter, instead of the
+        /// table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn limit(text: &str) -> Result<usize, String> {
+    let max = outbox_consumer::MAX_DEAD_LETTER_LIMIT;
+    match text.parse::<usize>() {
+        Ok(n) if n <= max => Ok(n),
+        Ok(n) => Err(format!("must be 0 to {max}, not {n}")),
+        Err(e) => Err(format!("{e}; expected a whole number from 0 to {max}")),
+    }
 }
 
 fn batch(text: &str) -> Result<u32, String> {
@@ -148,14 +176,20 @@ async fn open(url: &str) -> Result<Db, Error> {
     }
 }
 
-/// Run one `inbox` command against the store at `url`.
-pub async fn execute(url: &str, command: InboxCommand) -> Result<(), Error> {
+/// Run one `inbox` command against the store at `url` (`dead-letters` needs none).
+pub async fn execute(url: Result<&str, Error>, command: InboxCommand) -> Result<(), Error> {
     // Check the names before connecting.
     let config = match &command {
         InboxCommand::Migrate { table }
         | InboxCommand::Purge { table, .. }
         | InboxCommand::Status { table, .. } => table.config()?,
+        InboxCommand::DeadLetters {
+            consumer_url,
+            limit,
+            json,
+        } => return dead_letters(consumer_url, *limit, *json).await,
     };
+    let url = url?;
     if let InboxCommand::Purge {
         consumer: Some(consumer),
         ..
@@ -217,6 +251,121 @@ pub async fn execute(url: &str, command: InboxCommand) -> Result<(), Error> {
             }
             Ok(())
         }
+        // Answered above.
+        InboxCommand::DeadLetters { .. } => Ok(()),
+    }
+}
+
+/// `inbox dead-letters`: the count, then the newest dead letters as a table or JSON lines.
+async fn dead_letters(url: &str, limit: usize, as_json: bool) -> Result<(), Error> {
+    let found = outbox_consumer::dead_letters(url, limit)
+        .await
+        .map_err(|e| masked(e, url))?;
+    let now = SystemTime::now();
+    let age = |time: Option<SystemTime>| {
+        time.map(|t| now.duration_since(t).unwrap_or_default().as_secs_f64())
+    };
+    if as_json {
+        ops::print(&json!({
+            "broker": found.broker,
+            "destination": found.destination,
+            "count": found.count,
+            "listed": found.letters.len(),
+        }));
+        for l in &found.letters {
+            let position = match &l.position {
+                DeadLetterPosition::Nats { sequence } => json!({"sequence": sequence}),
+                DeadLetterPosition::Redis { entry_id } => json!({"entry_id": entry_id}),
+                DeadLetterPosition::Kafka { partition, offset } => {
+                    json!({"partition": partition, "offset": offset})
+                }
+                _ => json!(l.position.to_string()),
+            };
+            ops::print(&json!({
+                "message_id": l.message_id,
+                "consumer": l.consumer,
+                "attempts": l.attempts,
+                "reason": l.reason,
+                "source": l.source,
+                "partition_key": l.partition_key,
+                "content_type": l.content_type,
+                "body_bytes": l.body_bytes,
+                "position": position,
+                "time": l.time.map(|t| humantime::format_rfc3339_millis(t).to_string()),
+                "age_seconds": age(l.time),
+            }));
+        }
+        return Ok(());
+    }
+    println!(
+        "{} dead letters in {} {} {}",
+        found.count,
+        found.broker,
+        if found.broker == "kafka" {
+            "topic"
+        } else {
+            "stream"
+        },
+        found.destination
+    );
+    if found.letters.is_empty() {
+        return Ok(());
+    }
+    let text = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".to_owned());
+    let cells: Vec<Vec<String>> = found
+        .letters
+        .iter()
+        .map(|l| {
+            vec![
+                l.position.to_string(),
+                age(l.time).map_or_else(|| "-".to_owned(), ops::age),
+                text(&l.message_id),
+                text(&l.consumer),
+                l.attempts.map_or_else(|| "-".to_owned(), |a| a.to_string()),
+                ops::cell(&text(&l.partition_key), 24),
+                match &l.content_type {
+                    Some(t) => format!("{} {}", l.body_bytes, ops::cell(t, 24)),
+                    None => l.body_bytes.to_string(),
+                },
+                ops::cell(&text(&l.reason), 100),
+            ]
+        })
+        .collect();
+    ops::table(
+        &[
+            "POSITION",
+            "AGE",
+            "MESSAGE ID",
+            "CONSUMER",
+            "ATTEMPTS",
+            "KEY",
+            "BODY",
+            "REASON",
+        ],
+        &cells,
+    );
+    Ok(())
+}
+
+/// `e` with a NATS token given as the URL's user name (`nats://TOKEN@host`) masked, as
+/// `settings::mask_url` masks it; passwords and secret options are never in the library's
+/// errors.
+fn masked(e: Error, url: &str) -> Error {
+    let Ok(parsed) = url::Url::parse(url) else {
+        return e;
+    };
+    let token = parsed.username();
+    let nats = matches!(parsed.scheme(), "nats" | "tls" | "ws" | "wss");
+    if !nats || token.is_empty() || parsed.password().is_some() || !e.to_string().contains(token) {
+        return e;
+    }
+    let mask = |text: &str| text.replace(token, "***");
+    match e {
+        Error::InvalidInput(message) => Error::invalid_input(mask(&message)),
+        Error::Unavailable { what, message, .. } => {
+            Error::unavailable(what, mask(&message), "see the message")
+        }
+        other => Error::permanent(mask(&other.to_string()), None),
     }
 }
 

@@ -104,7 +104,8 @@ enum Command {
         #[arg(long, default_value_t = 1000, value_parser = positive_usize)]
         batch: usize,
     },
-    /// The consumers' inbox in the store's database: migrate, purge, status.
+    /// The consumers' inbox in the store's database (migrate, purge, status) and a consumer's
+    /// dead letters on its broker (dead-letters).
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     #[command(subcommand)]
     Inbox(inbox::InboxCommand),
@@ -260,7 +261,7 @@ async fn execute(command: Command, effective: Effective) -> Result<(), Error> {
             return Ok(());
         }
         #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-        Command::Inbox(command) => return inbox::execute(effective.store()?, command).await,
+        Command::Inbox(command) => return inbox::execute(effective.store(), command).await,
         command => return admin(&effective, command).await,
     };
     relay(&effective, serve).await

@@ -30,7 +30,7 @@ pub fn age(seconds: f64) -> String {
 }
 
 /// Shorten `text` to `max` characters for a table cell.
-fn cell(text: &str, max: usize) -> String {
+pub fn cell(text: &str, max: usize) -> String {
     let one_line = text.replace(['\n', '\r', '\t'], " ");
     if one_line.chars().count() <= max {
         one_line

@@ -282,7 +282,9 @@ impl KafkaConsumerConfig {
         Ok(())
     }
 
-    fn base_config(&self) -> ClientConfig {
+    /// The brokers and the user's properties (TLS, SASL): what every client of this
+    /// configuration starts from (also the dead-letter reader of `crate::dead`).
+    pub(crate) fn base_config(&self) -> ClientConfig {
         let mut config = ClientConfig::new();
         config.set("bootstrap.servers", &self.brokers);
         for (name, value) in &self.properties {

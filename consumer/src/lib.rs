@@ -24,7 +24,8 @@
 //!
 //! A dead letter goes to the same broker (a NATS subject captured by a dead-letter stream, a
 //! Redis stream, a Kafka topic) and carries the original payload bytes and headers plus
-//! [`DEAD_REASON`], [`DEAD_ATTEMPTS`] and [`DEAD_SOURCE`].
+//! [`DEAD_REASON`], [`DEAD_ATTEMPTS`] and [`DEAD_SOURCE`]. [`dead_letters`] counts and lists them from
+//! the consumer's own URL.
 //!
 //! # Order and concurrency
 //! Each batch fetched is split into ordering lanes handled one message after the other; up to
@@ -58,6 +59,7 @@
 
 mod any;
 mod core;
+mod dead;
 mod delivery;
 mod handler;
 #[cfg(feature = "kafka")]
@@ -71,6 +73,7 @@ pub mod telemetry;
 
 pub use any::Consumer;
 pub use async_trait::async_trait;
+pub use dead::{dead_letters, DeadLetter, DeadLetterPosition, DeadLetters, MAX_DEAD_LETTER_LIMIT};
 pub use delivery::{DecodeError, Delivery, Source};
 pub use handler::{handler_fn, FailureKind, Handled, Handler, HandlerError, HandlerFn};
 pub use options::{

@@ -47,7 +47,7 @@ pub const DEFAULT_BLOCK: Duration = Duration::from_secs(2);
 pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What to change when connecting failed with `text`, as the Redis publisher advises.
-fn connect_fix(text: &str) -> Option<&'static str> {
+pub(crate) fn connect_fix(text: &str) -> Option<&'static str> {
     let t = text.to_ascii_lowercase();
     let has = |needles: &[&str]| needles.iter().any(|n| t.contains(n));
     Some(
@@ -74,7 +74,7 @@ fn connect_fix(text: &str) -> Option<&'static str> {
 }
 
 /// The certificates `tls`'s files hold, read as the Redis publisher reads them.
-fn certificates(tls: &RedisTls) -> Result<redis::TlsCertificates, Error> {
+pub(crate) fn certificates(tls: &RedisTls) -> Result<redis::TlsCertificates, Error> {
     let load = |option: &str, path: &Option<std::path::PathBuf>| {
         path.as_ref()
             .map(|path| {

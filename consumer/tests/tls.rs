@@ -64,13 +64,22 @@ async fn nats_consumer_over_tls_with_a_client_certificate_and_a_password_file() 
     let seen = calls_until(&mut calls, |c| !of(c, msg.id).is_empty()).await;
     assert_decoded(of(&seen, msg.id)[0], &msg);
     task.abort();
+    // Its dead letters, read with the same URL (TLS, client certificate, password file).
+    let dead = outbox_consumer::dead_letters(&url, 5).await.unwrap();
+    assert_eq!((dead.count, dead.destination.as_str()), (0, "ORDERS_DEAD"));
 
     // A wrong password: refused, said so, no secret shown.
-    let wrong = NatsConsumerConfig::from_url(&format!(
-        "{}&stream=ORDERS&consumer=payments",
-        tls(&wrong_file)
-    ))
-    .unwrap();
+    let wrong_url = format!("{}&stream=ORDERS&consumer=payments", tls(&wrong_file));
+    let err = outbox_consumer::dead_letters(&wrong_url, 5)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("check the credentials"), "{err}");
+    assert!(
+        !err.contains("not-the-password") && !err.contains(&password),
+        "{err}"
+    );
+    let wrong = NatsConsumerConfig::from_url(&wrong_url).unwrap();
     let err = NatsConsumer::connect(wrong).await.unwrap_err().to_string();
     assert!(err.contains("check the credentials"), "{err}");
     assert!(
@@ -152,13 +161,22 @@ async fn redis_consumer_over_tls_with_a_client_certificate_and_a_password_file()
     let seen = calls_until(&mut calls, |c| !of(c, msg.id).is_empty()).await;
     assert_decoded(of(&seen, msg.id)[0], &msg);
     task.abort();
+    // Its dead letters, read with the same URL (TLS, client certificate, password file).
+    let dead = outbox_consumer::dead_letters(&url, 5).await.unwrap();
+    assert_eq!((dead.count, dead.destination.as_str()), (0, "orders:dead"));
 
     // A wrong password: refused with advice, no secret shown.
-    let wrong = RedisConsumerConfig::from_url(&format!(
-        "{}&stream=orders&group=payments",
-        tls(&wrong_file)
-    ))
-    .unwrap();
+    let wrong_url = format!("{}&stream=orders&group=payments", tls(&wrong_file));
+    let err = outbox_consumer::dead_letters(&wrong_url, 5)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("password"), "{err}");
+    assert!(
+        !err.contains("not-the-password") && !err.contains(&redis.password),
+        "{err}"
+    );
+    let wrong = RedisConsumerConfig::from_url(&wrong_url).unwrap();
     let err = RedisConsumer::connect(wrong).await.unwrap_err().to_string();
     assert!(err.contains("password"), "{err}");
     assert!(
