@@ -546,13 +546,12 @@ async fn drain(
     // What the broker must hold, read before the drain: a store that deletes published rows
     // has none left afterwards.
     let expected = if s.verify_full && !matches!(destination, Destination::None) {
-        let rows: Vec<(String, Option<String>, String, Option<Vec<u8>>)> =
-            sqlx::query_as(&format!(
-                "SELECT id::text, partition_key, payload::text, payload_bytes FROM {} ORDER BY seq",
-                config.qualified_table()
-            ))
-            .fetch_all(pool)
-            .await?;
+        let rows: Vec<StoredRow> = sqlx::query_as(&format!(
+            "SELECT id::text, partition_key, payload::text, payload_bytes FROM {} ORDER BY seq",
+            config.qualified_table()
+        ))
+        .fetch_all(pool)
+        .await?;
         Some(
             rows.into_iter()
                 .map(|(id, key, payload, bytes)| Expected {
@@ -637,6 +636,9 @@ async fn drain(
     }
     Ok(())
 }
+
+/// A stored row as the broker must hold it: id, partition key, JSON text, binary payload.
+type StoredRow = (String, Option<String>, String, Option<Vec<u8>>);
 
 /// Message `n` with a binary payload of `size` bytes: not UTF-8, different per message.
 fn binary_message(n: usize, keys: usize, size: usize) -> outbox_traits::NewMessage {
