@@ -219,8 +219,9 @@ BEGIN
     IF (SELECT count(*) FROM pg_attribute
         WHERE attrelid = '{t}'::regclass AND NOT attisdropped
           AND attname IN ('payload_bytes', 'content_type')) < 2 THEN
-        ALTER TABLE {t} ADD COLUMN IF NOT EXISTS payload_bytes bytea,
-                        ADD COLUMN IF NOT EXISTS content_type text;
+        ALTER TABLE {t}
+            ADD COLUMN IF NOT EXISTS payload_bytes bytea,
+            ADD COLUMN IF NOT EXISTS content_type text;
     END IF;
     IF NOT EXISTS (
         SELECT 1 FROM pg_trigger WHERE tgrelid = '{t}'::regclass AND tgname = '{key_trigger}'
