@@ -93,8 +93,7 @@ async fn migrate_adds_the_binary_columns_to_an_older_table_in_place_keeping_its_
 }
 
 #[tokio::test]
-async fn binary_rows_written_by_plain_sql_are_claimed_and_a_bad_content_type_is_dead_lettered()
-{
+async fn binary_rows_written_by_plain_sql_are_claimed_and_a_bad_content_type_is_dead_lettered() {
     let Some(db) = db().await else { return };
     // A literal, as the README shows; no content type means application/octet-stream.
     let protobuf = insert(&db, "a", "X'0801'", "'application/x-protobuf'")

@@ -79,8 +79,7 @@ async fn migrate_adds_the_binary_columns_to_an_older_table_in_place_keeping_its_
 }
 
 #[tokio::test]
-async fn binary_rows_written_by_plain_sql_are_claimed_and_a_bad_content_type_is_dead_lettered()
-{
+async fn binary_rows_written_by_plain_sql_are_claimed_and_a_bad_content_type_is_dead_lettered() {
     let Some(db) = db().await else { return };
     let t = db.table().to_owned();
     let insert = |key: &str, bytes: &str, content_type: &str| {
@@ -100,12 +99,7 @@ async fn binary_rows_written_by_plain_sql_are_claimed_and_a_bad_content_type_is_
         }
     };
     // A literal, as the README shows; no content type means application/octet-stream.
-    let protobuf = id(insert(
-        "a",
-        r"'\x0801'::bytea",
-        "'application/x-protobuf'",
-    ))
-    .await;
+    let protobuf = id(insert("a", r"'\x0801'::bytea", "'application/x-protobuf'")).await;
     let octets = id(insert("b", r"'\x00ff'::bytea", "NULL")).await;
     // A bound parameter, as a driver sends it.
     let bound: Uuid = sqlx::query_scalar(&format!(
@@ -119,7 +113,12 @@ async fn binary_rows_written_by_plain_sql_are_claimed_and_a_bad_content_type_is_
     .unwrap();
     // A content type with a line break (a header injection if it were sent), and a good row of
     // another key next to it.
-    let bad = id(insert("d", r"'\x01'::bytea", r"E'text/plain\nX-Injected: 1'")).await;
+    let bad = id(insert(
+        "d",
+        r"'\x01'::bytea",
+        r"E'text/plain\nX-Injected: 1'",
+    ))
+    .await;
     let good = id(insert("e", r"'\x02'::bytea", "'text/plain'")).await;
 
     let claim = db.claim(10, HeadPolicy::Block).await;
