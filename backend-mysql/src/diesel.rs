@@ -20,7 +20,7 @@
 use ::diesel::mysql::Mysql;
 use ::diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use ::diesel::result::{Error as DieselError, QueryResult};
-use ::diesel::sql_types::{Datetime, Nullable, Text};
+use ::diesel::sql_types::{Binary, Datetime, Nullable, Text};
 use diesel_async::{AsyncMysqlConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_sql_support::diesel::{classify_insert, DieselDialect};
 use outbox_traits::{Error, NewMessage};
@@ -53,7 +53,7 @@ pub async fn enqueue(
 /// # Errors
 /// The same as [`crate::enqueue_batch`]: [`Error::InvalidInput`] or [`Error::DuplicateKey`]
 /// before anything is written for a bad batch (including keys over 255 characters and batches
-/// over 7,281 messages); [`Error::DuplicateKey`] (dedup key still in the table) or
+/// over 5,957 messages); [`Error::DuplicateKey`] (dedup key still in the table) or
 /// [`Error::InvalidInput`] (id already enqueued) from the database, after which the
 /// transaction is still usable (MariaDB rolls back only the failed statement). Other database
 /// errors are classified from what diesel-async reports (a kind and a message, no error
@@ -138,6 +138,10 @@ impl QueryFragment<Mysql> for InsertRows<'_> {
             out.push_bind_param::<Nullable<Text>, _>(&row.dedup_key)?;
             out.push_sql(next()?);
             out.push_bind_param::<Nullable<Datetime>, _>(&row.not_before)?;
+            out.push_sql(next()?);
+            out.push_bind_param::<Nullable<Binary>, _>(&row.payload_bytes)?;
+            out.push_sql(next()?);
+            out.push_bind_param::<Nullable<Text>, _>(&row.content_type)?;
         }
         out.push_sql(next()?);
         if next().is_ok() {

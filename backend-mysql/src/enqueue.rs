@@ -38,7 +38,7 @@ where
 ///   type, empty partition or dedup key, empty header name, payload over the configured limit);
 ///   its aggregate type, aggregate id, event type, partition key or dedup key is longer than
 ///   255 characters (the `VARCHAR(255)` columns); two messages of the batch share an id; or the
-///   batch has more than 7,281 messages (MariaDB's 65,535 placeholders per statement): split it.
+///   batch has more than 5,957 messages (MariaDB's 65,535 placeholders per statement): split it.
 /// - [`Error::DuplicateKey`]: two messages of the batch share a dedup key.
 ///
 /// From the database:
@@ -88,7 +88,9 @@ where
             .bind(row.headers)
             .bind(row.partition_key)
             .bind(row.dedup_key)
-            .bind(row.not_before);
+            .bind(row.not_before)
+            .bind(row.payload_bytes)
+            .bind(row.content_type);
     }
     query
         .execute(executor)
@@ -144,6 +146,8 @@ pub(crate) fn locked_insert(config: &MysqlConfig, rows: &Rows<'_>) -> Option<Str
             row.partition_key.map(Literal::Text),
             row.dedup_key.map(Literal::Text),
             row.not_before.map(Literal::Time),
+            row.payload_bytes.map(Literal::Bytes),
+            row.content_type.map(Literal::Text),
         ]
     });
     // The placeholders are exactly the rows' values in order (see `insert_statement`).
@@ -151,6 +155,7 @@ pub(crate) fn locked_insert(config: &MysqlConfig, rows: &Rows<'_>) -> Option<Str
     for piece in pieces {
         match values.next().flatten() {
             Some(Literal::Text(value)) => push_string(&mut text, value),
+            Some(Literal::Bytes(value)) => push_bytes(&mut text, value),
             Some(Literal::Time(at)) => {
                 text.push_str(&at.format("'%Y-%m-%d %H:%M:%S%.6f'").to_string());
             }
@@ -164,14 +169,21 @@ pub(crate) fn locked_insert(config: &MysqlConfig, rows: &Rows<'_>) -> Option<Str
 /// A value of [`locked_insert`]'s text.
 enum Literal<'a> {
     Text(&'a str),
+    Bytes(&'a [u8]),
     Time(NaiveDateTime),
 }
 
 /// `value` as a `utf8mb4` string literal written in hexadecimal.
 fn push_string(text: &mut String, value: &str) {
-    text.reserve(value.len() * 2 + 12);
-    text.push_str("_utf8mb4 X'");
-    for byte in value.bytes() {
+    text.push_str("_utf8mb4 ");
+    push_bytes(text, value.as_bytes());
+}
+
+/// `value` as a hexadecimal literal (`X'..'`): a binary string.
+fn push_bytes(text: &mut String, value: &[u8]) {
+    text.reserve(value.len() * 2 + 3);
+    text.push_str("X'");
+    for byte in value {
         let _ = write!(text, "{byte:02x}");
     }
     text.push('\'');
@@ -188,6 +200,10 @@ pub(crate) struct Row<'m> {
     pub(crate) partition_key: Option<&'m str>,
     pub(crate) dedup_key: Option<&'m str>,
     pub(crate) not_before: Option<NaiveDateTime>,
+    /// A binary message's bytes (NULL for a JSON message, whose `payload` holds it).
+    pub(crate) payload_bytes: Option<&'m [u8]>,
+    /// A binary message's content type.
+    pub(crate) content_type: Option<&'m str>,
 }
 
 /// The batch, validated.
@@ -222,6 +238,8 @@ impl<'m> Rows<'m> {
                 partition_key: msg.partition_key.as_deref(),
                 dedup_key: msg.dedup_key.as_deref(),
                 not_before: msg.not_before.map(|at| at.naive_utc()),
+                payload_bytes: msg.binary.as_ref().map(|b| b.data.as_slice()),
+                content_type: msg.binary.as_ref().map(|b| b.content_type.as_str()),
             });
         }
         Ok(Rows(rows))

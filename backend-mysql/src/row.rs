@@ -62,6 +62,12 @@ fn fields(row: &MySqlRow, seq: i64) -> Result<Message, String> {
             .map_err(|e| reason(column, e))
     };
     let headers = quarantine::headers(&text("headers")?)?;
+    // A row with bytes is binary, whatever its `payload` holds.
+    let binary = quarantine::binary(
+        row.try_get::<Option<Vec<u8>>, _>("payload_bytes")
+            .map_err(|e| reason("payload_bytes", e))?,
+        optional_text("content_type")?,
+    )?;
     let attempts: i32 = row.try_get("attempts").map_err(|e| reason("attempts", e))?;
     let created_at: NaiveDateTime = row
         .try_get("created_at")
@@ -72,8 +78,11 @@ fn fields(row: &MySqlRow, seq: i64) -> Result<Message, String> {
         aggregate_type: text("aggregatetype")?,
         aggregate_id: text("aggregateid")?,
         event_type: text("type")?,
-        payload: text("payload")?,
-        binary: None,
+        payload: match binary {
+            Some(_) => "null".to_owned(),
+            None => text("payload")?,
+        },
+        binary,
         headers,
         partition_key: optional_text("partition_key")?,
         dedup_key: optional_text("dedup_key")?,
@@ -90,6 +99,13 @@ impl LenientRow for Lenient<'_> {
     fn text(&self, column: &str) -> Option<String> {
         self.0
             .try_get_unchecked::<Option<String>, _>(column)
+            .ok()
+            .flatten()
+    }
+
+    fn bytes(&self) -> Option<Vec<u8>> {
+        self.0
+            .try_get_unchecked::<Option<Vec<u8>>, _>("payload_bytes")
             .ok()
             .flatten()
     }

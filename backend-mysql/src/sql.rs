@@ -30,7 +30,7 @@ use outbox_sql_support::names::derived_name;
 pub(crate) const MAX_INSERT_ROWS: usize = 65_535 / INSERT_PARAMS_PER_ROW;
 
 /// Placeholders per row of the batch insert.
-pub(crate) const INSERT_PARAMS_PER_ROW: usize = 9;
+pub(crate) const INSERT_PARAMS_PER_ROW: usize = 11;
 
 /// Longest accepted aggregate type, aggregate id, event type, partition key and dedup key, in
 /// characters: the `VARCHAR(255)` columns (the length Debezium's outbox examples use, and short
@@ -153,7 +153,7 @@ fn claimable(a: &str) -> String {
 fn message_columns(a: &str) -> String {
     format!(
         "{a}.id, {a}.seq, {a}.aggregatetype, {a}.aggregateid, {a}.type, {a}.payload, \
-         {a}.headers, {a}.partition_key, {a}.dedup_key, {a}.attempts, {a}.created_at"
+         {a}.payload_bytes, {a}.content_type, {a}.headers, {a}.partition_key, {a}.dedup_key, {a}.attempts, {a}.created_at"
     )
 }
 
@@ -286,6 +286,12 @@ ALTER TABLE {t} ADD CONSTRAINT IF NOT EXISTS `{headers_check}` CHECK (
                 CONCAT(CHAR(92 USING ascii), '"'), ''),
         '"[^"]*"', '') REGEXP '^[[][, ]*[]]$');
 
+-- Tables made before binary payloads: the two nullable columns, added in place (an instant
+-- change, no copy; existing rows read NULL, JSON messages). Without the size check of new
+-- tables: adding a CHECK copies the table.
+ALTER TABLE {t} ADD COLUMN IF NOT EXISTS payload_bytes LONGBLOB,
+    ADD COLUMN IF NOT EXISTS content_type VARCHAR({MAX_KEY_CHARS});
+
 -- `partition_key` defaults to the aggregate id; '' asks for an unordered message (stored as
 -- NULL). A column default cannot read another column, hence a trigger.
 CREATE TRIGGER IF NOT EXISTS {key_trigger} BEFORE INSERT ON {t} FOR EACH ROW
@@ -368,6 +374,11 @@ impl Sql {
     aggregateid    VARCHAR({MAX_KEY_CHARS}) NOT NULL,
     type           VARCHAR({MAX_KEY_CHARS}) NOT NULL,
     payload        LONGTEXT NOT NULL CHECK (JSON_VALID(payload)),
+    -- A binary payload (Protobuf, Avro, ...): its bytes, sent untouched, and their content
+    -- type (NULL: application/octet-stream). NULL bytes: a JSON message, whose body is
+    -- `payload`; a binary message's `payload` is JSON null.
+    payload_bytes  LONGBLOB,
+    content_type   VARCHAR({MAX_KEY_CHARS}),
     -- Relay columns.
     seq            BIGINT NOT NULL AUTO_INCREMENT,
     headers        LONGTEXT NOT NULL DEFAULT ('{{}}')
@@ -387,6 +398,7 @@ impl Sql {
     -- The payload limit of the Rust enqueue. New tables only: MariaDB checks every CHECK on
     -- every UPDATE, so an older row over the limit would fail the claim that leases it.
     CONSTRAINT `{payload_check}` CHECK (OCTET_LENGTH(payload) <= {max_payload_bytes}),
+    CONSTRAINT `{bytes_check}` CHECK (OCTET_LENGTH(payload_bytes) <= {max_payload_bytes}),
     -- InnoDB clusters rows by the primary key: seq keeps them in insert order, so inserts
     -- append and claims read neighbouring rows.
     PRIMARY KEY (seq),
@@ -405,11 +417,13 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
 {contract}"#,
             contract = sql_contract(&t, table, &key_trigger, &id_trigger),
             payload_check = derived_name(table, "payload_size"),
+            bytes_check = derived_name(table, "payload_bytes_size"),
         ) + &key_locks_ddl(&key_locks);
 
         let insert_head = format!(
             "INSERT INTO {t} (id, aggregatetype, aggregateid, type, payload, headers, \
-             partition_key, dedup_key, available_at, created_at) VALUES "
+             partition_key, dedup_key, available_at, payload_bytes, content_type, created_at) \
+             VALUES "
         );
 
         let candidates = |dead_blocks: bool| -> String {
@@ -811,13 +825,14 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
 
     /// A multi-row `INSERT` of `rows` rows (at most [`MAX_INSERT_ROWS`]), with
     /// [`INSERT_PARAMS_PER_ROW`] placeholders per row: id, aggregate type, aggregate id, event
-    /// type, payload, headers, partition key, dedup key, not-before (NULL: now).
+    /// type, payload, headers, partition key, dedup key, not-before (NULL: now), payload bytes,
+    /// content type (both NULL for a JSON message).
     pub(crate) fn insert(&self, rows: usize) -> String {
         // An unordered message (no partition key) is written as '', which the partition key
         // trigger stores as NULL: NULL itself means "the aggregate id", as for a SQL writer
         // that leaves the column out.
         const ROW: &str = "(?, ?, ?, ?, ?, ?, COALESCE(?, ''), ?, COALESCE(?, UTC_TIMESTAMP(6)), \
-             UTC_TIMESTAMP(6))";
+             ?, ?, UTC_TIMESTAMP(6))";
         let mut sql = String::with_capacity(self.insert_head.len() + rows * (ROW.len() + 2));
         sql.push_str(&self.insert_head);
         for i in 0..rows {

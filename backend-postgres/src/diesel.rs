@@ -20,7 +20,7 @@
 use ::diesel::pg::Pg;
 use ::diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use ::diesel::result::{Error as DieselError, QueryResult};
-use ::diesel::sql_types::{Array, Nullable, Text, Timestamptz, Uuid};
+use ::diesel::sql_types::{Array, Binary, Nullable, Text, Timestamptz, Uuid};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use outbox_sql_support::diesel::{classify_insert, DieselDialect};
 use outbox_traits::{Error, NewMessage};
@@ -81,7 +81,7 @@ pub async fn enqueue_batch(
     Ok(())
 }
 
-/// The batch insert as a diesel query: [`insert_statement`] with the nine arrays bound.
+/// The batch insert as a diesel query: [`insert_statement`] with the eleven arrays bound.
 ///
 /// Not `diesel::sql_query`, which diesel never caches, so every call would prepare the
 /// statement first (a second round trip). This query's text is fixed per config, so
@@ -102,7 +102,7 @@ impl QueryFragment<Pg> for InsertBatch<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         let c = &self.columns;
         let mut rest = self.sql;
-        for n in 1..=9 {
+        for n in 1..=11 {
             let mark = format!("${n}");
             let at = rest.find(&mark).ok_or_else(|| {
                 DieselError::QueryBuilderError(format!("the insert has no {mark}").into())
@@ -117,7 +117,9 @@ impl QueryFragment<Pg> for InsertBatch<'_> {
                 6 => out.push_bind_param::<Array<Text>, _>(&c.headers)?,
                 7 => out.push_bind_param::<Array<Nullable<Text>>, _>(&c.partition_keys)?,
                 8 => out.push_bind_param::<Array<Nullable<Text>>, _>(&c.dedup_keys)?,
-                _ => out.push_bind_param::<Array<Nullable<Timestamptz>>, _>(&c.not_before)?,
+                9 => out.push_bind_param::<Array<Nullable<Timestamptz>>, _>(&c.not_before)?,
+                10 => out.push_bind_param::<Array<Nullable<Binary>>, _>(&c.payload_bytes)?,
+                _ => out.push_bind_param::<Array<Nullable<Text>>, _>(&c.content_types)?,
             }
             rest = &rest[at + mark.len()..];
         }

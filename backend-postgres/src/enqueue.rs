@@ -78,6 +78,8 @@ where
         .bind(columns.partition_keys)
         .bind(columns.dedup_keys)
         .bind(columns.not_before)
+        .bind(columns.payload_bytes)
+        .bind(columns.content_types)
         .execute(executor)
         .await
         .map_err(|err| map_insert_error(err, config, messages))?;
@@ -85,15 +87,16 @@ where
 }
 
 /// The batch insert, the same text for both drivers (sqlx here, diesel-async in
-/// `crate::diesel`): `INSERT ... SELECT FROM UNNEST($1..$9)` in slice order, which first locks
+/// `crate::diesel`): `INSERT ... SELECT FROM UNNEST($1..$11)` in slice order, which first locks
 /// the batch's keys when key locks are on; no `pg_notify` (the table's trigger sends it). Built
 /// once per config.
 pub(crate) fn insert_statement(config: &PostgresConfig) -> &str {
     &config.sql().insert
 }
 
-/// The batch as one array per column, for `UNNEST`: the parameters `$1`..`$9` of
-/// [`insert_statement`].
+/// The batch as one array per column, for `UNNEST`: the parameters `$1`..`$11` of
+/// [`insert_statement`]. A JSON message has NULL bytes and content type; a binary one has the
+/// JSON `null` as its payload.
 pub(crate) struct Columns {
     pub(crate) ids: Vec<Uuid>,
     pub(crate) aggregate_types: Vec<String>,
@@ -104,6 +107,8 @@ pub(crate) struct Columns {
     pub(crate) partition_keys: Vec<Option<String>>,
     pub(crate) dedup_keys: Vec<Option<String>>,
     pub(crate) not_before: Vec<Option<DateTime<Utc>>>,
+    pub(crate) payload_bytes: Vec<Option<Vec<u8>>>,
+    pub(crate) content_types: Vec<Option<String>>,
 }
 
 impl Columns {
@@ -124,6 +129,8 @@ impl Columns {
             partition_keys: Vec::with_capacity(n),
             dedup_keys: Vec::with_capacity(n),
             not_before: Vec::with_capacity(n),
+            payload_bytes: Vec::with_capacity(n),
+            content_types: Vec::with_capacity(n),
         };
         for valid in validate_batch(messages, &limits)? {
             let msg = valid.message;
@@ -138,6 +145,11 @@ impl Columns {
             columns.partition_keys.push(msg.partition_key.clone());
             columns.dedup_keys.push(msg.dedup_key.clone());
             columns.not_before.push(msg.not_before);
+            let binary = msg.binary.as_ref();
+            columns.payload_bytes.push(binary.map(|b| b.data.clone()));
+            columns
+                .content_types
+                .push(binary.map(|b| b.content_type.clone()));
         }
         Ok(columns)
     }

@@ -41,6 +41,11 @@ fn fields(row: &PgRow, seq: i64) -> Result<Message, String> {
         })
     }
     let headers: String = get(row, "headers")?;
+    // A row with bytes is binary, whatever its `payload` holds.
+    let binary = quarantine::binary(
+        get::<Option<Vec<u8>>>(row, "payload_bytes")?,
+        get::<Option<String>>(row, "content_type")?,
+    )?;
     let attempts: i32 = get(row, "attempts")?;
     Ok(Message {
         id: get::<Uuid>(row, "id")?,
@@ -48,8 +53,11 @@ fn fields(row: &PgRow, seq: i64) -> Result<Message, String> {
         aggregate_type: get(row, "aggregatetype")?,
         aggregate_id: get(row, "aggregateid")?,
         event_type: get(row, "type")?,
-        payload: get(row, "payload")?,
-        binary: None,
+        payload: match binary {
+            Some(_) => "null".to_owned(),
+            None => get(row, "payload")?,
+        },
+        binary,
         headers: quarantine::headers(&headers)?,
         partition_key: get(row, "partition_key")?,
         dedup_key: get(row, "dedup_key")?,
@@ -72,6 +80,13 @@ impl LenientRow for Lenient<'_> {
                 .map(|id| id.to_string()),
             _ => self.0.try_get::<Option<String>, _>(column).ok().flatten(),
         }
+    }
+
+    fn bytes(&self) -> Option<Vec<u8>> {
+        self.0
+            .try_get::<Option<Vec<u8>>, _>("payload_bytes")
+            .ok()
+            .flatten()
     }
 
     fn attempts(&self) -> Option<u32> {

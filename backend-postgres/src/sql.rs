@@ -115,9 +115,9 @@ fn channel_name(schema: &str, table: &str) -> String {
 /// Postgres refuses to run it again on that connection ("cached plan must not change result
 /// type").
 const MESSAGE_COLUMNS: &str =
-    "id, seq, aggregatetype, aggregateid, type, payload::text AS payload, \
-     headers::text AS headers, partition_key COLLATE \"default\" AS partition_key, dedup_key, \
-     attempts, created_at";
+    "id, seq, aggregatetype, aggregateid, type, payload::text AS payload, payload_bytes, \
+     content_type, headers::text AS headers, \
+     partition_key COLLATE \"default\" AS partition_key, dedup_key, attempts, created_at";
 
 /// Whether row `alias` belongs to the claim's shard: parameter `$count` is how many shards
 /// the keys are split into (1: every row, the unsharded claim), `$index` which one this claim
@@ -146,7 +146,7 @@ fn shard_of(key: &str, seq: &str, count: u8, index: u8) -> String {
 /// `partition_key` with the default collation: see [`MESSAGE_COLUMNS`].
 const CLAIM_RETURNING: &str =
     "m.id, m.seq, m.aggregatetype, m.aggregateid, m.type, m.payload::text AS payload, \
-     m.headers::text AS headers, m.partition_key COLLATE \"default\" AS partition_key, \
+     m.payload_bytes, m.content_type, m.headers::text AS headers, m.partition_key COLLATE \"default\" AS partition_key, \
      m.dedup_key, m.attempts, m.created_at";
 
 /// The states of the rows that order a key: under Block a dead row still holds its key back.
@@ -213,6 +213,15 @@ BEGIN
         ) THEN
             ALTER TABLE {t} ADD CONSTRAINT "{headers_check}" CHECK ({headers_ok}) NOT VALID;
         END IF;
+    END IF;
+    -- Tables made before binary payloads: the two nullable columns, added in place (a
+    -- catalog-only change: no rewrite, existing rows read NULL, JSON messages).
+    IF (SELECT count(*) FROM pg_attribute
+        WHERE attrelid = '{t}'::regclass AND NOT attisdropped
+          AND attname IN ('payload_bytes', 'content_type')) < 2 THEN
+        ALTER TABLE {t}
+            ADD COLUMN IF NOT EXISTS payload_bytes bytea,
+            ADD COLUMN IF NOT EXISTS content_type text;
     END IF;
     IF NOT EXISTS (
         SELECT 1 FROM pg_trigger WHERE tgrelid = '{t}'::regclass AND tgname = '{key_trigger}'
@@ -359,6 +368,11 @@ CREATE TABLE IF NOT EXISTS {t} (
     aggregateid    text        NOT NULL,
     type           text        NOT NULL,
     payload        jsonb       NOT NULL,
+    -- A binary payload (Protobuf, Avro, ...): its bytes, sent untouched, and their content
+    -- type (NULL: application/octet-stream). NULL bytes: a JSON message, whose body is
+    -- `payload`; a binary message's `payload` is JSON null.
+    payload_bytes  bytea,
+    content_type   text,
     -- Relay columns.
     seq            bigint      GENERATED ALWAYS AS IDENTITY,
     headers        jsonb       NOT NULL DEFAULT '{{}}'::jsonb,
@@ -434,14 +448,16 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
         // for a SQL writer that leaves the column out.
         let insert_rows = format!(
             "INSERT INTO {t} (id, aggregatetype, aggregateid, type, payload, headers, \
-                              partition_key, dedup_key, available_at)
+                              partition_key, dedup_key, available_at, payload_bytes, \
+                              content_type)
              SELECT u.id, u.aggregatetype, u.aggregateid, u.type, u.payload::jsonb, \
                     u.headers::jsonb, COALESCE(u.partition_key, ''), u.dedup_key, \
-                    COALESCE(u.not_before, now())
+                    COALESCE(u.not_before, now()), u.payload_bytes, u.content_type
              FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], \
-                         $7::text[], $8::text[], $9::timestamptz[])
+                         $7::text[], $8::text[], $9::timestamptz[], $10::bytea[], $11::text[])
                   WITH ORDINALITY AS u(id, aggregatetype, aggregateid, type, payload, headers, \
-                                       partition_key, dedup_key, not_before, ord)
+                                       partition_key, dedup_key, not_before, payload_bytes, \
+                                       content_type, ord)
              ORDER BY u.ord
              RETURNING 1"
         );

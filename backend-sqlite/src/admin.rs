@@ -12,7 +12,7 @@ use crate::cancel::Caller;
 use crate::error::{map_err, Ctx};
 use crate::lease::db_now;
 use crate::row::{decode, id_text, Lenient};
-use crate::sql::Sql;
+use crate::sql::{Sql, MESSAGE_COLUMN_COUNT};
 use crate::store::SqliteStore;
 use outbox_sql_support::admin::{dead_message, purge_age, RequeueCheck};
 use outbox_sql_support::limits::millis;
@@ -122,7 +122,9 @@ pub(crate) fn list_dead(
         .query_map(
             params![after_seq.unwrap_or(i64::MIN), as_i64(limit)],
             |row| {
-                let last_error = row.get::<_, Option<String>>(11)?.unwrap_or_default();
+                let last_error = row
+                    .get::<_, Option<String>>(MESSAGE_COLUMN_COUNT)?
+                    .unwrap_or_default();
                 Ok(dead_message(decode(row)?, &Lenient(row), last_error))
             },
         )

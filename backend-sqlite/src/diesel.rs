@@ -19,7 +19,7 @@
 
 use ::diesel::connection::SimpleConnection;
 use ::diesel::result::{DatabaseErrorKind, Error as DieselError};
-use ::diesel::sql_types::{BigInt, Nullable, Text};
+use ::diesel::sql_types::{BigInt, Binary, Nullable, Text};
 use ::diesel::sqlite::SqliteConnection;
 use ::diesel::RunQueryDsl;
 use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
@@ -136,6 +136,8 @@ fn insert_rows(
             .bind::<Nullable<Text>, _>(&m.partition_key)
             .bind::<Nullable<Text>, _>(&m.dedup_key)
             .bind::<Nullable<BigInt>, _>(m.not_before.map(from_time))
+            .bind::<Nullable<Binary>, _>(m.binary.as_ref().map(|b| b.data.as_slice()))
+            .bind::<Nullable<Text>, _>(m.binary.as_ref().map(|b| b.content_type.as_str()))
             .execute(conn)
             .map_err(|err| insert_error(err, m, table))?;
     }

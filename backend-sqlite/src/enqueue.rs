@@ -96,7 +96,7 @@ pub fn enqueue_batch(
     }
 }
 
-/// A validated message, ready to bind to [`insert_sql`]'s `?1`..`?9` (also by
+/// A validated message, ready to bind to [`insert_sql`]'s `?1`..`?11` (also by
 /// `crate::diesel`, so both drivers write the same rows).
 pub(crate) struct Prepared<'a> {
     pub(crate) message: &'a NewMessage,
@@ -138,6 +138,8 @@ fn insert_rows(conn: &Connection, table: &str, rows: &[Prepared<'_>]) -> Result<
             m.partition_key,
             m.dedup_key,
             m.not_before.map(from_time),
+            m.binary.as_ref().map(|b| b.data.as_slice()),
+            m.binary.as_ref().map(|b| b.content_type.as_str()),
         ])
         .map_err(|e| insert_error(e, m, table))?;
     }

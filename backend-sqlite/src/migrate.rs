@@ -8,7 +8,8 @@ use outbox_traits::Error;
 use crate::config::SqliteConfig;
 use crate::error::{map_err, Ctx};
 use crate::sql::{
-    lower_ids_sql, schema_sql, upgrade_sql, COLUMNS, CONTRACT_MARK, ID_TRIGGER_SUFFIX,
+    added_columns, lower_ids_sql, schema_sql, upgrade_sql, COLUMNS, CONTRACT_MARK,
+    ID_TRIGGER_SUFFIX,
 };
 
 /// Create the outbox table and its indexes if they do not exist, then check the table
@@ -27,20 +28,62 @@ use crate::sql::{
 /// rows are copied as they are (checks not applied to them) and its `seq` counter kept. That
 /// copy holds the write lock for as long as it takes (about a second per few hundred thousand
 /// rows), once.
+///
+/// A table made before binary payloads gets their two nullable columns (`payload_bytes`,
+/// `content_type`) with `ALTER TABLE ... ADD COLUMN`, in place: no rebuild, and its rows read
+/// as the JSON messages they are.
 pub fn migrate(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
+    let table = config.table();
+    // The checks of the existing table run inside the transaction (or savepoint), after the
+    // write lock is taken: two processes migrating together then see the table as it is when
+    // each runs its DDL, and the second adds no column the first just added.
+    let outer = conn.is_autocommit();
+    let (begin, end, undo) = if outer {
+        ("BEGIN IMMEDIATE", "COMMIT", "ROLLBACK")
+    } else {
+        (
+            "SAVEPOINT outbox_migrate",
+            "RELEASE outbox_migrate",
+            "ROLLBACK TO outbox_migrate; RELEASE outbox_migrate",
+        )
+    };
+    conn.execute_batch(begin)
+        .map_err(|e| map_err(e, Ctx::Migrate, table))?;
+    let migrated = ddl(conn, config).and_then(|ddl| {
+        conn.execute_batch(&format!("{ddl}{end};"))
+            .map_err(|e| map_err(e, Ctx::Migrate, table))
+    });
+    if migrated.is_err() && !conn.is_autocommit() {
+        // Undo a half-run script so the connection is usable; the original error matters more.
+        let _ = conn.execute_batch(undo);
+    }
+    migrated
+}
+
+/// The DDL [`migrate`] runs on the table as it is now: [`schema_sql`], after the rebuild of a
+/// table made before the SQL enqueue contract or the columns a table made before them lacks.
+fn ddl(conn: &Connection, config: &SqliteConfig) -> Result<String, Error> {
     let table = config.table();
     // Check a table that already exists before the DDL touches it, so an incompatible table
     // gets an error that says what is wrong rather than a failed CREATE INDEX.
     let existing = check_table(conn, table)?;
     let max_payload_bytes = config.limits().max_payload_bytes;
     let mut ddl = schema_sql(table, max_payload_bytes);
-    // A table made before the SQL enqueue contract has no id default and lacks its checks:
-    // rebuilt in place, rows and seq counter kept, in the same transaction.
-    if existing
-        .as_deref()
-        .is_some_and(|sql| !sql.contains(CONTRACT_MARK))
-    {
-        ddl = format!("{}{ddl}", upgrade_sql(table, max_payload_bytes));
+    if let Some((sql, present)) = &existing {
+        if !sql.contains(CONTRACT_MARK) {
+            // A table made before the SQL enqueue contract has no id default and lacks its
+            // checks: rebuilt in place, rows and seq counter kept, in the same transaction
+            // (with the columns added since).
+            ddl = format!("{}{ddl}", upgrade_sql(table, max_payload_bytes));
+        } else {
+            // Columns added since the table was made: added in place.
+            let added: String = added_columns(table, max_payload_bytes)
+                .into_iter()
+                .filter(|(column, _)| !present.iter().any(|p| p.eq_ignore_ascii_case(column)))
+                .map(|(_, statement)| statement)
+                .collect();
+            ddl = format!("{added}{ddl}");
+        }
     }
     // A table made before the id trigger may hold ids in upper or mixed case, which the relay
     // could never complete: lowered once, after the DDL has made the trigger (same
@@ -48,24 +91,7 @@ pub fn migrate(conn: &Connection, config: &SqliteConfig) -> Result<(), Error> {
     if existing.is_some() && !has_id_trigger(conn, table)? {
         ddl.push_str(&lower_ids_sql(table));
     }
-    let script = if conn.is_autocommit() {
-        format!("BEGIN IMMEDIATE;\n{ddl}COMMIT;")
-    } else {
-        format!("SAVEPOINT outbox_migrate;\n{ddl}RELEASE outbox_migrate;")
-    };
-    if let Err(err) = conn.execute_batch(&script) {
-        // Undo a half-run script so the connection is usable; the original error matters more.
-        let undo = if script.starts_with("BEGIN") {
-            "ROLLBACK"
-        } else {
-            "ROLLBACK TO outbox_migrate; RELEASE outbox_migrate"
-        };
-        if !conn.is_autocommit() {
-            let _ = conn.execute_batch(undo);
-        }
-        return Err(map_err(err, Ctx::Migrate, table));
-    }
-    Ok(())
+    Ok(ddl)
 }
 
 /// Whether `table` has the trigger that lowers ids ([`ID_TRIGGER_SUFFIX`]).
@@ -78,9 +104,9 @@ fn has_id_trigger(conn: &Connection, table: &str) -> Result<bool, Error> {
     .map_err(|e| map_err(e, Ctx::Migrate, table))
 }
 
-/// The DDL of the existing table `table`, after checking that the store can use it; `None`
-/// when there is no such table yet.
-fn check_table(conn: &Connection, table: &str) -> Result<Option<String>, Error> {
+/// The DDL of the existing table `table` and its columns, after checking that the store can
+/// use it; `None` when there is no such table yet.
+fn check_table(conn: &Connection, table: &str) -> Result<Option<(String, Vec<String>)>, Error> {
     let sql: Option<String> = conn
         .query_row(
             "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?1",
@@ -123,7 +149,7 @@ fn check_table(conn: &Connection, table: &str) -> Result<Option<String>, Error> 
             None,
         ));
     }
-    Ok(Some(sql))
+    Ok(Some((sql, present)))
 }
 
 #[cfg(test)]

@@ -53,14 +53,22 @@ fn fields(row: &Row<'_>, seq: i64) -> Result<Message, String> {
     let id = quarantine::id(&get::<String>(row, 0, "id")?)?;
     let headers = quarantine::headers(&get::<String>(row, 6, "headers")?)?;
     let attempts: i64 = get(row, 9, "attempts")?;
+    // A row with bytes is binary, whatever its `payload` holds.
+    let binary = quarantine::binary(
+        get(row, 11, "payload_bytes")?,
+        get(row, 12, "content_type")?,
+    )?;
     Ok(Message {
         id,
         seq,
         aggregate_type: get(row, 2, "aggregatetype")?,
         aggregate_id: get(row, 3, "aggregateid")?,
         event_type: get(row, 4, "type")?,
-        payload: get(row, 5, "payload")?,
-        binary: None,
+        payload: match binary {
+            Some(_) => "null".to_owned(),
+            None => get(row, 5, "payload")?,
+        },
+        binary,
         headers,
         partition_key: get(row, 7, "partition_key")?,
         dedup_key: get(row, 8, "dedup_key")?,
@@ -84,6 +92,14 @@ impl LenientRow for Lenient<'_, '_> {
             .split(", ")
             .position(|c| c == column)?;
         outbox_sql_support::rusqlite::text(self.0, i)
+    }
+
+    fn bytes(&self) -> Option<Vec<u8>> {
+        match self.0.get_ref(11).ok()? {
+            ValueRef::Blob(b) => Some(b.to_vec()),
+            ValueRef::Text(t) => Some(t.to_vec()),
+            _ => None,
+        }
     }
 
     fn attempts(&self) -> Option<u32> {

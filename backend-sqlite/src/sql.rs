@@ -47,6 +47,10 @@ fn create_table(name: &str, if_not_exists: bool, max_payload_bytes: usize) -> St
     payload       TEXT    NOT NULL
                   CONSTRAINT payload_json CHECK (typeof(payload) = 'text' AND json_valid(payload))
                   CONSTRAINT payload_size CHECK (length(CAST(payload AS BLOB)) <= {max_payload_bytes}),
+    -- A binary payload (Protobuf, Avro, ...): its bytes, sent untouched, and their content
+    -- type (NULL: application/octet-stream). NULL bytes: a JSON message, whose body is
+    -- `payload`; a binary message's `payload` is JSON null.
+    {binary_columns},
     headers       TEXT    NOT NULL DEFAULT '{{}}'
                   CONSTRAINT headers_object
                   CHECK (json_valid(headers) AND json_type(headers) = 'object'),
@@ -65,7 +69,38 @@ fn create_table(name: &str, if_not_exists: bool, max_payload_bytes: usize) -> St
 );
 ",
         glob = uuid_glob(),
+        binary_columns = binary_columns(max_payload_bytes).join(",\n    "),
     )
+}
+
+/// The columns of a binary payload, as in `CREATE TABLE` and as [`add_binary_columns_sql`] adds
+/// them to a table made before them: `payload_bytes` (a BLOB, at most `max_payload_bytes`)
+/// and `content_type`.
+fn binary_columns(max_payload_bytes: usize) -> [String; 2] {
+    [
+        format!(
+            "payload_bytes BLOB\n                  CONSTRAINT payload_bytes_blob CHECK (payload_bytes IS NULL OR \
+             (typeof(payload_bytes) = 'blob' AND length(payload_bytes) <= {max_payload_bytes}))"
+        ),
+        "content_type  TEXT".to_owned(),
+    ]
+}
+
+/// Columns added after the first release, each with the statement that adds it to a table made
+/// before it: nullable, so `ALTER TABLE ... ADD COLUMN` adds it in place (no rebuild; rows
+/// already there read NULL). [`crate::migrate`] runs the statement of each missing one.
+pub(crate) fn added_columns(table: &str, max_payload_bytes: usize) -> Vec<(&'static str, String)> {
+    let [bytes, content_type] = binary_columns(max_payload_bytes);
+    vec![
+        (
+            "payload_bytes",
+            format!("ALTER TABLE {table} ADD COLUMN {bytes};\n"),
+        ),
+        (
+            "content_type",
+            format!("ALTER TABLE {table} ADD COLUMN {content_type};\n"),
+        ),
+    ]
 }
 
 /// The DDL that [`crate::migrate`] runs for `table`, as one SQL script (what
@@ -200,7 +235,10 @@ pub(crate) const COLUMNS: [&str; 17] = [
 
 /// The columns of a [`outbox_traits::Message`], in the order [`crate::row::decode`] reads them.
 pub(crate) const MESSAGE_COLUMNS: &str = "id, seq, aggregatetype, aggregateid, type, payload, \
-     headers, partition_key, dedup_key, attempts, created_at";
+     headers, partition_key, dedup_key, attempts, created_at, payload_bytes, content_type";
+
+/// How many columns [`MESSAGE_COLUMNS`] lists: a statement's next column has this index.
+pub(crate) const MESSAGE_COLUMN_COUNT: usize = 13;
 
 /// The fence every lease transition checks: `?1` id, `?2` token, `?3` database now.
 const FENCE: &str = "id = ?1 AND state = 'leased' AND lease_token = ?2 AND lease_until > ?3";
@@ -342,12 +380,14 @@ impl Sql {
 /// as NULL: NULL itself means "the aggregate id", as for a SQL writer that leaves it out.
 ///
 /// `?1` id, `?2` aggregatetype, `?3` aggregateid, `?4` type, `?5` payload, `?6` headers,
-/// `?7` partition_key, `?8` dedup_key, `?9` not-before in ms (NULL = now).
+/// `?7` partition_key, `?8` dedup_key, `?9` not-before in ms (NULL = now), `?10` payload bytes
+/// and `?11` content type (both NULL for a JSON message).
 pub(crate) fn insert_sql(table: &str) -> String {
     format!(
         "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload, headers, \
-         partition_key, dedup_key, available_at, created_at) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, COALESCE(?7, ''), ?8, COALESCE(?9, {NOW_MS}), {NOW_MS})"
+         partition_key, dedup_key, available_at, created_at, payload_bytes, content_type) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, COALESCE(?7, ''), ?8, COALESCE(?9, {NOW_MS}), {NOW_MS}, \
+         ?10, ?11)"
     )
 }
 
@@ -396,6 +436,11 @@ mod tests {
             conn.prepare(text).map_err(|e| format!("{text}: {e}"))?;
         }
         Ok(())
+    }
+
+    #[test]
+    fn message_columns_are_counted() {
+        assert_eq!(MESSAGE_COLUMNS.split(", ").count(), MESSAGE_COLUMN_COUNT);
     }
 
     #[test]

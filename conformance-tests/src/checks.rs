@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_traits::{
-    Claim, ClaimRequest, ClaimShard, Error, FailAction, Failure, HeadPolicy, LeaseToken,
+    Binary, Claim, ClaimRequest, ClaimShard, Error, FailAction, Failure, HeadPolicy, LeaseToken,
     NewMessage, OutboxAdmin, OutboxStore,
 };
 use uuid::Uuid;
@@ -2290,6 +2290,135 @@ pub async fn malformed_raw_rows_quarantined(harness: &dyn Harness) -> Result<(),
     f.finish().await
 }
 
+/// Binary payloads round-trip byte for byte, next to JSON ones in the same batch: bytes 0x00
+/// and 0xff, invalid UTF-8, an empty body and a 64 KiB one (every byte value, repeated), each
+/// with its content type, and `payload` JSON `null`; the JSON message of the batch comes back
+/// with no binary payload and its JSON unchanged. A dead-lettered binary message is listed
+/// with its bytes, and a requeued one is claimed with them again.
+pub async fn binary_round_trip(harness: &dyn Harness) -> Result<(), String> {
+    let f = Fixture::new(harness).await?;
+    let large: Vec<u8> = (0..64 * 1024).map(|i| (i % 256) as u8).collect();
+    let bin = |key: &str, content_type: &str, data: Vec<u8>| {
+        NewMessage::binary(
+            "order",
+            key,
+            "order.placed",
+            Binary::new(content_type, data),
+        )
+        .with_header("tenant", "acme")
+    };
+    let sent = [
+        // 0xc3 0x28 is not UTF-8; nor is a lone 0x80.
+        bin(
+            "o-1",
+            "application/x-protobuf",
+            vec![0x00, 0xff, 0xc3, 0x28, 0x80, 0x00],
+        ),
+        NewMessage::new("order", "o-2", "order.placed", serde_json::json!({"n": 1})),
+        bin("o-3", "application/vnd.confluent.avro", large),
+        bin("o-4", "text/plain; charset=utf-8", Vec::new()),
+    ];
+    f.enqueue(&sent).await?;
+    let claim = f.claim(sent.len()).await?;
+    ensure!(
+        ids(&claim) == sent.iter().map(|m| m.id).collect::<Vec<_>>(),
+        "claimed {:?}, enqueued {:?}",
+        ids(&claim),
+        sent.iter().map(|m| m.id).collect::<Vec<_>>()
+    );
+    for (want, got) in sent.iter().zip(&claim.messages) {
+        match &want.binary {
+            Some(binary) => {
+                let back = got.binary.as_ref().ok_or_else(|| {
+                    format!(
+                        "binary message {} came back without its bytes (payload {:?})",
+                        got.id, got.payload
+                    )
+                })?;
+                ensure!(
+                    back.content_type == binary.content_type,
+                    "content type changed: {:?} -> {:?}",
+                    binary.content_type,
+                    back.content_type
+                );
+                ensure!(
+                    back.data == binary.data,
+                    "bytes changed for {:?}: {} bytes sent, {} back, first difference at {:?}",
+                    binary.content_type,
+                    binary.data.len(),
+                    back.data.len(),
+                    binary.data.iter().zip(&back.data).position(|(a, b)| a != b)
+                );
+                ensure!(
+                    got.payload == "null",
+                    "a binary message's payload is {:?}, not null",
+                    got.payload
+                );
+                ensure!(
+                    got.body() == binary.data.as_slice()
+                        && got.content_type() == binary.content_type,
+                    "body or content type of {} is not its binary payload's",
+                    got.id
+                );
+            }
+            None => {
+                ensure!(
+                    got.binary.is_none(),
+                    "the JSON message came back binary: {:?}",
+                    got.binary.as_ref().map(|b| &b.content_type)
+                );
+                let payload: serde_json::Value = serde_json::from_str(&got.payload)
+                    .map_err(|e| format!("payload is not JSON: {e}"))?;
+                ensure!(payload == want.payload, "payload changed: {}", got.payload);
+            }
+        }
+        ensure!(
+            got.headers == want.headers,
+            "headers changed: {:?}",
+            got.headers
+        );
+    }
+    // The dead-letter listing and a requeue keep the bytes.
+    let first = sent[0].id;
+    f.relay
+        .fail(claim.token, &[dead(first, "broker refused it")])
+        .await
+        .map_err(err("fail"))?;
+    let rest: Vec<Uuid> = ids(&claim).into_iter().filter(|id| *id != first).collect();
+    f.relay
+        .complete(claim.token, &rest)
+        .await
+        .map_err(err("complete"))?;
+    let listed = f
+        .admin
+        .list_dead(None, 10)
+        .await
+        .map_err(err("list_dead"))?;
+    let shown = listed
+        .iter()
+        .find(|d| d.message.id == first)
+        .ok_or("the dead binary message is not listed")?;
+    ensure!(
+        shown.message.binary == sent[0].binary,
+        "list_dead shows the binary message as {:?}",
+        shown.message.binary
+    );
+    let requeued = f.admin.requeue(&[first]).await.map_err(err("requeue"))?;
+    ensure!(requeued == 1, "requeue returned {requeued}");
+    let again = f.claim(1).await?;
+    ensure!(
+        ids(&again) == [first]
+            && again.messages.first().and_then(|m| m.binary.as_ref()) == sent[0].binary.as_ref(),
+        "the requeued binary message came back as {:?}",
+        again.messages.first().map(|m| &m.binary)
+    );
+    f.relay
+        .complete(again.token, &ids(&again))
+        .await
+        .map_err(err("complete"))?;
+    f.finish().await
+}
+
 /// Every check, by name, so the macro and pickers can run them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -2348,11 +2477,13 @@ pub enum Check {
     RawRowsRoundTrip,
     /// [`malformed_raw_rows_quarantined`]
     MalformedRawRowsQuarantined,
+    /// [`binary_round_trip`]
+    BinaryRoundTrip,
 }
 
 impl Check {
     /// Every check.
-    pub const ALL: [Check; 27] = [
+    pub const ALL: [Check; 28] = [
         Check::ClaimRespectsLimit,
         Check::NoPhantoms,
         Check::LateCommitIsClaimed,
@@ -2380,6 +2511,7 @@ impl Check {
         Check::ArgumentRules,
         Check::RawRowsRoundTrip,
         Check::MalformedRawRowsQuarantined,
+        Check::BinaryRoundTrip,
     ];
 
     /// The checks that go through the enqueue path: transactions that commit late, roll back or
@@ -2387,7 +2519,7 @@ impl Check {
     /// dedup keys. A backend with a second enqueue path (another driver) runs these through it
     /// with [`enqueue_suite!`](crate::enqueue_suite): its harness opens business transactions on
     /// that driver while relays and admin stay the backend's store.
-    pub const ENQUEUE: [Check; 8] = [
+    pub const ENQUEUE: [Check; 9] = [
         Check::ClaimRespectsLimit,
         Check::NoPhantoms,
         Check::LateCommitIsClaimed,
@@ -2396,6 +2528,7 @@ impl Check {
         Check::MessageRoundTrip,
         Check::EnqueueRefusals,
         Check::DedupKeyOutlivesItsMessageOnlyWhileKept,
+        Check::BinaryRoundTrip,
     ];
 
     /// Run this check against a fresh store of `harness`.
@@ -2432,6 +2565,7 @@ impl Check {
             Check::ArgumentRules => argument_rules(harness).await,
             Check::RawRowsRoundTrip => raw_rows_round_trip(harness).await,
             Check::MalformedRawRowsQuarantined => malformed_raw_rows_quarantined(harness).await,
+            Check::BinaryRoundTrip => binary_round_trip(harness).await,
         }
     }
 

@@ -55,6 +55,7 @@ macro_rules! conformance_suite {
             argument_rules ArgumentRules,
             raw_rows_round_trip RawRowsRoundTrip,
             malformed_raw_rows_quarantined MalformedRawRowsQuarantined,
+            binary_round_trip BinaryRoundTrip,
         );
     };
     ($harness:expr, reduced: $divisor:expr) => {
@@ -89,6 +90,7 @@ macro_rules! enqueue_suite {
             message_round_trip MessageRoundTrip,
             enqueue_refusals EnqueueRefusals,
             dedup_key_outlives_its_message_only_while_kept DedupKeyOutlivesItsMessageOnlyWhileKept,
+            binary_round_trip BinaryRoundTrip,
         );
     };
     ($harness:expr) => {

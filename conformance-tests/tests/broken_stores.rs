@@ -81,10 +81,11 @@ meta! {
     extend_accepting_zero_is_caught => ExtendAcceptsZero by Checks,
     status_ignoring_retrying_is_caught => StatusIgnoresRetrying by Model,
     seq_admin_ignored_is_caught => SeqAdminIgnored by Model,
+    binary_dropped_is_caught => BinaryDropped by Checks,
 }
 
 #[test]
 fn every_defect_has_a_meta_test() {
     // Adding a defect without a line above fails here.
-    assert_eq!(Defect::ALL.len(), 13);
+    assert_eq!(Defect::ALL.len(), 14);
 }

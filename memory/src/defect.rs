@@ -42,12 +42,15 @@ pub enum Defect {
     /// `requeue_seqs` and `discard_seqs` change nothing and return 0: the admin paths that
     /// quarantined rows need.
     SeqAdminIgnored,
+    /// Keep a binary message's `payload` (JSON null) but drop its bytes and content type, as a
+    /// store that never wrote the binary columns would.
+    BinaryDropped,
 }
 
 #[cfg_attr(not(feature = "defects"), allow(dead_code))]
 impl Defect {
     /// Every defect, for meta-tests that loop over them.
-    pub const ALL: [Defect; 13] = [
+    pub const ALL: [Defect; 14] = [
         Defect::CursorClaim,
         Defect::OverClaim,
         Defect::NoHeadOfLine,
@@ -61,5 +64,6 @@ impl Defect {
         Defect::ExtendAcceptsZero,
         Defect::StatusIgnoresRetrying,
         Defect::SeqAdminIgnored,
+        Defect::BinaryDropped,
     ];
 }

@@ -302,6 +302,7 @@ impl MemoryStore {
             }
         }
         let now = self.now();
+        let binary_dropped = self.has(Defect::BinaryDropped);
         for (message, payload) in messages.into_iter().zip(payloads) {
             let seq = state.next_seq;
             state.next_seq += 1;
@@ -321,7 +322,7 @@ impl MemoryStore {
                         aggregate_id: message.aggregate_id,
                         event_type: message.event_type,
                         payload,
-                        binary: message.binary,
+                        binary: message.binary.filter(|_| !binary_dropped),
                         headers: message.headers,
                         partition_key: message.partition_key,
                         dedup_key: message.dedup_key,

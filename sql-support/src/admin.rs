@@ -14,6 +14,8 @@ use crate::quarantine::{self, Poison};
 pub trait LenientRow {
     /// A column's text, `None` when it has none or cannot be read as text.
     fn text(&self, column: &str) -> Option<String>;
+    /// The `payload_bytes` column (a binary payload), `None` when NULL or unreadable.
+    fn bytes(&self) -> Option<Vec<u8>>;
     /// The attempt counter, when it reads.
     fn attempts(&self) -> Option<u32>;
     /// When the message was enqueued, when it reads.
@@ -33,6 +35,7 @@ pub fn dead_message(
         Err(poison) => quarantine::lenient(
             poison.seq,
             |column| row.text(column),
+            row.bytes(),
             row.attempts(),
             row.created_at(),
         ),
@@ -110,7 +113,14 @@ mod tests {
 
     impl LenientRow for Row {
         fn text(&self, column: &str) -> Option<String> {
-            (column == "id").then(|| "not-a-uuid".to_owned())
+            match column {
+                "id" => Some("not-a-uuid".to_owned()),
+                "content_type" => Some("bad\ntype".to_owned()),
+                _ => None,
+            }
+        }
+        fn bytes(&self) -> Option<Vec<u8>> {
+            Some(vec![0, 0xff])
         }
         fn attempts(&self) -> Option<u32> {
             Some(3)
@@ -121,7 +131,7 @@ mod tests {
     }
 
     fn message(id: Uuid) -> Message {
-        let (mut m, _) = quarantine::lenient(1, |_| None, None, None);
+        let (mut m, _) = quarantine::lenient(1, |_| None, None, None, None);
         m.id = id;
         m
     }
@@ -138,6 +148,10 @@ mod tests {
         assert_eq!(dead.message.seq, 4);
         assert_eq!(dead.message.attempts, 3);
         assert_eq!(dead.last_error, "why");
+        // The bytes are shown, with the content type as stored.
+        let binary = dead.message.binary.as_ref();
+        assert_eq!(binary.map(|b| b.data.as_slice()), Some(&[0, 0xff][..]));
+        assert_eq!(binary.map(|b| b.content_type.as_str()), Some("bad\ntype"));
         let ok = dead_message(Ok(message(Uuid::nil())), &Row, String::new());
         assert_eq!(ok.raw_id, None);
     }

@@ -15,7 +15,7 @@ use std::fmt::Display;
 use outbox_traits::chrono::{DateTime, Utc};
 use outbox_traits::uuid::Uuid;
 
-use outbox_traits::{Error, HeadPolicy, Message};
+use outbox_traits::{validate_content_type, Binary, Error, HeadPolicy, Message};
 
 /// How every quarantine [`reason`] begins: a dead row whose `last_error` starts with it was
 /// dead-lettered because it did not decode, so a requeue checks it again
@@ -122,6 +122,27 @@ pub fn headers(text: &str) -> Result<BTreeMap<String, String>, String> {
     })
 }
 
+/// The content type of a binary row that leaves `content_type` NULL.
+pub const DEFAULT_CONTENT_TYPE: &str = "application/octet-stream";
+
+/// A row's binary payload from its `payload_bytes` and `content_type` columns, or the reason it
+/// is refused. NULL bytes: a JSON message (`None`; its content type is not read). Bytes with a
+/// NULL content type: [`DEFAULT_CONTENT_TYPE`]. Bytes with a content type that fails
+/// [`validate_content_type`] (a SQL writer's line break, a missing `/`, ...): refused, naming the
+/// `content_type` column, so the row is dead-lettered like any row that does not decode.
+pub fn binary(
+    bytes: Option<Vec<u8>>,
+    content_type: Option<String>,
+) -> Result<Option<Binary>, String> {
+    let Some(data) = bytes else {
+        return Ok(None);
+    };
+    let content_type = content_type.unwrap_or_else(|| DEFAULT_CONTENT_TYPE.to_owned());
+    validate_content_type(&content_type)
+        .map_err(|problem| reason("content_type", Some(&content_type), problem))?;
+    Ok(Some(Binary { content_type, data }))
+}
+
 /// A stored id as a UUID, or the reason it is refused.
 pub fn id(text: &str) -> Result<Uuid, String> {
     Uuid::parse_str(text).map_err(|e| reason("id", Some(text), format!("not a UUID ({e})")))
@@ -142,10 +163,13 @@ pub fn held_back(poisoned: &[Poison], policy: HeadPolicy, seq: i64, key: Option<
 
 /// A dead row that does not decode, shown as well as it can be for operators: the message with
 /// every column that reads as text (`text` returns a column's text, `None` when it has none),
-/// the others empty, and the stored id when it is not a UUID (the message's id is then nil).
+/// the others empty, its binary payload when `bytes` (the `payload_bytes` column) has one (with
+/// the stored `content_type` as it is, even one a claim refuses, or [`DEFAULT_CONTENT_TYPE`]),
+/// and the stored id when it is not a UUID (the message's id is then nil).
 pub fn lenient(
     seq: i64,
     text: impl Fn(&str) -> Option<String>,
+    bytes: Option<Vec<u8>>,
     attempts: Option<u32>,
     created_at: Option<DateTime<Utc>>,
 ) -> (Message, Option<String>) {
@@ -161,7 +185,10 @@ pub fn lenient(
         aggregate_id: text("aggregateid").unwrap_or_default(),
         event_type: text("type").unwrap_or_default(),
         payload: text("payload").unwrap_or_default(),
-        binary: None,
+        binary: bytes.map(|data| Binary {
+            content_type: text("content_type").unwrap_or_else(|| DEFAULT_CONTENT_TYPE.to_owned()),
+            data,
+        }),
         headers: text("headers")
             .and_then(|h| headers(&h).ok())
             .unwrap_or_default(),
@@ -226,6 +253,27 @@ mod tests {
         assert!(requeue_refused("t", &many)
             .to_string()
             .ends_with("and 3 more"));
+    }
+
+    #[test]
+    fn binary_rows_decode_or_name_the_content_type_column() {
+        assert_eq!(binary(None, Some("text/plain".into())), Ok(None));
+        let bytes = vec![0x00, 0xff, 0x80];
+        assert_eq!(
+            binary(Some(bytes.clone()), None),
+            Ok(Some(Binary::new(DEFAULT_CONTENT_TYPE, bytes.clone())))
+        );
+        assert_eq!(
+            binary(Some(bytes.clone()), Some("application/x-protobuf".into())),
+            Ok(Some(Binary::new("application/x-protobuf", bytes.clone())))
+        );
+        let err = binary(Some(bytes), Some("text/plain\nX-Injected: 1".into())).unwrap_err();
+        assert!(err.starts_with(REASON_PREFIX), "{err}");
+        assert!(err.contains("column content_type value"), "{err}");
+        assert!(
+            err.contains("line break") || err.contains("character"),
+            "{err}"
+        );
     }
 
     #[test]

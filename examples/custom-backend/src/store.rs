@@ -210,8 +210,10 @@ impl VecTx {
                 aggregate_type: m.aggregate_type.clone(),
                 aggregate_id: m.aggregate_id.clone(),
                 event_type: m.event_type.clone(),
+                // A binary message keeps its bytes and content type as given (its `payload` is
+                // JSON null): claims hand them out untouched.
                 payload,
-                binary: None,
+                binary: m.binary.clone(),
                 headers: m.headers.clone(),
                 partition_key: m.partition_key.clone(),
                 dedup_key: m.dedup_key.clone(),
