@@ -22,7 +22,7 @@ use crate::{Message, PublishOutcome};
 /// # use outbox_traits::{chrono::Utc, uuid::Uuid, Message, PublishOutcome};
 /// # let message = |key: &str| Message { id: Uuid::now_v7(), seq: 1,
 /// #     aggregate_type: "order".into(), aggregate_id: "o-1".into(), event_type: "e".into(),
-/// #     payload: "{}".into(), headers: Default::default(), partition_key: Some(key.into()),
+/// #     payload: "{}".into(), binary: None, headers: Default::default(), partition_key: Some(key.into()),
 /// #     dedup_key: None, attempts: 0, created_at: Utc::now() };
 /// let batch = [message("a"), message("a"), message("b")];
 /// let mut gate = KeyGate::new();
