@@ -221,11 +221,15 @@ fn init_logs(effective: &Effective) {
 }
 
 async fn execute(command: Command, effective: Effective) -> Result<(), Error> {
-    // `[[outbox]]` tables in the configuration file: `run` and `status` serve them all.
+    // `[[outbox]]` tables in the configuration file: `run`, `drain` and `status` serve them
+    // all.
     if !effective.outboxes.is_empty() {
         match command {
             Command::Run { migrate } => {
                 return multi::run(&effective, migrate, Stop::listen().requested()).await
+            }
+            Command::Drain { migrate } => {
+                return multi::drain(&effective, migrate, Stop::listen().requested()).await
             }
             Command::Status { json, .. } => return multi::status(&effective, json).await,
             Command::Config => {
@@ -237,8 +241,8 @@ async fn execute(command: Command, effective: Effective) -> Result<(), Error> {
             _ if effective.store.is_some() => {}
             _ => {
                 return Err(Error::invalid_input(
-                    "the configuration has [[outbox]] tables, which `run`, `status` and \
-                     `config` serve; this command works on one outbox: give its --store (and \
+                    "the configuration has [[outbox]] tables, which `run`, `drain`, `status` \
+                     and `config` serve; this command works on one outbox: give its --store (and \
                      --schema, --table)",
                 ))
             }
@@ -568,4 +572,4 @@ fn positive_usize(text: &str) -> Result<usize, String> {
 }
 
 /// Messages per delete statement of the relay's own purges.
-const PURGE_BATCH: usize = 1000;
+pub(crate) const PURGE_BATCH: usize = 1000;
