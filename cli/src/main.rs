@@ -68,7 +68,9 @@ enum Command {
     /// at once on one backlog share it and all exit 0 once it is done. Messages waiting for a
     /// retry or a not-before time, and keys blocked by a dead message, are not waited for: once
     /// only such messages are left (the pending count unchanged and nothing leased for a
-    /// second), the drain exits. SIGTERM or Ctrl-C stops it early, gracefully.
+    /// second), the drain exits. SIGTERM or Ctrl-C stops it early, gracefully. With
+    /// `[[outbox]]` tables, every outbox is drained at once; one that fails fails alone, and
+    /// the command then exits 1 naming it.
     Drain {
         /// Create the outbox table first if it does not exist.
         #[arg(long)]

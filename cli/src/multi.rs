@@ -27,6 +27,10 @@
 //! connection pool and one `LISTEN` connection; outboxes with one broker URL share one broker
 //! connection. An outbox whose database, table or broker fails is retried on its own, with
 //! back-off, while the others go on.
+//!
+//! `outbox-relay drain` and `status` work on the same outboxes (a pattern's schemas looked up
+//! once). A drain retries nothing: an outbox that fails stops alone, the others drain on, and
+//! the command fails naming it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -918,7 +922,11 @@ async fn targets(
                 }
             }
             Err(e) => {
-                errors.insert(spec.name.clone(), redact_url(&e.to_string()));
+                let pattern = spec.schemas.as_deref().unwrap_or_default();
+                errors.insert(
+                    format!("{} ({pattern})", spec.name),
+                    redact_url(&e.to_string()),
+                );
             }
         }
     }

@@ -339,3 +339,90 @@ store = "sqlite://{file}"
     }
     drop_schemas(&pool, &[good]).await
 }
+
+/// SIGTERM stops a drain of several outboxes gracefully: one outbox is drained, another waits
+/// for a message a second relay holds (for ten minutes); the stop ends the wait, and the drain
+/// exits 0 with its summary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_a_drain_of_several_outboxes() -> TestResult {
+    use outbox::sqlite::{SqliteConfig, SqliteStore};
+    use outbox::{ClaimRequest, HeadPolicy, OutboxStore};
+    use tokio::io::{AsyncBufReadExt, BufReader};
+
+    let dir = tempfile::tempdir()?;
+    let free = dir.path().join("free.db");
+    let held = dir.path().join("held.db");
+    let written = sqlite_outbox(&free, "free")?;
+    sqlite_outbox(&held, "held")?;
+    // Another relay's claim of everything in `held`, for longer than the test may take.
+    let other = SqliteStore::open(&held, SqliteConfig::default()).await?;
+    let claim = other
+        .claim(&ClaimRequest {
+            limit: N,
+            lease: std::time::Duration::from_secs(600),
+            head_policy: HeadPolicy::Block,
+            shard: None,
+        })
+        .await?;
+    assert_eq!(claim.messages.len(), N);
+    let config = dir.path().join("relay.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+broker = "stdout://"
+
+[[outbox]]
+name = "free"
+store = "sqlite://{free}"
+
+[[outbox]]
+name = "held"
+store = "sqlite://{held}"
+"#,
+            free = free.display(),
+            held = held.display(),
+        ),
+    )?;
+    let mut child = common::command(["--config".as_ref(), config.as_os_str(), "drain".as_ref()])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = BufReader::new(child.stderr.take().ok_or("no stderr")?).lines();
+    let mut stderr = String::new();
+    // Once `free` is drained, `held` is the one left, waiting for the other relay's lease.
+    let drained = async {
+        while let Some(line) = lines.next_line().await? {
+            stderr += &line;
+            stderr.push('\n');
+            if line.contains("outbox drained") && line.contains("outbox=free") {
+                return Ok(());
+            }
+        }
+        Err::<(), BoxError>(format!("the drain ended before `free` was drained:\n{stderr}").into())
+    };
+    tokio::time::timeout(common::GUARD, drained).await??;
+    common::sigterm(&child).await?;
+    let rest = async {
+        while let Some(line) = lines.next_line().await? {
+            stderr += &line;
+            stderr.push('\n');
+        }
+        Ok::<_, BoxError>(child.wait().await?)
+    };
+    let status = tokio::time::timeout(common::GUARD, rest)
+        .await
+        .map_err(|_| "the drain did not stop on SIGTERM")??;
+    assert!(status.success(), "{status}:\n{stderr}");
+    let summary = summary(&stderr)?;
+    assert_eq!(
+        summary["outboxes"]["free"]["published"],
+        written.committed.len(),
+        "{summary}"
+    );
+    assert_eq!(summary["outboxes"]["held"]["published"], 0, "{summary}");
+    assert_eq!(summary["failed"], serde_json::json!({}), "{summary}");
+    Ok(())
+}
