@@ -68,7 +68,9 @@ enum Command {
     /// at once on one backlog share it and all exit 0 once it is done. Messages waiting for a
     /// retry or a not-before time, and keys blocked by a dead message, are not waited for: once
     /// only such messages are left (the pending count unchanged and nothing leased for a
-    /// second), the drain exits. SIGTERM or Ctrl-C stops it early, gracefully.
+    /// second), the drain exits. SIGTERM or Ctrl-C stops it early, gracefully. With
+    /// `[[outbox]]` tables, every outbox is drained at once; one that fails fails alone, and
+    /// the command then exits 1 naming it.
     Drain {
         /// Create the outbox table first if it does not exist.
         #[arg(long)]
@@ -221,11 +223,15 @@ fn init_logs(effective: &Effective) {
 }
 
 async fn execute(command: Command, effective: Effective) -> Result<(), Error> {
-    // `[[outbox]]` tables in the configuration file: `run` and `status` serve them all.
+    // `[[outbox]]` tables in the configuration file: `run`, `drain` and `status` serve them
+    // all.
     if !effective.outboxes.is_empty() {
         match command {
             Command::Run { migrate } => {
                 return multi::run(&effective, migrate, Stop::listen().requested()).await
+            }
+            Command::Drain { migrate } => {
+                return multi::drain(&effective, migrate, Stop::listen().requested()).await
             }
             Command::Status { json, .. } => return multi::status(&effective, json).await,
             Command::Config => {
@@ -237,8 +243,8 @@ async fn execute(command: Command, effective: Effective) -> Result<(), Error> {
             _ if effective.store.is_some() => {}
             _ => {
                 return Err(Error::invalid_input(
-                    "the configuration has [[outbox]] tables, which `run`, `status` and \
-                     `config` serve; this command works on one outbox: give its --store (and \
+                    "the configuration has [[outbox]] tables, which `run`, `drain`, `status` \
+                     and `config` serve; this command works on one outbox: give its --store (and \
                      --schema, --table)",
                 ))
             }
@@ -568,4 +574,4 @@ fn positive_usize(text: &str) -> Result<usize, String> {
 }
 
 /// Messages per delete statement of the relay's own purges.
-const PURGE_BATCH: usize = 1000;
+pub(crate) const PURGE_BATCH: usize = 1000;

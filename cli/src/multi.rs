@@ -27,6 +27,10 @@
 //! connection pool and one `LISTEN` connection; outboxes with one broker URL share one broker
 //! connection. An outbox whose database, table or broker fails is retried on its own, with
 //! back-off, while the others go on.
+//!
+//! `outbox-relay drain` and `status` work on the same outboxes (a pattern's schemas looked up
+//! once). A drain retries nothing: an outbox that fails stops alone, the others drain on, and
+//! the command fails naming it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -882,30 +886,179 @@ pub async fn run(
     Ok(())
 }
 
+/// One outbox to work on: its name, its `[[outbox]]` table, and its schema for a pattern's.
+type Target = (String, Arc<OutboxSpec>, Option<String>);
+
+/// The configured outboxes as they are now: every plain `[[outbox]]`, and each schema a
+/// pattern matches that has the table (looked up once). A pattern whose lookup failed is in
+/// the errors, by its name; a schema whose outbox name another outbox already has is skipped.
+async fn targets(
+    shared: &Shared,
+    effective: &Effective,
+) -> (Vec<Target>, BTreeMap<String, String>) {
+    let mut targets: Vec<Target> = Vec::new();
+    let mut errors = BTreeMap::new();
+    let specs: Vec<Arc<OutboxSpec>> = effective.outboxes.iter().cloned().map(Arc::new).collect();
+    let mut names: HashSet<String> = specs
+        .iter()
+        .filter(|spec| spec.schemas.is_none())
+        .map(|spec| spec.name.clone())
+        .collect();
+    for spec in specs {
+        if spec.schemas.is_none() {
+            targets.push((spec.name.clone(), spec, None));
+            continue;
+        }
+        match shared.schemas(&spec).await {
+            Ok(found) => {
+                for (schema, _) in found.into_iter().filter(|(_, has_table)| *has_table) {
+                    let name = spec.name_for(Some(&schema));
+                    if names.insert(name.clone()) {
+                        targets.push((name, spec.clone(), Some(schema)));
+                    } else {
+                        tracing::warn!(target: TARGET, outbox = %name, schema = %schema,
+                                       "another outbox has this name; schema skipped");
+                    }
+                }
+            }
+            Err(e) => {
+                let pattern = spec.schemas.as_deref().unwrap_or_default();
+                errors.insert(
+                    format!("{} ({pattern})", spec.name),
+                    redact_url(&e.to_string()),
+                );
+            }
+        }
+    }
+    (targets, errors)
+}
+
+/// Drain one outbox: open its store and broker, relay until nothing is left to claim (as the
+/// single-outbox `drain` does, waiting for what other relays hold) or `stop`, then purge once if
+/// asked. Its stats, or the error that stopped it.
+async fn drain_one(
+    shared: Arc<Shared>,
+    (name, spec, schema): Target,
+    purge: Option<Duration>,
+    mut stop: watch::Receiver<bool>,
+) -> Result<RelayStats, Error> {
+    let (store, admin) = shared.open(&spec, schema.as_deref()).await?;
+    let broker_url = spec.broker_for(&name, schema.as_deref());
+    let publisher = shared.broker(&broker_url).await?;
+    let relay = Relay::new(store, publisher, spec.relay.clone())?.for_outbox(name.clone());
+    tracing::info!(target: TARGET, outbox = %name, broker = %mask_url(&broker_url),
+                   "outbox drain started");
+    // As the single-outbox drain: rows a claim dead-letters because they do not decode never
+    // reach the relay's counters.
+    let start = admin.status(0).await.ok();
+    let mut stats = relay
+        .run_until_drained_or(admin.as_ref(), async move {
+            let _ = stop.wait_for(|stopped| *stopped).await;
+        })
+        .await?;
+    if let Some(start) = &start {
+        crate::ops::count_quarantined(admin.as_ref(), start, &mut stats).await;
+    }
+    if let Some(age) = purge {
+        let n = crate::ops::purge_all(admin.as_ref(), age, crate::PURGE_BATCH, None).await?;
+        tracing::info!(target: TARGET, outbox = %name, purged = n, "purged published messages");
+    }
+    tracing::info!(target: TARGET, outbox = %name, published = stats.published,
+                   dead = stats.dead, "outbox drained");
+    Ok(stats)
+}
+
+/// `outbox-relay drain` over the configured outboxes: each drained by its own relay, all at
+/// once, until nothing is left that they could claim (a pattern's schemas are looked up once,
+/// at the start). An outbox that fails (its database, table or broker) stops alone; the others
+/// drain on. The summary, each outbox's stats, the total and the failures, goes to standard
+/// error; the result is an error naming every outbox that failed.
+pub async fn drain(
+    effective: &Effective,
+    migrate: bool,
+    stop: impl Future<Output = ()>,
+) -> Result<(), Error> {
+    effective.check_relay()?;
+    if effective.metrics_addr.is_some() {
+        tracing::info!(target: TARGET, "a drain of several outboxes serves no metrics endpoint");
+    }
+    let shared = Arc::new(Shared::new(migrate));
+    let (targets, mut failed) = targets(&shared, effective).await;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let tasks: Vec<(String, JoinHandle<Result<RelayStats, Error>>)> = targets
+        .into_iter()
+        .map(|target| {
+            let name = target.0.clone();
+            let task = tokio::spawn(drain_one(
+                shared.clone(),
+                target,
+                effective.purge_older_than,
+                stop_rx.clone(),
+            ));
+            (name, task)
+        })
+        .collect();
+    let count = tasks.len() + failed.len();
+    tracing::info!(target: TARGET, outboxes = count, "draining several outboxes");
+    let all = futures::future::join_all(tasks.into_iter().map(|(name, task)| async move {
+        let result = task.await.unwrap_or_else(|e| {
+            Err(Error::permanent(
+                format!("its relay task ended abnormally: {e}"),
+                None,
+            ))
+        });
+        (name, result)
+    }));
+    tokio::pin!(all);
+    let results = tokio::select! {
+        results = &mut all => results,
+        () = stop => {
+            let _ = stop_tx.send(true);
+            all.await
+        }
+    };
+    let mut stats = BTreeMap::new();
+    let mut total = RelayStats::default();
+    for (name, result) in results {
+        match result {
+            Ok(s) => {
+                total += s;
+                stats.insert(name, s);
+            }
+            Err(e) => {
+                let text = redact_url(&e.to_string());
+                tracing::warn!(target: TARGET, outbox = %name, error = %text,
+                               "outbox drain failed; the other outboxes go on");
+                failed.insert(name, text);
+            }
+        }
+    }
+    eprintln!(
+        "{}",
+        json!({"outboxes": stats, "total": total, "failed": failed})
+    );
+    if failed.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<String> = failed
+        .iter()
+        .map(|(name, e)| format!("{name}: {e}"))
+        .collect();
+    Err(Error::permanent(
+        format!(
+            "{} of {count} outboxes failed to drain: {}",
+            failed.len(),
+            list.join("; ")
+        ),
+        None,
+    ))
+}
+
 /// `outbox-relay status` over the configured outboxes: one row each (patterns looked up once)
 /// and the total.
 pub async fn status(effective: &Effective, as_json: bool) -> Result<(), Error> {
     let shared = Arc::new(Shared::new(false));
-    let mut targets: Vec<(String, Arc<OutboxSpec>, Option<String>)> = Vec::new();
-    let mut errors: BTreeMap<String, String> = BTreeMap::new();
-    for spec in &effective.outboxes {
-        let spec = Arc::new(spec.clone());
-        if spec.schemas.is_some() {
-            match shared.schemas(&spec).await {
-                Ok(found) => {
-                    for (schema, has_table) in found.into_iter().filter(|(_, t)| *t) {
-                        let _ = has_table;
-                        targets.push((spec.name_for(Some(&schema)), spec.clone(), Some(schema)));
-                    }
-                }
-                Err(e) => {
-                    errors.insert(spec.name.clone(), redact_url(&e.to_string()));
-                }
-            }
-        } else {
-            targets.push((spec.name.clone(), spec, None));
-        }
-    }
+    let (targets, mut errors) = targets(&shared, effective).await;
     let each = targets.into_iter().map(|(name, spec, schema)| {
         let shared = shared.clone();
         async move {

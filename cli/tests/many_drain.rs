@@ -1,0 +1,428 @@
+//! `outbox-relay drain` over many outboxes (`[[outbox]]` tables): every outbox drained into its
+//! own broker (Kafka for some, Redis for others), nothing of another outbox's and nothing rolled
+//! back; and one outbox whose table is missing or whose database is unreachable failing alone,
+//! named in the error, while the others drain fully. Against the shared Postgres, Redis and
+//! Kafka (Tansu), and SQLite files.
+
+#[allow(dead_code)] // not every helper of the shared module is used here
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+
+use common::BoxError;
+use outbox::NewMessage;
+use outbox_conformance_tests::env::service_url;
+use outbox_e2e::private::free_port;
+use outbox_e2e::{kafka, redis, unique_suffix, Received};
+use serde_json::Value;
+
+type TestResult = Result<(), BoxError>;
+
+/// Partitions of each Kafka topic: more than one, so the read covers several.
+const PARTITIONS: i32 = 2;
+
+/// Committed messages per outbox.
+const N: usize = 150;
+
+fn message(outbox: &str, n: usize) -> NewMessage {
+    NewMessage::new(
+        "order",
+        format!("{outbox}-{n}"),
+        "placed",
+        serde_json::json!({"outbox": outbox, "n": n}),
+    )
+    .with_partition_key(format!("{outbox}-key-{}", n % 4))
+}
+
+fn ids(messages: &[NewMessage]) -> Vec<String> {
+    messages.iter().map(|m| m.id.to_string()).collect()
+}
+
+/// What one outbox holds: the ids it committed and the ids of a transaction it rolled back.
+struct Written {
+    committed: Vec<String>,
+    rolled_back: Vec<String>,
+}
+
+/// Create `schema` with its outbox table, commit [`N`] messages and roll back a few.
+async fn pg_outbox(pool: &sqlx::PgPool, schema: &str) -> Result<Written, BoxError> {
+    let config = outbox::postgres::PostgresConfig::builder()
+        .schema(schema.to_owned())
+        .build()?;
+    outbox::postgres::migrate(pool, &config).await?;
+    let committed: Vec<NewMessage> = (0..N).map(|i| message(schema, i)).collect();
+    let mut tx = pool.begin().await?;
+    outbox::postgres::enqueue_batch(&mut *tx, &config, &committed).await?;
+    tx.commit().await?;
+    let rolled_back: Vec<NewMessage> = (N..N + 5).map(|i| message(schema, i)).collect();
+    let mut tx = pool.begin().await?;
+    outbox::postgres::enqueue_batch(&mut *tx, &config, &rolled_back).await?;
+    tx.rollback().await?;
+    Ok(Written {
+        committed: ids(&committed),
+        rolled_back: ids(&rolled_back),
+    })
+}
+
+/// A SQLite outbox file at `path`: [`N`] messages committed, a few rolled back.
+fn sqlite_outbox(path: &Path, name: &str) -> Result<Written, BoxError> {
+    let config = outbox::sqlite::SqliteConfig::default();
+    let mut conn = outbox::sqlite::open_connection(path, &config)?;
+    outbox::sqlite::migrate(&conn, &config)?;
+    let committed: Vec<NewMessage> = (0..N).map(|i| message(name, i)).collect();
+    let tx = conn.transaction()?;
+    outbox::sqlite::enqueue_batch(&tx, &config, &committed)?;
+    tx.commit()?;
+    let rolled_back: Vec<NewMessage> = (N..N + 5).map(|i| message(name, i)).collect();
+    let tx = conn.transaction()?;
+    outbox::sqlite::enqueue_batch(&tx, &config, &rolled_back)?;
+    tx.rollback()?;
+    Ok(Written {
+        committed: ids(&committed),
+        rolled_back: ids(&rolled_back),
+    })
+}
+
+/// `received` (one outbox's broker stream or topic) holds each of `written`'s committed
+/// messages exactly once, and nothing else: none of another outbox's, none rolled back.
+fn check(outbox: &str, received: &[Received], written: &Written) -> TestResult {
+    let got: Vec<&str> = received.iter().map(|r| r.id.as_str()).collect();
+    let unique: HashSet<&str> = got.iter().copied().collect();
+    let want: HashSet<&str> = written.committed.iter().map(String::as_str).collect();
+    let leaked = written
+        .rolled_back
+        .iter()
+        .filter(|id| unique.contains(id.as_str()))
+        .count();
+    assert_eq!(leaked, 0, "{outbox}: rolled-back messages published");
+    assert_eq!(
+        got.len(),
+        unique.len(),
+        "{outbox}: some messages delivered more than once"
+    );
+    assert_eq!(
+        unique.difference(&want).count(),
+        0,
+        "{outbox}: messages that are not its own"
+    );
+    assert_eq!(
+        want.difference(&unique).count(),
+        0,
+        "{outbox}: committed messages missing"
+    );
+    Ok(())
+}
+
+/// `outbox-relay --config CONFIG drain` to its end: its exit success, and its standard error.
+async fn drain(config: &Path) -> Result<(bool, String), BoxError> {
+    let mut command = common::command(["--config".as_ref(), config.as_os_str(), "drain".as_ref()]);
+    command.env("RUST_LOG", "info");
+    let out = common::output(command).await?;
+    Ok((
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+/// The drain's closing summary: the last line of its standard error that is a JSON object with
+/// `outboxes`.
+fn summary(stderr: &str) -> Result<Value, BoxError> {
+    stderr
+        .lines()
+        .rev()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .find(|v| v.get("outboxes").is_some())
+        .ok_or_else(|| format!("no summary line in:\n{stderr}").into())
+}
+
+async fn drop_schemas(pool: &sqlx::PgPool, schemas: &[String]) -> TestResult {
+    for schema in schemas {
+        sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+            .execute(pool)
+            .await?;
+    }
+    Ok(())
+}
+
+/// Three Postgres schemas (one named, two through a `schemas` pattern that also matches a schema
+/// without the table) and a SQLite file, routed to Kafka (the named schema and the file) and to
+/// Redis (the pattern's, one stream each through `{outbox}`): one drain publishes every
+/// committed message to its own outbox's broker, once, and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_empties_every_outbox_into_its_own_broker() -> TestResult {
+    let (Some(pg), Some(redis_url), Some(brokers)) = (
+        service_url("OUTBOX_TEST_POSTGRES_URL"),
+        service_url("OUTBOX_TEST_REDIS_URL"),
+        service_url("OUTBOX_TEST_KAFKA_BROKERS"),
+    ) else {
+        return Ok(());
+    };
+    let p = format!("mdrain{}", unique_suffix());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&pg)
+        .await?;
+    let billing = format!("{p}_billing");
+    let tenants = [format!("{p}_t1"), format!("{p}_t2")];
+    let bare = format!("{p}_t3");
+    let mut written = BTreeMap::new();
+    written.insert(billing.clone(), pg_outbox(&pool, &billing).await?);
+    for t in &tenants {
+        written.insert(t.clone(), pg_outbox(&pool, t).await?);
+    }
+    // Matches the pattern but has no table: skipped, not a failure.
+    sqlx::query(&format!("CREATE SCHEMA \"{bare}\""))
+        .execute(&pool)
+        .await?;
+    let dir = tempfile::tempdir()?;
+    let edge = format!("{p}_edge");
+    let file = dir.path().join("edge.db");
+    written.insert(edge.clone(), sqlite_outbox(&file, &edge)?);
+    for outbox in [&billing, &edge] {
+        kafka::create_topic(&brokers, outbox, PARTITIONS).await?;
+    }
+    let config = dir.path().join("relay.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+store = "{pg}"
+broker = "kafka://{brokers}?topic={{outbox}}"
+
+[[outbox]]
+name = "{billing}"
+schema = "{billing}"
+
+[[outbox]]
+schemas = "{p}_t*"
+broker = "{redis_url}?stream={{outbox}}"
+
+[[outbox]]
+name = "{edge}"
+store = "sqlite://{file}"
+"#,
+            file = file.display(),
+        ),
+    )?;
+    let (ok, stderr) = drain(&config).await?;
+    assert!(ok, "the drain failed:\n{stderr}");
+    let summary = summary(&stderr)?;
+    for (outbox, w) in &written {
+        assert_eq!(
+            summary["outboxes"][outbox]["published"],
+            w.committed.len(),
+            "{outbox} in the summary: {summary}"
+        );
+    }
+    assert_eq!(
+        summary["outboxes"].as_object().map(|o| o.len()),
+        Some(written.len()),
+        "the bare schema is no outbox: {summary}"
+    );
+    assert_eq!(summary["total"]["published"], 4 * N, "{summary}");
+    assert_eq!(summary["failed"], serde_json::json!({}), "{summary}");
+    // Each outbox's broker holds exactly its committed messages.
+    for outbox in [&billing, &edge] {
+        let received = kafka::read_topic(&brokers, outbox, PARTITIONS).await?;
+        check(outbox, &received, &written[outbox])?;
+    }
+    for outbox in &tenants {
+        let received = redis::read_stream(&redis_url, outbox).await?;
+        check(outbox, &received, &written[outbox])?;
+    }
+    for outbox in [&billing, &edge] {
+        kafka::delete_topic(&brokers, outbox).await?;
+    }
+    for outbox in &tenants {
+        redis::delete(&redis_url, outbox).await?;
+    }
+    drop_schemas(
+        &pool,
+        &[billing, tenants[0].clone(), tenants[1].clone(), bare],
+    )
+    .await
+}
+
+/// Beside a Postgres schema and a SQLite file that drain fully, an outbox whose table does not
+/// exist and one whose database does not answer (its URL carrying a password) fail alone: the
+/// drain exits 1, its error names both, and the password appears nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_outbox_fails_the_drain_alone() -> TestResult {
+    let (Some(pg), Some(redis_url)) = (
+        service_url("OUTBOX_TEST_POSTGRES_URL"),
+        service_url("OUTBOX_TEST_REDIS_URL"),
+    ) else {
+        return Ok(());
+    };
+    let p = format!("mdfail{}", unique_suffix());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&pg)
+        .await?;
+    let good = format!("{p}_good");
+    let mut written = BTreeMap::new();
+    written.insert(good.clone(), pg_outbox(&pool, &good).await?);
+    let dir = tempfile::tempdir()?;
+    let edge = format!("{p}_edge");
+    let file = dir.path().join("edge.db");
+    written.insert(edge.clone(), sqlite_outbox(&file, &edge)?);
+    let missing = format!("{p}_missing");
+    let down = format!("{p}_down");
+    let password = "s3cret-drain-pw";
+    let config = dir.path().join("relay.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+store = "{pg}"
+broker = "{redis_url}?stream={{outbox}}"
+
+[[outbox]]
+name = "{good}"
+schema = "{good}"
+
+[[outbox]]
+name = "{missing}"
+schema = "{missing}"
+
+[[outbox]]
+name = "{down}"
+store = "postgres://postgres:{password}@127.0.0.1:{port}/test"
+
+[[outbox]]
+name = "{edge}"
+store = "sqlite://{file}"
+"#,
+            port = free_port()?,
+            file = file.display(),
+        ),
+    )?;
+    let (ok, stderr) = drain(&config).await?;
+    assert!(
+        !ok,
+        "the drain succeeded with two failing outboxes:\n{stderr}"
+    );
+    assert!(!stderr.contains(password), "the password leaked:\n{stderr}");
+    let error = stderr
+        .lines()
+        .find(|l| l.starts_with("outbox-relay: "))
+        .ok_or_else(|| format!("no error line:\n{stderr}"))?;
+    assert!(
+        error.contains("2 of 4 outboxes failed")
+            && error.contains(&missing)
+            && error.contains(&down),
+        "{error}"
+    );
+    assert!(
+        !error.contains(&good) && !error.contains(&edge),
+        "healthy outboxes named as failed: {error}"
+    );
+    let summary = summary(&stderr)?;
+    assert_eq!(
+        summary["failed"].as_object().map(|f| f.len()),
+        Some(2),
+        "{summary}"
+    );
+    for (outbox, w) in &written {
+        assert_eq!(
+            summary["outboxes"][outbox]["published"],
+            w.committed.len(),
+            "{outbox} in the summary: {summary}"
+        );
+        let received = redis::read_stream(&redis_url, outbox).await?;
+        check(outbox, &received, w)?;
+        redis::delete(&redis_url, outbox).await?;
+    }
+    for outbox in [&missing, &down] {
+        assert_eq!(redis::stream_len(&redis_url, outbox).await?, 0, "{outbox}");
+    }
+    drop_schemas(&pool, &[good]).await
+}
+
+/// SIGTERM stops a drain of several outboxes gracefully: one outbox is drained, another waits
+/// for a message a second relay holds (for ten minutes); the stop ends the wait, and the drain
+/// exits 0 with its summary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_a_drain_of_several_outboxes() -> TestResult {
+    use outbox::sqlite::{SqliteConfig, SqliteStore};
+    use outbox::{ClaimRequest, HeadPolicy, OutboxStore};
+    use tokio::io::{AsyncBufReadExt, BufReader};
+
+    let dir = tempfile::tempdir()?;
+    let free = dir.path().join("free.db");
+    let held = dir.path().join("held.db");
+    let written = sqlite_outbox(&free, "free")?;
+    sqlite_outbox(&held, "held")?;
+    // Another relay's claim of everything in `held`, for longer than the test may take.
+    let other = SqliteStore::open(&held, SqliteConfig::default()).await?;
+    let claim = other
+        .claim(&ClaimRequest {
+            limit: N,
+            lease: std::time::Duration::from_secs(600),
+            head_policy: HeadPolicy::Block,
+            shard: None,
+        })
+        .await?;
+    assert_eq!(claim.messages.len(), N);
+    let config = dir.path().join("relay.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+broker = "stdout://"
+
+[[outbox]]
+name = "free"
+store = "sqlite://{free}"
+
+[[outbox]]
+name = "held"
+store = "sqlite://{held}"
+"#,
+            free = free.display(),
+            held = held.display(),
+        ),
+    )?;
+    let mut child = common::command(["--config".as_ref(), config.as_os_str(), "drain".as_ref()])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut lines = BufReader::new(child.stderr.take().ok_or("no stderr")?).lines();
+    let mut stderr = String::new();
+    // Once `free` is drained, `held` is the one left, waiting for the other relay's lease.
+    let drained = async {
+        while let Some(line) = lines.next_line().await? {
+            stderr += &line;
+            stderr.push('\n');
+            if line.contains("outbox drained") && line.contains("outbox=free") {
+                return Ok(());
+            }
+        }
+        Err::<(), BoxError>(format!("the drain ended before `free` was drained:\n{stderr}").into())
+    };
+    tokio::time::timeout(common::GUARD, drained).await??;
+    common::sigterm(&child).await?;
+    let rest = async {
+        while let Some(line) = lines.next_line().await? {
+            stderr += &line;
+            stderr.push('\n');
+        }
+        Ok::<_, BoxError>(child.wait().await?)
+    };
+    let status = tokio::time::timeout(common::GUARD, rest)
+        .await
+        .map_err(|_| "the drain did not stop on SIGTERM")??;
+    assert!(status.success(), "{status}:\n{stderr}");
+    let summary = summary(&stderr)?;
+    assert_eq!(
+        summary["outboxes"]["free"]["published"],
+        written.committed.len(),
+        "{summary}"
+    );
+    assert_eq!(summary["outboxes"]["held"]["published"], 0, "{summary}");
+    assert_eq!(summary["failed"], serde_json::json!({}), "{summary}");
+    Ok(())
+}
