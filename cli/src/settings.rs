@@ -744,15 +744,17 @@ mod tests {
         assert!(masked.contains("subject=a.{event_type}"), "{masked}");
     }
 
+    /// An environment of `vars` only.
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name: &str| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        }
+    }
+
     #[test]
     fn otel_export_is_off_by_default_and_the_standard_variables_win() {
-        fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-            move |name: &str| {
-                vars.iter()
-                    .find(|(k, _)| *k == name)
-                    .map(|(_, v)| (*v).to_owned())
-            }
-        }
         assert_eq!(resolve_otel(None, env(&[])).unwrap(), None);
         let file = OtelFile {
             endpoint: Some("http://file:4318/".into()),
@@ -804,13 +806,6 @@ mod tests {
 
     #[test]
     fn an_https_endpoint_takes_a_ca_file_and_a_client_certificate() {
-        fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-            move |name: &str| {
-                vars.iter()
-                    .find(|(k, _)| *k == name)
-                    .map(|(_, v)| (*v).to_owned())
-            }
-        }
         let file = OtelFile {
             endpoint: Some("https://collector:4318".into()),
             certificate: Some("/etc/file-ca.pem".into()),

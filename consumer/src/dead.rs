@@ -267,21 +267,8 @@ mod nats {
             .request_timeout(Some(config.timeout))
             .connect(config.url.as_str())
             .await
-            .map_err(|e| {
-                let detail = redact_url(&outbox_url::error_chain_line(&e));
-                let message = match outbox_publisher_nats::connect_fix(&detail, e.kind()) {
-                    Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
-                    None => format!("cannot connect to {shown}: {detail}"),
-                };
-                // As the consumer's own connect: refused credentials are no outage.
-                use async_nats::ConnectErrorKind as K;
-                match e.kind() {
-                    K::Authentication | K::AuthorizationViolation | K::ServerParse => {
-                        Error::permanent(message, Some(detail.into()))
-                    }
-                    _ => Error::unavailable("nats", message, detail),
-                }
-            })?;
+            // As the consumer's own connect: refused credentials are no outage.
+            .map_err(|e| crate::nats::connect_error(&shown, &e))?;
         let mut context = jetstream::new(client);
         context.set_timeout(config.timeout);
         let name = match &config.dead_letter_stream {

@@ -365,20 +365,7 @@ impl NatsConsumer {
             })
             .connect(config.url.as_str())
             .await
-            .map_err(|e| {
-                let detail = redact_url(&outbox_url::error_chain_line(&e));
-                use async_nats::ConnectErrorKind as K;
-                let message = match outbox_publisher_nats::connect_fix(&detail, e.kind()) {
-                    Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
-                    None => format!("cannot connect to {shown}: {detail}"),
-                };
-                match e.kind() {
-                    K::Authentication | K::AuthorizationViolation | K::ServerParse => {
-                        Error::permanent(message, Some(detail.into()))
-                    }
-                    _ => Error::unavailable("nats", message, detail),
-                }
-            })?;
+            .map_err(|e| connect_error(&shown, &e))?;
         let mut jetstream = jetstream::new(client);
         jetstream.set_timeout(config.timeout);
         let backend = |what: String, e: &dyn std::fmt::Display| {
@@ -610,4 +597,22 @@ fn decode(message: &jetstream::Message) -> Result<Delivery, DecodeError> {
         }
     }
     raw.decode(&message.payload, source)
+}
+
+/// The error of a failed connect to `shown` (a URL without secrets), with the publisher's advice
+/// where it has one: refused credentials (or a server that is no NATS) are permanent, anything
+/// else an outage.
+pub(crate) fn connect_error(shown: &str, e: &async_nats::ConnectError) -> Error {
+    use async_nats::ConnectErrorKind as K;
+    let detail = redact_url(&outbox_url::error_chain_line(e));
+    let message = match outbox_publisher_nats::connect_fix(&detail, e.kind()) {
+        Some(fix) => format!("cannot connect to {shown}: {detail}; {fix}"),
+        None => format!("cannot connect to {shown}: {detail}"),
+    };
+    match e.kind() {
+        K::Authentication | K::AuthorizationViolation | K::ServerParse => {
+            Error::permanent(message, Some(detail.into()))
+        }
+        _ => Error::unavailable("nats", message, detail),
+    }
 }
