@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use outbox_backend_postgres::{PostgresConfig, PostgresStore};
 use outbox_conformance_tests::env::service_url;
-use outbox_conformance_tests::group::{check_group, GroupHarness};
+use outbox_conformance_tests::group::GroupHarness;
 use outbox_traits::{async_trait, Error, RelayGroupStore};
 
 struct Harness {
@@ -36,28 +36,29 @@ impl GroupHarness for Harness {
         }
         Ok(())
     }
+
+    async fn cleanup(&self) -> Result<(), Error> {
+        sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", self.schema))
+            .execute(self.store.pool())
+            .await
+            .map(drop)
+            .map_err(|e| Error::permanent(e.to_string(), None))
+    }
 }
 
-#[tokio::test]
-async fn postgres_relay_groups_conform() {
-    let Some(url) = service_url("OUTBOX_TEST_POSTGRES_URL") else {
-        return;
-    };
-    let schema = format!("group_{}", uuid::Uuid::new_v4().simple());
-    let config = PostgresConfig::builder()
-        .schema(schema.clone())
-        .build()
-        .unwrap();
-    let store = PostgresStore::connect(&url, config).await.unwrap();
-    store.migrate().await.unwrap();
-    let harness = Harness {
-        store: store.clone(),
-        schema: schema.clone(),
-    };
-    let result = check_group(&harness, "relays").await;
-    sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
-        .execute(store.pool())
-        .await
-        .unwrap();
-    result.unwrap();
+impl Harness {
+    /// A store on a fresh schema of the test server, migrated; `None` when its URL is unset.
+    async fn from_env() -> Option<Self> {
+        let url = service_url("OUTBOX_TEST_POSTGRES_URL")?;
+        let schema = format!("group_{}", uuid::Uuid::new_v4().simple());
+        let config = PostgresConfig::builder()
+            .schema(schema.clone())
+            .build()
+            .unwrap();
+        let store = PostgresStore::connect(&url, config).await.unwrap();
+        store.migrate().await.unwrap();
+        Some(Self { store, schema })
+    }
 }
+
+outbox_conformance_tests::group_suite!(optional: Harness::from_env().await);

@@ -19,6 +19,35 @@ pub trait GroupHarness: Send + Sync {
     /// Move the database's clock forward by `by` for the group leases and heartbeats (e.g. by
     /// moving their stored times back).
     async fn advance(&self, by: Duration) -> Result<(), Error>;
+
+    /// Remove what the check left behind (e.g. drop a schema made for it), after the check
+    /// passed or failed. By default nothing.
+    async fn cleanup(&self) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+/// Run [`check_group`] on a runtime of its own, in a fresh group, against the harness the
+/// future `harness` gives (`None`: skip, as when a server's URL is unset), then
+/// [`GroupHarness::cleanup`]. What [`group_suite!`](crate::group_suite) expands to.
+///
+/// # Errors
+/// The first broken rule, in words.
+pub fn run_group_suite<H, F>(harness: F) -> Result<(), String>
+where
+    H: GroupHarness,
+    F: std::future::Future<Output = Option<H>>,
+{
+    crate::property::runtime()?.block_on(async {
+        let Some(harness) = harness.await else {
+            return Ok(());
+        };
+        let group = format!("conformance-{}", Uuid::new_v4().simple());
+        let result = check_group(&harness, &group).await;
+        let cleaned = harness.cleanup().await;
+        result?;
+        cleaned.map_err(|e| format!("cleanup after the group check: {e}"))
+    })
 }
 
 const LEASE: Duration = Duration::from_secs(10);

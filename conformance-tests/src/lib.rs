@@ -40,7 +40,9 @@
 //!   drained.
 //! - [`group::check_group`]: relay groups ([`outbox_traits::RelayGroupStore`]): shard leases
 //!   exclusive at every database time, fair shares taken and given back, takeover after expiry
-//!   with the stale holder fenced, leave, concurrent renewals.
+//!   with the stale holder fenced, leave, concurrent renewals. One line runs it against a
+//!   store: [`group_suite!`]`(optional: MyGroupHarness::from_env().await)`; five deliberately
+//!   broken group stores of the memory crate are each caught (`tests/group.rs`).
 //! - [`property::measure_coverage`]: what generated scenarios exercise, to show they reach every
 //!   situation.
 //! - [`skewed`]: private Postgres and MariaDB servers whose clock runs days ahead of the host's

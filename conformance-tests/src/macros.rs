@@ -149,3 +149,34 @@ macro_rules! __conformance_tests {
         }
     };
 }
+
+/// Expand to one `#[test]`, `relay_group_conforms`, that runs the relay-group check
+/// ([`group::check_group`](crate::group::check_group)) in a fresh group against a store that
+/// keeps relay groups ([`outbox_traits::RelayGroupStore`]).
+///
+/// The expression is evaluated inside an `async` block (it may `.await`, e.g. to connect) and
+/// gives the [`GroupHarness`](crate::group::GroupHarness); with `optional:` it gives an
+/// `Option` of one, and the test returns early on `None`:
+///
+/// ```text
+/// // tests/group.rs of a backend crate:
+/// outbox_conformance_tests::group_suite!(optional: MyGroupHarness::from_env().await);
+/// ```
+///
+/// Invoke it once per module (the test has a fixed name).
+#[macro_export]
+macro_rules! group_suite {
+    (optional: $harness:expr) => {
+        #[test]
+        fn relay_group_conforms() {
+            if let ::core::result::Result::Err(report) =
+                $crate::group::run_group_suite(async { $harness })
+            {
+                ::core::panic!("{}", report);
+            }
+        }
+    };
+    ($harness:expr) => {
+        $crate::group_suite!(optional: ::core::option::Option::Some($harness));
+    };
+}

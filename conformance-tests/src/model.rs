@@ -135,6 +135,10 @@ pub struct Coverage {
     /// Claimable messages a claim of one shard, returning fewer than its limit, left out: the
     /// model learned that their key (or they, unordered) is in another shard.
     pub shard_ruled_out: u64,
+    /// Claims of one shard that returned messages while another relay held live leases from
+    /// a claim of another shard of the same count: relays dividing the keys between them, as
+    /// the replicas of a relay group do.
+    pub disjoint_shards: u64,
     /// Dead messages requeued or discarded by `seq`.
     pub by_seq: u64,
     /// Messages a SQL writer inserted with a plain `INSERT` (harnesses with raw rows only).
@@ -167,6 +171,7 @@ impl std::ops::AddAssign for Coverage {
         self.waited += o.waited;
         self.sharded += o.sharded;
         self.shard_ruled_out += o.shard_ruled_out;
+        self.disjoint_shards += o.disjoint_shards;
         self.by_seq += o.by_seq;
         self.raw += o.raw;
         self.blocked_retrying += o.blocked_retrying;
@@ -245,6 +250,8 @@ struct Batch {
     /// Messages that were uncommitted when this batch was claimed and are earlier in their
     /// key than one of its messages: the batch may deliver its messages before them.
     passed: HashSet<Uuid>,
+    /// The shard its claim asked for, if any.
+    shard: Option<ShardSpec>,
 }
 
 /// An enqueue that waits for a key lock ([`HarnessCapabilities::key_locks`]): it runs in the
@@ -1302,6 +1309,11 @@ impl<'a> Runner<'a> {
             // Nothing claimed: the relay holds nothing (a token with no messages is moot).
             return Ok(0);
         }
+        if let Some(shard) = shard {
+            if self.another_shard_held(relay, shard) {
+                self.coverage.disjoint_shards += 1;
+            }
+        }
         self.relays[relay].batch = Some(Batch {
             claim: serial,
             token: claim.token,
@@ -1309,8 +1321,27 @@ impl<'a> Runner<'a> {
             outcomes: None,
             delivered: Vec::new(),
             passed,
+            shard,
         });
         Ok(n)
+    }
+
+    /// Whether a relay other than `relay` holds a live lease on a message it claimed as another
+    /// shard of `shard`'s count.
+    fn another_shard_held(&self, relay: usize, shard: ShardSpec) -> bool {
+        self.relays.iter().enumerate().any(|(r, sim)| {
+            r != relay
+                && sim.batch.as_ref().is_some_and(|b| {
+                    b.shard
+                    .is_some_and(|s| s.count == shard.count && s.index != shard.index)
+                    && b.ids.iter().any(|id| {
+                        matches!(
+                            self.msgs[self.by_id[id]].status,
+                            Status::Leased { claim, until } if claim == b.claim && until > self.now
+                        )
+                    })
+                })
+        })
     }
 
     /// The store's clock ([`HarnessStore::now`]).

@@ -534,6 +534,17 @@ fn step() -> impl Strategy<Value = Step> {
             usize::from(RELAYS)
         )
         .prop_map(|moves| Step::Together { moves }),
+        // A relay group's round: each relay claims its own shard of `RELAYS` at the same
+        // moment, as replicas that divided the shards between them do (exclusivity and per-key
+        // order across their disjoint claims).
+        2 => (1u8..=4).prop_map(|limit| Step::Together {
+            moves: (0..RELAYS)
+                .map(|index| Move::Claim {
+                    limit,
+                    shard: Some(ShardSpec { index, count: RELAYS }),
+                })
+                .collect(),
+        }),
         1 => (0..RELAYS).prop_map(|relay| Step::Extend { relay }),
         1 => (0..RELAYS).prop_map(|relay| Step::Crash { relay }),
         3 => prop_oneof![

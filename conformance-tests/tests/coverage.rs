@@ -55,6 +55,10 @@ fn generated_scenarios_reach_every_situation() {
             "claimable messages a claim of one shard left out as another shard's",
             c.shard_ruled_out,
         ),
+        (
+            "claims of one shard while another relay held leases of another shard (a group's division)",
+            c.disjoint_shards,
+        ),
     ];
     let missing: Vec<&str> = reached
         .iter()

@@ -45,6 +45,19 @@ pub enum Defect {
     /// Keep a binary message's `payload` (JSON null) but drop its bytes and content type, as a
     /// store that never wrote the binary columns would.
     BinaryDropped,
+    /// Relay groups: a shard counts as free while another member's lease on it is live, so two
+    /// replicas claim one shard.
+    GroupSharesShards,
+    /// Relay groups: a shard whose holder's lease expired is never taken over; a frozen or
+    /// SIGKILLed replica's shards stay unserved.
+    GroupNoTakeover,
+    /// Relay groups: a takeover keeps the shard's fence, so the expired holder's work cannot
+    /// be told from the new holder's.
+    GroupKeepsFence,
+    /// Relay groups: `leave_group` keeps the member's shards until their leases run out.
+    GroupLeaveKeeps,
+    /// Relay groups: a member takes every free shard, not its fair share, and gives none back.
+    GroupGreedy,
 }
 
 #[cfg_attr(not(feature = "defects"), allow(dead_code))]
@@ -65,5 +78,15 @@ impl Defect {
         Defect::StatusIgnoresRetrying,
         Defect::SeqAdminIgnored,
         Defect::BinaryDropped,
+    ];
+
+    /// Every relay-group defect ([`outbox_traits::RelayGroupStore`]), for the group check's
+    /// meta-test: they change nothing a store check sees.
+    pub const GROUP: [Defect; 5] = [
+        Defect::GroupSharesShards,
+        Defect::GroupNoTakeover,
+        Defect::GroupKeepsFence,
+        Defect::GroupLeaveKeeps,
+        Defect::GroupGreedy,
     ];
 }

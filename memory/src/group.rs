@@ -10,6 +10,7 @@ use outbox_traits::{
 };
 use uuid::Uuid;
 
+use crate::defect::Defect;
 use crate::store::MemoryStore;
 
 /// One member's heartbeat.
@@ -35,8 +36,12 @@ impl Shard {
         self.owner == Some(member) && self.lease_until.is_some_and(|until| until > now)
     }
 
-    fn free(&self, now: DateTime<Utc>) -> bool {
-        self.owner.is_none() || self.lease_until.is_none_or(|until| until <= now)
+    fn free(&self, now: DateTime<Utc>, defect: Option<Defect>) -> bool {
+        match defect {
+            Some(Defect::GroupSharesShards) => true,
+            Some(Defect::GroupNoTakeover) => self.owner.is_none(),
+            _ => self.owner.is_none() || self.lease_until.is_none_or(|until| until <= now),
+        }
     }
 }
 
@@ -58,7 +63,13 @@ pub(crate) struct Groups {
 const FORGET_AFTER: chrono::TimeDelta = chrono::TimeDelta::hours(1);
 
 impl Groups {
-    fn renew(&mut self, req: &GroupRenewal, now: DateTime<Utc>, until: DateTime<Utc>) -> GroupView {
+    fn renew(
+        &mut self,
+        req: &GroupRenewal,
+        now: DateTime<Utc>,
+        until: DateTime<Utc>,
+        defect: Option<Defect>,
+    ) -> GroupView {
         self.joins += 1;
         let joins = self.joins;
         let group = self.groups.entry(req.group.clone()).or_default();
@@ -86,7 +97,11 @@ impl Groups {
             .filter(|m| m.lease_until > now)
             .count();
         let members = u32::try_from(live).unwrap_or(u32::MAX);
-        let share = fair_share(req.shards, members) as usize;
+        let share = if defect == Some(Defect::GroupGreedy) {
+            req.shards as usize
+        } else {
+            fair_share(req.shards, members) as usize
+        };
         for index in 0..req.shards {
             group.shards.entry(index).or_default();
         }
@@ -108,9 +123,12 @@ impl Groups {
             if held >= share {
                 break;
             }
-            if *index < req.shards && shard.free(now) {
+            if *index < req.shards && shard.free(now, defect) && !shard.held_by(member, now) {
+                let taken_over = shard.owner.is_some();
                 shard.owner = Some(member);
-                shard.fence += 1;
+                if !(taken_over && defect == Some(Defect::GroupKeepsFence)) {
+                    shard.fence += 1;
+                }
                 shard.lease_until = Some(until);
                 held += 1;
             }
@@ -144,10 +162,19 @@ impl RelayGroupStore for MemoryStore {
             .ok()
             .and_then(|lease| now.checked_add_signed(lease))
             .ok_or_else(|| Error::invalid_input("relay group lease is too long"))?;
-        Ok(self.with_groups(|groups| groups.renew(req, now, until)))
+        let defect = self.defect();
+        Ok(self.with_groups(|groups| groups.renew(req, now, until, defect)))
     }
 
     async fn leave_group(&self, group: &str, member: Uuid) -> Result<(), Error> {
+        if self.defect() == Some(Defect::GroupLeaveKeeps) {
+            self.with_groups(|groups| {
+                if let Some(group) = groups.groups.get_mut(group) {
+                    group.members.remove(&member);
+                }
+            });
+            return Ok(());
+        }
         self.with_groups(|groups| {
             if let Some(group) = groups.groups.get_mut(group) {
                 group.members.remove(&member);

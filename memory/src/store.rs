@@ -276,6 +276,11 @@ impl MemoryStore {
             .collect()
     }
 
+    /// The deliberate defect this store has, if any.
+    pub(crate) fn defect(&self) -> Option<Defect> {
+        self.inner.defect
+    }
+
     fn has(&self, defect: Defect) -> bool {
         self.inner.defect == Some(defect)
     }
