@@ -225,8 +225,25 @@ async fn postgres_relay_group_rebalances_and_takes_over_without_loss() -> Result
     let log = a.stderr.await?;
     assert!(status_a.success(), "{log}");
     assert!(log.contains("relay group: holding shards"), "{log}");
+    read_back(&db, &broker, &suffix, &writer).await?;
+    eprintln!(
+        "group: {} committed ({} rolled back) across join, standby, SIGKILL, SIGSTOP, leave",
+        writer.committed.len(),
+        writer.rolled_back
+    );
+    broker.delete(&suffix).await?;
+    db.clean_up().await
+}
 
-    let received = broker.read_back(&suffix).await?;
+/// Read the broker back: every committed message (once, NATS dedups by id), no rolled-back
+/// one, each key in commit order; and the store holds nothing pending, leased or dead.
+async fn read_back(
+    db: &Db,
+    broker: &Broker,
+    suffix: &str,
+    writer: &Writer,
+) -> Result<(), BoxError> {
+    let received = broker.read_back(suffix).await?;
     let stored = db.payloads().await?;
     let expected: Vec<Expected> = writer
         .committed
@@ -248,8 +265,197 @@ async fn postgres_relay_group_rebalances_and_takes_over_without_loss() -> Result
         (0, 0, 0),
         "{counts:?}"
     );
+    Ok(())
+}
+
+/// Wait until the running, unfrozen relays `live` hold every shard between them, each at most
+/// its fair share `ceil(SHARDS / live)`, and nobody else holds any (a SIGKILLed or frozen
+/// replica's leases have run out and been taken over), writing a transaction per tick.
+async fn wait_division(
+    store: &PostgresStore,
+    db: &Db,
+    writer: &mut Writer,
+    live: &[&Relay],
+    what: &str,
+) -> Result<(), BoxError> {
+    let share = SHARDS.div_ceil(live.len());
+    let deadline = tokio::time::Instant::now() + GUARD;
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        tick.tick().await;
+        writer.write(db).await?;
+        let members = store.group_status(GROUP).await?;
+        let mut all: Vec<u32> = members.iter().flat_map(|m| m.shards.clone()).collect();
+        all.sort_unstable();
+        let before = all.len();
+        all.dedup();
+        assert_eq!(before, all.len(), "{what}: a shard held twice: {members:?}");
+        let ours = |m: &&GroupMember| {
+            live.iter().any(|r| {
+                r.child
+                    .id()
+                    .is_some_and(|pid| m.member_name.ends_with(&format!(":{pid}")))
+            })
+        };
+        let held_by_live: Vec<usize> = members
+            .iter()
+            .filter(ours)
+            .map(|m| m.shards.len())
+            .collect();
+        if held_by_live.iter().sum::<usize>() == SHARDS && held_by_live.iter().all(|n| *n <= share)
+        {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!(
+                "{what}: group never divided among {} live: {members:?}",
+                live.len()
+            )
+            .into());
+        }
+    }
+}
+
+/// What the crash loop does to one replica in a round.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// SIGKILL, then start a new process in its place.
+    Kill,
+    /// SIGSTOP until the others hold its shards, then SIGCONT.
+    Freeze,
+    /// SIGTERM (it leaves the group), then start a new process in its place.
+    Leave,
+}
+
+/// A relay group under a random crash loop: three replicas, and in each round one of them is
+/// SIGKILLed and replaced, frozen past its shard lease and woken, or stopped gracefully and
+/// replaced, while a writer commits and rolls back all along. After every fault the group must
+/// come back to a fair division among the running replicas with no shard held twice; at the
+/// end the broker holds every committed message once, none rolled back, each key in order.
+/// `OUTBOX_GROUP_SEED` replays a run's choices (the seed is printed).
+#[tokio::test]
+async fn postgres_relay_group_survives_a_random_crash_loop() -> Result<(), BoxError> {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    let (Some(pg_url), Some(nats_url)) = (
+        service_url("OUTBOX_TEST_POSTGRES_URL"),
+        service_url("OUTBOX_TEST_NATS_URL"),
+    ) else {
+        return Ok(());
+    };
+    let seed = match std::env::var("OUTBOX_GROUP_SEED") {
+        Ok(s) => s.parse()?,
+        Err(_) => rand::rng().random(),
+    };
+    eprintln!("group crash loop seed {seed} (OUTBOX_GROUP_SEED={seed} replays its choices)");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let suffix = unique_suffix();
+    let db = Db::postgres(pg_url, &suffix).await?;
+    let Db::Postgres { store, .. } = &db else {
+        return Err("not postgres".into());
+    };
+    let store = store.clone();
+    let broker = Broker::Nats { url: nats_url };
+    let mut watch = broker.watch(&suffix).await?;
+    let broker_url = broker.relay_url(&suffix);
+    let mut writer = Writer {
+        committed: Vec::new(),
+        rolled_back: 0,
+        n: 0,
+    };
+    let mut spawned = 0;
+    let mut start = async || {
+        spawned += 1;
+        let name = format!("loop-{suffix}-{spawned}");
+        let mut relay = spawn_relay(&db.store_args(&name).await?, &broker_url, &name, &RUN)?;
+        if let Some(started) = relay.started.take() {
+            tokio::time::timeout(GUARD, started).await??;
+        }
+        Ok::<Relay, BoxError>(relay)
+    };
+    let mut relays = vec![start().await?, start().await?, start().await?];
+    wait_division(
+        &store,
+        &db,
+        &mut writer,
+        &relays.iter().collect::<Vec<_>>(),
+        "three started",
+    )
+    .await?;
+    let mut faults = Vec::new();
+    for round in 0..8 {
+        let victim = rng.random_range(0..relays.len());
+        let fault = match rng.random_range(0..3) {
+            0 => Fault::Kill,
+            1 => Fault::Freeze,
+            _ => Fault::Leave,
+        };
+        faults.push(fault);
+        let what = format!("round {round}: {fault:?} of replica {victim}");
+        match fault {
+            Fault::Kill => {
+                relays[victim].child.start_kill()?;
+                relays[victim].child.wait().await?;
+                let others: Vec<&Relay> = relays
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i != victim)
+                    .map(|(_, r)| r)
+                    .collect();
+                wait_division(&store, &db, &mut writer, &others, &what).await?;
+                relays[victim] = start().await?;
+            }
+            Fault::Freeze => {
+                signal(&relays[victim].child, "STOP").await?;
+                let others: Vec<&Relay> = relays
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i != victim)
+                    .map(|(_, r)| r)
+                    .collect();
+                wait_division(&store, &db, &mut writer, &others, &what).await?;
+                signal(&relays[victim].child, "CONT").await?;
+            }
+            Fault::Leave => {
+                sigterm(&relays[victim].child).await?;
+                let status = tokio::time::timeout(GUARD, relays[victim].child.wait()).await??;
+                assert!(
+                    status.success(),
+                    "{what}: a replica stopped by SIGTERM exited with {status}"
+                );
+                let others: Vec<&Relay> = relays
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i != victim)
+                    .map(|(_, r)| r)
+                    .collect();
+                wait_division(&store, &db, &mut writer, &others, &what).await?;
+                relays[victim] = start().await?;
+            }
+        }
+        wait_division(
+            &store,
+            &db,
+            &mut writer,
+            &relays.iter().collect::<Vec<_>>(),
+            &format!("{what}, then all three"),
+        )
+        .await?;
+    }
+
+    let mut seen: HashSet<String> = HashSet::new();
+    watch.wait_for(&mut seen, writer.committed.len()).await?;
+    drop(watch);
+    for relay in &relays {
+        sigterm(&relay.child).await?;
+    }
+    for relay in &mut relays {
+        tokio::time::timeout(GUARD, relay.child.wait()).await??;
+    }
+    read_back(&db, &broker, &suffix, &writer).await?;
     eprintln!(
-        "group: {} committed ({} rolled back) across join, standby, SIGKILL, SIGSTOP, leave",
+        "group crash loop (seed {seed}): {} committed ({} rolled back) across {faults:?}",
         writer.committed.len(),
         writer.rolled_back
     );
