@@ -3,12 +3,14 @@
 use std::time::Duration;
 
 use outbox_traits::{async_trait, Counts, DeadMessage, Error, OutboxAdmin};
-use sqlx::mysql::MySqlRow;
-use sqlx::Row;
+use sqlx::mysql::{MySqlQueryResult, MySqlRow};
+use sqlx::{MySql, Pool, Row};
 use uuid::Uuid;
 
-use outbox_sql_support::admin::{dead_message, purge_age, RequeueCheck};
-use outbox_sql_support::row::counts;
+use outbox_sql_support::admin::{purge_age, LenientRow};
+use outbox_sql_support::quarantine::Poison;
+use outbox_sql_support::sqlx_admin::{Admin, AdminStatement, SqlxAdmin};
+use outbox_traits::Message;
 
 use crate::lease::id_list;
 use crate::row::{decode, micros, text, Lenient};
@@ -21,63 +23,23 @@ impl OutboxAdmin for MysqlStore {
         after_seq: Option<i64>,
         limit: usize,
     ) -> Result<Vec<DeadMessage>, Error> {
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        let rows: Vec<MySqlRow> = sqlx::query(&self.config().sql().list_dead)
-            .bind(after_seq.unwrap_or(i64::MIN))
-            .bind(u64::try_from(limit).unwrap_or(u64::MAX))
-            .fetch_all(self.pool())
-            .await
-            .map_err(self.err("list_dead"))?;
-        let table = self.config().qualified_table();
-        rows.iter()
-            .map(|row| {
-                let last_error = text(row, "last_error", table)?;
-                Ok(dead_message(decode(row, table)?, &Lenient(row), last_error))
-            })
-            .collect()
+        Admin(self).list_dead(after_seq, limit).await
     }
 
     async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        self.check_requeue(&self.config().sql().requeue_check, id_list(ids))
-            .await?;
-        let done = sqlx::query(&self.config().sql().requeue)
-            .bind(id_list(ids))
-            .execute(self.pool())
-            .await
-            .map_err(self.err("requeue"))?;
-        Ok(done.rows_affected())
+        Admin(self).requeue(ids).await
     }
 
     async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let done = sqlx::query(&self.config().sql().discard)
-            .bind(id_list(ids))
-            .execute(self.pool())
-            .await
-            .map_err(self.err("discard"))?;
-        Ok(done.rows_affected())
+        Admin(self).discard(ids).await
     }
 
     async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
-        if seqs.is_empty() {
-            return Ok(0);
-        }
-        self.check_requeue(&self.config().sql().requeue_check_seqs, seq_list(seqs))
-            .await?;
-        self.by_seq(&self.config().sql().requeue_seqs, seqs, "requeue")
-            .await
+        Admin(self).requeue_seqs(seqs).await
     }
 
     async fn discard_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
-        self.by_seq(&self.config().sql().discard_seqs, seqs, "discard")
-            .await
+        Admin(self).discard_seqs(seqs).await
     }
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
@@ -118,11 +80,7 @@ impl OutboxAdmin for MysqlStore {
     }
 
     async fn counts(&self) -> Result<Counts, Error> {
-        let row: MySqlRow = sqlx::query(&self.config().sql().counts)
-            .fetch_one(self.pool())
-            .await
-            .map_err(self.err("counts"))?;
-        counts(&row, self.err("counts"))
+        Admin(self).counts().await
     }
 
     async fn status(&self, blocked_limit: usize) -> Result<outbox_traits::StoreStatus, Error> {
@@ -140,26 +98,6 @@ fn seq_list(seqs: &[i64]) -> String {
 }
 
 impl MysqlStore {
-    /// Refuse a requeue of dead rows that still cannot be relayed: the quarantined rows among
-    /// those listed (`statement` is `requeue_check` or `requeue_check_seqs`, bound to `list`)
-    /// must decode now, with their id in the lower case completions match.
-    async fn check_requeue(&self, statement: &str, list: String) -> Result<(), Error> {
-        let rows: Vec<MySqlRow> = sqlx::query(statement)
-            .bind(list)
-            .fetch_all(self.pool())
-            .await
-            .map_err(self.err("requeue"))?;
-        let table = self.config().qualified_table();
-        let mut check = RequeueCheck::default();
-        for row in &rows {
-            let decoded = decode(row, table)?;
-            // The id as stored: a row that decoded has one that reads as text.
-            let stored = row.try_get_unchecked::<String, _>("id").ok();
-            check.row(decoded, stored.as_deref());
-        }
-        check.finish(table)
-    }
-
     /// Delete up to `batch` rows of the key-lock table that no writer holds, in one short
     /// transaction; how many. A table without the key-lock table (migrated by a release
     /// before it) has none to delete.
@@ -199,17 +137,71 @@ impl MysqlStore {
         tx.commit().await.map_err(&err)?;
         Ok(done.rows_affected())
     }
+}
 
-    /// Run `statement` on the dead rows among `seqs` (bound as a JSON array).
-    async fn by_seq(&self, statement: &str, seqs: &[i64], what: &str) -> Result<u64, Error> {
-        if seqs.is_empty() {
-            return Ok(0);
+/// MariaDB's side of the shared admin flows: lists bound as JSON texts, ids stored as text.
+impl SqlxAdmin for MysqlStore {
+    type DB = MySql;
+    type Count = u64;
+    type Ids = String;
+    type Seqs = String;
+
+    fn pool(&self) -> &Pool<MySql> {
+        self.pool()
+    }
+
+    fn table(&self) -> &str {
+        self.config().qualified_table()
+    }
+
+    fn statement(&self, which: AdminStatement) -> &str {
+        let sql = self.config().sql();
+        match which {
+            AdminStatement::ListDead => &sql.list_dead,
+            AdminStatement::RequeueCheck => &sql.requeue_check,
+            AdminStatement::RequeueCheckSeqs => &sql.requeue_check_seqs,
+            AdminStatement::Requeue => &sql.requeue,
+            AdminStatement::RequeueSeqs => &sql.requeue_seqs,
+            AdminStatement::Discard => &sql.discard,
+            AdminStatement::DiscardSeqs => &sql.discard_seqs,
+            AdminStatement::Counts => &sql.counts,
         }
-        let done = sqlx::query(statement)
-            .bind(seq_list(seqs))
-            .execute(self.pool())
-            .await
-            .map_err(self.err(what))?;
-        Ok(done.rows_affected())
+    }
+
+    fn map_err(&self, err: sqlx::Error, op: &str) -> Error {
+        self.err(op)(err)
+    }
+
+    fn count(n: usize) -> u64 {
+        u64::try_from(n).unwrap_or(u64::MAX)
+    }
+
+    fn ids(ids: &[Uuid]) -> String {
+        id_list(ids)
+    }
+
+    fn seqs(seqs: &[i64]) -> String {
+        seq_list(seqs)
+    }
+
+    fn rows_affected(done: &MySqlQueryResult) -> u64 {
+        done.rows_affected()
+    }
+
+    fn decode(&self, row: &MySqlRow) -> Result<Result<Message, Poison>, Error> {
+        decode(row, self.config().qualified_table())
+    }
+
+    fn last_error(&self, row: &MySqlRow) -> Result<String, Error> {
+        text(row, "last_error", self.config().qualified_table())
+    }
+
+    fn stored_id(row: &MySqlRow) -> Option<String> {
+        // A row that decoded has an id that reads as text.
+        row.try_get_unchecked::<String, _>("id").ok()
+    }
+
+    fn lenient(row: &MySqlRow) -> impl LenientRow + '_ {
+        Lenient(row)
     }
 }

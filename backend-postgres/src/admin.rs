@@ -2,12 +2,13 @@
 
 use std::time::Duration;
 
-use outbox_sql_support::admin::{dead_message, purge_age, RequeueCheck};
+use outbox_sql_support::admin::{purge_age, LenientRow};
 use outbox_sql_support::limits::micros;
-use outbox_sql_support::row::counts;
-use outbox_traits::{async_trait, Counts, DeadMessage, Error, OutboxAdmin};
-use sqlx::postgres::PgRow;
-use sqlx::Row;
+use outbox_sql_support::quarantine::Poison;
+use outbox_sql_support::sqlx_admin::{Admin, AdminStatement, SqlxAdmin};
+use outbox_traits::{async_trait, Counts, DeadMessage, Error, Message, OutboxAdmin};
+use sqlx::postgres::{PgQueryResult, PgRow};
+use sqlx::{Pool, Postgres, Row};
 use uuid::Uuid;
 
 use crate::row::{decode, Lenient};
@@ -20,63 +21,23 @@ impl OutboxAdmin for PostgresStore {
         after_seq: Option<i64>,
         limit: usize,
     ) -> Result<Vec<DeadMessage>, Error> {
-        if limit == 0 {
-            return Ok(Vec::new());
-        }
-        let rows: Vec<PgRow> = sqlx::query(&self.config().sql().list_dead)
-            .bind(after_seq.unwrap_or(i64::MIN))
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .fetch_all(self.pool())
-            .await
-            .map_err(self.err("list_dead"))?;
-        let table = self.config().qualified_table();
-        rows.iter()
-            .map(|row| {
-                let last_error = row.try_get("last_error").map_err(self.err("list_dead"))?;
-                Ok(dead_message(decode(row, table)?, &Lenient(row), last_error))
-            })
-            .collect()
+        Admin(self).list_dead(after_seq, limit).await
     }
 
     async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let check = sqlx::query(&self.config().sql().requeue_check).bind(ids);
-        self.check_requeue(check).await?;
-        let done = sqlx::query(&self.config().sql().requeue)
-            .bind(ids)
-            .execute(self.pool())
-            .await
-            .map_err(self.err("requeue"))?;
-        Ok(done.rows_affected())
+        Admin(self).requeue(ids).await
     }
 
     async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let done = sqlx::query(&self.config().sql().discard)
-            .bind(ids)
-            .execute(self.pool())
-            .await
-            .map_err(self.err("discard"))?;
-        Ok(done.rows_affected())
+        Admin(self).discard(ids).await
     }
 
     async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
-        if seqs.is_empty() {
-            return Ok(0);
-        }
-        let check = sqlx::query(&self.config().sql().requeue_check_seqs).bind(seqs);
-        self.check_requeue(check).await?;
-        self.by_seq(&self.config().sql().requeue_seqs, seqs, "requeue")
-            .await
+        Admin(self).requeue_seqs(seqs).await
     }
 
     async fn discard_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
-        self.by_seq(&self.config().sql().discard_seqs, seqs, "discard")
-            .await
+        Admin(self).discard_seqs(seqs).await
     }
 
     async fn purge_published(&self, older_than: Duration, batch: usize) -> Result<u64, Error> {
@@ -95,11 +56,7 @@ impl OutboxAdmin for PostgresStore {
     }
 
     async fn counts(&self) -> Result<Counts, Error> {
-        let row: PgRow = sqlx::query(&self.config().sql().counts)
-            .fetch_one(self.pool())
-            .await
-            .map_err(self.err("counts"))?;
-        counts(&row, self.err("counts"))
+        Admin(self).counts().await
     }
 
     async fn status(&self, blocked_limit: usize) -> Result<outbox_traits::StoreStatus, Error> {
@@ -111,36 +68,69 @@ impl OutboxAdmin for PostgresStore {
     }
 }
 
-impl PostgresStore {
-    /// Refuse a requeue of dead rows that still cannot be relayed: the quarantined rows among
-    /// those listed (`check` is `requeue_check` or `requeue_check_seqs` with its list bound)
-    /// must decode now.
-    async fn check_requeue(
-        &self,
-        check: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> Result<(), Error> {
-        let rows: Vec<PgRow> = check
-            .fetch_all(self.pool())
-            .await
-            .map_err(self.err("requeue"))?;
-        let table = self.config().qualified_table();
-        let mut check = RequeueCheck::default();
-        for row in &rows {
-            check.row(decode(row, table)?, None);
-        }
-        check.finish(table)
+/// Postgres's side of the shared admin flows: lists bound as arrays, ids stored as UUIDs.
+impl SqlxAdmin for PostgresStore {
+    type DB = Postgres;
+    type Count = i64;
+    type Ids = Vec<Uuid>;
+    type Seqs = Vec<i64>;
+
+    fn pool(&self) -> &Pool<Postgres> {
+        self.pool()
     }
 
-    /// Run `statement` on the dead rows among `seqs`.
-    async fn by_seq(&self, statement: &str, seqs: &[i64], what: &str) -> Result<u64, Error> {
-        if seqs.is_empty() {
-            return Ok(0);
+    fn table(&self) -> &str {
+        self.config().qualified_table()
+    }
+
+    fn statement(&self, which: AdminStatement) -> &str {
+        let sql = self.config().sql();
+        match which {
+            AdminStatement::ListDead => &sql.list_dead,
+            AdminStatement::RequeueCheck => &sql.requeue_check,
+            AdminStatement::RequeueCheckSeqs => &sql.requeue_check_seqs,
+            AdminStatement::Requeue => &sql.requeue,
+            AdminStatement::RequeueSeqs => &sql.requeue_seqs,
+            AdminStatement::Discard => &sql.discard,
+            AdminStatement::DiscardSeqs => &sql.discard_seqs,
+            AdminStatement::Counts => &sql.counts,
         }
-        let done = sqlx::query(statement)
-            .bind(seqs)
-            .execute(self.pool())
-            .await
-            .map_err(self.err(what))?;
-        Ok(done.rows_affected())
+    }
+
+    fn map_err(&self, err: sqlx::Error, op: &str) -> Error {
+        self.err(op)(err)
+    }
+
+    fn count(n: usize) -> i64 {
+        i64::try_from(n).unwrap_or(i64::MAX)
+    }
+
+    fn ids(ids: &[Uuid]) -> Vec<Uuid> {
+        ids.to_vec()
+    }
+
+    fn seqs(seqs: &[i64]) -> Vec<i64> {
+        seqs.to_vec()
+    }
+
+    fn rows_affected(done: &PgQueryResult) -> u64 {
+        done.rows_affected()
+    }
+
+    fn decode(&self, row: &PgRow) -> Result<Result<Message, Poison>, Error> {
+        decode(row, self.config().qualified_table())
+    }
+
+    fn last_error(&self, row: &PgRow) -> Result<String, Error> {
+        row.try_get("last_error").map_err(self.err("list_dead"))
+    }
+
+    fn stored_id(_: &PgRow) -> Option<String> {
+        // A UUID column holds no case.
+        None
+    }
+
+    fn lenient(row: &PgRow) -> impl LenientRow + '_ {
+        Lenient(row)
     }
 }

@@ -89,22 +89,4 @@ mod tests {
         }
         assert_eq!(classify("22P02").kind(), ErrorKind::Permanent);
     }
-
-    #[test]
-    fn io_errors_are_unavailable() {
-        let err = map_sqlx(
-            sqlx::Error::Io(std::io::Error::new(
-                std::io::ErrorKind::ConnectionRefused,
-                "refused",
-            )),
-            "claim",
-            "t",
-        );
-        assert!(matches!(err, Error::Unavailable { .. }));
-        assert!(err.is_transient());
-        assert!(matches!(
-            map_sqlx(sqlx::Error::PoolTimedOut, "claim", "t"),
-            Error::Unavailable { .. }
-        ));
-    }
 }

@@ -167,6 +167,47 @@ pub(crate) fn check_consumer(consumer: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// The receipt of a single insert that changed `rows` rows: one is new, none a duplicate.
+#[allow(dead_code)] // not every feature set uses it
+pub(crate) fn receipt(rows: u64) -> Receipt {
+    if rows == 1 {
+        Receipt::New
+    } else {
+        Receipt::Duplicate
+    }
+}
+
+/// The start of every `record_batch`: [`check_batch`], then the batch's [`distinct`] ids, or
+/// `None` for an empty batch (nothing to run, no round trip).
+#[allow(dead_code)] // not every feature set uses it
+pub(crate) fn batch(consumer: &str, ids: &[Uuid]) -> Result<Option<Vec<Uuid>>, Error> {
+    check_batch(consumer, ids)?;
+    Ok((!ids.is_empty()).then(|| distinct(ids)))
+}
+
+/// The ids a batch insert of `table` read back (`RETURNING message_id`), each as parsed from
+/// its column.
+///
+/// # Errors
+/// Permanent, for an id that is not a UUID.
+#[allow(dead_code)] // not every feature set uses it
+pub(crate) fn inserted(
+    table: &str,
+    parsed: impl IntoIterator<Item = Result<Uuid, uuid::Error>>,
+) -> Result<HashSet<Uuid>, Error> {
+    parsed
+        .into_iter()
+        .map(|id| {
+            id.map_err(|e| {
+                Error::permanent(
+                    format!("inbox record on {table} read back an id that is not a UUID: {e}"),
+                    None,
+                )
+            })
+        })
+        .collect()
+}
+
 /// Check a batch: a valid consumer name and at most [`MAX_BATCH`] ids.
 #[allow(dead_code)] // not every feature set uses it
 pub(crate) fn check_batch(consumer: &str, ids: &[Uuid]) -> Result<(), Error> {

@@ -4,8 +4,11 @@
 
 use std::marker::PhantomData;
 
+use diesel::backend::Backend;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, Error as DieselError, QueryResult};
+use diesel::serialize::ToSql;
+use diesel::sql_types::HasSqlType;
 use diesel::sql_types::{BigInt, Text};
 use outbox_traits::Error;
 use uuid::Uuid;
@@ -51,39 +54,51 @@ impl<ST: 'static> Query for Stmt<ST> {
     type SqlType = ST;
 }
 
+/// Write `parts` to `out`: SQL text as it is, text and integers bound; a UUID part goes to
+/// `uuid`, which binds it where the database has a UUID type and refuses it elsewhere.
+fn walk<'b, DB>(
+    parts: &'b [Part],
+    out: &mut AstPass<'_, 'b, DB>,
+    mut uuid: impl FnMut(&'b Part, &mut AstPass<'_, 'b, DB>) -> QueryResult<()>,
+) -> QueryResult<()>
+where
+    DB: Backend + HasSqlType<Text> + HasSqlType<BigInt>,
+    String: ToSql<Text, DB>,
+    i64: ToSql<BigInt, DB>,
+{
+    for part in parts {
+        match part {
+            Part::Sql(sql) => out.push_sql(sql),
+            Part::Text(value) => out.push_bind_param::<Text, _>(value)?,
+            Part::BigInt(value) => out.push_bind_param::<BigInt, _>(value)?,
+            Part::Uuid(_) | Part::Uuids(_) => uuid(part, out)?,
+        }
+    }
+    Ok(())
+}
+
+/// The refusal of a UUID part by a database that binds ids as text (`database` names it).
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+fn ids_as_text(database: &str) -> DieselError {
+    DieselError::QueryBuilderError(format!("{database} statements bind ids as text").into())
+}
+
 #[cfg(feature = "postgres")]
 impl<ST> QueryFragment<diesel::pg::Pg> for Stmt<ST> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, diesel::pg::Pg>) -> QueryResult<()> {
         use diesel::sql_types::{Array, Uuid as SqlUuid};
-        for part in &self.parts {
-            match part {
-                Part::Sql(sql) => out.push_sql(sql),
-                Part::Text(value) => out.push_bind_param::<Text, _>(value)?,
-                Part::Uuid(value) => out.push_bind_param::<SqlUuid, _>(value)?,
-                Part::Uuids(values) => out.push_bind_param::<Array<SqlUuid>, _>(values)?,
-                Part::BigInt(value) => out.push_bind_param::<BigInt, _>(value)?,
-            }
-        }
-        Ok(())
+        walk(&self.parts, &mut out, |part, out| match part {
+            Part::Uuid(value) => out.push_bind_param::<SqlUuid, _>(value),
+            Part::Uuids(values) => out.push_bind_param::<Array<SqlUuid>, _>(values),
+            _ => Ok(()),
+        })
     }
 }
 
 #[cfg(feature = "mysql")]
 impl<ST> QueryFragment<diesel::mysql::Mysql> for Stmt<ST> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, diesel::mysql::Mysql>) -> QueryResult<()> {
-        for part in &self.parts {
-            match part {
-                Part::Sql(sql) => out.push_sql(sql),
-                Part::Text(value) => out.push_bind_param::<Text, _>(value)?,
-                Part::BigInt(value) => out.push_bind_param::<BigInt, _>(value)?,
-                Part::Uuid(_) | Part::Uuids(_) => {
-                    return Err(DieselError::QueryBuilderError(
-                        "MariaDB statements bind ids as text".into(),
-                    ))
-                }
-            }
-        }
-        Ok(())
+        walk(&self.parts, &mut out, |_, _| Err(ids_as_text("MariaDB")))
     }
 }
 
@@ -94,20 +109,51 @@ impl<ST, Conn> diesel::RunQueryDsl<Conn> for Stmt<ST> {}
 #[cfg(feature = "sqlite")]
 impl<ST> QueryFragment<diesel::sqlite::Sqlite> for Stmt<ST> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, diesel::sqlite::Sqlite>) -> QueryResult<()> {
-        for part in &self.parts {
-            match part {
-                Part::Sql(sql) => out.push_sql(sql),
-                Part::Text(value) => out.push_bind_param::<Text, _>(value)?,
-                Part::BigInt(value) => out.push_bind_param::<BigInt, _>(value)?,
-                Part::Uuid(_) | Part::Uuids(_) => {
-                    return Err(DieselError::QueryBuilderError(
-                        "SQLite statements bind ids as text".into(),
-                    ))
-                }
-            }
-        }
-        Ok(())
+        walk(&self.parts, &mut out, |_, _| Err(ids_as_text("SQLite")))
     }
+}
+
+/// An insert of marks for databases that bind ids as text, in parts: `head` (up to
+/// `VALUES `), one `(consumer, id)` row per id, then `tail`.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) fn text_rows(head: String, consumer: &str, ids: &[Uuid], tail: &str) -> Vec<Part> {
+    let mut parts = vec![Part::Sql(head)];
+    for (n, id) in ids.iter().enumerate() {
+        parts.push(Part::Sql(if n == 0 { "(" } else { ", (" }.into()));
+        parts.push(Part::Text(consumer.to_owned()));
+        parts.push(Part::Sql(", ".into()));
+        parts.push(Part::Text(id.hyphenated().to_string()));
+        parts.push(Part::Sql(")".into()));
+    }
+    parts.push(Part::Sql(tail.into()));
+    parts
+}
+
+/// The purge of the diesel inboxes, in parts: `head` up to the bound age, `age` (in the unit
+/// the database subtracts), `unit` after it, the consumer condition when `consumer` is given,
+/// the oldest-first order and `LIMIT batch`, then `tail`.
+pub(crate) fn purge_parts(
+    head: String,
+    age: i64,
+    unit: &str,
+    consumer: Option<&str>,
+    batch: u32,
+    tail: &str,
+) -> Vec<Part> {
+    let mut parts = vec![Part::Sql(head), Part::BigInt(age)];
+    if !unit.is_empty() {
+        parts.push(Part::Sql(unit.into()));
+    }
+    if let Some(consumer) = consumer {
+        parts.push(Part::Sql(" AND consumer = ".into()));
+        parts.push(Part::Text(consumer.to_owned()));
+    }
+    parts.push(Part::Sql(" ORDER BY processed_at LIMIT ".into()));
+    parts.push(Part::BigInt(i64::from(batch)));
+    if !tail.is_empty() {
+        parts.push(Part::Sql(tail.into()));
+    }
+    parts
 }
 
 /// The `process` of the diesel-async inboxes: begin a transaction (a savepoint inside one) on

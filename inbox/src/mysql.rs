@@ -6,7 +6,6 @@
 #[path = "mysql_diesel.rs"]
 pub mod diesel;
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use outbox_traits::{BoxError, Error};
@@ -15,7 +14,7 @@ use sqlx::{Executor, MySql, MySqlPool, Row, Transaction};
 use uuid::Uuid;
 
 use crate::common::{
-    check_batch, check_consumer, check_purge, distinct, receipts, InboxConfig, Outcome, Receipt,
+    batch, check_consumer, check_purge, inserted, receipt, receipts, InboxConfig, Outcome, Receipt,
 };
 use crate::sqlx_common::HandlerFuture;
 
@@ -108,11 +107,7 @@ where
         .execute(executor)
         .await
         .map_err(|e| map_sqlx(e, "record", &table))?;
-    Ok(if done.rows_affected() == 1 {
-        Receipt::New
-    } else {
-        Receipt::Duplicate
-    })
+    Ok(receipt(done.rows_affected()))
 }
 
 /// Mark several messages as processed by `consumer` in one statement (one round trip); one
@@ -130,13 +125,11 @@ pub async fn record_batch<'c, E>(
 where
     E: Executor<'c, Database = MySql>,
 {
-    check_batch(consumer, ids)?;
-    if ids.is_empty() {
+    let Some(mut rows) = batch(consumer, ids)? else {
         return Ok(Vec::new());
-    }
+    };
     let table = config.qualified('`');
     // Sorted ids: concurrent batches lock their keys in one order.
-    let mut rows = distinct(ids);
     rows.sort_unstable();
     let values = vec!["(?, ?)"; rows.len()].join(", ");
     let sql = format!(
@@ -147,18 +140,16 @@ where
         query = query.bind(consumer).bind(id.hyphenated().to_string());
     }
     let map = |e| map_sqlx(e, "record", &table);
-    let mut inserted = HashSet::with_capacity(rows.len());
-    for row in query.fetch_all(executor).await.map_err(map)? {
-        // `ascii_bin` text comes back as bytes.
-        let bytes: Vec<u8> = row.try_get(0).map_err(map)?;
-        let id = Uuid::try_parse_ascii(&bytes).map_err(|e| {
-            Error::permanent(
-                format!("inbox record on {table} read back an id that is not a UUID: {e}"),
-                None,
-            )
-        })?;
-        inserted.insert(id);
-    }
+    // `ascii_bin` text comes back as bytes.
+    let texts = query
+        .fetch_all(executor)
+        .await
+        .map_err(map)?
+        .iter()
+        .map(|row| row.try_get::<Vec<u8>, _>(0))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(map)?;
+    let inserted = inserted(&table, texts.iter().map(|t| Uuid::try_parse_ascii(t)))?;
     Ok(receipts(ids, &inserted))
 }
 

@@ -2,7 +2,6 @@
 //! checks, answers and errors as the sqlx functions of [`crate::mysql`], on an
 //! [`AsyncMysqlConnection`], usually inside `conn.transaction(..)`.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use diesel::sql_types::Binary;
@@ -10,8 +9,8 @@ use diesel_async::{AsyncMysqlConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_traits::Error;
 use uuid::Uuid;
 
-use crate::common::{check_batch, check_consumer, check_purge, distinct, receipts};
-use crate::diesel_common::{classify, Part, Stmt};
+use crate::common::{batch, check_consumer, check_purge, inserted, receipt, receipts};
+use crate::diesel_common::{classify, purge_parts, text_rows, Stmt};
 use crate::{InboxConfig, Outcome, Receipt};
 
 /// Re-exported so users name the same diesel-async version as this crate.
@@ -45,23 +44,12 @@ pub async fn record(
 ) -> Result<Receipt, Error> {
     check_consumer(consumer)?;
     let table = config.qualified('`');
-    let inserted = Stmt::<Binary>::new(vec![
-        Part::Sql(format!(
-            "INSERT IGNORE INTO {table} (consumer, message_id) VALUES ("
-        )),
-        Part::Text(consumer.to_owned()),
-        Part::Sql(", ".into()),
-        Part::Text(id.hyphenated().to_string()),
-        Part::Sql(")".into()),
-    ])
-    .execute(conn)
-    .await
-    .map_err(|e| map(e, "record", &table))?;
-    Ok(if inserted == 1 {
-        Receipt::New
-    } else {
-        Receipt::Duplicate
-    })
+    let head = format!("INSERT IGNORE INTO {table} (consumer, message_id) VALUES ");
+    let inserted = Stmt::<Binary>::new(text_rows(head, consumer, &[id], ""))
+        .execute(conn)
+        .await
+        .map_err(|e| map(e, "record", &table))?;
+    Ok(receipt(inserted as u64))
 }
 
 /// [`crate::mysql::record_batch`] on diesel-async: one statement, one [`Receipt`] per id in
@@ -75,38 +63,18 @@ pub async fn record_batch(
     consumer: &str,
     ids: &[Uuid],
 ) -> Result<Vec<Receipt>, Error> {
-    check_batch(consumer, ids)?;
-    if ids.is_empty() {
+    let Some(mut rows) = batch(consumer, ids)? else {
         return Ok(Vec::new());
-    }
+    };
     let table = config.qualified('`');
-    let mut rows = distinct(ids);
     rows.sort_unstable();
-    let mut parts = vec![Part::Sql(format!(
-        "INSERT IGNORE INTO {table} (consumer, message_id) VALUES "
-    ))];
-    for (n, id) in rows.iter().enumerate() {
-        parts.push(Part::Sql(if n == 0 { "(" } else { ", (" }.into()));
-        parts.push(Part::Text(consumer.to_owned()));
-        parts.push(Part::Sql(", ".into()));
-        parts.push(Part::Text(id.hyphenated().to_string()));
-        parts.push(Part::Sql(")".into()));
-    }
-    parts.push(Part::Sql(" RETURNING message_id".into()));
+    let head = format!("INSERT IGNORE INTO {table} (consumer, message_id) VALUES ");
+    let parts = text_rows(head, consumer, &rows, " RETURNING message_id");
     let texts: Vec<Vec<u8>> = Stmt::<Binary>::new(parts)
         .load(conn)
         .await
         .map_err(|e| map(e, "record", &table))?;
-    let mut inserted = HashSet::with_capacity(texts.len());
-    for text in texts {
-        let id = Uuid::try_parse_ascii(&text).map_err(|e| {
-            Error::permanent(
-                format!("inbox record on {table} read back an id that is not a UUID: {e}"),
-                None,
-            )
-        })?;
-        inserted.insert(id);
-    }
+    let inserted = inserted(&table, texts.iter().map(|t| Uuid::try_parse_ascii(t)))?;
     Ok(receipts(ids, &inserted))
 }
 
@@ -183,21 +151,8 @@ async fn purge_marks(
 ) -> Result<u64, Error> {
     let micros = check_purge(older_than, batch)?;
     let table = config.qualified('`');
-    let mut parts = vec![
-        Part::Sql(format!(
-            "DELETE FROM {table} WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL "
-        )),
-        Part::BigInt(micros),
-        Part::Sql(" MICROSECOND".into()),
-    ];
-    if let Some(consumer) = consumer {
-        parts.push(Part::Sql(" AND consumer = ".into()));
-        parts.push(Part::Text(consumer.to_owned()));
-    }
-    parts.extend([
-        Part::Sql(" ORDER BY processed_at LIMIT ".into()),
-        Part::BigInt(i64::from(batch)),
-    ]);
+    let head = format!("DELETE FROM {table} WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL ");
+    let parts = purge_parts(head, micros, " MICROSECOND", consumer, batch, "");
     let deleted = Stmt::<Binary>::new(parts)
         .execute(conn)
         .await

@@ -29,7 +29,7 @@ use sqlx::{Executor, PgPool, Postgres, Row, Transaction};
 use uuid::Uuid;
 
 use crate::common::{
-    check_batch, check_consumer, check_purge, distinct, receipts, InboxConfig, Outcome, Receipt,
+    batch, check_consumer, check_purge, receipt, receipts, InboxConfig, Outcome, Receipt,
 };
 use crate::sqlx_common::HandlerFuture;
 
@@ -121,11 +121,7 @@ where
         .execute(executor)
         .await
         .map_err(|e| map_sqlx(e, "record", &table))?;
-    Ok(if done.rows_affected() == 1 {
-        Receipt::New
-    } else {
-        Receipt::Duplicate
-    })
+    Ok(receipt(done.rows_affected()))
 }
 
 /// Mark several messages as processed by `consumer` in one statement (one round trip), through
@@ -144,13 +140,11 @@ pub async fn record_batch<'c, E>(
 where
     E: Executor<'c, Database = Postgres>,
 {
-    check_batch(consumer, ids)?;
-    if ids.is_empty() {
+    let Some(mut rows) = batch(consumer, ids)? else {
         return Ok(Vec::new());
-    }
+    };
     let table = config.qualified('"');
     // Sorted ids: concurrent batches lock their keys in one order and cannot deadlock.
-    let mut rows = distinct(ids);
     rows.sort_unstable();
     let sql = format!(
         "INSERT INTO {table} (consumer, message_id) \

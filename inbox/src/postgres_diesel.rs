@@ -19,8 +19,8 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_traits::Error;
 use uuid::Uuid;
 
-use crate::common::{check_batch, check_consumer, check_purge, distinct, receipts};
-use crate::diesel_common::{classify, Part, Stmt};
+use crate::common::{batch, check_consumer, check_purge, receipt, receipts};
+use crate::diesel_common::{classify, purge_parts, Part, Stmt};
 use crate::{InboxConfig, Outcome, Receipt};
 
 /// Re-exported so users name the same diesel-async version as this crate.
@@ -71,11 +71,7 @@ pub async fn record(
     .execute(conn)
     .await
     .map_err(|e| map(e, "record", &table))?;
-    Ok(if inserted == 1 {
-        Receipt::New
-    } else {
-        Receipt::Duplicate
-    })
+    Ok(receipt(inserted as u64))
 }
 
 /// [`crate::postgres::record_batch`] on diesel-async: one statement, one [`Receipt`] per id in
@@ -89,12 +85,10 @@ pub async fn record_batch(
     consumer: &str,
     ids: &[Uuid],
 ) -> Result<Vec<Receipt>, Error> {
-    check_batch(consumer, ids)?;
-    if ids.is_empty() {
+    let Some(mut rows) = batch(consumer, ids)? else {
         return Ok(Vec::new());
-    }
+    };
     let table = config.qualified('"');
-    let mut rows = distinct(ids);
     rows.sort_unstable();
     let inserted: Vec<Uuid> = Stmt::<SqlUuid>::new(vec![
         Part::Sql(format!(
@@ -189,23 +183,19 @@ async fn purge_marks(
 ) -> Result<u64, Error> {
     let micros = check_purge(older_than, batch)?;
     let table = config.qualified('"');
-    let mut parts = vec![
-        Part::Sql(format!(
-            "DELETE FROM {table} WHERE (consumer, message_id) IN (\
-             SELECT consumer, message_id FROM {table} WHERE processed_at < now() - "
-        )),
-        Part::BigInt(micros),
-        Part::Sql(" * interval '1 microsecond'".into()),
-    ];
-    if let Some(consumer) = consumer {
-        parts.push(Part::Sql(" AND consumer = ".into()));
-        parts.push(Part::Text(consumer.to_owned()));
-    }
-    parts.extend([
-        Part::Sql(" ORDER BY processed_at LIMIT ".into()),
-        Part::BigInt(i64::from(batch)),
-        Part::Sql(" FOR UPDATE SKIP LOCKED)".into()),
-    ]);
+    let head = format!(
+        "DELETE FROM {table} WHERE (consumer, message_id) IN (\
+         SELECT consumer, message_id FROM {table} WHERE processed_at < now() - "
+    );
+    let unit = " * interval '1 microsecond'";
+    let parts = purge_parts(
+        head,
+        micros,
+        unit,
+        consumer,
+        batch,
+        " FOR UPDATE SKIP LOCKED)",
+    );
     let deleted = Stmt::<SqlUuid>::new(parts)
         .execute(conn)
         .await

@@ -47,7 +47,7 @@ use redis::aio::ConnectionLike;
 use redis::RedisError;
 use uuid::Uuid;
 
-use crate::common::{check_batch, check_consumer, distinct, receipts, Receipt};
+use crate::common::{batch, check_consumer, receipts, Receipt};
 
 /// A Redis inbox: keys `<prefix>:<consumer>:<message id>` that expire after a time to live.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,11 +124,9 @@ impl RedisInbox {
         consumer: &str,
         ids: &[Uuid],
     ) -> Result<Vec<Receipt>, Error> {
-        check_batch(consumer, ids)?;
-        if ids.is_empty() {
+        let Some(rows) = batch(consumer, ids)? else {
             return Ok(Vec::new());
-        }
-        let rows = distinct(ids);
+        };
         let mut pipe = redis::pipe();
         for id in &rows {
             pipe.add_command(set_nx(&self.key(consumer, *id), self.ttl_ms()));

@@ -27,7 +27,6 @@
 #[path = "sqlite_diesel.rs"]
 pub mod diesel;
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use outbox_traits::Error;
@@ -35,7 +34,7 @@ use rusqlite::{Connection, ErrorCode, Transaction, TransactionBehavior};
 use uuid::Uuid;
 
 use crate::common::{
-    check_batch, check_consumer, check_purge, distinct, receipts, InboxConfig, Outcome, Receipt,
+    batch, check_consumer, check_purge, inserted, receipt, receipts, InboxConfig, Outcome, Receipt,
 };
 
 /// The statements that create the inbox table if missing: apply them with your own migration
@@ -111,11 +110,7 @@ pub fn record(
         .prepare_cached(&sql)
         .and_then(|mut stmt| stmt.execute((consumer, id.hyphenated().to_string())))
         .map_err(|e| map_err(e, "record", &table))?;
-    Ok(if changed == 1 {
-        Receipt::New
-    } else {
-        Receipt::Duplicate
-    })
+    Ok(receipt(changed as u64))
 }
 
 /// Mark several messages as processed by `consumer` in one statement; one [`Receipt`] per id
@@ -129,15 +124,11 @@ pub fn record_batch(
     consumer: &str,
     ids: &[Uuid],
 ) -> Result<Vec<Receipt>, Error> {
-    check_batch(consumer, ids)?;
-    if ids.is_empty() {
+    let Some(rows) = batch(consumer, ids)? else {
         return Ok(Vec::new());
-    }
+    };
     let table = config.qualified('"');
-    let rows: Vec<String> = distinct(ids)
-        .iter()
-        .map(|id| id.hyphenated().to_string())
-        .collect();
+    let rows: Vec<String> = rows.iter().map(|id| id.hyphenated().to_string()).collect();
     let values = (0..rows.len())
         .map(|n| format!("(?1, ?{})", n + 2))
         .collect::<Vec<_>>()
@@ -155,16 +146,7 @@ pub fn record_batch(
         .query_map(params.as_slice(), |row| row.get::<_, String>(0))
         .and_then(|rows| rows.collect::<Result<Vec<String>, _>>())
         .map_err(map)?;
-    let mut inserted = HashSet::with_capacity(texts.len());
-    for text in texts {
-        let id = Uuid::parse_str(&text).map_err(|e| {
-            Error::permanent(
-                format!("inbox record on {table} read back an id that is not a UUID: {e}"),
-                None,
-            )
-        })?;
-        inserted.insert(id);
-    }
+    let inserted = inserted(&table, texts.iter().map(|t| Uuid::parse_str(t)))?;
     Ok(receipts(ids, &inserted))
 }
 

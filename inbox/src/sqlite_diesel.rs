@@ -36,7 +36,6 @@
 //! # }
 //! ```
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use diesel::connection::SimpleConnection;
@@ -48,8 +47,8 @@ use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
 use outbox_traits::Error;
 use uuid::Uuid;
 
-use crate::common::{check_batch, check_consumer, check_purge, distinct, receipts};
-use crate::diesel_common::{Part, Stmt};
+use crate::common::{batch, check_batch, check_consumer, check_purge, inserted, receipt, receipts};
+use crate::diesel_common::{purge_parts, text_rows, Stmt};
 use crate::{InboxConfig, Outcome, Receipt};
 
 /// Re-exported so users name the same diesel-async version as this crate.
@@ -86,22 +85,11 @@ pub fn record(
 ) -> Result<Receipt, Error> {
     check_consumer(consumer)?;
     let table = config.qualified('"');
-    let inserted = Stmt::<Text>::new(vec![
-        Part::Sql(format!(
-            "INSERT INTO {table} (consumer, message_id) VALUES ("
-        )),
-        Part::Text(consumer.to_owned()),
-        Part::Sql(", ".into()),
-        Part::Text(id.hyphenated().to_string()),
-        Part::Sql(") ON CONFLICT DO NOTHING".into()),
-    ])
-    .execute(conn)
-    .map_err(|e| classify(e, "record", &table))?;
-    Ok(if inserted == 1 {
-        Receipt::New
-    } else {
-        Receipt::Duplicate
-    })
+    let head = format!("INSERT INTO {table} (consumer, message_id) VALUES ");
+    let inserted = Stmt::<Text>::new(text_rows(head, consumer, &[id], " ON CONFLICT DO NOTHING"))
+        .execute(conn)
+        .map_err(|e| classify(e, "record", &table))?;
+    Ok(receipt(inserted as u64))
 }
 
 /// [`crate::sqlite::record_batch`] on diesel: one statement, one [`Receipt`] per id in order.
@@ -114,37 +102,17 @@ pub fn record_batch(
     consumer: &str,
     ids: &[Uuid],
 ) -> Result<Vec<Receipt>, Error> {
-    check_batch(consumer, ids)?;
-    if ids.is_empty() {
+    let Some(rows) = batch(consumer, ids)? else {
         return Ok(Vec::new());
-    }
+    };
     let table = config.qualified('"');
-    let mut parts = vec![Part::Sql(format!(
-        "INSERT INTO {table} (consumer, message_id) VALUES "
-    ))];
-    for (n, id) in distinct(ids).iter().enumerate() {
-        parts.push(Part::Sql(if n == 0 { "(" } else { ", (" }.into()));
-        parts.push(Part::Text(consumer.to_owned()));
-        parts.push(Part::Sql(", ".into()));
-        parts.push(Part::Text(id.hyphenated().to_string()));
-        parts.push(Part::Sql(")".into()));
-    }
-    parts.push(Part::Sql(
-        " ON CONFLICT DO NOTHING RETURNING message_id".into(),
-    ));
+    let head = format!("INSERT INTO {table} (consumer, message_id) VALUES ");
+    let tail = " ON CONFLICT DO NOTHING RETURNING message_id";
+    let parts = text_rows(head, consumer, &rows, tail);
     let texts: Vec<String> = Stmt::<Text>::new(parts)
         .load(conn)
         .map_err(|e| classify(e, "record", &table))?;
-    let mut inserted = HashSet::with_capacity(texts.len());
-    for text in texts {
-        let id = Uuid::parse_str(&text).map_err(|e| {
-            Error::permanent(
-                format!("inbox record on {table} read back an id that is not a UUID: {e}"),
-                None,
-            )
-        })?;
-        inserted.insert(id);
-    }
+    let inserted = inserted(&table, texts.iter().map(|t| Uuid::parse_str(t)))?;
     Ok(receipts(ids, &inserted))
 }
 
@@ -230,20 +198,11 @@ fn purge_marks(
 ) -> Result<u64, Error> {
     let millis = check_purge(older_than, batch)? / 1000;
     let table = config.qualified('"');
-    let mut parts = vec![
-        Part::Sql(format!(
-            "DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} \
-             WHERE processed_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - "
-        )),
-        Part::BigInt(millis),
-    ];
-    if let Some(consumer) = consumer {
-        parts.push(Part::Sql(" AND consumer = ".into()));
-        parts.push(Part::Text(consumer.to_owned()));
-    }
-    parts.push(Part::Sql(" ORDER BY processed_at LIMIT ".into()));
-    parts.push(Part::BigInt(i64::from(batch)));
-    parts.push(Part::Sql(")".into()));
+    let head = format!(
+        "DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} \
+         WHERE processed_at < CAST(unixepoch('subsec') * 1000 AS INTEGER) - "
+    );
+    let parts = purge_parts(head, millis, "", consumer, batch, ")");
     let deleted = Stmt::<Text>::new(parts)
         .execute(conn)
         .map_err(|e| classify(e, "purge", &table))?;

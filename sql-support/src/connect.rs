@@ -139,6 +139,17 @@ mod tests {
             matches!(e, Error::Unavailable { ref what, .. } if what == "postgres"),
             "{e}"
         );
+        assert!(e.is_transient());
+        let refused = sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "refused",
+        ));
+        for down in [refused, sqlx::Error::PoolTimedOut] {
+            let e = map_sqlx(down, "mysql", "claim", "t", |_, _| {
+                Error::invalid_input("not a database error")
+            });
+            assert!(matches!(e, Error::Unavailable { .. }), "{e}");
+        }
 
         let config = sqlx::Error::Configuration("postgres://u:secret@h/db is bad".into());
         let e = map_sqlx(config, "postgres", "claim", "t", |_, _| {

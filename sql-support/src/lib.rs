@@ -16,7 +16,8 @@
 //! - `sqlx`: connecting a pool with errors that name the real cause and never the password
 //!   ([`connect_pool`]), the classification of sqlx errors ([`map_sqlx`]; the database's own
 //!   error codes stay with each backend), the store's pool and configuration ([`store`]), and
-//!   row helpers ([`row`]). No sqlx driver is turned on here: each backend turns on its own.
+//!   row helpers ([`row`]), and the admin flows written once over a store's dialect
+//!   ([`sqlx_admin`]). No sqlx driver is turned on here: each backend turns on its own.
 //!   A failed connection's error says what to fix as well as what went wrong: a TLS
 //!   certificate the client does not trust, a host name the certificate does not list, a
 //!   TLS-only server reached without TLS, a wrong password (see the option table in `tls.rs`,
@@ -43,6 +44,8 @@ mod password;
 pub mod row;
 #[cfg(feature = "rusqlite")]
 pub mod rusqlite;
+#[cfg(feature = "sqlx")]
+pub mod sqlx_admin;
 #[cfg(feature = "sqlx")]
 pub mod store;
 #[cfg(feature = "sqlx")]
