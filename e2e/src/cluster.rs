@@ -342,6 +342,11 @@ impl RedisCluster {
                 // A killed master is noticed (and its replica promoted) within seconds.
                 .args(["--cluster-node-timeout", "2000"])
                 .args(["--save", "", "--appendonly", "no"])
+                // Its own RDB file: a replica's full sync writes the master's snapshot to
+                // `dbfilename` in the shared directory and loads it from there, so with one
+                // name for all six nodes, replicas syncing at once could load each other's
+                // master's data (a replica missing its master's early entries, lost on failover).
+                .args(["--dbfilename", &format!("dump-{p}.rdb")])
                 .arg("--dir")
                 .arg(self.dir.path()),
             &self.dir.path().join(format!("{p}.log")),

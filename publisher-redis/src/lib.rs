@@ -84,19 +84,19 @@
 //! Redis replicates asynchronously: a master killed before its replica received an entry it
 //! acknowledged loses that entry when the replica takes over. Even a manual `CLUSTER FAILOVER`,
 //! which pauses the master's clients until the replica has caught up, can lose entries when the
-//! pause runs out before the replica takes over (seen on a loaded machine: 137 of 2,200).
-//! `wait_replicas=1` narrows that gap: each pipeline ends
-//! with `WAIT 1`, and its entries count as delivered only once a replica holds them, else they
-//! are `Ambiguous` and published again. The price is availability: a master with no live
-//! replica (its replica was promoted and the old master has not come back) takes no
-//! acknowledged writes, so its streams' messages wait in the outbox until a replica returns.
-//! Tested against a private 6-node cluster in `e2e/tests/clusters.rs`: a master SIGKILLed with
-//! `wait_replicas=1` loses nothing. A manual `CLUSTER FAILOVER` with `wait_replicas=1` still
-//! lost 9 of 2,704 acknowledged entries in one run (none in others); the cause is not known yet,
-//! so that test reports its losses instead of asserting none. As Redis's own documentation of
-//! `WAIT` says, it does not make Redis strongly consistent: where a lost message is not
-//! acceptable, prefer a broker with replicated acknowledgements (NATS JetStream with 3
-//! replicas, Kafka with `acks=all`).
+//! pause runs out before the replica takes over. `wait_replicas=1` closes that gap: each
+//! pipeline ends with `WAIT 1`, and its entries count as delivered only once a replica holds
+//! them, else they are `Ambiguous` and published again. The price is availability: a master
+//! with no live replica (its replica was promoted and the old master has not come back) takes
+//! no acknowledged writes, so its streams' messages wait in the outbox until a replica returns.
+//! Tested against a private 6-node cluster in `e2e/tests/clusters.rs`: with `wait_replicas=1`,
+//! a master SIGKILLed mid-stream and a manual `CLUSTER FAILOVER` mid-stream each lose nothing
+//! and keep every key's order. (Losses the failover test once reported came from its cluster:
+//! the six nodes shared one RDB file, so a replica's full sync could load another master's
+//! snapshot; each node now has its own.) As Redis's own documentation of `WAIT` says, it does
+//! not make Redis strongly consistent (e.g. a replica that acknowledged and then failed with
+//! its master): where a lost message is not acceptable, prefer a broker with replicated
+//! acknowledgements (NATS JetStream with 3 replicas, Kafka with `acks=all`).
 //!
 //! # Use through `outbox` or directly
 //! Through the `outbox` facade (feature `redis`), a `redis://...` URL picks this publisher.
