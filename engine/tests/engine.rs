@@ -8,13 +8,21 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_engine::{Backoff, Relay, RelayConfig, RelayStats};
+use outbox_engine::{Backoff, Relay, RelayConfig, RelayConfigBuilder, RelayStats};
 use outbox_memory::RecordingPublisher;
 use outbox_traits::{Error, HeadPolicy, OutboxAdmin, PublishOutcome};
 use support::*;
 
 fn config() -> RelayConfig {
     RelayConfig::builder().batch_size(10).build().unwrap()
+}
+
+/// [`config`] polling once an hour: only a wake-up brings the next claim within a test's time.
+fn polling_hourly() -> RelayConfigBuilder {
+    config()
+        .to_builder()
+        .poll_min(Duration::from_secs(3600))
+        .poll_max(Duration::from_secs(3600))
 }
 
 /// Long enough for any retry of the default back-off to come due.
@@ -389,12 +397,7 @@ async fn the_notifier_wakes_an_idle_relay() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        config()
-            .to_builder()
-            .poll_min(Duration::from_secs(3600))
-            .poll_max(Duration::from_secs(3600))
-            .build()
-            .unwrap(),
+        polling_hourly().build().unwrap(),
     )
     .unwrap();
     let handle = relay.spawn();
@@ -417,10 +420,7 @@ async fn store_wake_ups_wake_an_idle_relay_and_are_resubscribed_after_errors() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        config()
-            .to_builder()
-            .poll_min(Duration::from_secs(3600))
-            .poll_max(Duration::from_secs(3600))
+        polling_hourly()
             .backoff(Backoff {
                 initial: Duration::from_millis(100),
                 ..Backoff::default()
@@ -662,12 +662,7 @@ async fn a_notifier_made_before_the_relay_wakes_it_and_stats_are_live() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        config()
-            .to_builder()
-            .poll_min(Duration::from_secs(3600))
-            .poll_max(Duration::from_secs(3600))
-            .build()
-            .unwrap(),
+        polling_hourly().build().unwrap(),
     )
     .unwrap()
     .with_notifier(notifier.clone());
@@ -851,12 +846,7 @@ async fn a_wake_up_during_a_claim_that_finds_nothing_is_not_lost() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        config()
-            .to_builder()
-            .poll_min(Duration::from_secs(3600))
-            .poll_max(Duration::from_secs(3600))
-            .build()
-            .unwrap(),
+        polling_hourly().build().unwrap(),
     )
     .unwrap();
     store.claim_return_open.send_replace(false);
@@ -883,12 +873,7 @@ async fn an_innocent_empty_claim_after_a_wake_up_does_not_delay_the_next_one() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        config()
-            .to_builder()
-            .poll_min(Duration::from_secs(3600))
-            .poll_max(Duration::from_secs(3600))
-            .build()
-            .unwrap(),
+        polling_hourly().build().unwrap(),
     )
     .unwrap();
     let handle = relay.spawn();
