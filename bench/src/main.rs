@@ -44,11 +44,11 @@ fn delete_published() -> bool {
 fn relay_config() -> RelayConfig {
     let arg = |n: usize| std::env::args().nth(n).and_then(|s| s.parse().ok());
     let defaults = RelayConfig::default();
-    RelayConfig {
-        batch_size: Some(arg(4).unwrap_or(outbox_engine::DEFAULT_BATCH_SIZE)),
-        concurrency: arg(5).unwrap_or(defaults.concurrency),
-        ..defaults
-    }
+    RelayConfig::builder()
+        .batch_size(arg(4).unwrap_or(outbox_engine::DEFAULT_BATCH_SIZE))
+        .concurrency(arg(5).unwrap_or(defaults.concurrency()))
+        .build()
+        .unwrap()
 }
 
 fn row(store: &str, what: &str, count: usize, elapsed: Duration, settings: &str) {
@@ -73,9 +73,9 @@ async fn drain(
     let settings = format!(
         "batch {}, {} batches in flight, per-key order + fencing on{}",
         config
-            .batch_size
+            .batch_size()
             .unwrap_or(outbox_engine::DEFAULT_BATCH_SIZE),
-        config.concurrency,
+        config.concurrency(),
         if deletes {
             ", published rows deleted"
         } else {

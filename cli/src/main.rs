@@ -235,7 +235,7 @@ async fn execute(command: Command, effective: Effective) -> Result<(), Error> {
             }
             Command::Status { json, .. } => return multi::status(&effective, json).await,
             Command::Config => {
-                print!("{}", effective.to_masked_toml());
+                print!("{}", effective.to_masked_toml()?);
                 print!("{}", multi::masked_tables(&effective.outboxes));
                 return Ok(());
             }
@@ -254,7 +254,7 @@ async fn execute(command: Command, effective: Effective) -> Result<(), Error> {
         Command::Run { migrate } => (true, migrate),
         Command::Drain { migrate } => (false, migrate),
         Command::Config => {
-            print!("{}", effective.to_masked_toml());
+            print!("{}", effective.to_masked_toml()?);
             return Ok(());
         }
         Command::Completions { shell } => {
@@ -332,7 +332,7 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
     let mut relay = Relay::new(
         opened.store.clone(),
         publisher.clone(),
-        effective.relay.clone(),
+        effective.relay()?.clone(),
     )?;
     if let Some(groups) = opened.group_store() {
         relay = relay.with_group_store(groups);
@@ -472,7 +472,7 @@ async fn admin(effective: &Effective, command: Command) -> Result<(), Error> {
             Ok(())
         }
         Command::Status { json, keys } => {
-            let group = effective.relay.group.as_deref();
+            let group = effective.relay()?.group();
             ops::status(admin, json, keys, group.zip(opened.group_store())).await
         }
         Command::Dead(DeadCommand::List {

@@ -225,34 +225,36 @@ pub fn resolve(files: Vec<OutboxFile>, base: &Effective) -> Result<Vec<OutboxSpe
                  the top level"
             ))
         })?;
-        let b = &base.relay;
-        let relay = RelayConfig {
-            batch_size: file.batch_size.or(b.batch_size),
-            concurrency: file.concurrency.unwrap_or(b.concurrency),
-            claim_shards: file.claim_shards.or(b.claim_shards),
-            lease: duration(&name, "lease", file.lease)?.unwrap_or(b.lease),
-            max_attempts: file.max_attempts.unwrap_or(b.max_attempts),
-            head_policy: match file.head_policy {
+        let b = base.relay()?;
+        let relay = b
+            .to_builder()
+            .batch_size(file.batch_size.or(b.batch_size()))
+            .concurrency(file.concurrency.unwrap_or(b.concurrency()))
+            .claim_shards(file.claim_shards.or(b.claim_shards()))
+            .lease(duration(&name, "lease", file.lease)?.unwrap_or(b.lease()))
+            .max_attempts(file.max_attempts.unwrap_or(b.max_attempts()))
+            .head_policy(match file.head_policy {
                 Some(Head::Block) => HeadPolicy::Block,
                 Some(Head::Skip) => HeadPolicy::Skip,
-                None => b.head_policy,
-            },
-            poll_max: match duration(&name, "poll_max", file.poll_max)? {
+                None => b.head_policy(),
+            })
+            .poll_max(match duration(&name, "poll_max", file.poll_max)? {
                 Some(given) => given,
                 // Woken by the database's LISTEN connection: polling is only the fallback, and
                 // a hundred outboxes polling ten times a second would keep a database busy
                 // doing nothing.
-                None if is_postgres(&store) && b.poll_max == RelayConfig::default().poll_max => {
+                None if is_postgres(&store)
+                    && b.poll_max() == RelayConfig::default().poll_max() =>
+                {
                     PG_POLL_MAX
                 }
-                None => b.poll_max,
-            },
-            shutdown_deadline: duration(&name, "shutdown_deadline", file.shutdown_deadline)?
-                .unwrap_or(b.shutdown_deadline),
-            ..b.clone()
-        };
-        relay
-            .validate()
+                None => b.poll_max(),
+            })
+            .shutdown_deadline(
+                duration(&name, "shutdown_deadline", file.shutdown_deadline)?
+                    .unwrap_or(b.shutdown_deadline()),
+            )
+            .build()
             .map_err(|e| Error::invalid_input(format!("[[outbox]] {name}: {e}")))?;
         let spec = OutboxSpec {
             name: name.clone(),
@@ -327,7 +329,7 @@ pub fn masked_tables(specs: &[OutboxSpec]) -> String {
         }
         table.insert("broker".into(), mask_url(&spec.broker).into());
         let r = &spec.relay;
-        if let Some(batch) = r.batch_size {
+        if let Some(batch) = r.batch_size() {
             table.insert(
                 "batch_size".into(),
                 i64::try_from(batch).unwrap_or(i64::MAX).into(),
@@ -335,11 +337,11 @@ pub fn masked_tables(specs: &[OutboxSpec]) -> String {
         }
         table.insert(
             "concurrency".into(),
-            i64::try_from(r.concurrency).unwrap_or(i64::MAX).into(),
+            i64::try_from(r.concurrency()).unwrap_or(i64::MAX).into(),
         );
         table.insert(
             "poll_max".into(),
-            humantime::format_duration(r.poll_max).to_string().into(),
+            humantime::format_duration(r.poll_max()).to_string().into(),
         );
         out += "\n[[outbox]]\n";
         out += &toml::to_string(&table).unwrap_or_default();
@@ -1180,17 +1182,17 @@ mod tests {
         let [billing, tenants, edge] = &effective.outboxes[..] else {
             return Err("three outboxes".into());
         };
-        assert_eq!(billing.relay.batch_size, Some(500), "top-level default");
+        assert_eq!(billing.relay.batch_size(), Some(500), "top-level default");
         assert_eq!(billing.options.schema.as_deref(), Some("billing"));
-        assert_eq!(billing.relay.poll_max, PG_POLL_MAX);
+        assert_eq!(billing.relay.poll_max(), PG_POLL_MAX);
         assert!(billing.broker.contains("{outbox}"));
         assert_eq!(tenants.schemas.as_deref(), Some("tenant_*"));
         assert_eq!(
             tenants.broker_for("tenant_acme", Some("tenant_acme")),
             "nats://127.0.0.1:4222?subject=tenants.tenant_acme.{event_type}&stream=TENANTS"
         );
-        assert_eq!(edge.relay.concurrency, 1);
-        assert_eq!(edge.relay.poll_max, Duration::from_millis(50));
+        assert_eq!(edge.relay.concurrency(), 1);
+        assert_eq!(edge.relay.poll_max(), Duration::from_millis(50));
         assert!(edge.broker.starts_with("redis://"));
         Ok(())
     }

@@ -320,8 +320,8 @@ pub struct Effective {
     pub options: StoreOptions,
     /// Broker URL.
     pub broker: Option<String>,
-    /// The relay engine's settings.
-    pub relay: RelayConfig,
+    /// The relay engine's settings, or why they are invalid (see [`Effective::relay`]).
+    relay: Result<RelayConfig, String>,
     /// Where to serve metrics and health.
     pub metrics_addr: Option<SocketAddr>,
     /// Age of published messages to purge.
@@ -399,45 +399,53 @@ impl SettingsArgs {
         };
         let head = self.head_policy.or(file.head_policy);
         let otel = resolve_otel(file.otel.clone(), |name| std::env::var(name).ok())?;
-        let relay = RelayConfig {
+        let relay = RelayConfig::builder()
             // Unset: chosen by the store when the relay starts (`RelayConfig::tuned_for`).
-            batch_size: self.batch_size.or(file.batch_size).or(defaults.batch_size),
-            concurrency: self
-                .concurrency
-                .or(file.concurrency)
-                .unwrap_or(defaults.concurrency),
-            claim_shards: self
-                .claim_shards
-                .or(file.claim_shards)
-                .or(defaults.claim_shards),
-            group: self.group.clone().or(file.group).or(defaults.group.clone()),
-            group_lease: self
-                .group_lease
-                .or(duration("group_lease", file.group_lease)?)
-                .unwrap_or(defaults.group_lease),
-            lease: self
-                .lease
-                .or(duration("lease", file.lease)?)
-                .unwrap_or(defaults.lease),
-            max_attempts: self
-                .max_attempts
-                .or(file.max_attempts)
-                .unwrap_or(defaults.max_attempts),
-            head_policy: match head {
+            .batch_size(self.batch_size.or(file.batch_size))
+            .concurrency(
+                self.concurrency
+                    .or(file.concurrency)
+                    .unwrap_or(defaults.concurrency()),
+            )
+            .claim_shards(self.claim_shards.or(file.claim_shards))
+            .group(self.group.clone().or(file.group))
+            .group_lease(
+                self.group_lease
+                    .or(duration("group_lease", file.group_lease)?)
+                    .unwrap_or(defaults.group_lease()),
+            )
+            .lease(
+                self.lease
+                    .or(duration("lease", file.lease)?)
+                    .unwrap_or(defaults.lease()),
+            )
+            .max_attempts(
+                self.max_attempts
+                    .or(file.max_attempts)
+                    .unwrap_or(defaults.max_attempts()),
+            )
+            .head_policy(match head {
                 Some(Head::Block) => HeadPolicy::Block,
                 Some(Head::Skip) => HeadPolicy::Skip,
-                None => defaults.head_policy,
-            },
-            poll_max: self
-                .poll_max
-                .or(duration("poll_max", file.poll_max)?)
-                .unwrap_or(defaults.poll_max),
-            shutdown_deadline: self
-                .shutdown_deadline
-                .or(duration("shutdown_deadline", file.shutdown_deadline)?)
-                .unwrap_or(defaults.shutdown_deadline),
-            ..defaults
-        };
+                None => defaults.head_policy(),
+            })
+            .poll_max(
+                self.poll_max
+                    .or(duration("poll_max", file.poll_max)?)
+                    .unwrap_or(defaults.poll_max()),
+            )
+            .shutdown_deadline(
+                self.shutdown_deadline
+                    .or(duration("shutdown_deadline", file.shutdown_deadline)?)
+                    .unwrap_or(defaults.shutdown_deadline()),
+            )
+            // Checked by `check_relay`, which `run` and `drain` call: the other commands work
+            // with relay settings they do not use.
+            .build()
+            .map_err(|e| match e {
+                Error::InvalidInput(message) => message,
+                other => other.to_string(),
+            });
         let outbox_files = std::mem::take(&mut file.outbox);
         let discover_every = duration("discover_every", file.discover_every.take())?
             .unwrap_or(Duration::from_secs(30));
@@ -531,9 +539,16 @@ impl Effective {
         })
     }
 
+    /// The relay engine's settings, or [`Error::InvalidInput`] saying which one to fix.
+    pub fn relay(&self) -> Result<&RelayConfig, Error> {
+        self.relay
+            .as_ref()
+            .map_err(|message| Error::invalid_input(message.clone()))
+    }
+
     /// Check what `run` and `drain` need beyond the URLs.
     pub fn check_relay(&self) -> Result<(), Error> {
-        self.relay.validate()?;
+        self.relay()?;
         for (name, value) in [
             ("--purge-every", self.purge_every),
             ("--gauges-every", self.gauges_every),
@@ -549,8 +564,9 @@ impl Effective {
         Ok(())
     }
 
-    /// The effective configuration as a TOML document that `--config` accepts, secrets masked.
-    pub fn to_masked_toml(&self) -> String {
+    /// The effective configuration as a TOML document that `--config` accepts, secrets masked;
+    /// [`Error::InvalidInput`] if the relay settings are invalid.
+    pub fn to_masked_toml(&self) -> Result<String, Error> {
         let d = |d: Duration| humantime::format_duration(d).to_string();
         let mut table = toml::Table::new();
         let mut put = |key: &str, value: toml::Value| {
@@ -569,7 +585,7 @@ impl Effective {
         if let Some(broker) = &self.broker {
             put("broker", mask_url(broker).into());
         }
-        let r = &self.relay;
+        let r = self.relay()?;
         let (backend, caps) = store_capabilities(self.store.as_deref());
         let tuning = r.tuned_for(&caps);
         put(
@@ -578,7 +594,7 @@ impl Effective {
         );
         put(
             "concurrency",
-            i64::try_from(r.concurrency).unwrap_or(i64::MAX).into(),
+            i64::try_from(r.concurrency()).unwrap_or(i64::MAX).into(),
         );
         put(
             "claim_shards",
@@ -586,22 +602,22 @@ impl Effective {
                 .unwrap_or(i64::MAX)
                 .into(),
         );
-        if let Some(group) = &r.group {
-            put("group", group.clone().into());
-            put("group_lease", d(r.group_lease).into());
+        if let Some(group) = r.group() {
+            put("group", group.into());
+            put("group_lease", d(r.group_lease()).into());
         }
-        put("lease", d(r.lease).into());
-        put("max_attempts", i64::from(r.max_attempts).into());
+        put("lease", d(r.lease()).into());
+        put("max_attempts", i64::from(r.max_attempts()).into());
         put(
             "head_policy",
-            match r.head_policy {
+            match r.head_policy() {
                 HeadPolicy::Skip => "skip",
                 _ => "block",
             }
             .into(),
         );
-        put("poll_max", d(r.poll_max).into());
-        put("shutdown_deadline", d(r.shutdown_deadline).into());
+        put("poll_max", d(r.poll_max()).into());
+        put("shutdown_deadline", d(r.shutdown_deadline()).into());
         if let Some(addr) = self.metrics_addr {
             put("metrics_addr", addr.to_string().into());
         }
@@ -662,10 +678,10 @@ impl Effective {
             source += &format!(
                 "# claim_shards is {}: {backend} cannot split its keys, so the relay runs one \
                  claim at a time\n",
-                r.claim_shards.unwrap_or(1)
+                r.claim_shards().unwrap_or(1)
             );
         }
-        source + &toml::to_string(&table).unwrap_or_default()
+        Ok(source + &toml::to_string(&table).unwrap_or_default())
     }
 }
 

@@ -549,26 +549,26 @@ pub async fn run_engine_scenario(
         }
     }
 
-    let config = RelayConfig {
-        batch_size: Some(scenario.batch_size),
-        lease: LEASE,
-        max_attempts: MAX_ATTEMPTS,
-        backoff: Backoff {
+    let config = RelayConfig::builder()
+        .batch_size(scenario.batch_size)
+        .lease(LEASE)
+        .max_attempts(MAX_ATTEMPTS)
+        .backoff(Backoff {
             initial: Duration::from_secs(1),
             max: Duration::from_secs(60),
             ..Backoff::default()
-        },
-        store_backoff: Backoff {
+        })
+        .store_backoff(Backoff {
             initial: Duration::from_millis(1),
             max: Duration::from_millis(10),
             ..Backoff::default()
-        },
-        concurrency: 2,
-        head_policy: scenario.head_policy,
-        poll_min: Duration::from_millis(1),
-        poll_max: Duration::from_millis(10),
-        ..RelayConfig::default()
-    };
+        })
+        .concurrency(2)
+        .head_policy(scenario.head_policy)
+        .poll_min(Duration::from_millis(1))
+        .poll_max(Duration::from_millis(10))
+        .build()
+        .unwrap();
 
     let mut log = Vec::new();
     let mut faulty_runs = scenario.crashes.len() + 1;

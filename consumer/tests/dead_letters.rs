@@ -241,8 +241,9 @@ async fn kafka_dead_letters_are_counted_and_merged_newest_first_over_partitions(
     let topic = unique_topic("dead-letters");
     create_topic(&brokers, &topic, 3).await;
     let publisher = KafkaPublisher::new(
-        KafkaConfig::new(brokers.clone())
-            .with_topic(&topic)
+        KafkaConfig::builder(brokers.clone())
+            .topic(&topic)
+            .build()
             .unwrap(),
     )
     .unwrap();

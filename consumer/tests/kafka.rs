@@ -36,8 +36,9 @@ async fn fixture() -> Option<Fixture> {
     let topic = unique_topic("consumer");
     create_topic(&brokers, &topic, PARTITIONS).await;
     let publisher = KafkaPublisher::new(
-        KafkaConfig::new(brokers.clone())
-            .with_topic(&topic)
+        KafkaConfig::builder(brokers.clone())
+            .topic(&topic)
+            .build()
             .unwrap(),
     )
     .unwrap();
@@ -65,10 +66,11 @@ impl Fixture {
 
     /// Publish `batch` to the same topic in a CloudEvents envelope (`mode`).
     async fn publish_in(&self, mode: EnvelopeMode, batch: &[Message]) {
-        let mut config = KafkaConfig::new(self.brokers.clone())
-            .with_topic(&self.topic)
+        let config = KafkaConfig::builder(self.brokers.clone())
+            .topic(&self.topic)
+            .envelope(Envelope::new(mode))
+            .build()
             .unwrap();
-        config.envelope = Envelope::new(mode);
         let outcomes = KafkaPublisher::new(config).unwrap().publish(batch).await;
         assert!(
             outcomes.iter().all(|o| *o == PublishOutcome::Acked),

@@ -29,18 +29,18 @@ const PER_TX: usize = 4;
 const STEP: u64 = 200;
 
 fn relay_config() -> RelayConfig {
-    RelayConfig {
-        batch_size: Some(100),
+    RelayConfig::builder()
+        .batch_size(100)
         // A node failure fails messages transiently; they must be retried, never dead-lettered,
         // and retried soon (the relay's own back-off, not a test sleep).
-        max_attempts: 100_000,
-        backoff: Backoff {
+        .max_attempts(100_000)
+        .backoff(Backoff {
             initial: Duration::from_millis(20),
             max: Duration::from_millis(500),
             ..Backoff::default()
-        },
-        ..RelayConfig::default()
-    }
+        })
+        .build()
+        .unwrap()
 }
 
 fn message(n: usize, tag: &str) -> NewMessage {

@@ -32,10 +32,7 @@ const BATCH: usize = 40;
 const GUARD: Duration = Duration::from_secs(120);
 
 fn relay_config() -> RelayConfig {
-    RelayConfig {
-        batch_size: Some(BATCH),
-        ..RelayConfig::default()
-    }
+    RelayConfig::builder().batch_size(BATCH).build().unwrap()
 }
 
 /// The `n`th message of the scenario: keys interleave, payloads have escapes and non-ASCII text

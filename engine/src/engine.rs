@@ -39,9 +39,9 @@ impl std::fmt::Debug for Relay {
 }
 
 impl Relay {
-    /// A relay over `store` and `publisher`. Fails with [`Error::InvalidInput`] if `config` is
-    /// invalid (see [`RelayConfig::validate`]), or if the store declares a batch size or claim
-    /// shards no relay can run. The batch size and claim shards left unset are chosen by the
+    /// A relay over `store` and `publisher` (`config` was checked when it was built, see
+    /// [`RelayConfig::builder`]). Fails with [`Error::InvalidInput`] if the store declares a
+    /// batch size or claim shards no relay can run. The batch size and claim shards left unset are chosen by the
     /// store ([`RelayConfig::tuned_for`], [`Relay::tuning`]). Registers the metric
     /// descriptions.
     pub fn new(
@@ -49,7 +49,6 @@ impl Relay {
         publisher: Arc<dyn Publisher>,
         config: RelayConfig,
     ) -> Result<Self, Error> {
-        config.validate()?;
         let tuning = config.tuned_for(&store.capabilities());
         tuning.validate()?;
         describe_metrics();

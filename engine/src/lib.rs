@@ -145,7 +145,8 @@ mod wake;
 
 pub use backoff::Backoff;
 pub use config::{
-    Chosen, RelayConfig, Tuning, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_SHARDS, MAX_CLAIM_SHARDS,
+    Chosen, RelayConfig, RelayConfigBuilder, Tuning, DEFAULT_BATCH_SIZE, DEFAULT_CLAIM_SHARDS,
+    MAX_CLAIM_SHARDS,
 };
 pub use drain::DRAIN_SETTLE;
 pub use engine::Relay;

@@ -181,12 +181,12 @@ mod tests {
     use super::*;
 
     fn config() -> RelayConfig {
-        RelayConfig {
-            batch_size: Some(10),
-            poll_min: Duration::from_millis(100),
-            poll_max: Duration::from_millis(350),
-            ..RelayConfig::default()
-        }
+        RelayConfig::builder()
+            .batch_size(10)
+            .poll_min(Duration::from_millis(100))
+            .poll_max(Duration::from_millis(350))
+            .build()
+            .unwrap()
     }
 
     /// Start a claim and let it return with nothing (`overlapped`: a batch settled meanwhile).

@@ -105,11 +105,11 @@ async fn an_empty_claim_that_overlapped_a_settle_does_not_end_the_drain() {
     let relay = Relay::new(
         store.clone(),
         publisher,
-        RelayConfig {
-            batch_size: Some(2),
-            concurrency: 2,
-            ..RelayConfig::default()
-        },
+        RelayConfig::builder()
+            .batch_size(2)
+            .concurrency(2)
+            .build()
+            .unwrap(),
     )
     .unwrap();
 

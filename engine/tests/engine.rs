@@ -8,16 +8,21 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_engine::{Backoff, Relay, RelayConfig, RelayStats};
+use outbox_engine::{Backoff, Relay, RelayConfig, RelayConfigBuilder, RelayStats};
 use outbox_memory::RecordingPublisher;
 use outbox_traits::{Error, HeadPolicy, OutboxAdmin, PublishOutcome};
 use support::*;
 
 fn config() -> RelayConfig {
-    RelayConfig {
-        batch_size: Some(10),
-        ..RelayConfig::default()
-    }
+    RelayConfig::builder().batch_size(10).build().unwrap()
+}
+
+/// [`config`] polling once an hour: only a wake-up brings the next claim within a test's time.
+fn polling_hourly() -> RelayConfigBuilder {
+    config()
+        .to_builder()
+        .poll_min(Duration::from_secs(3600))
+        .poll_max(Duration::from_secs(3600))
 }
 
 /// Long enough for any retry of the default back-off to come due.
@@ -43,11 +48,12 @@ async fn drains_many_messages_over_several_keys_with_exact_stats() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            batch_size: Some(64),
-            concurrency: 3,
-            ..config()
-        },
+        config()
+            .to_builder()
+            .batch_size(64)
+            .concurrency(3)
+            .build()
+            .unwrap(),
     )
     .unwrap();
     let stats = relay.run_until_idle().await.unwrap();
@@ -150,10 +156,7 @@ async fn a_permanent_failure_is_dead_at_once_and_blocks_or_skips_its_key() {
         let relay = Relay::new(
             store.clone(),
             publisher.clone(),
-            RelayConfig {
-                head_policy: policy,
-                ..config()
-            },
+            config().to_builder().head_policy(policy).build().unwrap(),
         )
         .unwrap();
         let stats = relay.run_until_idle().await.unwrap();
@@ -189,10 +192,7 @@ async fn max_attempts_dead_letters_with_the_last_error() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            max_attempts: 3,
-            ..config()
-        },
+        config().to_builder().max_attempts(3).build().unwrap(),
     )
     .unwrap();
     let mut total = RelayStats::default();
@@ -268,11 +268,12 @@ async fn batches_are_pipelined_up_to_the_concurrency() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            batch_size: Some(2),
-            concurrency: 3,
-            ..config()
-        },
+        config()
+            .to_builder()
+            .batch_size(2)
+            .concurrency(3)
+            .build()
+            .unwrap(),
     )
     .unwrap();
     let run = tokio::spawn(async move { relay.run_until_idle().await });
@@ -337,10 +338,11 @@ async fn a_long_publish_keeps_its_lease_by_extending_it() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            lease: Duration::from_secs(2),
-            ..config()
-        },
+        config()
+            .to_builder()
+            .lease(Duration::from_secs(2))
+            .build()
+            .unwrap(),
     )
     .unwrap();
     let run = tokio::spawn(async move { relay.run_until_idle().await });
@@ -367,10 +369,11 @@ async fn a_failed_extension_still_tries_to_complete_and_counts_the_loss() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            lease: Duration::from_secs(2),
-            ..config()
-        },
+        config()
+            .to_builder()
+            .lease(Duration::from_secs(2))
+            .build()
+            .unwrap(),
     )
     .unwrap();
     let run = tokio::spawn(async move { relay.run_until_idle().await });
@@ -394,11 +397,7 @@ async fn the_notifier_wakes_an_idle_relay() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            poll_min: Duration::from_secs(3600),
-            poll_max: Duration::from_secs(3600),
-            ..config()
-        },
+        polling_hourly().build().unwrap(),
     )
     .unwrap();
     let handle = relay.spawn();
@@ -421,15 +420,13 @@ async fn store_wake_ups_wake_an_idle_relay_and_are_resubscribed_after_errors() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            poll_min: Duration::from_secs(3600),
-            poll_max: Duration::from_secs(3600),
-            backoff: Backoff {
+        polling_hourly()
+            .backoff(Backoff {
                 initial: Duration::from_millis(100),
                 ..Backoff::default()
-            },
-            ..config()
-        },
+            })
+            .build()
+            .unwrap(),
     )
     .unwrap();
     let handle = relay.spawn();
@@ -464,10 +461,7 @@ async fn shutdown_lets_an_in_flight_batch_finish_and_stops_claiming() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            concurrency: 1,
-            ..config()
-        },
+        config().to_builder().concurrency(1).build().unwrap(),
     )
     .unwrap();
     let handle = relay.spawn();
@@ -565,23 +559,14 @@ async fn aborting_between_publish_and_complete_duplicates_but_loses_nothing() {
     assert_eq!(deliveries, vec![1, 1, 1, 1, 1, 2, 2, 2, 2, 2]);
 }
 
-#[tokio::test]
-async fn invalid_config_is_refused_before_anything_runs() {
-    let store = TestStore::new(Wakeups::Inner);
-    let err = Relay::new(
-        store.clone(),
-        Arc::new(RecordingPublisher::new()),
-        RelayConfig {
-            batch_size: Some(0),
-            ..config()
-        },
-    )
-    .unwrap_err();
+/// No relay can be made with an invalid config: the builder refuses it, naming the setting.
+#[test]
+fn invalid_config_is_refused_before_anything_runs() {
+    let err = config().to_builder().batch_size(0).build().unwrap_err();
     assert!(
         matches!(err, Error::InvalidInput(ref m) if m.contains("batch_size")),
         "{err}"
     );
-    assert_eq!(*store.claims.borrow(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -630,13 +615,14 @@ async fn several_relays_with_mixed_outcomes_lose_nothing_and_keep_key_order() {
         }
         let relays: Vec<Relay> = (0..3)
             .map(|i| {
-                let config = RelayConfig {
-                    batch_size: Some(5 + i * 7),
-                    concurrency: 1 + i,
-                    max_attempts: 4,
-                    head_policy: HeadPolicy::Skip,
-                    ..config()
-                };
+                let config = config()
+                    .to_builder()
+                    .batch_size(5 + i * 7)
+                    .concurrency(1 + i)
+                    .max_attempts(4)
+                    .head_policy(HeadPolicy::Skip)
+                    .build()
+                    .unwrap();
                 Relay::new(store.clone(), publisher.clone(), config).unwrap()
             })
             .collect();
@@ -676,11 +662,7 @@ async fn a_notifier_made_before_the_relay_wakes_it_and_stats_are_live() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            poll_min: Duration::from_secs(3600),
-            poll_max: Duration::from_secs(3600),
-            ..config()
-        },
+        polling_hourly().build().unwrap(),
     )
     .unwrap()
     .with_notifier(notifier.clone());
@@ -729,11 +711,12 @@ async fn a_drain_stopped_early_finishes_its_batch_and_claims_nothing_more() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            batch_size: Some(1),
-            concurrency: 1,
-            ..config()
-        },
+        config()
+            .to_builder()
+            .batch_size(1)
+            .concurrency(1)
+            .build()
+            .unwrap(),
     )
     .unwrap();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -788,11 +771,12 @@ async fn the_idle_poll_interval_doubles_up_to_poll_max_and_resets_on_work() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            poll_min: Duration::from_millis(10),
-            poll_max: Duration::from_millis(80),
-            ..config()
-        },
+        config()
+            .to_builder()
+            .poll_min(Duration::from_millis(10))
+            .poll_max(Duration::from_millis(80))
+            .build()
+            .unwrap(),
     )
     .unwrap();
     let handle = relay.spawn();
@@ -825,11 +809,12 @@ async fn a_flood_of_wake_ups_does_not_spin_the_claim_loop() {
     let relay = Relay::new(
         store.clone(),
         publisher,
-        RelayConfig {
-            poll_min: Duration::from_millis(10),
-            poll_max: Duration::from_secs(3600),
-            ..config()
-        },
+        config()
+            .to_builder()
+            .poll_min(Duration::from_millis(10))
+            .poll_max(Duration::from_secs(3600))
+            .build()
+            .unwrap(),
     )
     .unwrap();
     let handle = relay.spawn();
@@ -861,11 +846,7 @@ async fn a_wake_up_during_a_claim_that_finds_nothing_is_not_lost() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            poll_min: Duration::from_secs(3600),
-            poll_max: Duration::from_secs(3600),
-            ..config()
-        },
+        polling_hourly().build().unwrap(),
     )
     .unwrap();
     store.claim_return_open.send_replace(false);
@@ -892,11 +873,7 @@ async fn an_innocent_empty_claim_after_a_wake_up_does_not_delay_the_next_one() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            poll_min: Duration::from_secs(3600),
-            poll_max: Duration::from_secs(3600),
-            ..config()
-        },
+        polling_hourly().build().unwrap(),
     )
     .unwrap();
     let handle = relay.spawn();

@@ -28,10 +28,7 @@ fn counters_and_histograms_match_the_stats_and_carry_the_publisher_label() {
             publisher.fail_next(msgs[3].id, PublishOutcome::transient("busy"));
             publisher.fail_next(msgs[7].id, PublishOutcome::permanent("too big"));
             store.inner.enqueue(msgs).unwrap();
-            let config = RelayConfig {
-                batch_size: Some(5),
-                ..RelayConfig::default()
-            };
+            let config = RelayConfig::builder().batch_size(5).build().unwrap();
             Relay::new(store, publisher, config)
                 .unwrap()
                 .run_until_idle()

@@ -19,11 +19,11 @@ const PER_KEY: u32 = 10;
 const TOTAL: usize = KEYS.len() * PER_KEY as usize;
 
 fn config() -> RelayConfig {
-    RelayConfig {
-        batch_size: Some(10),
-        max_attempts: 2,
-        ..RelayConfig::default()
-    }
+    RelayConfig::builder()
+        .batch_size(10)
+        .max_attempts(2)
+        .build()
+        .unwrap()
 }
 
 fn enqueue(store: &TestStore) {
@@ -112,10 +112,7 @@ async fn messages_a_reachable_broker_refuses_still_count_attempts() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            max_attempts: 1,
-            ..config()
-        },
+        config().to_builder().max_attempts(1).build().unwrap(),
     )
     .unwrap();
 

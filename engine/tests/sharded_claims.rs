@@ -227,12 +227,12 @@ impl OutboxStore for ShardedStore {
 }
 
 fn config(claim_shards: usize) -> RelayConfig {
-    RelayConfig {
-        batch_size: Some(5),
-        concurrency: 2,
-        claim_shards: Some(claim_shards),
-        ..RelayConfig::default()
-    }
+    RelayConfig::builder()
+        .batch_size(5)
+        .concurrency(2)
+        .claim_shards(claim_shards)
+        .build()
+        .unwrap()
 }
 
 /// A recording publisher on a slow broker: each publish takes `latency` of tokio's (paused)
@@ -359,10 +359,7 @@ async fn a_shard_has_at_most_its_share_of_concurrency_in_flight() {
     // slots; 20 keys, so that several batches of shard 0 can be claimed side by side.
     let store = ShardedStore::all_in_shard(0);
     let total = store.enqueue(0..20, 2);
-    let config = RelayConfig {
-        concurrency: 4,
-        ..config(2)
-    };
+    let config = config(2).to_builder().concurrency(4).build().unwrap();
 
     // Publishes far slower than claims: shard 0 claims as much as it is let.
     let track = drain_slowly(&store, config, total, Duration::from_secs(5)).await;
@@ -389,13 +386,14 @@ async fn a_settled_batch_lets_its_own_shard_claim_again_at_once() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
-            concurrency: 4,
+        config(2)
+            .to_builder()
+            .concurrency(4)
             // Only a settle can bring shard 1's next claim within the guard.
-            poll_min: Duration::from_secs(3600),
-            poll_max: Duration::from_secs(3600),
-            ..config(2)
-        },
+            .poll_min(Duration::from_secs(3600))
+            .poll_max(Duration::from_secs(3600))
+            .build()
+            .unwrap(),
     )
     .unwrap();
     // One key, more than a batch: while the first batch is in flight, shard 1's second claim
@@ -459,10 +457,7 @@ async fn a_store_declaring_no_preference_gets_one_claim_and_batches_of_500_by_de
 
     let track = drain(
         &store,
-        RelayConfig {
-            batch_size: Some(5),
-            ..RelayConfig::default()
-        },
+        RelayConfig::builder().batch_size(5).build().unwrap(),
         total,
     )
     .await;
@@ -540,11 +535,11 @@ async fn shards_asked_explicitly_of_a_store_that_cannot_shard_are_ignored_with_a
 async fn an_explicit_setting_wins_over_the_store_choice() {
     let store = ShardedStore::preferring(true, 2, 4);
     let total = store.enqueue(0..8, 20);
-    let one_claim = RelayConfig {
-        claim_shards: Some(1),
-        batch_size: Some(3),
-        ..RelayConfig::default()
-    };
+    let one_claim = RelayConfig::builder()
+        .claim_shards(1)
+        .batch_size(3)
+        .build()
+        .unwrap();
 
     let track = drain(&store, one_claim, total).await;
 
@@ -553,10 +548,7 @@ async fn an_explicit_setting_wins_over_the_store_choice() {
 
     // More shards than the store's choice, and its batch size kept.
     let total = store.enqueue(0..9, 10);
-    let three = RelayConfig {
-        claim_shards: Some(3),
-        ..RelayConfig::default()
-    };
+    let three = RelayConfig::builder().claim_shards(3).build().unwrap();
     let track = drain(&store, three, total).await;
     assert_only_shards_of(&track, 3);
     assert!(track.limits.iter().all(|l| *l == 4), "{:?}", track.limits);
@@ -580,11 +572,11 @@ fn a_store_declaring_an_impossible_preference_is_refused_with_a_typed_error() {
         }
         // An explicit setting needs nothing from the store.
         let store = ShardedStore::preferring(true, shards, batch);
-        let explicit = RelayConfig {
-            claim_shards: Some(2),
-            batch_size: Some(10),
-            ..RelayConfig::default()
-        };
+        let explicit = RelayConfig::builder()
+            .claim_shards(2)
+            .batch_size(10)
+            .build()
+            .unwrap();
         Relay::new(store, publisher.clone(), explicit).unwrap();
     }
 }
@@ -606,12 +598,13 @@ async fn a_wake_up_reaches_every_shard() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
+        config(2)
+            .to_builder()
             // Only a wake-up can bring the next claims within the guard.
-            poll_min: Duration::from_secs(3600),
-            poll_max: Duration::from_secs(3600),
-            ..config(2)
-        },
+            .poll_min(Duration::from_secs(3600))
+            .poll_max(Duration::from_secs(3600))
+            .build()
+            .unwrap(),
     )
     .unwrap();
     let handle = relay.spawn();
@@ -631,9 +624,12 @@ async fn a_wake_up_reaches_every_shard() {
 
 #[test]
 fn zero_claim_shards_is_refused() {
-    let store = ShardedStore::new(true);
-    let publisher = Arc::new(RecordingPublisher::new());
-    match Relay::new(store, publisher, config(0)) {
+    let config = RelayConfig::builder()
+        .batch_size(5)
+        .concurrency(2)
+        .claim_shards(0)
+        .build();
+    match config {
         Err(Error::InvalidInput(msg)) => assert!(msg.contains("claim_shards is 0"), "{msg}"),
         other => panic!("expected InvalidInput, got {other:?}"),
     }

@@ -30,10 +30,7 @@ async fn enqueue(store: &SqliteStore, messages: Vec<NewMessage>) {
 
 /// Three relays over `store` and `publisher`, with batches of 16.
 fn three_relays(store: &Arc<SqliteStore>, publisher: &Arc<RecordingPublisher>) -> Vec<Relay> {
-    let config = RelayConfig {
-        batch_size: Some(16),
-        ..RelayConfig::default()
-    };
+    let config = RelayConfig::builder().batch_size(16).build().unwrap();
     (0..3)
         .map(|_| Relay::new(store.clone(), publisher.clone(), config.clone()).unwrap())
         .collect()
@@ -116,12 +113,12 @@ async fn a_spawned_relay_on_sqlite_is_woken_by_the_notifier_and_shuts_down() {
     let relay = Relay::new(
         store.clone(),
         publisher.clone(),
-        RelayConfig {
+        RelayConfig::builder()
             // Polling alone would take an hour: the notifier must do the waking.
-            poll_min: Duration::from_secs(3600),
-            poll_max: Duration::from_secs(3600),
-            ..RelayConfig::default()
-        },
+            .poll_min(Duration::from_secs(3600))
+            .poll_max(Duration::from_secs(3600))
+            .build()
+            .unwrap(),
     )
     .unwrap();
     let handle = relay.spawn();

@@ -36,19 +36,19 @@ const UNDOTTED_PROPERTIES: &[&str] = &["acks", "debug", "partitioner", "retries"
 const OWNED_PROPERTIES: &[(&str, &str)] = &[
     (
         "bootstrap.servers",
-        "give the brokers as the URL's host list or KafkaConfig::brokers",
+        "give the brokers as the URL's host list or KafkaConfig::builder's brokers",
     ),
     (
         "metadata.broker.list",
-        "give the brokers as the URL's host list or KafkaConfig::brokers",
+        "give the brokers as the URL's host list or KafkaConfig::builder's brokers",
     ),
     (
         "message.timeout.ms",
-        "set KafkaConfig::message_timeout (in a URL, ?message.timeout.ms= does that)",
+        "set KafkaConfigBuilder::message_timeout (in a URL, ?message.timeout.ms= does that)",
     ),
     (
         "delivery.timeout.ms",
-        "set KafkaConfig::message_timeout (in a URL, ?message.timeout.ms= does that)",
+        "set KafkaConfigBuilder::message_timeout (in a URL, ?message.timeout.ms= does that)",
     ),
     (
         "transactional.id",
@@ -58,37 +58,59 @@ const OWNED_PROPERTIES: &[(&str, &str)] = &[
 
 /// Configuration of a [`KafkaPublisher`](crate::KafkaPublisher).
 ///
-/// Build it with [`KafkaConfig::new`] and the `with_*` methods, or from a URL with
-/// [`KafkaConfig::from_url`]. The publisher always runs librdkafka's idempotent producer
-/// (`enable.idempotence=true`, `acks=all`), by default with `enable.gapless.guarantee=true` and
-/// `linger.ms=1`; every other librdkafka producer property can be passed through
-/// [`KafkaConfig::properties`].
+/// Build it with [`KafkaConfig::builder`], or from a URL with [`KafkaConfig::from_url`]; both
+/// check it, and getters of the same names read it. The publisher always runs librdkafka's
+/// idempotent producer (`enable.idempotence=true`, `acks=all`), by default with
+/// `enable.gapless.guarantee=true` and `linger.ms=1`; every other librdkafka producer property
+/// can be passed through [`KafkaConfigBuilder::property`].
 ///
 /// `Debug` output hides the values of secret properties (`sasl.password` and the like).
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_publisher_kafka::KafkaConfig;
+/// let config = KafkaConfig::builder("127.0.0.1:9092")
+///     .topic("outbox.{aggregate_type}.{event_type}")
+///     .message_timeout(Duration::from_secs(10))
+///     .property("compression.type", "lz4")
+///     .build()?;
+/// assert_eq!(config.topic().as_str(), "outbox.{aggregate_type}.{event_type}");
+/// assert!(KafkaConfig::builder("127.0.0.1:9092").property("acks", "1").build().is_err());
+/// # Ok::<(), outbox_traits::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct KafkaConfig {
     /// Bootstrap brokers, comma separated `host:port` (librdkafka's `bootstrap.servers`).
-    pub brokers: String,
+    pub(crate) brokers: String,
     /// Where each message goes: a topic name built from the message's fields.
-    pub topic: RoutingTemplate,
+    pub(crate) topic: RoutingTemplate,
     /// How long librdkafka keeps trying to deliver a message before its outcome is reported as a
     /// failure (librdkafka's `message.timeout.ms`). Publishing a batch never takes much longer.
-    pub message_timeout: Duration,
+    pub(crate) message_timeout: Duration,
     /// Extra librdkafka properties, passed through unchanged (e.g. `linger.ms`,
     /// `compression.type`, `security.protocol`, `sasl.username`).
-    pub properties: BTreeMap<String, String>,
+    pub(crate) properties: BTreeMap<String, String>,
     /// What each record carries: the standard headers (default) or a CloudEvents event in
     /// binary or structured mode (URL options `envelope=` and `ce_source=`; see
     /// [`outbox_routing::envelope`]). The record key is the partition key in every mode.
-    pub envelope: Envelope,
+    pub(crate) envelope: Envelope,
 }
 
 impl KafkaConfig {
-    /// A configuration for `brokers` (comma separated `host:port`) with the default topic
-    /// template [`DEFAULT_TOPIC_TEMPLATE`] and [`DEFAULT_MESSAGE_TIMEOUT`].
-    pub fn new(brokers: impl Into<String>) -> Self {
+    /// A builder for `brokers` (comma separated `host:port`), starting from the default topic
+    /// template [`DEFAULT_TOPIC_TEMPLATE`], [`DEFAULT_MESSAGE_TIMEOUT`], no extra properties and
+    /// the standard headers.
+    pub fn builder(brokers: impl Into<String>) -> KafkaConfigBuilder {
+        KafkaConfigBuilder {
+            config: Self::with_defaults(brokers.into()),
+            topic: None,
+        }
+    }
+
+    /// `brokers` with every other setting at its default, unchecked.
+    fn with_defaults(brokers: String) -> Self {
         Self {
-            brokers: brokers.into(),
+            brokers,
             topic: default_template(),
             message_timeout: DEFAULT_MESSAGE_TIMEOUT,
             properties: BTreeMap::new(),
@@ -96,25 +118,30 @@ impl KafkaConfig {
         }
     }
 
-    /// Route messages with `template`, e.g. `outbox.{aggregate_type}.{event_type}`.
-    ///
-    /// Refused with [`Error::InvalidInput`] when the template is malformed or its literal text has
-    /// characters Kafka does not allow in topic names (only `a-z A-Z 0-9 . _ -`).
-    pub fn with_topic(mut self, template: &str) -> Result<Self, Error> {
-        self.topic = parse_topic_template(template)?;
-        Ok(self)
+    /// The bootstrap brokers, comma separated `host:port`.
+    pub fn brokers(&self) -> &str {
+        &self.brokers
     }
 
-    /// Use `timeout` as the delivery timeout (see [`KafkaConfig::message_timeout`]).
-    pub fn with_message_timeout(mut self, timeout: Duration) -> Self {
-        self.message_timeout = timeout;
-        self
+    /// The topic template of each message.
+    pub fn topic(&self) -> &RoutingTemplate {
+        &self.topic
     }
 
-    /// Pass the librdkafka property `name=value` through to the producer.
-    pub fn with_property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
-        self.properties.insert(name.into(), value.into());
-        self
+    /// The delivery timeout (see [`KafkaConfigBuilder::message_timeout`]).
+    pub fn message_timeout(&self) -> Duration {
+        self.message_timeout
+    }
+
+    /// The extra librdkafka properties, passed through unchanged (secret values included: do
+    /// not log them; `Debug` of the config hides them).
+    pub fn properties(&self) -> &BTreeMap<String, String> {
+        &self.properties
+    }
+
+    /// What each record carries (see [`KafkaConfigBuilder::envelope`]).
+    pub fn envelope(&self) -> &Envelope {
+        &self.envelope
     }
 
     /// Parse a `kafka://` URL.
@@ -164,7 +191,7 @@ impl KafkaConfig {
             None => (None, authority),
         };
         let brokers = parse_hosts(hosts, &shown)?;
-        let mut config = KafkaConfig::new(brokers);
+        let mut config = KafkaConfig::with_defaults(brokers);
         if let Some(userinfo) = userinfo {
             let (user, password) = match userinfo.split_once(':') {
                 Some((u, p)) => (u, Some(p)),
@@ -221,7 +248,7 @@ impl KafkaConfig {
 
     /// Check the configuration without connecting: brokers given, timeout in range, no property
     /// that conflicts with what the publisher needs, and every property known to librdkafka.
-    pub fn validate(&self) -> Result<(), Error> {
+    pub(crate) fn validate(&self) -> Result<(), Error> {
         self.envelope.validate()?;
         self.client_config().map(|_| ())
     }
@@ -301,6 +328,61 @@ impl fmt::Debug for KafkaConfig {
             .field("properties", &properties)
             .field("envelope", &self.envelope)
             .finish()
+    }
+}
+
+/// Builder of [`KafkaConfig`] ([`KafkaConfig::builder`]); [`KafkaConfigBuilder::build`] checks
+/// every setting. `Debug` output hides the values of secret properties.
+#[derive(Debug, Clone)]
+pub struct KafkaConfigBuilder {
+    config: KafkaConfig,
+    /// The topic template as given, parsed by `build`.
+    topic: Option<String>,
+}
+
+impl KafkaConfigBuilder {
+    /// Route messages with `template`, e.g. `outbox.{aggregate_type}.{event_type}` (default
+    /// [`DEFAULT_TOPIC_TEMPLATE`]).
+    ///
+    /// [`build`](Self::build) refuses with [`Error::InvalidInput`] a template that is malformed
+    /// or whose literal text has characters Kafka does not allow in topic names (only
+    /// `a-z A-Z 0-9 . _ -`).
+    pub fn topic(mut self, template: impl Into<String>) -> Self {
+        self.topic = Some(template.into());
+        self
+    }
+
+    /// How long librdkafka keeps trying to deliver a message before its outcome is reported as a
+    /// failure (librdkafka's `message.timeout.ms`). Publishing a batch never takes much longer. Default: 30 s ([`DEFAULT_MESSAGE_TIMEOUT`]).
+    pub fn message_timeout(mut self, message_timeout: Duration) -> Self {
+        self.config.message_timeout = message_timeout;
+        self
+    }
+
+    /// Pass the librdkafka property `name=value` through to the producer (e.g. `linger.ms`,
+    /// `compression.type`, `security.protocol`, `sasl.username`). [`build`](Self::build)
+    /// refuses the properties the publisher sets itself and unknown ones.
+    pub fn property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.config.properties.insert(name.into(), value.into());
+        self
+    }
+
+    /// What each record carries: the standard headers (default) or a CloudEvents event in
+    /// binary or structured mode (URL options `envelope=` and `ce_source=`; see
+    /// [`outbox_routing::envelope`]). The record key is the partition key in every mode.
+    pub fn envelope(mut self, envelope: Envelope) -> Self {
+        self.config.envelope = envelope;
+        self
+    }
+
+    /// Parse the topic template and check the configuration without connecting (see
+    /// [`KafkaConfig`]); [`Error::InvalidInput`] says what to fix.
+    pub fn build(mut self) -> Result<KafkaConfig, Error> {
+        if let Some(template) = &self.topic {
+            self.config.topic = parse_topic_template(template)?;
+        }
+        self.config.validate()?;
+        Ok(self.config)
     }
 }
 
@@ -519,10 +601,10 @@ mod tests {
         let err = KafkaConfig::from_url("kafka://app:s3cret@h:1?bogus=1").unwrap_err();
         assert!(!err.to_string().contains("s3cret"), "{err}");
         // Nor a librdkafka refusal of a secret property's value.
-        let err = KafkaConfig::new("h:1")
-            .with_property("ssl.key.password", "s3cret")
-            .with_property("ssl.key.location", "/nonexistent/key.pem")
-            .validate();
+        let err = KafkaConfig::builder("h:1")
+            .property("ssl.key.password", "s3cret")
+            .property("ssl.key.location", "/nonexistent/key.pem")
+            .build();
         if let Err(err) = err {
             assert!(!err.to_string().contains("s3cret"), "{err}");
         }
@@ -583,9 +665,9 @@ mod tests {
             assert!(matches!(err, Error::InvalidInput(_)), "{bad}: {err}");
         }
         // In code the timeout has its own field; a property would be silently overridden.
-        let err = KafkaConfig::new("h:1")
-            .with_property("message.timeout.ms", "5")
-            .validate()
+        let err = KafkaConfig::builder("h:1")
+            .property("message.timeout.ms", "5")
+            .build()
             .unwrap_err();
         assert!(err.to_string().contains("message_timeout"), "{err}");
         // librdkafka checks the values of passed-through properties too.

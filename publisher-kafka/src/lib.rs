@@ -115,7 +115,9 @@ mod config;
 mod log_limit;
 mod publisher;
 
-pub use config::{KafkaConfig, DEFAULT_MESSAGE_TIMEOUT, DEFAULT_TOPIC_TEMPLATE};
+pub use config::{
+    KafkaConfig, KafkaConfigBuilder, DEFAULT_MESSAGE_TIMEOUT, DEFAULT_TOPIC_TEMPLATE,
+};
 pub use publisher::KafkaPublisher;
 
 #[cfg(doc)]

@@ -150,10 +150,11 @@ impl PublisherHarness for Harness {
     async fn fresh(&self) -> (KafkaPublisher, Box<dyn BrokerReader>) {
         let topic = unique_topic("conf");
         create_topic(&self.brokers, &topic, PARTITIONS).await;
-        let config = KafkaConfig::new(&self.brokers)
-            .with_topic(&topic)
-            .unwrap()
-            .with_message_timeout(Duration::from_secs(20));
+        let config = KafkaConfig::builder(&self.brokers)
+            .topic(&topic)
+            .message_timeout(Duration::from_secs(20))
+            .build()
+            .unwrap();
         let publisher = KafkaPublisher::new(config).unwrap();
         let reader = KafkaReader {
             brokers: self.brokers.clone(),
@@ -178,10 +179,11 @@ impl PublisherHarness for Harness {
             l.local_addr().unwrap().port()
         };
         let timeout = Duration::from_millis(1500);
-        let config = KafkaConfig::new(format!("127.0.0.1:{port}"))
-            .with_topic("down")
-            .unwrap()
-            .with_message_timeout(timeout);
+        let config = KafkaConfig::builder(format!("127.0.0.1:{port}"))
+            .topic("down")
+            .message_timeout(timeout)
+            .build()
+            .unwrap();
         (Box::new(KafkaPublisher::new(config).unwrap()), timeout)
     }
 }

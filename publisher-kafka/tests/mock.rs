@@ -30,14 +30,13 @@ fn publisher(
     timeout: Duration,
     extra: &[(&str, &str)],
 ) -> KafkaPublisher {
-    let mut config = KafkaConfig::new(cluster.bootstrap_servers())
-        .with_topic(TOPIC)
-        .unwrap()
-        .with_message_timeout(timeout);
+    let mut config = KafkaConfig::builder(cluster.bootstrap_servers())
+        .topic(TOPIC)
+        .message_timeout(timeout);
     for (k, v) in extra {
-        config = config.with_property(*k, *v);
+        config = config.property(*k, *v);
     }
-    KafkaPublisher::new(config).expect("publisher")
+    KafkaPublisher::new(config.build().expect("config")).expect("publisher")
 }
 
 fn batch(keys: &[&str], per_key: usize) -> Vec<Message> {
@@ -441,11 +440,12 @@ async fn authorization_failure_is_permanent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_topic_is_permanent() {
     let cluster = cluster(1, 1);
-    let config = KafkaConfig::new(cluster.bootstrap_servers())
-        .with_topic("missing")
-        .unwrap()
-        .with_message_timeout(Duration::from_secs(20))
-        .with_property("topic.metadata.propagation.max.ms", "100");
+    let config = KafkaConfig::builder(cluster.bootstrap_servers())
+        .topic("missing")
+        .message_timeout(Duration::from_secs(20))
+        .property("topic.metadata.propagation.max.ms", "100")
+        .build()
+        .unwrap();
     cluster
         .topic_error(
             "missing",

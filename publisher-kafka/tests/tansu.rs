@@ -16,11 +16,12 @@ fn brokers() -> Option<String> {
 }
 
 fn publisher(brokers: &str, topic: &str) -> KafkaPublisher {
-    let config = KafkaConfig::new(brokers)
-        .with_topic(topic)
-        .expect("topic template")
-        .with_message_timeout(Duration::from_secs(20))
-        .with_property("linger.ms", "5");
+    let config = KafkaConfig::builder(brokers)
+        .topic(topic)
+        .message_timeout(Duration::from_secs(20))
+        .property("linger.ms", "5")
+        .build()
+        .expect("config");
     KafkaPublisher::new(config).expect("publisher")
 }
 
@@ -232,7 +233,7 @@ async fn from_url_and_check_connection_against_the_broker() {
         "kafka://{brokers}?topic={topic}&message.timeout.ms=15000&linger.ms=1&compression.type=lz4"
     ))
     .expect("url");
-    assert_eq!(config.message_timeout, Duration::from_secs(15));
+    assert_eq!(config.message_timeout(), Duration::from_secs(15));
     let publisher = KafkaPublisher::new(config).expect("publisher");
     assert_eq!(publisher.name(), "kafka");
     publisher
@@ -258,10 +259,11 @@ async fn unreachable_broker_gives_retryable_outcomes_without_hanging() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let config = KafkaConfig::new(format!("127.0.0.1:{port}"))
-        .with_topic("nowhere")
-        .unwrap()
-        .with_message_timeout(Duration::from_millis(1500));
+    let config = KafkaConfig::builder(format!("127.0.0.1:{port}"))
+        .topic("nowhere")
+        .message_timeout(Duration::from_millis(1500))
+        .build()
+        .unwrap();
     let publisher = KafkaPublisher::new(config).expect("created while the broker is down");
     let batch: Vec<_> = (0..50)
         .map(|i| message(Some(&format!("k{}", i % 5)), i, "{}"))

@@ -88,7 +88,21 @@ impl StreamSetup {
     }
 }
 
-/// Everything [`NatsPublisher::connect`](crate::NatsPublisher::connect) needs.
+/// Everything [`NatsPublisher::connect`](crate::NatsPublisher::connect) needs: built with
+/// [`NatsConfig::builder`] or [`NatsConfig::from_url`], both of which check it, and read with
+/// getters of the same names.
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_publisher_nats::{NatsConfig, StreamSetup};
+/// let config = NatsConfig::builder("nats://127.0.0.1:4222", "outbox.{aggregate_type}")
+///     .stream(StreamSetup::create("OUTBOX"))
+///     .timeout(Duration::from_secs(2))
+///     .build()?;
+/// assert_eq!(config.stream().unwrap().subjects, ["outbox.>"]);
+/// assert!(NatsConfig::builder("nats://h:4222", "a").max_in_flight(0).build().is_err());
+/// # Ok::<(), outbox_traits::Error>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct NatsConfig {
     /// Server URL, e.g. `nats://127.0.0.1:4222` or `tls://nats.example.com:4222`, or the
@@ -96,39 +110,77 @@ pub struct NatsConfig {
     /// connects to any one that answers and moves to another when it fails. Credentials in a URL
     /// given to [`NatsConfig::from_url`] are moved to [`NatsConfig::security`]; they never
     /// appear in errors or logs.
-    pub url: String,
+    pub(crate) url: String,
     /// Subject of each message.
-    pub subject: RoutingTemplate,
+    pub(crate) subject: RoutingTemplate,
     /// Connection, ack and API timeout.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// Partition keys of one batch (one `publish` call) with a message in flight at once (each
     /// key has at most one). Batches published concurrently each have their own limit.
-    pub max_in_flight: usize,
+    pub(crate) max_in_flight: usize,
     /// Stream to check or create at connect time; `None` checks nothing (then a subject that no
     /// stream captures fails each message as "no stream").
-    pub stream: Option<StreamSetup>,
+    pub(crate) stream: Option<StreamSetup>,
     /// TLS and credentials.
-    pub security: NatsSecurity,
+    pub(crate) security: NatsSecurity,
     /// What each message carries: the standard headers (default) or a CloudEvents event in
     /// binary or structured mode (URL options `envelope=` and `ce_source=`; see
     /// [`outbox_routing::envelope`]). `Nats-Msg-Id` is the message id in every mode.
-    pub envelope: Envelope,
+    pub(crate) envelope: Envelope,
 }
 
 impl NatsConfig {
-    /// A configuration with the default timeout and in-flight limit, and no stream check.
-    pub fn new(url: impl Into<String>, subject: &str) -> Result<Self, Error> {
-        let config = Self {
+    /// A builder for the server(s) at `url` publishing to `subject` (a routing template such as
+    /// `outbox.{aggregate_type}`), starting from the default timeout and in-flight limit, no
+    /// stream check, no TLS or credentials, and the standard headers.
+    pub fn builder(url: impl Into<String>, subject: impl Into<String>) -> NatsConfigBuilder {
+        NatsConfigBuilder {
             url: url.into(),
-            subject: RoutingTemplate::parse(subject)?,
+            subject: subject.into(),
             timeout: DEFAULT_TIMEOUT,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             stream: None,
             security: NatsSecurity::default(),
             envelope: Envelope::default(),
-        };
-        config.validate()?;
-        Ok(config)
+        }
+    }
+
+    /// The server URL, or the servers of a cluster separated by commas (see
+    /// [`NatsConfig::servers`]); it holds no credentials from a URL given to
+    /// [`NatsConfig::from_url`].
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The subject template of each message.
+    pub fn subject(&self) -> &RoutingTemplate {
+        &self.subject
+    }
+
+    /// Connection, ack and API timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Partition keys of one batch with a message in flight at once (see
+    /// [`NatsConfigBuilder::max_in_flight`]).
+    pub fn max_in_flight(&self) -> usize {
+        self.max_in_flight
+    }
+
+    /// The stream checked or created at connect time, if any (see [`NatsConfigBuilder::stream`]).
+    pub fn stream(&self) -> Option<&StreamSetup> {
+        self.stream.as_ref()
+    }
+
+    /// TLS and credentials.
+    pub fn security(&self) -> &NatsSecurity {
+        &self.security
+    }
+
+    /// What each message carries (see [`NatsConfigBuilder::envelope`]).
+    pub fn envelope(&self) -> &Envelope {
+        &self.envelope
     }
 
     /// Parse `nats://[user:pass@]host:port?subject=...&stream=...`.
@@ -160,8 +212,8 @@ impl NatsConfig {
     /// let c = NatsConfig::from_url(
     ///     "nats://127.0.0.1:4222?subject=outbox.{aggregate_type}&stream=OUTBOX&create_stream=true&timeout_ms=2000",
     /// ).unwrap();
-    /// assert_eq!(c.url, "nats://127.0.0.1:4222");
-    /// assert_eq!(c.stream.unwrap().subjects, vec!["outbox.>".to_string()]);
+    /// assert_eq!(c.url(), "nats://127.0.0.1:4222");
+    /// assert_eq!(c.stream().unwrap().subjects, vec!["outbox.>".to_string()]);
     /// assert!(NatsConfig::from_url("nats://h:4222?subject=a&colour=red").is_err());
     /// let c = NatsConfig::from_url("nats://h1:4222,h2:4222,nats://h3:4222?subject=a").unwrap();
     /// assert_eq!(c.servers(), ["nats://h1:4222", "nats://h2:4222", "nats://h3:4222"]);
@@ -301,8 +353,7 @@ impl NatsConfig {
         for seed in &seeds.others {
             servers.push(seed_server(seed, parsed.scheme(), &shown)?);
         }
-        let subject_template = RoutingTemplate::parse(&subject)?;
-        let mut stream = stream_name.map(|name| StreamSetup {
+        let stream = stream_name.map(|name| StreamSetup {
             name,
             create,
             subjects,
@@ -310,22 +361,13 @@ impl NatsConfig {
             max_message_size,
             replicas,
         });
-        if let Some(setup) = stream.as_mut() {
-            if setup.create && setup.subjects.is_empty() {
-                setup.subjects = vec![subject::default_stream_subject(&subject_template)?];
-            }
-        }
-        let config = Self {
-            url: servers.join(","),
-            subject: subject_template,
-            timeout,
-            max_in_flight,
-            stream,
-            security,
-            envelope,
-        };
-        config.validate()?;
-        Ok(config)
+        NatsConfig::builder(servers.join(","), subject)
+            .timeout(timeout)
+            .max_in_flight(max_in_flight)
+            .stream(stream)
+            .security(security)
+            .envelope(envelope)
+            .build()
     }
 
     /// The servers to connect to: [`NatsConfig::url`] split at its commas.
@@ -335,7 +377,7 @@ impl NatsConfig {
 
     /// Check the values: positive timeout and in-flight limit, a subject template whose literal
     /// text is valid in a NATS subject, a valid stream name and stream subjects.
-    pub fn validate(&self) -> Result<(), Error> {
+    pub(crate) fn validate(&self) -> Result<(), Error> {
         self.envelope.validate()?;
         if self.timeout.is_zero() {
             return Err(Error::invalid_input(
@@ -378,6 +420,81 @@ impl NatsConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// Builder of [`NatsConfig`] ([`NatsConfig::builder`]); [`NatsConfigBuilder::build`] checks
+/// every setting.
+#[derive(Debug, Clone)]
+pub struct NatsConfigBuilder {
+    url: String,
+    subject: String,
+    timeout: Duration,
+    max_in_flight: usize,
+    stream: Option<StreamSetup>,
+    security: NatsSecurity,
+    envelope: Envelope,
+}
+
+impl NatsConfigBuilder {
+    /// Connection, ack and API timeout. Default: 5 s ([`DEFAULT_TIMEOUT`]).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Partition keys of one batch (one `publish` call) with a message in flight at once (each
+    /// key has at most one). Batches published concurrently each have their own limit. Default: 1024
+    /// ([`DEFAULT_MAX_IN_FLIGHT`]).
+    pub fn max_in_flight(mut self, max_in_flight: usize) -> Self {
+        self.max_in_flight = max_in_flight;
+        self
+    }
+
+    /// Stream to check or create at connect time; `None` checks nothing (then a subject that no
+    /// stream captures fails each message as "no stream"). Default: `None`.
+    /// A stream to create that is given no subjects captures the subject template's text up to
+    /// its first placeholder, then `>` (e.g. `outbox.>`), as with [`NatsConfig::from_url`].
+    pub fn stream(mut self, stream: impl Into<Option<StreamSetup>>) -> Self {
+        self.stream = stream.into();
+        self
+    }
+
+    /// TLS and credentials. Default: no TLS, no credentials.
+    pub fn security(mut self, security: NatsSecurity) -> Self {
+        self.security = security;
+        self
+    }
+
+    /// What each message carries: the standard headers (default) or a CloudEvents event in
+    /// binary or structured mode (URL options `envelope=` and `ce_source=`; see
+    /// [`outbox_routing::envelope`]). `Nats-Msg-Id` is the message id in every mode.
+    pub fn envelope(mut self, envelope: Envelope) -> Self {
+        self.envelope = envelope;
+        self
+    }
+
+    /// Parse the subject template, give a stream to create its default subjects, and check
+    /// every setting; [`Error::InvalidInput`] says which one to fix.
+    pub fn build(self) -> Result<NatsConfig, Error> {
+        let subject = RoutingTemplate::parse(&self.subject)?;
+        let mut stream = self.stream;
+        if let Some(setup) = stream.as_mut() {
+            if setup.create && setup.subjects.is_empty() {
+                setup.subjects = vec![subject::default_stream_subject(&subject)?];
+            }
+        }
+        let config = NatsConfig {
+            url: self.url,
+            subject,
+            timeout: self.timeout,
+            max_in_flight: self.max_in_flight,
+            stream,
+            security: self.security,
+            envelope: self.envelope,
+        };
+        config.validate()?;
+        Ok(config)
     }
 }
 

@@ -81,7 +81,8 @@
 //!
 //! # Use through `outbox` or directly
 //! Through the `outbox` facade (feature `nats`), a `nats://...` URL picks this publisher. Directly:
-//! depend on `outbox-publisher-nats`, build a [`NatsConfig`] (from a URL or in code) and hand
+//! depend on `outbox-publisher-nats`, build a [`NatsConfig`] (from a URL, or in code with
+//! [`NatsConfig::builder`]) and hand
 //! `NatsPublisher::connect(config).await?` to the relay as its `Publisher`.
 //!
 //! To share a connection, pass your own client to [`NatsPublisher::with_client`]. The in-flight
@@ -95,6 +96,8 @@ mod publisher;
 mod security;
 mod subject;
 
-pub use config::{NatsConfig, StreamSetup, DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT, URL_OPTIONS};
+pub use config::{
+    NatsConfig, NatsConfigBuilder, StreamSetup, DEFAULT_MAX_IN_FLIGHT, DEFAULT_TIMEOUT, URL_OPTIONS,
+};
 pub use publisher::NatsPublisher;
 pub use security::{connect_fix, NatsAuth, NatsSecurity};

@@ -403,8 +403,10 @@ async fn subject_without_stream_is_a_transient_failure_naming_the_fix() {
 #[tokio::test]
 async fn missing_stream_that_is_not_created_is_refused_at_connect() {
     let Some(url) = service_url(VAR) else { return };
-    let mut config = NatsConfig::new(url, "x.{id}").unwrap();
-    config.stream = Some(StreamSetup::existing(format!("MISSING_{}", suffix())));
+    let config = NatsConfig::builder(url, "x.{id}")
+        .stream(StreamSetup::existing(format!("MISSING_{}", suffix())))
+        .build()
+        .unwrap();
     let err = NatsPublisher::connect(config).await.unwrap_err();
     assert!(matches!(err, Error::InvalidInput(_)), "{err}");
     assert!(err.to_string().contains("create_stream=true"), "{err}");

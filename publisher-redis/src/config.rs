@@ -29,46 +29,58 @@ pub const URL_OPTIONS: &[&str] = &[
     "wait_replicas",
 ];
 
-/// Everything [`RedisPublisher::connect`](crate::RedisPublisher::connect) needs.
+/// Everything [`RedisPublisher::connect`](crate::RedisPublisher::connect) needs: built with
+/// [`RedisConfig::builder`] or [`RedisConfig::from_url`], both of which check it, and read with
+/// getters of the same names.
 ///
 /// `Debug` output shows the URL without its password.
+///
+/// ```
+/// use outbox_publisher_redis::RedisConfig;
+/// let config = RedisConfig::builder("redis://127.0.0.1:6379", "outbox.{aggregate_type}")
+///     .maxlen(100_000)
+///     .build()?;
+/// assert_eq!(config.maxlen(), Some(100_000));
+/// assert!(RedisConfig::builder("redis://h", "s").maxlen(0).build().is_err());
+/// # Ok::<(), outbox_traits::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct RedisConfig {
     /// Server URL, e.g. `redis://:password@127.0.0.1:6379/0` or `rediss://host:6380` for TLS
     /// (credentials allowed; they never appear in errors).
-    pub url: String,
+    pub(crate) url: String,
     /// Stream key of each message.
-    pub stream: RoutingTemplate,
+    pub(crate) stream: RoutingTemplate,
     /// Trim each stream to about this many entries (`MAXLEN ~ N`: Redis trims whole nodes, so a
     /// stream may keep somewhat more). `None`: no trimming.
-    pub maxlen: Option<u64>,
+    pub(crate) maxlen: Option<u64>,
     /// Connection and reply timeout; a batch returns within about this long.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// Refuse (permanently) payloads larger than this many bytes. Redis itself takes up to
     /// 512 MB, which would stall everyone; `None`: no limit.
-    pub max_payload: Option<usize>,
+    pub(crate) max_payload: Option<usize>,
     /// Certificate files of a `rediss://` connection.
-    pub tls: RedisTls,
+    pub(crate) tls: RedisTls,
     /// Talk to a Redis Cluster: [`RedisConfig::url`] is one seed node, [`RedisConfig::seeds`]
     /// the others; the cluster client learns the slot map from any seed that answers and
     /// follows `MOVED`/`ASK` redirects and failovers.
-    pub cluster: bool,
+    pub(crate) cluster: bool,
     /// The cluster's other seed nodes, `host:port` each (the credentials and TLS of `url`
     /// apply). Only with [`RedisConfig::cluster`].
-    pub seeds: Vec<String>,
+    pub(crate) seeds: Vec<String>,
     /// A routing template whose value, in braces, starts each stream key:
     /// `{<hash_tag>}<stream>`. Redis Cluster places a key by its `{...}` part only, so every
     /// stream with the same tag is on one node. `None`: the key is the stream name alone.
-    pub hash_tag: Option<RoutingTemplate>,
+    pub(crate) hash_tag: Option<RoutingTemplate>,
     /// After each pipeline, `WAIT N`: count its entries as acknowledged only once `N` replicas
     /// hold them (within half the timeout), else `Ambiguous` (published again). Redis
     /// replicates asynchronously, so without it a master killed right after acknowledging
     /// loses those entries when its replica takes over. `None`: no wait.
-    pub wait_replicas: Option<u32>,
+    pub(crate) wait_replicas: Option<u32>,
     /// What each entry holds: the outbox fields (default) or a CloudEvents event in binary
     /// (`ce-` fields, `content-type`, `data`) or structured (`content-type`, `data`) mode (URL
     /// options `envelope=` and `ce_source=`; see [`outbox_routing::envelope`]).
-    pub envelope: Envelope,
+    pub(crate) envelope: Envelope,
 }
 
 impl std::fmt::Debug for RedisConfig {
@@ -93,11 +105,14 @@ impl std::fmt::Debug for RedisConfig {
 }
 
 impl RedisConfig {
-    /// A configuration with the default timeout, no trimming and no payload limit.
-    pub fn new(url: impl Into<String>, stream: &str) -> Result<Self, Error> {
-        let config = Self {
+    /// A builder for the server at `url` (credentials allowed; they never appear in errors)
+    /// writing to `stream` (a routing template such as `outbox.{aggregate_type}`), starting
+    /// from the default timeout, no trimming, no payload limit, no cluster and the outbox
+    /// fields.
+    pub fn builder(url: impl Into<String>, stream: impl Into<String>) -> RedisConfigBuilder {
+        RedisConfigBuilder {
             url: url.into(),
-            stream: RoutingTemplate::parse(stream)?,
+            stream: stream.into(),
             maxlen: None,
             timeout: DEFAULT_TIMEOUT,
             max_payload: None,
@@ -107,9 +122,63 @@ impl RedisConfig {
             hash_tag: None,
             wait_replicas: None,
             envelope: Envelope::default(),
-        };
-        config.validate()?;
-        Ok(config)
+        }
+    }
+
+    /// The server URL (with its credentials: do not log it, see [`redact_url`]).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The stream key template of each message.
+    pub fn stream(&self) -> &RoutingTemplate {
+        &self.stream
+    }
+
+    /// Approximate length each stream is trimmed to, if any (see [`RedisConfigBuilder::maxlen`]).
+    pub fn maxlen(&self) -> Option<u64> {
+        self.maxlen
+    }
+
+    /// Connection and reply timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Largest payload accepted, in bytes, if limited (see [`RedisConfigBuilder::max_payload`]).
+    pub fn max_payload(&self) -> Option<usize> {
+        self.max_payload
+    }
+
+    /// Certificate files of a `rediss://` connection.
+    pub fn tls(&self) -> &RedisTls {
+        &self.tls
+    }
+
+    /// Whether the server is a Redis Cluster (see [`RedisConfigBuilder::cluster`]).
+    pub fn cluster(&self) -> bool {
+        self.cluster
+    }
+
+    /// The cluster's other seed nodes, `host:port` each.
+    pub fn seeds(&self) -> &[String] {
+        &self.seeds
+    }
+
+    /// The hash tag template that starts each stream key, if any (see
+    /// [`RedisConfigBuilder::hash_tag`]).
+    pub fn hash_tag(&self) -> Option<&RoutingTemplate> {
+        self.hash_tag.as_ref()
+    }
+
+    /// Replicas each pipeline waits for, if any (see [`RedisConfigBuilder::wait_replicas`]).
+    pub fn wait_replicas(&self) -> Option<u32> {
+        self.wait_replicas
+    }
+
+    /// What each entry holds (see [`RedisConfigBuilder::envelope`]).
+    pub fn envelope(&self) -> &Envelope {
+        &self.envelope
     }
 
     /// Parse `redis://[user:pass@]host:port[/db]?stream=...` (or `rediss://` for TLS).
@@ -144,11 +213,11 @@ impl RedisConfig {
     /// ```
     /// use outbox_publisher_redis::RedisConfig;
     /// let c = RedisConfig::from_url("redis://127.0.0.1:6379?stream=outbox.{aggregate_type}&maxlen=1000").unwrap();
-    /// assert_eq!(c.url, "redis://127.0.0.1:6379");
-    /// assert_eq!(c.maxlen, Some(1000));
+    /// assert_eq!(c.url(), "redis://127.0.0.1:6379");
+    /// assert_eq!(c.maxlen(), Some(1000));
     /// assert!(RedisConfig::from_url("redis://h?stream=s&colour=red").is_err());
     /// let c = RedisConfig::from_url("redis://h1:7000,h2:7001?stream=s&cluster=true").unwrap();
-    /// assert_eq!((c.url.as_str(), c.seeds[0].as_str()), ("redis://h1:7000", "h2:7001"));
+    /// assert_eq!((c.url(), c.seeds()[0].as_str()), ("redis://h1:7000", "h2:7001"));
     /// ```
     pub fn from_url(url: &str) -> Result<Self, Error> {
         let shown = redact_url(url);
@@ -247,7 +316,7 @@ impl RedisConfig {
 
     /// Check the values: a positive timeout, a positive `maxlen` and `max_payload` when set;
     /// seeds and database 0 only for a cluster.
-    pub fn validate(&self) -> Result<(), Error> {
+    pub(crate) fn validate(&self) -> Result<(), Error> {
         self.envelope.validate()?;
         if !self.seeds.is_empty() && !self.cluster {
             return Err(Error::invalid_input(
@@ -283,6 +352,135 @@ impl RedisConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// Builder of [`RedisConfig`] ([`RedisConfig::builder`]); [`RedisConfigBuilder::build`] checks
+/// every setting. `Debug` output shows the URL without its password.
+#[derive(Clone)]
+pub struct RedisConfigBuilder {
+    url: String,
+    stream: String,
+    maxlen: Option<u64>,
+    timeout: Duration,
+    max_payload: Option<usize>,
+    tls: RedisTls,
+    cluster: bool,
+    seeds: Vec<String>,
+    hash_tag: Option<String>,
+    wait_replicas: Option<u32>,
+    envelope: Envelope,
+}
+
+impl std::fmt::Debug for RedisConfigBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConfigBuilder")
+            .field("url", &redact_url(&self.url))
+            .field("stream", &self.stream)
+            .field("maxlen", &self.maxlen)
+            .field("timeout", &self.timeout)
+            .field("max_payload", &self.max_payload)
+            .field("tls", &self.tls)
+            .field("cluster", &self.cluster)
+            .field("seeds", &self.seeds)
+            .field("hash_tag", &self.hash_tag)
+            .field("wait_replicas", &self.wait_replicas)
+            .field("envelope", &self.envelope)
+            .finish()
+    }
+}
+
+impl RedisConfigBuilder {
+    /// Trim each stream to about this many entries (`MAXLEN ~ N`: Redis trims whole nodes, so a
+    /// stream may keep somewhat more). `None` (the default): no
+    /// trimming.
+    pub fn maxlen(mut self, maxlen: impl Into<Option<u64>>) -> Self {
+        self.maxlen = maxlen.into();
+        self
+    }
+
+    /// Connection and reply timeout; a batch returns within about this long. Default: 5 s
+    /// ([`DEFAULT_TIMEOUT`]).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Refuse (permanently) payloads larger than this many bytes. Redis itself takes up to
+    /// 512 MB, which would stall everyone; `None` (the default): no limit.
+    pub fn max_payload(mut self, max_payload: impl Into<Option<usize>>) -> Self {
+        self.max_payload = max_payload.into();
+        self
+    }
+
+    /// Certificate files of a `rediss://` connection.
+    pub fn tls(mut self, tls: RedisTls) -> Self {
+        self.tls = tls;
+        self
+    }
+
+    /// Talk to a Redis Cluster: the URL is one seed node, [`seeds`](Self::seeds)
+    /// the others; the cluster client learns the slot map from any seed that answers and
+    /// follows `MOVED`/`ASK` redirects and failovers. Default: off.
+    pub fn cluster(mut self, cluster: bool) -> Self {
+        self.cluster = cluster;
+        self
+    }
+
+    /// The cluster's other seed nodes, `host:port` each (the credentials and TLS of `url`
+    /// apply). Only with [`cluster`](Self::cluster).
+    pub fn seeds(mut self, seeds: Vec<String>) -> Self {
+        self.seeds = seeds;
+        self
+    }
+
+    /// A routing template whose value, in braces, starts each stream key:
+    /// `{<hash_tag>}<stream>`. Redis Cluster places a key by its `{...}` part only, so every
+    /// stream with the same tag is on one node. `None` (the default): the key is the stream name alone.
+    pub fn hash_tag(mut self, hash_tag: impl Into<Option<String>>) -> Self {
+        self.hash_tag = hash_tag.into();
+        self
+    }
+
+    /// After each pipeline, `WAIT N`: count its entries as acknowledged only once `N` replicas
+    /// hold them (within half the timeout), else `Ambiguous` (published again). Redis
+    /// replicates asynchronously, so without it a master killed right after acknowledging
+    /// loses those entries when its replica takes over. `None` (the default): no wait.
+    pub fn wait_replicas(mut self, wait_replicas: impl Into<Option<u32>>) -> Self {
+        self.wait_replicas = wait_replicas.into();
+        self
+    }
+
+    /// What each entry holds: the outbox fields (default) or a CloudEvents event in binary
+    /// (`ce-` fields, `content-type`, `data`) or structured (`content-type`, `data`) mode (URL
+    /// options `envelope=` and `ce_source=`; see [`outbox_routing::envelope`]).
+    pub fn envelope(mut self, envelope: Envelope) -> Self {
+        self.envelope = envelope;
+        self
+    }
+
+    /// Parse the templates and check every setting; [`Error::InvalidInput`] says which one to
+    /// fix.
+    pub fn build(self) -> Result<RedisConfig, Error> {
+        let config = RedisConfig {
+            url: self.url,
+            stream: RoutingTemplate::parse(&self.stream)?,
+            maxlen: self.maxlen,
+            timeout: self.timeout,
+            max_payload: self.max_payload,
+            tls: self.tls,
+            cluster: self.cluster,
+            seeds: self.seeds,
+            hash_tag: self
+                .hash_tag
+                .as_deref()
+                .map(RoutingTemplate::parse)
+                .transpose()?,
+            wait_replicas: self.wait_replicas,
+            envelope: self.envelope,
+        };
+        config.validate()?;
+        Ok(config)
     }
 }
 
@@ -400,5 +598,30 @@ mod tests {
             text.contains("maxlen") && !text.contains("s3cret"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_builder_checks_like_from_url_and_hides_the_password() {
+        let builder = RedisConfig::builder("redis://:s3cret@h:6379", "o.{aggregate_type}")
+            .hash_tag("{aggregate_type}".to_owned())
+            .wait_replicas(1);
+        assert!(!format!("{builder:?}").contains("s3cret"));
+        let c = builder.clone().build().unwrap();
+        assert_eq!(
+            c.hash_tag().map(RoutingTemplate::as_str),
+            Some("{aggregate_type}")
+        );
+        assert_eq!(c.wait_replicas(), Some(1));
+        assert!(!format!("{c:?}").contains("s3cret"));
+        for bad in [
+            builder.clone().wait_replicas(0),
+            builder.clone().timeout(Duration::ZERO),
+            builder.clone().hash_tag("{tenant}".to_owned()),
+            builder.seeds(vec!["h2:6379".into()]),
+        ] {
+            let err = bad.build().unwrap_err();
+            assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+            assert!(!err.to_string().contains("s3cret"), "{err}");
+        }
     }
 }

@@ -100,13 +100,13 @@
 //!
 //! # Use through `outbox` or directly
 //! Through the `outbox` facade (feature `redis`), a `redis://...` URL picks this publisher.
-//! Directly: depend on `outbox-publisher-redis`, build a [`RedisConfig`] (from a URL or in code)
+//! Directly: depend on `outbox-publisher-redis`, build a [`RedisConfig`] (from a URL, or in code with [`RedisConfig::builder`])
 //! and hand `RedisPublisher::connect(config).await?` to the relay as its `Publisher`.
 
 mod config;
 mod publisher;
 mod tls;
 
-pub use config::{RedisConfig, DEFAULT_TIMEOUT, URL_OPTIONS};
+pub use config::{RedisConfig, RedisConfigBuilder, DEFAULT_TIMEOUT, URL_OPTIONS};
 pub use publisher::RedisPublisher;
 pub use tls::RedisTls;

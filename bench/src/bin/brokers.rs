@@ -150,11 +150,11 @@ impl Settings {
     /// (batch ≥ keys when keys interleave) even hurts with 2+ in flight: every other claim finds
     /// each key's head leased and scans the whole backlog for nothing.
     fn relay(&self) -> RelayConfig {
-        RelayConfig {
-            batch_size: Some(self.batch.unwrap_or(500)),
-            concurrency: self.concurrency.unwrap_or(2),
-            ..RelayConfig::default()
-        }
+        RelayConfig::builder()
+            .batch_size(self.batch.unwrap_or(500))
+            .concurrency(self.concurrency.unwrap_or(2))
+            .build()
+            .unwrap()
     }
 }
 
@@ -534,8 +534,8 @@ async fn drain(
     };
     let settings = format!(
         "{relays}batch {}, {} batches in flight, {retention}{broker_settings}",
-        relay_config.batch_size.unwrap_or(500),
-        relay_config.concurrency
+        relay_config.batch_size().unwrap_or(500),
+        relay_config.concurrency()
     );
     let publisher: Arc<dyn Publisher> = Arc::new(publisher);
     // Several relays on one store, as several relay processes would be: their claims run

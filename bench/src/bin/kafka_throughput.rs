@@ -23,17 +23,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (total, keys, batch, concurrency) =
         (arg(1, 100_000), arg(2, 1000), arg(3, 1000), arg(4, 4));
     let topic = format!("outbox-bench-{}", Uuid::new_v4().simple());
-    let mut config = KafkaConfig::new(&brokers).with_topic(&topic)?;
+    let mut config = KafkaConfig::builder(&brokers).topic(&topic);
     // Extra librdkafka properties as OUTBOX_KAFKA_PROPS="linger.ms=1,batch.size=1000000".
     for pair in std::env::var("OUTBOX_KAFKA_PROPS")
         .unwrap_or_default()
         .split(',')
     {
         if let Some((k, v)) = pair.split_once('=') {
-            config = config.with_property(k.trim(), v.trim());
+            config = config.property(k.trim(), v.trim());
         }
     }
-    let publisher = KafkaPublisher::new(config)?;
+    let publisher = KafkaPublisher::new(config.build()?)?;
     let messages = throughput_messages(total, keys);
     // Warm up: connect and learn the topic's metadata (auto-created on first use).
     let warm = publisher.publish(&messages[..1]).await;

@@ -189,23 +189,23 @@ impl Opts {
 
     fn relay(&self) -> RelayConfig {
         let defaults = RelayConfig::default();
-        RelayConfig {
+        RelayConfig::builder()
             // Unset: the store's choice (Postgres: 2,000 and 2 shards), as for a user.
-            batch_size: self.batch,
-            concurrency: self.concurrency.unwrap_or(defaults.concurrency),
-            claim_shards: self.claim_shards,
-            ..defaults
-        }
+            .batch_size(self.batch)
+            .concurrency(self.concurrency.unwrap_or(defaults.concurrency()))
+            .claim_shards(self.claim_shards)
+            .build()
+            .unwrap()
     }
 
     fn relay_settings(&self) -> String {
         let c = self.relay();
         format!(
             "batch {}, {} in flight{}, order + fencing on{}",
-            c.batch_size
+            c.batch_size()
                 .map_or("chosen by the store".to_owned(), |n| n.to_string()),
-            c.concurrency,
-            match c.claim_shards {
+            c.concurrency(),
+            match c.claim_shards() {
                 Some(n) if n > 1 => format!(", {n} claim shards"),
                 Some(_) => String::new(),
                 None => ", claim shards chosen by the store".to_owned(),

@@ -492,25 +492,24 @@ async fn relay(points: Arc<Failpoints>) -> Result<(), BoxError> {
         ),
         None => None,
     };
-    let mut config = RelayConfig {
-        batch_size: Some(batch_size),
+    let mut config = RelayConfig::builder()
+        .batch_size(batch_size)
         // One batch in flight: at a failpoint exactly one batch is unfinished.
-        concurrency: 1,
+        .concurrency(1)
         // One claim over every key, not the store's choice (Postgres shards): the tests count
         // failpoint hits in batches of consecutive seqs.
-        claim_shards: Some(1),
-        ..RelayConfig::default()
-    };
+        .claim_shards(1);
     if let Some(ms) = optional_env(crash::LEASE_MS) {
         let ms: u64 = ms
             .parse()
             .map_err(|_| format!("{}={ms:?} is not a number", crash::LEASE_MS))?;
-        config.lease = Duration::from_millis(ms);
+        config = config.lease(Duration::from_millis(ms));
     }
     if poison.is_some() {
         // The poison message's key goes on past it once it is dead.
-        config.head_policy = HeadPolicy::Skip;
+        config = config.head_policy(HeadPolicy::Skip);
     }
+    let config = config.build()?;
     let store = FailpointStore {
         inner: store,
         points: points.clone(),

@@ -780,11 +780,10 @@ pub async fn serve(args: &[String]) -> Result<(), Error> {
                 .await?
                 .migrate()
                 .await?;
-            let config = RelayConfig {
-                batch_size: Some(20),
-                lease: Duration::from_secs(2),
-                ..RelayConfig::default()
-            };
+            let config = RelayConfig::builder()
+                .batch_size(20)
+                .lease(Duration::from_secs(2))
+                .build()?;
             println!("ready");
             run_relay(url, &names, broker, config, shutdown.cancelled_owned()).await?;
         }
