@@ -262,6 +262,9 @@ pub struct RedisCluster {
     dir: TempDir,
     /// Port of each node on 127.0.0.1.
     pub ports: Vec<u16>,
+    /// Cluster bus port of each node: a free port of its own, not Redis's default of the node's
+    /// port + 10,000, which another program (e.g. a second test's cluster) may hold.
+    bus_ports: Vec<u16>,
 }
 
 /// One line of `CLUSTER NODES`.
@@ -301,11 +304,13 @@ impl RedisCluster {
             .prefix("outbox-redis-cluster-")
             .tempdir()?;
         let ports = (0..6).map(|_| free_port()).collect::<Result<Vec<_>, _>>()?;
+        let bus_ports = (0..6).map(|_| free_port()).collect::<Result<Vec<_>, _>>()?;
         let mut cluster = Self {
             nodes: (0..6).map(|_| None).collect(),
             server,
             dir,
             ports,
+            bus_ports,
         };
         for i in 0..6 {
             cluster.spawn(i)?;
@@ -337,6 +342,7 @@ impl RedisCluster {
             Command::new(self.server)
                 .args(["--port", &p, "--bind", "127.0.0.1"])
                 .args(["--cluster-enabled", "yes"])
+                .args(["--cluster-port", &self.bus_ports[i].to_string()])
                 // Kept in the directory, so a restarted node rejoins as the node it was.
                 .args(["--cluster-config-file", &format!("nodes-{p}.conf")])
                 // A killed master is noticed (and its replica promoted) within seconds.
