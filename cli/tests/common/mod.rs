@@ -10,6 +10,7 @@ use serde_json::Value;
 use tokio::process::{Child, Command};
 
 pub mod fleet;
+pub mod many;
 
 /// Errors of test code: any error is a failure report.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
