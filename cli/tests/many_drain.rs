@@ -9,7 +9,7 @@ mod common;
 
 use std::collections::{BTreeMap, HashSet};
 
-use common::many::{drain, drop_schemas, message, summary, Outbox};
+use common::many::{by_outbox, drain, drop_schemas, get, message, summary, until_http, Outbox};
 use common::BoxError;
 use outbox::NewMessage;
 use outbox_conformance_tests::env::service_url;
@@ -272,11 +272,13 @@ store = "sqlite://{file}"
     drop_schemas(&pool, &[good]).await
 }
 
-/// SIGTERM stops a drain of several outboxes gracefully: one outbox is drained, another waits
-/// for a message a second relay holds (for ten minutes); the stop ends the wait, and the drain
-/// exits 0 with its summary.
+/// A drain of several outboxes with a metrics address serves `/metrics` and readiness as `run`
+/// does, each outbox under its label, while it drains; SIGTERM stops it gracefully. One outbox
+/// is drained, another waits for messages a second relay holds (for ten minutes): meanwhile
+/// the endpoint shows the first's publications and the second's leased messages, each under
+/// its own name; the stop ends the wait, and the drain exits 0 with its summary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_stops_a_drain_of_several_outboxes() -> TestResult {
+async fn a_drain_of_several_outboxes_serves_metrics_and_stops_on_sigterm() -> TestResult {
     use outbox::sqlite::{SqliteConfig, SqliteStore};
     use outbox::{ClaimRequest, HeadPolicy, OutboxStore};
     use tokio::io::{AsyncBufReadExt, BufReader};
@@ -297,12 +299,15 @@ async fn sigterm_stops_a_drain_of_several_outboxes() -> TestResult {
         })
         .await?;
     assert_eq!(claim.messages.len(), N);
+    let metrics = format!("127.0.0.1:{}", free_port()?);
     let config = dir.path().join("relay.toml");
     std::fs::write(
         &config,
         format!(
             r#"
 broker = "stdout://"
+metrics_addr = "{metrics}"
+gauges_every = "100ms"
 
 [[outbox]]
 name = "free"
@@ -336,6 +341,28 @@ store = "sqlite://{held}"
         Err::<(), BoxError>(format!("the drain ended before `free` was drained:\n{stderr}").into())
     };
     tokio::time::timeout(common::GUARD, drained).await??;
+    // While `held` waits: each outbox's metrics under its own label.
+    let text = until_http(&metrics, "/metrics", "both outboxes' figures", |_, body| {
+        by_outbox(body, "outbox_leased_messages").get("held") == Some(&(N as f64))
+            && by_outbox(body, "outbox_store_up").len() == 2
+    })
+    .await?;
+    assert_eq!(
+        by_outbox(&text, "outbox_published_total"),
+        BTreeMap::from([("free".to_owned(), N as f64)]),
+        "{text}"
+    );
+    assert_eq!(
+        by_outbox(&text, "outbox_leased_messages").get("free"),
+        Some(&0.0),
+        "{text}"
+    );
+    let (code, body) = get(&metrics, "/health/ready").await?;
+    let ready: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(code, 200, "{body}");
+    for outbox in ["free", "held"] {
+        assert_eq!(ready["outboxes"][outbox]["status"], "ready", "{body}");
+    }
     common::sigterm(&child).await?;
     let rest = async {
         while let Some(line) = lines.next_line().await? {
