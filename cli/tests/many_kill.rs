@@ -31,7 +31,7 @@ use common::many::{drain, drop_schemas, keyed, Outbox, Relay};
 use common::{nats_subscription, BoxError};
 use outbox::NewMessage;
 use outbox_conformance_tests::env::service_url;
-use outbox_e2e::{check_delivery, unique_suffix, Expected};
+use outbox_e2e::{check_delivery, unique_suffix};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -183,18 +183,7 @@ store = "sqlite://{file}"
     for (name, w) in &all {
         let outbox = &outboxes[name];
         let stored = outbox.payloads().await?;
-        let expected: Vec<Expected> = w
-            .committed
-            .iter()
-            .map(|m| Expected {
-                id: m.id.to_string(),
-                key: m.partition_key.clone(),
-                payload: stored
-                    .get(&m.id.to_string())
-                    .map(|p| p.as_bytes().to_vec())
-                    .unwrap_or_default(),
-            })
-            .collect();
+        let expected = common::expected(&w.committed, &stored);
         let received = outbox_e2e::nats::read_stream(&nats, name).await?;
         let leaked = received
             .iter()
