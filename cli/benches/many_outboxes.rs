@@ -1,5 +1,7 @@
 //! One relay over many outboxes against one relay process per outbox, side by side in one run,
-//! on the Postgres and NATS of `OUTBOX_TEST_POSTGRES_URL` and `OUTBOX_TEST_NATS_URL`:
+//! on a private Postgres the bench starts (a hundred relay processes need several hundred
+//! connections; `OUTBOX_TEST_POSTGRES_URL` when PostgreSQL is not installed) and the NATS of
+//! `OUTBOX_TEST_NATS_URL`:
 //!
 //! ```text
 //! cargo bench -p outbox-cli --bench many_outboxes              # 1, 10 and 100 outboxes
@@ -470,8 +472,27 @@ async fn backlog(
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let pg = std::env::var("OUTBOX_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    // A private server: a hundred relay processes hold several hundred connections, more than
+    // the shared server allows (100), and other jobs' queries stay out of the figures.
+    let private = outbox_conformance_tests::servers::PostgresCluster::start(
+        outbox_conformance_tests::servers::PostgresSetup {
+            conf: "max_connections = 800\nshared_buffers = 256MB".into(),
+            ..Default::default()
+        },
+    )?;
+    let pg = match &private {
+        Some(cluster) => format!("postgres://postgres@127.0.0.1:{}/postgres", cluster.port()),
+        None => std::env::var("OUTBOX_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+    };
+    println!(
+        "Postgres: {}",
+        if private.is_some() {
+            "a private server started by the bench (max_connections 800, fsync off)"
+        } else {
+            "OUTBOX_TEST_POSTGRES_URL (no PostgreSQL binaries for a private one)"
+        }
+    );
     let nats =
         std::env::var("OUTBOX_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
     let pool = sqlx::postgres::PgPoolOptions::new()
