@@ -37,10 +37,29 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 const RATE: u64 = 500;
 
+/// A free port for a relay's metrics, below Linux's ephemeral range (32768 up): a port the
+/// kernel handed out for the probe could be handed again to one of the hundred relays'
+/// outgoing connections before the relay meant for it binds it.
 fn free_port() -> Result<u16, BoxError> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    if NEXT.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        let start = 20_000 + (std::process::id() % 5_000) as u16;
+        let _ = NEXT.compare_exchange(
+            0,
+            start,
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+    loop {
+        let port = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if port >= 32_000 {
+            return Err("no free port below 32000".into());
+        }
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
 }
 
 async fn get(addr: &str, path: &str) -> Result<String, BoxError> {
@@ -53,6 +72,14 @@ async fn get(addr: &str, path: &str) -> Result<String, BoxError> {
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default())
+}
+
+/// Where the relay serving metrics on `metrics` logs.
+fn log_of(metrics: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!(
+        "many-outboxes-relay-{}.log",
+        metrics.replace(':', "_")
+    ))
 }
 
 /// The sum of `outbox_claim_seconds_count` samples on a relay's endpoint.
@@ -86,6 +113,8 @@ struct Relays {
 }
 
 impl Relays {
+    /// A relay with `args` serving metrics on `metrics`; its warnings go to a log file named
+    /// after the address (printed by [`Relays::check`] if it exits).
     fn spawn(args: &[String], metrics: String) -> Result<Child, BoxError> {
         Ok(Command::new(BIN)
             .args(args)
@@ -95,9 +124,21 @@ impl Relays {
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(log_of(&metrics))?)
             .kill_on_drop(true)
             .spawn()?)
+    }
+
+    /// Fail if a relay exited (a metrics port taken between `free_port` and its bind, say):
+    /// the figures would be those of fewer relays, and its outbox would never drain.
+    fn check(&mut self) -> Result<(), BoxError> {
+        for (child, metrics) in self.children.iter_mut().zip(&self.metrics) {
+            if let Some(status) = child.try_wait()? {
+                let log = std::fs::read_to_string(log_of(metrics)).unwrap_or_default();
+                return Err(format!("a relay exited at start-up ({status}):\n{log}").into());
+            }
+        }
+        Ok(())
     }
 
     async fn claims(&self) -> f64 {
@@ -236,7 +277,7 @@ async fn compare(pg: &str, nats: &str, pool: &sqlx::PgPool, n: usize) -> Result<
     .await?;
     let broker = format!("{nats}?subject={p}.{{outbox}}.{{event_type}}&stream={p}");
     for mode in ["one relay", "one per outbox"] {
-        let relays = if mode == "one relay" {
+        let mut relays = if mode == "one relay" {
             let dir = std::env::temp_dir().join(format!("{p}.toml"));
             std::fs::write(
                 &dir,
@@ -266,6 +307,7 @@ async fn compare(pg: &str, nats: &str, pool: &sqlx::PgPool, n: usize) -> Result<
         };
         // Settle, then idle cost over 5 s.
         tokio::time::sleep(Duration::from_secs(3)).await;
+        relays.check()?;
         let (c0, t0, at) = (relays.claims().await, relays.cpu(), Instant::now());
         tokio::time::sleep(Duration::from_secs(5)).await;
         let secs = at.elapsed().as_secs_f64();
