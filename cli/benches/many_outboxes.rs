@@ -1,9 +1,12 @@
 //! One relay over many outboxes against one relay process per outbox, side by side in one run,
-//! on the Postgres and NATS of `OUTBOX_TEST_POSTGRES_URL` and `OUTBOX_TEST_NATS_URL`:
+//! on a private Postgres the bench starts (a hundred relay processes need several hundred
+//! connections; `OUTBOX_TEST_POSTGRES_URL` when PostgreSQL is not installed) and the NATS of
+//! `OUTBOX_TEST_NATS_URL`:
 //!
 //! ```text
 //! cargo bench -p outbox-cli --bench many_outboxes              # 1, 10 and 100 outboxes
 //! cargo bench -p outbox-cli --bench many_outboxes -- backlog   # 200,000 rows beside 5 small tenants
+//! cargo bench -p outbox-cli --bench many_outboxes -- backlog streams=own big_batch=500
 //! ```
 //!
 //! For each count: idle cost (claims per second, from the relays' own `outbox_claim_seconds`
@@ -11,6 +14,13 @@
 //! then the same total rate (500 messages a second spread over the outboxes) for 10 s:
 //! messages delivered per second and commit-to-receipt p99; then a 20,000-message backlog spread
 //! over the outboxes: drain throughput.
+//!
+//! `backlog`: one relay over a 200,000-row tenant and five tenants writing a message a second
+//! each; the small tenants' commit-to-receipt p50/p99/max, and from the relay's own histograms
+//! the mean claim and publish call of the small tenants and of the large one. By default three
+//! variants one after the other: one JetStream stream for all tenants, a stream per tenant, and
+//! the large tenant's batch at 500 instead of the store's 2,000; `streams=own|shared` and
+//! `big_batch=N` run one.
 
 use std::collections::HashMap;
 use std::process::Stdio;
@@ -27,10 +37,29 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 const RATE: u64 = 500;
 
+/// A free port for a relay's metrics, below Linux's ephemeral range (32768 up): a port the
+/// kernel handed out for the probe could be handed again to one of the hundred relays'
+/// outgoing connections before the relay meant for it binds it.
 fn free_port() -> Result<u16, BoxError> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+    if NEXT.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        let start = 20_000 + (std::process::id() % 5_000) as u16;
+        let _ = NEXT.compare_exchange(
+            0,
+            start,
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+    loop {
+        let port = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if port >= 32_000 {
+            return Err("no free port below 32000".into());
+        }
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
 }
 
 async fn get(addr: &str, path: &str) -> Result<String, BoxError> {
@@ -43,6 +72,14 @@ async fn get(addr: &str, path: &str) -> Result<String, BoxError> {
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default())
+}
+
+/// Where the relay serving metrics on `metrics` logs.
+fn log_of(metrics: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!(
+        "many-outboxes-relay-{}.log",
+        metrics.replace(':', "_")
+    ))
 }
 
 /// The sum of `outbox_claim_seconds_count` samples on a relay's endpoint.
@@ -76,6 +113,8 @@ struct Relays {
 }
 
 impl Relays {
+    /// A relay with `args` serving metrics on `metrics`; its warnings go to a log file named
+    /// after the address (printed by [`Relays::check`] if it exits).
     fn spawn(args: &[String], metrics: String) -> Result<Child, BoxError> {
         Ok(Command::new(BIN)
             .args(args)
@@ -85,9 +124,21 @@ impl Relays {
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(log_of(&metrics))?)
             .kill_on_drop(true)
             .spawn()?)
+    }
+
+    /// Fail if a relay exited (a metrics port taken between `free_port` and its bind, say):
+    /// the figures would be those of fewer relays, and its outbox would never drain.
+    fn check(&mut self) -> Result<(), BoxError> {
+        for (child, metrics) in self.children.iter_mut().zip(&self.metrics) {
+            if let Some(status) = child.try_wait()? {
+                let log = std::fs::read_to_string(log_of(metrics)).unwrap_or_default();
+                return Err(format!("a relay exited at start-up ({status}):\n{log}").into());
+            }
+        }
+        Ok(())
     }
 
     async fn claims(&self) -> f64 {
@@ -226,7 +277,7 @@ async fn compare(pg: &str, nats: &str, pool: &sqlx::PgPool, n: usize) -> Result<
     .await?;
     let broker = format!("{nats}?subject={p}.{{outbox}}.{{event_type}}&stream={p}");
     for mode in ["one relay", "one per outbox"] {
-        let relays = if mode == "one relay" {
+        let mut relays = if mode == "one relay" {
             let dir = std::env::temp_dir().join(format!("{p}.toml"));
             std::fs::write(
                 &dir,
@@ -256,6 +307,7 @@ async fn compare(pg: &str, nats: &str, pool: &sqlx::PgPool, n: usize) -> Result<
         };
         // Settle, then idle cost over 5 s.
         tokio::time::sleep(Duration::from_secs(3)).await;
+        relays.check()?;
         let (c0, t0, at) = (relays.claims().await, relays.cpu(), Instant::now());
         tokio::time::sleep(Duration::from_secs(5)).await;
         let secs = at.elapsed().as_secs_f64();
@@ -298,8 +350,57 @@ async fn compare(pg: &str, nats: &str, pool: &sqlx::PgPool, n: usize) -> Result<
     Ok(())
 }
 
-/// A 200,000-row backlog beside five tenants writing one message a second each.
-async fn backlog(pg: &str, nats: &str, pool: &sqlx::PgPool) -> Result<(), BoxError> {
+/// How the backlog case is set up.
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    /// One JetStream stream per outbox (else one stream for all, as in the other cases).
+    own_streams: bool,
+    /// The large tenant's batch size (else the store's choice).
+    big_batch: Option<usize>,
+}
+
+impl std::fmt::Display for Variant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let streams = if self.own_streams { "own" } else { "shared" };
+        write!(f, "streams={streams}")?;
+        match self.big_batch {
+            Some(b) => write!(f, " big_batch={b}"),
+            None => write!(f, " big_batch=default"),
+        }
+    }
+}
+
+/// Sum of `metric` samples whose labels hold one of `outboxes`.
+fn metric_sum(text: &str, metric: &str, outboxes: &[String]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(metric) && l[metric.len()..].starts_with('{'))
+        .filter(|l| {
+            outboxes
+                .iter()
+                .any(|o| l.contains(&format!("outbox=\"{o}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// The mean of histogram `name` over `outboxes`' samples on the endpoint's text.
+fn mean(text: &str, name: &str, outboxes: &[String]) -> Duration {
+    let count = metric_sum(text, &format!("{name}_count"), outboxes);
+    let sum = metric_sum(text, &format!("{name}_sum"), outboxes);
+    if count > 0.0 {
+        Duration::from_secs_f64(sum / count)
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// A `ROWS`-row backlog beside five tenants writing one message a second each.
+async fn backlog(
+    pg: &str,
+    nats: &str,
+    pool: &sqlx::PgPool,
+    variant: Variant,
+) -> Result<(), BoxError> {
     const ROWS: usize = 200_000;
     let p = format!("bb{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
     let big = format!("{p}_big");
@@ -312,25 +413,44 @@ async fn backlog(pg: &str, nats: &str, pool: &sqlx::PgPool) -> Result<(), BoxErr
     }
     enqueue(pool, &big, ROWS).await?;
     let js = async_nats::jetstream::new(async_nats::connect(nats).await?);
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: p.clone(),
-        subjects: vec![format!("{p}.>")],
-        storage: async_nats::jetstream::stream::StorageType::Memory,
-        ..Default::default()
-    })
-    .await?;
+    let streams: Vec<(String, String)> = if variant.own_streams {
+        small
+            .iter()
+            .chain([&big])
+            .map(|s| (s.clone(), format!("{p}.{s}.>")))
+            .collect()
+    } else {
+        vec![(p.clone(), format!("{p}.>"))]
+    };
+    for (name, subjects) in &streams {
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![subjects.clone()],
+            storage: async_nats::jetstream::stream::StorageType::Memory,
+            ..Default::default()
+        })
+        .await?;
+    }
     let arrivals = listen(nats, format!("{p}.>")).await?;
-    let broker = format!("{nats}?subject={p}.{{outbox}}.{{event_type}}&stream={p}");
+    let stream = if variant.own_streams { "{outbox}" } else { &p };
+    let broker = format!("{nats}?subject={p}.{{outbox}}.{{event_type}}&stream={stream}");
     let path = std::env::temp_dir().join(format!("{p}.toml"));
+    let big_batch = variant
+        .big_batch
+        .map(|b| format!("batch_size = {b}\n"))
+        .unwrap_or_default();
     std::fs::write(
         &path,
-        format!("broker = \"{broker}\"\n[[outbox]]\nstore = \"{pg}\"\nschemas = \"{p}_*\"\n"),
+        format!(
+            "broker = \"{broker}\"\n[[outbox]]\nname = \"{big}\"\nstore = \"{pg}\"\n\
+             schema = \"{big}\"\n{big_batch}[[outbox]]\nstore = \"{pg}\"\nschemas = \"{p}_s*\"\n"
+        ),
     )?;
     let m = format!("127.0.0.1:{}", free_port()?);
     let relay = Relays::spawn(&["--config".into(), path.display().to_string()], m.clone())?;
     let relays = Relays {
         children: vec![relay],
-        metrics: vec![m],
+        metrics: vec![m.clone()],
     };
     let start = Instant::now();
     // Five tenants, one message a second each, until the backlog is drained.
@@ -362,19 +482,28 @@ async fn backlog(pg: &str, nats: &str, pool: &sqlx::PgPool) -> Result<(), BoxErr
             .filter_map(|(id, at)| map.get(id).map(|r| r.saturating_duration_since(*at)))
             .collect()
     };
+    let text = get(&m, "/metrics").await.unwrap_or_default();
     let n = lat.len();
     let mut sorted = lat.clone();
     sorted.sort();
     println!(
-        "{ROWS}-row backlog drained in {took:.1?} ({:.0} msg/s) beside 5 tenants at 1 msg/s: \
-         {n} small messages, commit-to-receipt p50 {:.1?}, p99 {:.1?}, max {:.1?}",
+        "{variant}: {ROWS}-row backlog drained in {took:.1?} ({:.0} msg/s) beside 5 tenants at \
+         1 msg/s: {n} small messages, commit-to-receipt p50 {:.1?}, p99 {:.1?}, max {:.1?}; \
+         small tenants' mean claim {:.1?}, publish {:.1?}; large tenant's mean claim {:.1?}, \
+         publish {:.1?}",
         ROWS as f64 / took.as_secs_f64(),
         sorted.get(n / 2).copied().unwrap_or_default(),
         p99(lat),
         sorted.last().copied().unwrap_or_default(),
+        mean(&text, "outbox_claim_seconds", &small),
+        mean(&text, "outbox_publish_seconds", &small),
+        mean(&text, "outbox_claim_seconds", std::slice::from_ref(&big)),
+        mean(&text, "outbox_publish_seconds", std::slice::from_ref(&big)),
     );
     relays.stop().await;
-    js.delete_stream(&p).await?;
+    for (name, _) in &streams {
+        js.delete_stream(name).await?;
+    }
     for s in small.iter().chain([&big]) {
         sqlx::query(&format!("DROP SCHEMA \"{s}\" CASCADE"))
             .execute(pool)
@@ -385,8 +514,27 @@ async fn backlog(pg: &str, nats: &str, pool: &sqlx::PgPool) -> Result<(), BoxErr
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let pg = std::env::var("OUTBOX_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    // A private server: a hundred relay processes hold several hundred connections, more than
+    // the shared server allows (100), and other jobs' queries stay out of the figures.
+    let private = outbox_conformance_tests::servers::PostgresCluster::start(
+        outbox_conformance_tests::servers::PostgresSetup {
+            conf: "max_connections = 800\nshared_buffers = 256MB".into(),
+            ..Default::default()
+        },
+    )?;
+    let pg = match &private {
+        Some(cluster) => format!("postgres://postgres@127.0.0.1:{}/postgres", cluster.port()),
+        None => std::env::var("OUTBOX_TEST_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+    };
+    println!(
+        "Postgres: {}",
+        if private.is_some() {
+            "a private server started by the bench (max_connections 800, fsync off)"
+        } else {
+            "OUTBOX_TEST_POSTGRES_URL (no PostgreSQL binaries for a private one)"
+        }
+    );
     let nats =
         std::env::var("OUTBOX_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
     let pool = sqlx::postgres::PgPoolOptions::new()
@@ -395,7 +543,42 @@ async fn main() -> Result<(), BoxError> {
         .await?;
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "backlog") {
-        return backlog(&pg, &nats, &pool).await;
+        // `streams=own` and `big_batch=N` pick one variant; without them, the variants side
+        // by side.
+        let own = args
+            .iter()
+            .find_map(|a| a.strip_prefix("streams="))
+            .map(|s| s == "own");
+        let batch = args
+            .iter()
+            .find_map(|a| a.strip_prefix("big_batch="))
+            .map(str::parse)
+            .transpose()?;
+        let variants = if own.is_some() || batch.is_some() {
+            vec![Variant {
+                own_streams: own.unwrap_or(false),
+                big_batch: batch,
+            }]
+        } else {
+            vec![
+                Variant {
+                    own_streams: false,
+                    big_batch: None,
+                },
+                Variant {
+                    own_streams: true,
+                    big_batch: None,
+                },
+                Variant {
+                    own_streams: false,
+                    big_batch: Some(500),
+                },
+            ]
+        };
+        for variant in variants {
+            backlog(&pg, &nats, &pool, variant).await?;
+        }
+        return Ok(());
     }
     let counts: Vec<usize> = args
         .iter()

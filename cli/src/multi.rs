@@ -30,7 +30,8 @@
 //!
 //! `outbox-relay drain` and `status` work on the same outboxes (a pattern's schemas looked up
 //! once). A drain retries nothing: an outbox that fails stops alone, the others drain on, and
-//! the command fails naming it.
+//! the command fails naming it. With a metrics address, a drain serves the same endpoints as
+//! `run`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -365,8 +366,9 @@ struct SlotState {
 struct Slot {
     /// Which `[[outbox]]` table it came from, and its schema for a pattern's.
     origin: usize,
-    stop: watch::Sender<bool>,
-    task: JoinHandle<RelayStats>,
+    /// Its relay's stop signal and task; `None` for an outbox of a drain, whose task the drain
+    /// owns.
+    run: Option<(watch::Sender<bool>, JoinHandle<RelayStats>)>,
     state: Arc<Mutex<SlotState>>,
 }
 
@@ -504,22 +506,42 @@ impl Fleet {
 
     /// Stop the outbox `name` and wait for its relay to finish.
     async fn stop(&self, name: &str) -> Option<RelayStats> {
-        let slot = lock(&self.slots).remove(name)?;
-        let _ = slot.stop.send(true);
-        slot.task.await.ok()
+        let (stop, task) = lock(&self.slots).remove(name)?.run?;
+        let _ = stop.send(true);
+        task.await.ok()
     }
 
     /// Stop every outbox at once and wait for them: their stats by name.
     async fn stop_all(&self) -> BTreeMap<String, RelayStats> {
         let slots = std::mem::take(&mut *lock(&self.slots));
-        for slot in slots.values() {
-            let _ = slot.stop.send(true);
-        }
+        let runs: Vec<(String, JoinHandle<RelayStats>)> = slots
+            .into_iter()
+            .filter_map(|(name, slot)| {
+                let (stop, task) = slot.run?;
+                let _ = stop.send(true);
+                Some((name, task))
+            })
+            .collect();
         let mut stats = BTreeMap::new();
-        for (name, slot) in slots {
-            stats.insert(name, slot.task.await.unwrap_or_default());
+        for (name, task) in runs {
+            stats.insert(name, task.await.unwrap_or_default());
         }
         stats
+    }
+
+    /// Track the outbox `name` of a drain, for readiness and the gauges: the state its drain
+    /// task keeps up to date.
+    fn track(&self, name: String) -> Arc<Mutex<SlotState>> {
+        let state = Arc::new(Mutex::new(SlotState::default()));
+        lock(&self.slots).insert(
+            name,
+            Slot {
+                origin: usize::MAX,
+                run: None,
+                state: state.clone(),
+            },
+        );
+        state
     }
 }
 
@@ -707,8 +729,7 @@ impl Fleet {
             name,
             Slot {
                 origin,
-                stop,
-                task,
+                run: Some((stop, task)),
                 state,
             },
         );
@@ -810,33 +831,7 @@ pub async fn run(
     let shared = Arc::new(Shared::new(migrate));
     let fleet = Fleet::default();
     let (stop_tx, stop_rx) = watch::channel(false);
-    let mut tasks = Vec::new();
-    if let Some(addr) = effective.metrics_addr {
-        let handle = crate::metrics_recorder()?;
-        let heartbeat =
-            crate::http::Heartbeat::new(effective.gauges_every * 3 + effective.ready_timeout);
-        heartbeat.beat();
-        let probe = crate::http::Probe {
-            ready: crate::http::Ready::Many(fleet.clone()),
-            timeout: effective.ready_timeout,
-            metrics: handle,
-            heartbeat,
-        };
-        tasks.push(crate::http::serve(addr, probe.clone()).await?);
-        let every = effective.gauges_every;
-        tasks.push(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                probe.heartbeat.beat();
-                probe.metrics.run_upkeep();
-                if let crate::http::Ready::Many(fleet) = &probe.ready {
-                    fleet.gauges(probe.timeout).await;
-                }
-            }
-        }));
-    }
+    let mut tasks = serve_metrics(effective, &fleet).await?;
     if let Some(age) = effective.purge_older_than {
         let fleet = fleet.clone();
         let every = effective.purge_every;
@@ -888,6 +883,37 @@ pub async fn run(
     Ok(())
 }
 
+/// With a metrics address: install the exporter, serve `/metrics` and the health endpoints of
+/// `fleet` there, and refresh its gauges every `gauges_every`. The tasks, to abort at the end.
+async fn serve_metrics(effective: &Effective, fleet: &Fleet) -> Result<Vec<JoinHandle<()>>, Error> {
+    let Some(addr) = effective.metrics_addr else {
+        return Ok(Vec::new());
+    };
+    let handle = crate::metrics_recorder()?;
+    let heartbeat =
+        crate::http::Heartbeat::new(effective.gauges_every * 3 + effective.ready_timeout);
+    heartbeat.beat();
+    let probe = crate::http::Probe {
+        ready: crate::http::Ready::Many(fleet.clone()),
+        timeout: effective.ready_timeout,
+        metrics: handle,
+        heartbeat,
+    };
+    let server = crate::http::serve(addr, probe.clone()).await?;
+    let (every, fleet) = (effective.gauges_every, fleet.clone());
+    let gauges = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            probe.heartbeat.beat();
+            probe.metrics.run_upkeep();
+            fleet.gauges(probe.timeout).await;
+        }
+    });
+    Ok(vec![server, gauges])
+}
+
 /// One outbox to work on: its name, its `[[outbox]]` table, and its schema for a pattern's.
 type Target = (String, Arc<OutboxSpec>, Option<String>);
 
@@ -935,39 +961,51 @@ async fn targets(
     (targets, errors)
 }
 
-/// Drain one outbox: open its store and broker, relay until nothing is left to claim (as the
-/// single-outbox `drain` does, waiting for what other relays hold) or `stop`, then purge once if
-/// asked. Its stats, or the error that stopped it.
+/// Drain one outbox: open its store and broker (recorded in `state`, for readiness and the
+/// gauges), relay until nothing is left to claim (as the single-outbox `drain` does, waiting for
+/// what other relays hold) or `stop`, then purge once if asked. Its stats, or the error that
+/// stopped it (also recorded in `state`).
 async fn drain_one(
     shared: Arc<Shared>,
     (name, spec, schema): Target,
     purge: Option<Duration>,
+    state: Arc<Mutex<SlotState>>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<RelayStats, Error> {
-    let (store, admin) = shared.open(&spec, schema.as_deref()).await?;
-    let broker_url = spec.broker_for(&name, schema.as_deref());
-    let publisher = shared.broker(&broker_url).await?;
-    let relay = Relay::new(store, publisher, spec.relay.clone())?.for_outbox(name.clone());
-    tracing::info!(target: TARGET, outbox = %name, broker = %mask_url(&broker_url),
-                   "outbox drain started");
-    // As the single-outbox drain: rows a claim dead-letters because they do not decode never
-    // reach the relay's counters.
-    let start = admin.status(0).await.ok();
-    let mut stats = relay
-        .run_until_drained_or(admin.as_ref(), async move {
-            let _ = stop.wait_for(|stopped| *stopped).await;
-        })
-        .await?;
-    if let Some(start) = &start {
-        crate::ops::count_quarantined(admin.as_ref(), start, &mut stats).await;
+    let result = async {
+        let (store, admin) = shared.open(&spec, schema.as_deref()).await?;
+        lock(&state).admin = Some(admin.clone());
+        let broker_url = spec.broker_for(&name, schema.as_deref());
+        let publisher = shared.broker(&broker_url).await?;
+        lock(&state).publisher = Some(publisher.clone());
+        let relay = Relay::new(store, publisher, spec.relay.clone())?.for_outbox(name.clone());
+        tracing::info!(target: TARGET, outbox = %name, broker = %mask_url(&broker_url),
+                       "outbox drain started");
+        // As the single-outbox drain: rows a claim dead-letters because they do not decode
+        // never reach the relay's counters.
+        let start = admin.status(0).await.ok();
+        let mut stats = relay
+            .run_until_drained_or(admin.as_ref(), async move {
+                let _ = stop.wait_for(|stopped| *stopped).await;
+            })
+            .await?;
+        if let Some(start) = &start {
+            crate::ops::count_quarantined(admin.as_ref(), start, &mut stats).await;
+        }
+        if let Some(age) = purge {
+            let n = crate::ops::purge_all(admin.as_ref(), age, crate::PURGE_BATCH, None).await?;
+            tracing::info!(target: TARGET, outbox = %name, purged = n,
+                           "purged published messages");
+        }
+        tracing::info!(target: TARGET, outbox = %name, published = stats.published,
+                       dead = stats.dead, "outbox drained");
+        Ok::<_, Error>(stats)
     }
-    if let Some(age) = purge {
-        let n = crate::ops::purge_all(admin.as_ref(), age, crate::PURGE_BATCH, None).await?;
-        tracing::info!(target: TARGET, outbox = %name, purged = n, "purged published messages");
+    .await;
+    if let Err(e) = &result {
+        lock(&state).error = Some(redact_url(&e.to_string()));
     }
-    tracing::info!(target: TARGET, outbox = %name, published = stats.published,
-                   dead = stats.dead, "outbox drained");
-    Ok(stats)
+    result
 }
 
 /// `outbox-relay drain` over the configured outboxes: each drained by its own relay, all at
@@ -981,10 +1019,10 @@ pub async fn drain(
     stop: impl Future<Output = ()>,
 ) -> Result<(), Error> {
     effective.check_relay()?;
-    if effective.metrics_addr.is_some() {
-        tracing::info!(target: TARGET, "a drain of several outboxes serves no metrics endpoint");
-    }
     let shared = Arc::new(Shared::new(migrate));
+    let fleet = Fleet::default();
+    // Before the relays are made: they register their metrics' descriptions with it.
+    let serving = serve_metrics(effective, &fleet).await?;
     let (targets, mut failed) = targets(&shared, effective).await;
     let (stop_tx, stop_rx) = watch::channel(false);
     let tasks: Vec<(String, JoinHandle<Result<RelayStats, Error>>)> = targets
@@ -995,6 +1033,7 @@ pub async fn drain(
                 shared.clone(),
                 target,
                 effective.purge_older_than,
+                fleet.track(name.clone()),
                 stop_rx.clone(),
             ));
             (name, task)
@@ -1019,6 +1058,9 @@ pub async fn drain(
             all.await
         }
     };
+    for task in &serving {
+        task.abort();
+    }
     let mut stats = BTreeMap::new();
     let mut total = RelayStats::default();
     for (name, result) in results {

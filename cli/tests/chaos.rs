@@ -26,7 +26,7 @@ use std::process::Stdio;
 
 use outbox::NewMessage;
 use outbox_conformance_tests::env::service_url;
-use outbox_e2e::{check_delivery, unique_suffix, Expected};
+use outbox_e2e::{check_delivery, unique_suffix};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::process::Command;
@@ -244,17 +244,7 @@ async fn chaos(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
 
     let received = broker.read_back(suffix).await?;
     let stored = db.payloads().await?;
-    let expected: Vec<Expected> = committed
-        .iter()
-        .map(|m| Expected {
-            id: m.id.to_string(),
-            key: m.partition_key.clone(),
-            payload: stored
-                .get(&m.id.to_string())
-                .map(|p| p.as_bytes().to_vec())
-                .unwrap_or_default(),
-        })
-        .collect();
+    let expected = common::expected(&committed, &stored);
     let leaked: Vec<&str> = received
         .iter()
         .map(|r| r.id.as_str())

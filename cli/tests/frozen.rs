@@ -25,7 +25,7 @@ use std::collections::HashSet;
 
 use outbox::NewMessage;
 use outbox_conformance_tests::env::service_url;
-use outbox_e2e::{check_delivery, unique_suffix, Expected};
+use outbox_e2e::{check_delivery, unique_suffix};
 
 mod common;
 use common::fleet::{spawn_relay, Broker, Db, Relay};
@@ -200,17 +200,7 @@ async fn frozen(db: Db, broker: Broker, suffix: &str) -> Result<(), BoxError> {
 
     let received = broker.read_back(suffix).await?;
     let stored = db.payloads().await?;
-    let expected: Vec<Expected> = committed
-        .iter()
-        .map(|m| Expected {
-            id: m.id.to_string(),
-            key: m.partition_key.clone(),
-            payload: stored
-                .get(&m.id.to_string())
-                .map(|p| p.as_bytes().to_vec())
-                .unwrap_or_default(),
-        })
-        .collect();
+    let expected = common::expected(&committed, &stored);
     let delivery = check_delivery(&received, &expected).map_err(|e| format!("{what}: {e}"))?;
     assert_eq!(delivery.distinct, MESSAGES);
     let counts = db.admin().counts().await?;

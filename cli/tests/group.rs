@@ -16,7 +16,7 @@ use std::time::Duration;
 use outbox::postgres::PostgresStore;
 use outbox::{GroupMember, NewMessage, RelayGroupStore};
 use outbox_conformance_tests::env::service_url;
-use outbox_e2e::{check_delivery, unique_suffix, Expected};
+use outbox_e2e::{check_delivery, unique_suffix};
 
 mod common;
 use common::fleet::{spawn_relay, Broker, Db, Relay};
@@ -245,18 +245,7 @@ async fn read_back(
 ) -> Result<(), BoxError> {
     let received = broker.read_back(suffix).await?;
     let stored = db.payloads().await?;
-    let expected: Vec<Expected> = writer
-        .committed
-        .iter()
-        .map(|m| Expected {
-            id: m.id.to_string(),
-            key: m.partition_key.clone(),
-            payload: stored
-                .get(&m.id.to_string())
-                .map(|p| p.as_bytes().to_vec())
-                .unwrap_or_default(),
-        })
-        .collect();
+    let expected = common::expected(&writer.committed, &stored);
     let delivery = check_delivery(&received, &expected)?;
     assert_eq!(delivery.distinct, writer.committed.len());
     let counts = db.admin().counts().await?;

@@ -8,77 +8,16 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::many::{by_outbox, drop_schemas, get, pg_outbox, until_http, Outbox, Relay};
 use common::{BoxError, GUARD};
 use futures::StreamExt;
-use outbox::NewMessage;
 use outbox_conformance_tests::env::service_url;
 use outbox_e2e::private::{free_port, PlainPostgres};
 use outbox_e2e::unique_suffix;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 type TestResult = Result<(), BoxError>;
-
-fn message(outbox: &str, n: usize) -> NewMessage {
-    NewMessage::new(
-        "order",
-        format!("{outbox}-{n}"),
-        "placed",
-        serde_json::json!({"outbox": outbox, "n": n}),
-    )
-    .with_partition_key(format!("{outbox}-key-{}", n % 4))
-}
-
-/// Create `schema` with its outbox table on the Postgres at `pool` and commit `n` messages: their
-/// ids.
-async fn pg_outbox(pool: &sqlx::PgPool, schema: &str, n: usize) -> Result<Vec<String>, BoxError> {
-    let config = outbox::postgres::PostgresConfig::builder()
-        .schema(schema.to_owned())
-        .build()?;
-    outbox::postgres::migrate(pool, &config).await?;
-    pg_enqueue(pool, schema, 0..n).await
-}
-
-async fn pg_enqueue(
-    pool: &sqlx::PgPool,
-    schema: &str,
-    range: std::ops::Range<usize>,
-) -> Result<Vec<String>, BoxError> {
-    let config = outbox::postgres::PostgresConfig::builder()
-        .schema(schema.to_owned())
-        .build()?;
-    let messages: Vec<NewMessage> = range.map(|i| message(schema, i)).collect();
-    let mut tx = pool.begin().await?;
-    for chunk in messages.chunks(1000) {
-        outbox::postgres::enqueue_batch(&mut *tx, &config, chunk).await?;
-    }
-    tx.commit().await?;
-    Ok(messages.iter().map(|m| m.id.to_string()).collect())
-}
-
-/// A SQLite outbox file at `path` with `n` messages (more with [`sqlite_enqueue`]).
-fn sqlite_outbox(path: &Path, name: &str, n: usize) -> Result<Vec<String>, BoxError> {
-    let config = outbox::sqlite::SqliteConfig::default();
-    let conn = outbox::sqlite::open_connection(path, &config)?;
-    outbox::sqlite::migrate(&conn, &config)?;
-    sqlite_enqueue(path, name, 0..n)
-}
-
-fn sqlite_enqueue(
-    path: &Path,
-    name: &str,
-    range: std::ops::Range<usize>,
-) -> Result<Vec<String>, BoxError> {
-    let config = outbox::sqlite::SqliteConfig::default();
-    let mut conn = outbox::sqlite::open_connection(path, &config)?;
-    let messages: Vec<NewMessage> = range.map(|i| message(name, i)).collect();
-    let tx = conn.transaction()?;
-    outbox::sqlite::enqueue_batch(&tx, &config, &messages)?;
-    tx.commit()?;
-    Ok(messages.iter().map(|m| m.id.to_string()).collect())
-}
 
 /// The messages a relay published on `prefix.>`: by outbox (the subject's segment after the
 /// prefix), their `Nats-Msg-Id`s in arrival order.
@@ -217,137 +156,6 @@ impl Deliveries {
     }
 }
 
-/// `outbox-relay --config CONFIG run`, its standard error into `log` (printed by [`Relay::fail`]).
-struct Relay {
-    child: tokio::process::Child,
-    log: std::path::PathBuf,
-}
-
-impl Relay {
-    fn start(config: &Path) -> Result<Self, BoxError> {
-        let log = config.with_extension("log");
-        let child = tokio::process::Command::new(common::BIN)
-            .arg("--config")
-            .arg(config)
-            .arg("run")
-            .env("RUST_LOG", "info")
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .kill_on_drop(true)
-            .spawn()?;
-        Ok(Self { child, log })
-    }
-
-    /// The relay's log, for a failure report.
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Add the relay's warnings to a failure.
-    fn fail<T>(&self, result: Result<T, BoxError>) -> Result<T, BoxError> {
-        result.map_err(|e| {
-            let log = self.log();
-            eprintln!("{e}\nrelay log:\n{log}");
-            let warnings: Vec<&str> = log
-                .lines()
-                .filter(|l| !l.contains(" INFO ") || std::env::var_os("MANY_LOG").is_some())
-                .take(200)
-                .collect();
-            format!("{e}\nrelay log (not INFO):\n{}", warnings.join("\n")).into()
-        })
-    }
-
-    /// SIGTERM, and wait for a clean exit: its log.
-    async fn stop(mut self) -> Result<String, BoxError> {
-        let pid = self.child.id().ok_or("the relay already exited")?;
-        tokio::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .await?;
-        let status = tokio::time::timeout(GUARD, self.child.wait()).await??;
-        let log = self.log();
-        if !status.success() {
-            return Err(format!("relay exited with {status}:\n{log}").into());
-        }
-        Ok(log)
-    }
-}
-
-/// `GET path`: the status code and body.
-async fn get(addr: &str, path: &str) -> Result<(u16, String), BoxError> {
-    let mut conn = tokio::net::TcpStream::connect(addr).await?;
-    conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await?;
-    let mut text = String::new();
-    conn.read_to_string(&mut text).await?;
-    let (head, body) = text.split_once("\r\n\r\n").ok_or("no HTTP header")?;
-    let code = head.split_whitespace().nth(1).ok_or("no status")?.parse()?;
-    Ok((code, body.to_owned()))
-}
-
-/// The sum of `metric`'s samples carrying `outbox="name"`, by outbox.
-fn by_outbox(text: &str, metric: &str) -> BTreeMap<String, f64> {
-    let mut sums = BTreeMap::new();
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix(metric) else {
-            continue;
-        };
-        if !rest.starts_with('{') {
-            continue;
-        }
-        let Some(start) = rest.find("outbox=\"") else {
-            continue;
-        };
-        let name = &rest[start + 8..];
-        let Some(end) = name.find('"') else { continue };
-        let value: f64 = rest
-            .rsplit(' ')
-            .next()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0);
-        *sums.entry(name[..end].to_owned()).or_insert(0.0) += value;
-    }
-    sums
-}
-
-/// Wait (polling the endpoint, [`GUARD`] at most) until `check` holds for `GET path`.
-async fn until_http<F>(addr: &str, path: &str, what: &str, check: F) -> Result<String, BoxError>
-where
-    F: Fn(u16, &str) -> bool,
-{
-    let deadline = Instant::now() + GUARD;
-    loop {
-        if let Ok((code, body)) = get(addr, path).await {
-            if check(code, &body) {
-                return Ok(body);
-            }
-            if Instant::now() > deadline {
-                return Err(format!("{path} never showed {what}: {code} {body}").into());
-            }
-        } else if Instant::now() > deadline {
-            return Err(format!("{path} never answered").into());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-struct DropSchemas {
-    pool: sqlx::PgPool,
-    schemas: Vec<String>,
-}
-
-impl DropSchemas {
-    async fn run(self) -> TestResult {
-        for schema in &self.schemas {
-            sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
-                .execute(&self.pool)
-                .await?;
-        }
-        Ok(())
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_relay_serves_fifty_schemas_and_two_sqlite_files() -> TestResult {
     let (Some(pg), Some(nats)) = (
@@ -378,7 +186,7 @@ async fn one_relay_serves_fifty_schemas_and_two_sqlite_files() -> TestResult {
     for f in ["filea", "fileb"] {
         let name = format!("{p}_{f}");
         let path = dir.path().join(format!("{f}.db"));
-        expected.insert(name.clone(), sqlite_outbox(&path, &name, 200)?);
+        expected.insert(name.clone(), Outbox::sqlite(&path).with(&name, 200).await?);
     }
     let metrics = format!("127.0.0.1:{}", free_port()?);
     let config = dir.path().join("relay.toml");
@@ -467,7 +275,7 @@ batch_size = 50
     );
     eprintln!("test took {:?} after the setup", started.elapsed());
     deliveries.delete(&nats).await?;
-    DropSchemas { pool, schemas }.run().await
+    drop_schemas(&pool, &schemas).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -492,7 +300,10 @@ async fn an_outbox_whose_database_is_down_for_30s_does_not_stop_the_others() -> 
     expected.insert(up_pg.clone(), pg_outbox(&pool, &up_pg, 10).await?);
     let dir = tempfile::tempdir()?;
     let file = dir.path().join("up.db");
-    expected.insert(up_file.clone(), sqlite_outbox(&file, &up_file, 10)?);
+    expected.insert(
+        up_file.clone(),
+        Outbox::sqlite(&file).with(&up_file, 10).await?,
+    );
     let metrics = format!("127.0.0.1:{}", free_port()?);
     let config = dir.path().join("relay.toml");
     std::fs::write(
@@ -534,8 +345,10 @@ store = "sqlite://{file}"
     let mut n = 10;
     let mut degraded_seen = false;
     while outage.elapsed() < Duration::from_secs(30) {
-        let a = pg_enqueue(&pool, &up_pg, n..n + 1).await?;
-        let b = sqlite_enqueue(&file, &up_file, n..n + 1)?;
+        let a = Outbox::postgres(&pool, &up_pg)
+            .enqueue(&up_pg, n..n + 1)
+            .await?;
+        let b = Outbox::sqlite(&file).enqueue(&up_file, n..n + 1).await?;
         n += 1;
         relay.fail(deliveries.until_id(&a[0]).await)?;
         relay.fail(deliveries.until_id(&b[0]).await)?;
@@ -565,7 +378,9 @@ store = "sqlite://{file}"
     assert!(during >= 20, "only {during} delivered during the outage");
     private.resume()?;
     let private_pool = sqlx::PgPool::connect(&private.url()).await?;
-    let late = pg_enqueue(&private_pool, &down, 10..20).await?;
+    let late = Outbox::postgres(&private_pool, &down)
+        .enqueue(&down, 10..20)
+        .await?;
     for id in &late {
         relay.fail(deliveries.until_id(id).await)?;
     }
@@ -582,12 +397,7 @@ store = "sqlite://{file}"
     }
     relay.stop().await?;
     deliveries.delete(&nats).await?;
-    DropSchemas {
-        pool,
-        schemas: vec![up_pg],
-    }
-    .run()
-    .await
+    drop_schemas(&pool, &[up_pg]).await
 }
 
 /// A tenant with a 20,000-row backlog beside five writing a message every 200 ms: the small
@@ -647,7 +457,9 @@ schemas = "{p}_*"
             break;
         }
         for s in &small {
-            let id = pg_enqueue(&writer_pool, s, n..n + 1).await?;
+            let id = Outbox::postgres(&writer_pool, s)
+                .enqueue(s, n..n + 1)
+                .await?;
             committed.insert(id[0].clone(), Instant::now());
         }
         n += 1;
@@ -695,5 +507,5 @@ schemas = "{p}_*"
     let mut schemas = small;
     schemas.push(big);
     deliveries.delete(&nats).await?;
-    DropSchemas { pool, schemas }.run().await
+    drop_schemas(&pool, &schemas).await
 }

@@ -8,14 +8,13 @@
 mod common;
 
 use std::collections::{BTreeMap, HashSet};
-use std::path::Path;
 
+use common::many::{by_outbox, drain, drop_schemas, get, message, summary, until_http, Outbox};
 use common::BoxError;
 use outbox::NewMessage;
 use outbox_conformance_tests::env::service_url;
 use outbox_e2e::private::free_port;
 use outbox_e2e::{kafka, redis, unique_suffix, Received};
-use serde_json::Value;
 
 type TestResult = Result<(), BoxError>;
 
@@ -25,62 +24,20 @@ const PARTITIONS: i32 = 2;
 /// Committed messages per outbox.
 const N: usize = 150;
 
-fn message(outbox: &str, n: usize) -> NewMessage {
-    NewMessage::new(
-        "order",
-        format!("{outbox}-{n}"),
-        "placed",
-        serde_json::json!({"outbox": outbox, "n": n}),
-    )
-    .with_partition_key(format!("{outbox}-key-{}", n % 4))
-}
-
-fn ids(messages: &[NewMessage]) -> Vec<String> {
-    messages.iter().map(|m| m.id.to_string()).collect()
-}
-
 /// What one outbox holds: the ids it committed and the ids of a transaction it rolled back.
 struct Written {
     committed: Vec<String>,
     rolled_back: Vec<String>,
 }
 
-/// Create `schema` with its outbox table, commit [`N`] messages and roll back a few.
-async fn pg_outbox(pool: &sqlx::PgPool, schema: &str) -> Result<Written, BoxError> {
-    let config = outbox::postgres::PostgresConfig::builder()
-        .schema(schema.to_owned())
-        .build()?;
-    outbox::postgres::migrate(pool, &config).await?;
-    let committed: Vec<NewMessage> = (0..N).map(|i| message(schema, i)).collect();
-    let mut tx = pool.begin().await?;
-    outbox::postgres::enqueue_batch(&mut *tx, &config, &committed).await?;
-    tx.commit().await?;
-    let rolled_back: Vec<NewMessage> = (N..N + 5).map(|i| message(schema, i)).collect();
-    let mut tx = pool.begin().await?;
-    outbox::postgres::enqueue_batch(&mut *tx, &config, &rolled_back).await?;
-    tx.rollback().await?;
-    Ok(Written {
-        committed: ids(&committed),
-        rolled_back: ids(&rolled_back),
-    })
-}
-
-/// A SQLite outbox file at `path`: [`N`] messages committed, a few rolled back.
-fn sqlite_outbox(path: &Path, name: &str) -> Result<Written, BoxError> {
-    let config = outbox::sqlite::SqliteConfig::default();
-    let mut conn = outbox::sqlite::open_connection(path, &config)?;
-    outbox::sqlite::migrate(&conn, &config)?;
+/// Create the outbox `target` (named `name`), commit [`N`] messages and roll back a few.
+async fn fill(target: Outbox, name: &str) -> Result<Written, BoxError> {
+    target.create().await?;
     let committed: Vec<NewMessage> = (0..N).map(|i| message(name, i)).collect();
-    let tx = conn.transaction()?;
-    outbox::sqlite::enqueue_batch(&tx, &config, &committed)?;
-    tx.commit()?;
     let rolled_back: Vec<NewMessage> = (N..N + 5).map(|i| message(name, i)).collect();
-    let tx = conn.transaction()?;
-    outbox::sqlite::enqueue_batch(&tx, &config, &rolled_back)?;
-    tx.rollback()?;
     Ok(Written {
-        committed: ids(&committed),
-        rolled_back: ids(&rolled_back),
+        committed: target.write(&committed, true).await?,
+        rolled_back: target.write(&rolled_back, false).await?,
     })
 }
 
@@ -114,37 +71,6 @@ fn check(outbox: &str, received: &[Received], written: &Written) -> TestResult {
     Ok(())
 }
 
-/// `outbox-relay --config CONFIG drain` to its end: its exit success, and its standard error.
-async fn drain(config: &Path) -> Result<(bool, String), BoxError> {
-    let mut command = common::command(["--config".as_ref(), config.as_os_str(), "drain".as_ref()]);
-    command.env("RUST_LOG", "info");
-    let out = common::output(command).await?;
-    Ok((
-        out.status.success(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    ))
-}
-
-/// The drain's closing summary: the last line of its standard error that is a JSON object with
-/// `outboxes`.
-fn summary(stderr: &str) -> Result<Value, BoxError> {
-    stderr
-        .lines()
-        .rev()
-        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
-        .find(|v| v.get("outboxes").is_some())
-        .ok_or_else(|| format!("no summary line in:\n{stderr}").into())
-}
-
-async fn drop_schemas(pool: &sqlx::PgPool, schemas: &[String]) -> TestResult {
-    for schema in schemas {
-        sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
-            .execute(pool)
-            .await?;
-    }
-    Ok(())
-}
-
 /// Three Postgres schemas (one named, two through a `schemas` pattern that also matches a schema
 /// without the table) and a SQLite file, routed to Kafka (the named schema and the file) and to
 /// Redis (the pattern's, one stream each through `{outbox}`): one drain publishes every
@@ -167,9 +93,12 @@ async fn drain_empties_every_outbox_into_its_own_broker() -> TestResult {
     let tenants = [format!("{p}_t1"), format!("{p}_t2")];
     let bare = format!("{p}_t3");
     let mut written = BTreeMap::new();
-    written.insert(billing.clone(), pg_outbox(&pool, &billing).await?);
+    written.insert(
+        billing.clone(),
+        fill(Outbox::postgres(&pool, &billing), &billing).await?,
+    );
     for t in &tenants {
-        written.insert(t.clone(), pg_outbox(&pool, t).await?);
+        written.insert(t.clone(), fill(Outbox::postgres(&pool, t), t).await?);
     }
     // Matches the pattern but has no table: skipped, not a failure.
     sqlx::query(&format!("CREATE SCHEMA \"{bare}\""))
@@ -178,7 +107,7 @@ async fn drain_empties_every_outbox_into_its_own_broker() -> TestResult {
     let dir = tempfile::tempdir()?;
     let edge = format!("{p}_edge");
     let file = dir.path().join("edge.db");
-    written.insert(edge.clone(), sqlite_outbox(&file, &edge)?);
+    written.insert(edge.clone(), fill(Outbox::sqlite(&file), &edge).await?);
     for outbox in [&billing, &edge] {
         kafka::create_topic(&brokers, outbox, PARTITIONS).await?;
     }
@@ -262,11 +191,14 @@ async fn a_failing_outbox_fails_the_drain_alone() -> TestResult {
         .await?;
     let good = format!("{p}_good");
     let mut written = BTreeMap::new();
-    written.insert(good.clone(), pg_outbox(&pool, &good).await?);
+    written.insert(
+        good.clone(),
+        fill(Outbox::postgres(&pool, &good), &good).await?,
+    );
     let dir = tempfile::tempdir()?;
     let edge = format!("{p}_edge");
     let file = dir.path().join("edge.db");
-    written.insert(edge.clone(), sqlite_outbox(&file, &edge)?);
+    written.insert(edge.clone(), fill(Outbox::sqlite(&file), &edge).await?);
     let missing = format!("{p}_missing");
     let down = format!("{p}_down");
     let password = "s3cret-drain-pw";
@@ -340,11 +272,13 @@ store = "sqlite://{file}"
     drop_schemas(&pool, &[good]).await
 }
 
-/// SIGTERM stops a drain of several outboxes gracefully: one outbox is drained, another waits
-/// for a message a second relay holds (for ten minutes); the stop ends the wait, and the drain
-/// exits 0 with its summary.
+/// A drain of several outboxes with a metrics address serves `/metrics` and readiness as `run`
+/// does, each outbox under its label, while it drains; SIGTERM stops it gracefully. One outbox
+/// is drained, another waits for messages a second relay holds (for ten minutes): meanwhile
+/// the endpoint shows the first's publications and the second's leased messages, each under
+/// its own name; the stop ends the wait, and the drain exits 0 with its summary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_stops_a_drain_of_several_outboxes() -> TestResult {
+async fn a_drain_of_several_outboxes_serves_metrics_and_stops_on_sigterm() -> TestResult {
     use outbox::sqlite::{SqliteConfig, SqliteStore};
     use outbox::{ClaimRequest, HeadPolicy, OutboxStore};
     use tokio::io::{AsyncBufReadExt, BufReader};
@@ -352,8 +286,8 @@ async fn sigterm_stops_a_drain_of_several_outboxes() -> TestResult {
     let dir = tempfile::tempdir()?;
     let free = dir.path().join("free.db");
     let held = dir.path().join("held.db");
-    let written = sqlite_outbox(&free, "free")?;
-    sqlite_outbox(&held, "held")?;
+    let written = fill(Outbox::sqlite(&free), "free").await?;
+    fill(Outbox::sqlite(&held), "held").await?;
     // Another relay's claim of everything in `held`, for longer than the test may take.
     let other = SqliteStore::open(&held, SqliteConfig::default()).await?;
     let claim = other
@@ -365,12 +299,15 @@ async fn sigterm_stops_a_drain_of_several_outboxes() -> TestResult {
         })
         .await?;
     assert_eq!(claim.messages.len(), N);
+    let metrics = format!("127.0.0.1:{}", free_port()?);
     let config = dir.path().join("relay.toml");
     std::fs::write(
         &config,
         format!(
             r#"
 broker = "stdout://"
+metrics_addr = "{metrics}"
+gauges_every = "100ms"
 
 [[outbox]]
 name = "free"
@@ -404,6 +341,28 @@ store = "sqlite://{held}"
         Err::<(), BoxError>(format!("the drain ended before `free` was drained:\n{stderr}").into())
     };
     tokio::time::timeout(common::GUARD, drained).await??;
+    // While `held` waits: each outbox's metrics under its own label.
+    let text = until_http(&metrics, "/metrics", "both outboxes' figures", |_, body| {
+        by_outbox(body, "outbox_leased_messages").get("held") == Some(&(N as f64))
+            && by_outbox(body, "outbox_store_up").len() == 2
+    })
+    .await?;
+    assert_eq!(
+        by_outbox(&text, "outbox_published_total"),
+        BTreeMap::from([("free".to_owned(), N as f64)]),
+        "{text}"
+    );
+    assert_eq!(
+        by_outbox(&text, "outbox_leased_messages").get("free"),
+        Some(&0.0),
+        "{text}"
+    );
+    let (code, body) = get(&metrics, "/health/ready").await?;
+    let ready: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(code, 200, "{body}");
+    for outbox in ["free", "held"] {
+        assert_eq!(ready["outboxes"][outbox]["status"], "ready", "{body}");
+    }
     common::sigterm(&child).await?;
     let rest = async {
         while let Some(line) = lines.next_line().await? {

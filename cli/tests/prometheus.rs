@@ -13,7 +13,6 @@ use outbox::sqlite::SqliteConfig;
 use outbox::NewMessage;
 use outbox_conformance_tests::env::services_required;
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
 use common::{relay_process, sigterm, BoxError, GUARD};
@@ -38,16 +37,10 @@ fn free_port() -> Result<u16, BoxError> {
 
 /// `GET path` over HTTP/1.0 (so the body is not chunked): the body, if the status is 200.
 async fn get(addr: &str, path: &str) -> Result<String, BoxError> {
-    let mut conn = tokio::net::TcpStream::connect(addr).await?;
-    conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await?;
-    let mut text = String::new();
-    conn.read_to_string(&mut text).await?;
-    let (head, body) = text.split_once("\r\n\r\n").ok_or("no HTTP header")?;
-    if !head.starts_with("HTTP/1.0 200") && !head.starts_with("HTTP/1.1 200") {
-        return Err(format!("GET {path}: {head}\n{body}").into());
+    match common::many::get(addr, path).await? {
+        (200, body) => Ok(body),
+        (code, body) => Err(format!("GET {path}: {code}\n{body}").into()),
     }
-    Ok(body.to_owned())
 }
 
 /// Poll `check` on Prometheus's API until it holds (Prometheus scrapes and evaluates on its own

@@ -22,6 +22,13 @@ use uuid::Uuid;
 
 use crate::TARGET;
 
+/// Most connections of the pool the outboxes on one database share. sqlx's default of 10 (a
+/// single store's) made a hundred outboxes queue for connections: each outbox runs its own
+/// claims (two shards) and completes. One relay over 100 outboxes drained 20,000 messages at
+/// 0.16× the rate of a relay process per outbox with the pool of 10, 0.29× with 32
+/// (`BENCHMARKS.md`, "Many outboxes"). Connections are opened only when needed.
+pub(super) const SHARED_POOL_SIZE: u32 = 32;
+
 /// A database's shared pool and listener.
 #[derive(Clone)]
 pub(super) struct PgShared {
@@ -30,10 +37,15 @@ pub(super) struct PgShared {
 }
 
 impl PgShared {
-    /// Connect the pool (checking that the server answers) and start the listener.
+    /// Connect (checking that the server answers), make the shared pool of up to
+    /// [`SHARED_POOL_SIZE`] connections, and start the listener.
     pub(super) async fn connect(url: &str) -> Result<Self, Error> {
         let probe = PostgresStore::connect(url, PostgresConfig::builder().build()?).await?;
-        let pool = probe.pool().clone();
+        let pool = PgPoolOptions::new()
+            .max_connections(SHARED_POOL_SIZE)
+            .acquire_timeout(probe.pool().options().get_acquire_timeout())
+            .connect_lazy_with(probe.pool().connect_options().as_ref().clone());
+        probe.pool().close().await;
         let hub = Hub::start(&pool);
         Ok(Self { pool, hub })
     }

@@ -23,6 +23,7 @@ use tokio::process::Child;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use super::many::Outbox;
 use super::{end_mysql_sessions, nats_subscription, relay_process, BoxError, GUARD};
 
 /// A running relay process.
@@ -295,19 +296,10 @@ impl Db {
     /// (Postgres normalises JSON text).
     pub async fn payloads(&self) -> Result<HashMap<String, String>, BoxError> {
         Ok(match self {
-            Db::Postgres { store, schema, .. } => sqlx::query_as(&format!(
-                "SELECT id::text, payload::text FROM \"{schema}\".outbox"
-            ))
-            .fetch_all(store.pool())
-            .await?
-            .into_iter()
-            .collect(),
-            Db::Sqlite { path, .. } => {
-                let conn = outbox::sqlite::open_connection(path, &SqliteConfig::default())?;
-                let mut stmt = conn.prepare("SELECT id, payload FROM outbox")?;
-                let rows = stmt.query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?;
-                rows.collect::<Result<_, _>>()?
+            Db::Postgres { store, schema, .. } => {
+                Outbox::postgres(store.pool(), schema).payloads().await?
             }
+            Db::Sqlite { path, .. } => Outbox::sqlite(path).payloads().await?,
             Db::Mysql { store, table, .. } => {
                 // Both columns have binary collations, which sqlx types as bytes: read the
                 // bytes the relay reads.

@@ -10,6 +10,7 @@ use serde_json::Value;
 use tokio::process::{Child, Command};
 
 pub mod fleet;
+pub mod many;
 
 /// Errors of test code: any error is a failure report.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -32,6 +33,26 @@ pub fn message(n: usize, keys: usize) -> NewMessage {
         serde_json::json!({"n": n, "note": "grüße \"quoted\" \\ back"}),
     )
     .with_partition_key(format!("customer-{}", n % keys))
+}
+
+/// The messages of `committed` as the broker must deliver them: with their key, and their
+/// payload as `stored` (by id) holds it.
+#[allow(dead_code)]
+pub fn expected(
+    committed: &[NewMessage],
+    stored: &std::collections::HashMap<String, String>,
+) -> Vec<outbox_e2e::Expected> {
+    committed
+        .iter()
+        .map(|m| outbox_e2e::Expected {
+            id: m.id.to_string(),
+            key: m.partition_key.clone(),
+            payload: stored
+                .get(&m.id.to_string())
+                .map(|p| p.as_bytes().to_vec())
+                .unwrap_or_default(),
+        })
+        .collect()
 }
 
 /// The ids of the messages a `stdout://` relay printed, in order.
