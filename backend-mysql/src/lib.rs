@@ -17,6 +17,7 @@ mod status;
 mod store;
 pub mod url;
 
+pub use claim::PREFERRED_CLAIM_SHARDS;
 pub use config::{MysqlConfig, MysqlConfigBuilder, DEFAULT_TABLE};
 pub use enqueue::{enqueue, enqueue_batch};
 pub use migrate::{migrate, MIGRATION_LOCK_PREFIX};

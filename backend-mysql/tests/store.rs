@@ -12,8 +12,8 @@ use common::{db, db_with, ids, msg, names, random_table, Db, URL_VAR};
 use outbox_backend_mysql::{enqueue, enqueue_batch, migrate, MysqlConfig, MysqlStore};
 use outbox_conformance_tests::env::service_url;
 use outbox_traits::{
-    ClaimRequest, Error, ErrorKind, FailAction, Failure, HeadPolicy, LeaseToken, NewMessage,
-    OutboxAdmin, OutboxStore,
+    ClaimRequest, ClaimShard, Error, ErrorKind, FailAction, Failure, HeadPolicy, LeaseToken,
+    NewMessage, OutboxAdmin, OutboxStore,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{Connection, MySqlConnection};
@@ -262,6 +262,83 @@ async fn a_row_locked_by_a_concurrent_claim_holds_back_its_key() {
     assert_eq!(names(&db.claim(10, Block).await), ["j1"]);
     other.rollback().await.unwrap();
     assert_eq!(names(&db.claim(10, Block).await), ["k1", "k2"]);
+    db.drop().await;
+}
+
+/// Claims of two shards run side by side: the rows that one shard's claim holds locked (its
+/// candidates, between its lock and its commit) hold back nothing of the other shard's claim,
+/// which still fills its batch with its own rows only (keyed and unordered). An unsharded claim
+/// at that moment comes back short, its window half full of locked rows: the control, which is
+/// why the relay ran one claim at a time on MariaDB before it could shard.
+#[tokio::test]
+async fn a_claim_of_one_shard_is_not_held_back_by_another_shard_s_claim_in_progress() {
+    let Some(db) = db().await else { return };
+    let messages: Vec<_> = (0..400)
+        .map(|i| {
+            let m = msg(&format!("k{}", i % 40), &format!("{i}"));
+            if i % 10 == 0 {
+                m.unordered()
+            } else {
+                m
+            }
+        })
+        .collect();
+    db.enqueue(&messages).await;
+    // The shard of each row, as the claim computes it (`in_shard` in sql.rs).
+    let shard = "MOD(IF(partition_key IS NULL, seq, CRC32(partition_key)), 2)";
+    // READ COMMITTED and by primary key, as a claim locks: the scan keeps the locks of shard
+    // 0's rows only (a locking scan of a secondary index would keep every row it read).
+    let mut other = db
+        .pool()
+        .begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {} FORCE INDEX (PRIMARY) WHERE {shard} = 0 FOR UPDATE",
+        db.table()
+    ))
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    let req = |shard| ClaimRequest {
+        limit: 50,
+        lease: Duration::from_secs(60),
+        head_policy: Block,
+        shard,
+    };
+    let sharded = db
+        .store
+        .claim(&req(Some(ClaimShard::new(1, 2).unwrap())))
+        .await
+        .unwrap();
+    assert_eq!(sharded.messages.len(), 50, "shard 1 was held back");
+    assert!(
+        sharded.messages.iter().any(|m| m.partition_key.is_none()),
+        "no unordered message came back"
+    );
+    let ids_json = serde_json::to_string(&ids(&sharded)).unwrap();
+    let outside: i64 = sqlx::query_scalar(&format!(
+        "SELECT COUNT(*) FROM {} WHERE {shard} <> 1
+           AND id IN (SELECT id FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(36) PATH '$')) j)",
+        db.table()
+    ))
+    .bind(ids_json)
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(outside, 0, "a row of shard 0 came back");
+    db.store
+        .release(sharded.token, &ids(&sharded))
+        .await
+        .unwrap();
+    let unsharded = db.store.claim(&req(None)).await.unwrap();
+    assert!(
+        unsharded.messages.len() < 50,
+        "control: the unsharded claim was expected to come back short, held back by the \
+         locked rows; it got {}",
+        unsharded.messages.len()
+    );
+    other.rollback().await.unwrap();
     db.drop().await;
 }
 
