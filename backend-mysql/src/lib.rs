@@ -9,6 +9,7 @@ mod config;
 pub mod diesel;
 mod enqueue;
 mod error;
+mod group;
 mod lease;
 mod migrate;
 mod row;

@@ -431,7 +431,8 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
             contract = sql_contract(&t, table, &key_trigger, &id_trigger),
             payload_check = derived_name(table, "payload_size"),
             bytes_check = derived_name(table, "payload_bytes_size"),
-        ) + &key_locks_ddl(&key_locks);
+        ) + &key_locks_ddl(&key_locks)
+            + &crate::group::group_ddl(database, table);
 
         let insert_head = format!(
             "INSERT INTO {t} (id, aggregatetype, aggregateid, type, payload, headers, \
