@@ -316,17 +316,11 @@ async fn a_claim_of_one_shard_is_not_held_back_by_another_shard_s_claim_in_progr
         sharded.messages.iter().any(|m| m.partition_key.is_none()),
         "no unordered message came back"
     );
-    let ids_json = serde_json::to_string(&ids(&sharded)).unwrap();
-    let outside: i64 = sqlx::query_scalar(&format!(
-        "SELECT COUNT(*) FROM {} WHERE {shard} <> 1
-           AND id IN (SELECT id FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(36) PATH '$')) j)",
-        db.table()
-    ))
-    .bind(ids_json)
-    .fetch_one(db.pool())
-    .await
-    .unwrap();
-    assert_eq!(outside, 0, "a row of shard 0 came back");
+    assert_eq!(
+        outside_shard(&db, &sharded, 1).await,
+        0,
+        "a row of shard 0 came back"
+    );
     db.store
         .release(sharded.token, &ids(&sharded))
         .await
@@ -338,8 +332,42 @@ async fn a_claim_of_one_shard_is_not_held_back_by_another_shard_s_claim_in_progr
          locked rows; it got {}",
         unsharded.messages.len()
     );
+    db.store
+        .release(unsharded.token, &ids(&unsharded))
+        .await
+        .unwrap();
     other.rollback().await.unwrap();
+    // Nothing locked now: a claim of shard 0 room for every row takes shard 0's rows only.
+    let all = db
+        .store
+        .claim(&ClaimRequest {
+            limit: 400,
+            ..req(Some(ClaimShard::new(0, 2).unwrap()))
+        })
+        .await
+        .unwrap();
+    assert!(!all.messages.is_empty() && all.messages.len() < 400);
+    assert_eq!(
+        outside_shard(&db, &all, 0).await,
+        0,
+        "a row of shard 1 came back"
+    );
     db.drop().await;
+}
+
+/// How many of `claim`'s messages are not in shard `index` of 2, by the claim's shard function.
+async fn outside_shard(db: &Db, claim: &outbox_traits::Claim, index: u32) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT COUNT(*) FROM {}
+          WHERE MOD(IF(partition_key IS NULL, seq, CRC32(partition_key)), 2) <> ?
+            AND id IN (SELECT id FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(36) PATH '$')) j)",
+        db.table()
+    ))
+    .bind(index)
+    .bind(serde_json::to_string(&ids(claim)).unwrap())
+    .fetch_one(db.pool())
+    .await
+    .unwrap()
 }
 
 #[tokio::test]
