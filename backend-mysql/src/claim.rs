@@ -95,7 +95,10 @@ impl OutboxStore for MysqlStore {
 }
 
 /// The claim shards a relay given none runs over MariaDB
-/// ([`Capabilities::preferred_claim_shards`]); see `BENCHMARKS.md` (issue 31).
+/// ([`Capabilities::preferred_claim_shards`]): at the relay's default batch of 500, two claims
+/// side by side drained as fast as one on a busy 2-core machine (at batches of 2,000, 2.79×
+/// faster), four were slower, and two give a relay group something to divide (`BENCHMARKS.md`,
+/// issue 31).
 pub const PREFERRED_CLAIM_SHARDS: usize = 2;
 
 /// A claim's shard as the statements' two shard parameters (see `in_shard` in `sql.rs`): how
