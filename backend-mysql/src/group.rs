@@ -153,15 +153,7 @@ pub(crate) fn group_drop_sql(database: Option<&str>, table: &str) -> String {
 #[async_trait]
 impl RelayGroupStore for MysqlStore {
     async fn renew_group(&self, req: &GroupRenewal) -> Result<GroupView, Error> {
-        req.validate()?;
-        let lease_us = outbox_sql_support::limits::micros("relay group lease", req.lease)?;
-        // Validated: at least 1; more than i32::MAX shards is refused here.
-        let shards = i32::try_from(req.shards).map_err(|_| {
-            Error::invalid_input(format!(
-                "relay group shard count {} is too large",
-                req.shards
-            ))
-        })?;
+        let (shards, lease_us) = outbox_sql_support::limits::group_renewal(req)?;
         let config = self.config();
         let renew = Names::of(config.database(), config.table()).renew;
         let table = config.qualified_table();
