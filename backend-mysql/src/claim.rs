@@ -7,6 +7,12 @@
 //! 1. `BEGIN` (READ COMMITTED).
 //! 2. The window: the `seq` of the `4 × limit`-th pending row (none when the backlog is
 //!    shorter). The claim reads no row past it, however long a blocked backlog is.
+//!
+//! A sharded claim ([`ClaimShard`]) does the same over its shard's rows only: the window, the
+//! candidates and the look past read only rows whose key's `CRC32` (an unordered row's seq)
+//! modulo the shard count is its index (`in_shard` in `sql.rs`). Every row of a key is in one
+//! shard, so the order check and the locks are unchanged, and claims of different shards never
+//! find each other's candidates locked.
 //! 3. Find up to `limit` claimable rows of the window in `seq` order with a plain read,
 //!    skipping keys whose first pending row is not claimable (and, under `Block`, rows behind a
 //!    dead one). One more row carries the lease end, computed once by the database clock.
@@ -41,8 +47,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, NaiveDateTime, Utc};
 use outbox_traits::{
-    async_trait, Capabilities, Claim, ClaimRequest, Error, Failure, HeadPolicy, LeaseToken,
-    Message, OutboxStore,
+    async_trait, Capabilities, Claim, ClaimRequest, ClaimShard, Error, Failure, HeadPolicy,
+    LeaseToken, Message, OutboxStore,
 };
 use sqlx::mysql::MySqlRow;
 use sqlx::{MySql, Row, Transaction};
@@ -83,6 +89,35 @@ impl OutboxStore for MysqlStore {
         Capabilities::none()
             .with_concurrent_claimers(true)
             .with_deletes_published(self.config().delete_published())
+            .with_sharded_claims(true)
+            .with_preferred_claim_shards(PREFERRED_CLAIM_SHARDS)
+    }
+}
+
+/// The claim shards a relay given none runs over MariaDB
+/// ([`Capabilities::preferred_claim_shards`]): at the relay's default batch of 500, two claims
+/// side by side drained as fast as one on a busy 2-core machine (at batches of 2,000, 2.79×
+/// faster), four were slower, and two give a relay group something to divide (`BENCHMARKS.md`,
+/// issue 31).
+pub const PREFERRED_CLAIM_SHARDS: usize = 2;
+
+/// A claim's shard as the statements' two shard parameters (see `in_shard` in `sql.rs`): how
+/// many shards, and which (`(1, 0)`, every row, for an unsharded claim).
+#[derive(Clone, Copy)]
+struct Shard {
+    count: u32,
+    index: u32,
+}
+
+impl Shard {
+    fn of(shard: Option<ClaimShard>) -> Self {
+        match shard {
+            Some(s) => Self {
+                count: s.count,
+                index: s.index,
+            },
+            None => Self { count: 1, index: 0 },
+        }
     }
 }
 
@@ -92,7 +127,15 @@ async fn claim(store: &MysqlStore, req: &ClaimRequest) -> Result<Claim, Error> {
     let limit = u64::try_from(req.limit).unwrap_or(u64::MAX);
     let mut attempt = 0;
     loop {
-        match try_claim(store, req.head_policy, limit, lease_us).await {
+        match try_claim(
+            store,
+            req.head_policy,
+            Shard::of(req.shard),
+            limit,
+            lease_us,
+        )
+        .await
+        {
             Err(e) if is_deadlock(&e) && attempt < DEADLOCK_RETRIES => attempt += 1,
             other => return other,
         }
@@ -102,6 +145,7 @@ async fn claim(store: &MysqlStore, req: &ClaimRequest) -> Result<Claim, Error> {
 async fn try_claim(
     store: &MysqlStore,
     head_policy: HeadPolicy,
+    shard: Shard,
     limit: u64,
     lease_us: i64,
 ) -> Result<Claim, Error> {
@@ -118,13 +162,22 @@ async fn try_claim(
     let window = limit.saturating_mul(CLAIM_WINDOW);
     let mut tx = store.pool().begin_with(BEGIN).await.map_err(&err)?;
     // The window's last row; none when the whole backlog fits in it.
-    let bound: Option<i64> = sqlx::query_scalar(&sql.past_bound)
+    let bound_query = if shard.count > 1 {
+        sqlx::query_scalar(&sql.past_bound_sharded)
+            .bind(shard.count)
+            .bind(shard.index)
+    } else {
+        sqlx::query_scalar(&sql.past_bound)
+    };
+    let bound: Option<i64> = bound_query
         .bind(window - 1)
         .fetch_optional(&mut *tx)
         .await
         .map_err(&err)?;
     let found: Vec<MySqlRow> = sqlx::query(candidates_sql)
         .bind(bound.unwrap_or(i64::MAX))
+        .bind(shard.count)
+        .bind(shard.index)
         .bind(limit)
         .bind(lease_us)
         .fetch_all(&mut *tx)
@@ -180,6 +233,7 @@ async fn try_claim(
             &mut tx,
             store,
             head_policy,
+            shard,
             limit - got,
             window,
             bound,
@@ -246,10 +300,12 @@ const CLAIM_WINDOW: u64 = 4;
 /// `window` keys in the per-key index they are found key by key (one index dive each, whatever
 /// the backlog); with more, by reading the rows past the window in seq order. Either way by
 /// plain reads, then locked by primary key (see [`lock`]).
+#[allow(clippy::too_many_arguments)]
 async fn look_past(
     tx: &mut Transaction<'static, MySql>,
     store: &MysqlStore,
     head_policy: HeadPolicy,
+    shard: Shard,
     rest: u64,
     window: u64,
     bound: i64,
@@ -259,6 +315,8 @@ async fn look_past(
     let table = store.config().qualified_table();
     let err = store.err("claim");
     let walk: Vec<i64> = sqlx::query_scalar(&sql.past_keys)
+        .bind(shard.count)
+        .bind(shard.index)
         .bind(window.saturating_add(1))
         .fetch_all(&mut **tx)
         .await
@@ -273,6 +331,8 @@ async fn look_past(
         seqs.extend(
             sqlx::query_scalar::<_, i64>(&sql.past_unordered)
                 .bind(bound)
+                .bind(shard.count)
+                .bind(shard.index)
                 .bind(rest)
                 .fetch_all(&mut **tx)
                 .await
@@ -285,6 +345,8 @@ async fn look_past(
         };
         seqs = sqlx::query_scalar(rows_sql)
             .bind(bound)
+            .bind(shard.count)
+            .bind(shard.index)
             .bind(rest)
             .fetch_all(&mut **tx)
             .await

@@ -81,6 +81,19 @@ impl MysqlConfig {
         &self.inner.sql.migrate
     }
 
+    /// The SQL that drops every object the migration creates for this table: the outbox
+    /// table (with its triggers), the key-lock table and the relay-group tables and procedure,
+    /// each `IF EXISTS`. For tests and uninstalls; statements separated by `;` (run it as one
+    /// text-protocol query, e.g. `sqlx::raw_sql`).
+    pub fn drop_sql(&self) -> String {
+        format!(
+            "DROP TABLE IF EXISTS {}, {};\n{}",
+            self.qualified_table(),
+            self.key_locks_table(),
+            crate::group::group_drop_sql(self.database(), self.table())
+        )
+    }
+
     pub(crate) fn sql(&self) -> &Sql {
         &self.inner.sql
     }

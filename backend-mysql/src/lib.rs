@@ -9,6 +9,7 @@ mod config;
 pub mod diesel;
 mod enqueue;
 mod error;
+mod group;
 mod lease;
 mod migrate;
 mod row;
@@ -17,6 +18,7 @@ mod status;
 mod store;
 pub mod url;
 
+pub use claim::PREFERRED_CLAIM_SHARDS;
 pub use config::{MysqlConfig, MysqlConfigBuilder, DEFAULT_TABLE};
 pub use enqueue::{enqueue, enqueue_batch};
 pub use migrate::{migrate, MIGRATION_LOCK_PREFIX};

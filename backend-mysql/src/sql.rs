@@ -148,6 +148,15 @@ fn claimable(a: &str) -> String {
     )
 }
 
+/// Whether row `a` is in the claim's shard ([`outbox_traits::ClaimShard`]): two parameters,
+/// how many shards the keys are split into and which one the claim takes (`1, 0` for an
+/// unsharded claim: every row). A keyed row maps by `CRC32` of its key, so every row of a key is
+/// in one shard and per-key order needs nothing across shards; an unordered row (no key) by its
+/// seq. Computed on rows the claim reads anyway (no index holds it; see `past_bound_sharded`).
+fn in_shard(a: &str) -> String {
+    format!("MOD(IF({a}.partition_key IS NULL, {a}.seq, CRC32({a}.partition_key)), ?) = ?")
+}
+
 /// Columns read for a [`outbox_traits::Message`], through alias `a`, in the order `row.rs`
 /// reads them by name.
 fn message_columns(a: &str) -> String {
@@ -168,7 +177,8 @@ pub(crate) struct Sql {
     /// `INSERT ... VALUES` up to (not including) the rows; see [`Sql::insert`].
     insert_head: String,
     /// Claim candidates where dead messages block their key: their seqs, by a plain read (no
-    /// lock), and one more row with the lease end.
+    /// lock), and one more row with the lease end. Parameters: the window's bound, the shard
+    /// (see [`in_shard`]), the limit, the lease.
     pub candidates_block: String,
     /// Claim candidates where dead messages are ignored for ordering.
     pub candidates_skip: String,
@@ -181,8 +191,11 @@ pub(crate) struct Sql {
     pub order_skip: String,
     /// The claim's window: the seq of its last row (none when the backlog fits in it).
     pub past_bound: String,
+    /// [`Sql::past_bound`] of a sharded claim: the window of its shard's rows (shard parameters
+    /// first, see [`in_shard`]).
+    pub past_bound_sharded: String,
     /// Look past a full window: each key's first pending row, one index dive per key, at most
-    /// the given number of keys.
+    /// the given number of keys (of the claim's shard: shard parameters first).
     pub past_keys: String,
     /// Look past a full window: lock the oldest listed rows (a JSON array of seqs, sorted) that
     /// are still claimable heads or unordered messages (at most the number still wanted), by
@@ -191,12 +204,12 @@ pub(crate) struct Sql {
     pub past_heads_block: String,
     /// The same, dead messages ignored for ordering.
     pub past_heads_skip: String,
-    /// Look past a full window: the seqs of claimable unordered messages past it (a plain
-    /// read).
+    /// Look past a full window: the seqs of claimable unordered messages of the claim's shard
+    /// past it (a plain read).
     pub past_unordered: String,
     /// Look past a full window with many keys: the seqs of the claimable heads and unordered
-    /// messages past it, reading the rows in seq order (a plain read); dead messages blocking
-    /// their key.
+    /// messages of the claim's shard past it, reading the rows in seq order (a plain read);
+    /// dead messages blocking their key.
     pub past_rows_block: String,
     /// The same, dead messages ignored for ordering.
     pub past_rows_skip: String,
@@ -418,7 +431,8 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
             contract = sql_contract(&t, table, &key_trigger, &id_trigger),
             payload_check = derived_name(table, "payload_size"),
             bytes_check = derived_name(table, "payload_bytes_size"),
-        ) + &key_locks_ddl(&key_locks);
+        ) + &key_locks_ddl(&key_locks)
+            + &crate::group::group_ddl(database, table);
 
         let insert_head = format!(
             "INSERT INTO {t} (id, aggregatetype, aggregateid, type, payload, headers, \
@@ -447,6 +461,8 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
    -- reads a bounded stretch however long a blocked backlog is; when it comes back short from
    -- a full window, the look-past statements take the heads past it.
    AND c.seq <= ?
+   -- Only the claim's shard (every row of a key is in one, so the probes below need no shard).
+   AND {in_shard_c}
    -- Skip rows behind an earlier pending row of their key that is not claimable (leased to
    -- another relay, waiting for a retry, not yet due; anywhere in the key's backlog, not
    -- only its first row) or, under Block, behind a dead row, so that a blocked key's backlog
@@ -481,6 +497,7 @@ UNION ALL
 (SELECT NULL, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"#,
                 claimable_c = claimable("c"),
                 claimable_h = claimable("h"),
+                in_shard_c = in_shard("c"),
             )
         };
 
@@ -501,12 +518,21 @@ UNION ALL
             "SELECT w.seq FROM {t} w FORCE INDEX (ix_claim)
              WHERE w.state = 'pending' ORDER BY w.seq LIMIT ?, 1"
         );
+        // Apart from `past_bound`, which reads the claim index alone: the shard needs the key,
+        // so this one reads each row of the window too (as the candidates statement does).
+        let past_bound_sharded = format!(
+            "SELECT w.seq FROM {t} w FORCE INDEX (ix_claim)
+             WHERE w.state = 'pending' AND {in_shard_w} ORDER BY w.seq LIMIT ?, 1",
+            in_shard_w = in_shard("w"),
+        );
         // A loose index scan ("Using index for group-by"): one dive per key of the per-key
-        // index, giving each key's first pending row, at most the given number of keys.
+        // index, giving each key's first pending row, at most the given number of keys of the
+        // claim's shard (the HAVING keeps the loose scan; checked with EXPLAIN on 10.11).
         let past_keys = format!(
             "SELECT MIN(k.seq) AS head FROM {t} k FORCE INDEX (ix_key)
              WHERE k.state = 'pending' AND k.partition_key IS NOT NULL
              GROUP BY k.partition_key
+             HAVING MOD(CRC32(k.partition_key), ?) = ?
              LIMIT ?"
         );
         // Every locking read of a claim is by primary key, over a list of seqs that plain reads
@@ -557,16 +583,17 @@ FOR UPDATE SKIP LOCKED"#,
             r#"SELECT c.seq
 FROM {t} c FORCE INDEX (ix_key)
 WHERE c.partition_key IS NULL AND c.state = 'pending' AND c.seq > ?
-  AND {claimable_c}
+  AND {claimable_c} AND {in_shard_c}
 ORDER BY c.seq
 LIMIT ?"#,
             claimable_c = claimable("c"),
+            in_shard_c = in_shard("c"),
         );
         let past_rows = |dead_blocks: bool| -> String {
             format!(
                 r#"SELECT c.seq
 FROM {t} c FORCE INDEX (ix_claim)
-WHERE {claimable_c} AND c.seq > ?
+WHERE {claimable_c} AND c.seq > ? AND {in_shard_c}
   -- Heads only: the key's first pending row (a cached subquery per key), so a blocked key's
   -- rows cost no probe each.
   AND (c.partition_key IS NULL OR (
@@ -576,6 +603,7 @@ WHERE {claimable_c} AND c.seq > ?
 ORDER BY c.seq
 LIMIT ?"#,
                 claimable_c = claimable("c"),
+                in_shard_c = in_shard("c"),
                 dead = no_dead_before("c", dead_blocks),
             )
         };
@@ -643,6 +671,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             order_block: order(true),
             order_skip: order(false),
             past_bound,
+            past_bound_sharded,
             past_keys,
             lock,
             past_heads_block: past_heads(true),

@@ -208,10 +208,9 @@ impl Db {
     }
 
     async fn drop(self) {
-        let _ = sqlx::query(&format!(
-            "DROP TABLE {}, {}, {}",
-            self.config.qualified_table(),
-            self.config.key_locks_table(),
+        let _ = sqlx::raw_sql(&format!(
+            "{}DROP TABLE {};",
+            self.config.drop_sql(),
             self.orders
         ))
         .execute(self.store.pool())

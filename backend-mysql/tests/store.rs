@@ -12,8 +12,8 @@ use common::{db, db_with, ids, msg, names, random_table, Db, URL_VAR};
 use outbox_backend_mysql::{enqueue, enqueue_batch, migrate, MysqlConfig, MysqlStore};
 use outbox_conformance_tests::env::service_url;
 use outbox_traits::{
-    ClaimRequest, Error, ErrorKind, FailAction, Failure, HeadPolicy, LeaseToken, NewMessage,
-    OutboxAdmin, OutboxStore,
+    ClaimRequest, ClaimShard, Error, ErrorKind, FailAction, Failure, HeadPolicy, LeaseToken,
+    NewMessage, OutboxAdmin, OutboxStore,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{Connection, MySqlConnection};
@@ -263,6 +263,111 @@ async fn a_row_locked_by_a_concurrent_claim_holds_back_its_key() {
     other.rollback().await.unwrap();
     assert_eq!(names(&db.claim(10, Block).await), ["k1", "k2"]);
     db.drop().await;
+}
+
+/// Claims of two shards run side by side: the rows that one shard's claim holds locked (its
+/// candidates, between its lock and its commit) hold back nothing of the other shard's claim,
+/// which still fills its batch with its own rows only (keyed and unordered). An unsharded claim
+/// at that moment comes back short, its window half full of locked rows: the control, which is
+/// why the relay ran one claim at a time on MariaDB before it could shard.
+#[tokio::test]
+async fn a_claim_of_one_shard_is_not_held_back_by_another_shard_s_claim_in_progress() {
+    let Some(db) = db().await else { return };
+    let messages: Vec<_> = (0..400)
+        .map(|i| {
+            let m = msg(&format!("k{}", i % 40), &format!("{i}"));
+            if i % 10 == 0 {
+                m.unordered()
+            } else {
+                m
+            }
+        })
+        .collect();
+    db.enqueue(&messages).await;
+    // The shard of each row, as the claim computes it (`in_shard` in sql.rs).
+    let shard = "MOD(IF(partition_key IS NULL, seq, CRC32(partition_key)), 2)";
+    // READ COMMITTED and by primary key, as a claim locks: the scan keeps the locks of shard
+    // 0's rows only (a locking scan of a secondary index would keep every row it read).
+    let mut other = db
+        .pool()
+        .begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {} FORCE INDEX (PRIMARY) WHERE {shard} = 0 FOR UPDATE",
+        db.table()
+    ))
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    let req = |shard| ClaimRequest {
+        limit: 50,
+        lease: Duration::from_secs(60),
+        head_policy: Block,
+        shard,
+    };
+    let sharded = db
+        .store
+        .claim(&req(Some(ClaimShard::new(1, 2).unwrap())))
+        .await
+        .unwrap();
+    assert_eq!(sharded.messages.len(), 50, "shard 1 was held back");
+    assert!(
+        sharded.messages.iter().any(|m| m.partition_key.is_none()),
+        "no unordered message came back"
+    );
+    assert_eq!(
+        outside_shard(&db, &sharded, 1).await,
+        0,
+        "a row of shard 0 came back"
+    );
+    db.store
+        .release(sharded.token, &ids(&sharded))
+        .await
+        .unwrap();
+    let unsharded = db.store.claim(&req(None)).await.unwrap();
+    assert!(
+        unsharded.messages.len() < 50,
+        "control: the unsharded claim was expected to come back short, held back by the \
+         locked rows; it got {}",
+        unsharded.messages.len()
+    );
+    db.store
+        .release(unsharded.token, &ids(&unsharded))
+        .await
+        .unwrap();
+    other.rollback().await.unwrap();
+    // Nothing locked now: a claim of shard 0 room for every row takes shard 0's rows only.
+    let all = db
+        .store
+        .claim(&ClaimRequest {
+            limit: 400,
+            ..req(Some(ClaimShard::new(0, 2).unwrap()))
+        })
+        .await
+        .unwrap();
+    assert!(!all.messages.is_empty() && all.messages.len() < 400);
+    assert_eq!(
+        outside_shard(&db, &all, 0).await,
+        0,
+        "a row of shard 1 came back"
+    );
+    db.drop().await;
+}
+
+/// How many of `claim`'s messages are not in shard `index` of 2, by the claim's shard function.
+async fn outside_shard(db: &Db, claim: &outbox_traits::Claim, index: u32) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT COUNT(*) FROM {}
+          WHERE MOD(IF(partition_key IS NULL, seq, CRC32(partition_key)), 2) <> ?
+            AND id IN (SELECT id FROM JSON_TABLE(?, '$[*]' COLUMNS (id CHAR(36) PATH '$')) j)",
+        db.table()
+    ))
+    .bind(index)
+    .bind(serde_json::to_string(&ids(claim)).unwrap())
+    .fetch_one(db.pool())
+    .await
+    .unwrap()
 }
 
 #[tokio::test]

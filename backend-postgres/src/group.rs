@@ -154,15 +154,7 @@ $fn$;
 #[async_trait]
 impl RelayGroupStore for PostgresStore {
     async fn renew_group(&self, req: &GroupRenewal) -> Result<GroupView, Error> {
-        req.validate()?;
-        let lease_us = outbox_sql_support::limits::micros("relay group lease", req.lease)?;
-        // Validated: at least 1; more than i32::MAX shards is refused here.
-        let shards = i32::try_from(req.shards).map_err(|_| {
-            Error::invalid_input(format!(
-                "relay group shard count {} is too large",
-                req.shards
-            ))
-        })?;
+        let (shards, lease_us) = outbox_sql_support::limits::group_renewal(req)?;
         let renew = names(self.config()).renew;
         let rows = sqlx::query(&format!(
             "SELECT r_now, r_members, r_shard, r_fence, r_until FROM {renew}($1, $2, $3, $4, $5)"

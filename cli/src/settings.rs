@@ -88,9 +88,9 @@ pub struct SettingsArgs {
     #[arg(long, env = "OUTBOX_CONCURRENCY", global = true)]
     pub concurrency: Option<usize>,
     /// Claims that may run at once, each over its own share of the partition keys (default: the
-    /// store's choice, 2 on Postgres, see the README's "Speed"; MariaDB and SQLite cannot split
-    /// their keys and run one claim at a time whatever this says, with a warning when more
-    /// are asked for). `outbox-relay config` shows the value in effect.
+    /// store's choice, 2 on Postgres and MariaDB, see the README's "Speed"; SQLite cannot split
+    /// its keys and runs one claim at a time whatever this says, with a warning when more are
+    /// asked for). `outbox-relay config` shows the value in effect.
     #[arg(long, env = "OUTBOX_CLAIM_SHARDS", global = true)]
     pub claim_shards: Option<usize>,
     /// Join this relay group: replicas of the relay on one outbox that name the same group
@@ -688,7 +688,9 @@ impl Effective {
 /// The backend a store URL names, and what it declares for the relay's batch size and claim
 /// shards (read without connecting: `config` prints offline). Postgres prefers
 /// [`outbox::postgres::PREFERRED_CLAIM_SHARDS`] sharded claims of
-/// [`outbox::postgres::PREFERRED_BATCH`]; MariaDB and SQLite cannot shard and declare no batch.
+/// [`outbox::postgres::PREFERRED_BATCH`]; MariaDB prefers
+/// [`outbox::mysql::PREFERRED_CLAIM_SHARDS`] sharded claims and declares no batch; SQLite cannot
+/// shard and declares no batch.
 fn store_capabilities(url: Option<&str>) -> (&'static str, Capabilities) {
     let scheme = url.and_then(|u| u.split_once(':')).map(|(s, _)| s);
     match scheme {
@@ -700,6 +702,14 @@ fn store_capabilities(url: Option<&str>) -> (&'static str, Capabilities) {
                 .with_preferred_claim_shards(outbox::postgres::PREFERRED_CLAIM_SHARDS)
                 .with_preferred_batch(outbox::postgres::PREFERRED_BATCH),
         ),
+        #[cfg(feature = "mysql")]
+        Some("mysql" | "mariadb") => (
+            "mysql",
+            Capabilities::none()
+                .with_sharded_claims(true)
+                .with_preferred_claim_shards(outbox::mysql::PREFERRED_CLAIM_SHARDS),
+        ),
+        #[cfg(not(feature = "mysql"))]
         Some("mysql" | "mariadb") => ("mysql", Capabilities::none()),
         Some("sqlite") => ("sqlite", Capabilities::none()),
         _ => ("no store given", Capabilities::none()),

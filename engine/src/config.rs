@@ -102,7 +102,8 @@ pub struct RelayConfig {
     /// [`RelayGroupStore`](outbox_traits::RelayGroupStore)); a relay that holds none waits as a
     /// hot standby. Needs a store that supports groups, handed over with
     /// [`Relay::with_group_store`](crate::Relay::with_group_store) (the `outbox-relay` program
-    /// does it for Postgres); without one the relay logs a warning and runs as without a group.
+    /// does it for Postgres and MariaDB); without one the relay logs a warning and runs as without
+    /// a group.
     /// Only [`Relay::run`](crate::Relay::run) and [`Relay::spawn`](crate::Relay::spawn) join;
     /// drains claim every shard.
     pub(crate) group: Option<String>,

@@ -103,7 +103,7 @@ impl Relay {
     }
 
     /// Keep this relay's group ([`RelayConfig::group`]) in `store` (usually the same database as
-    /// the outbox: the Postgres and memory stores implement [`RelayGroupStore`]). Without it a
+    /// the outbox: the Postgres, MariaDB and memory stores implement [`RelayGroupStore`]). Without it a
     /// relay given a group logs a warning and claims every shard, as without a group.
     pub fn with_group_store(self, store: Arc<dyn RelayGroupStore>) -> Self {
         let mut shared = (*self.shared).clone();

@@ -811,8 +811,8 @@ pub struct GroupMember {
 /// the claim shards ([`ClaimShard`]) between them instead of all claiming every shard.
 ///
 /// Optional: a store that does not implement it simply runs relays without groups (every
-/// replica claims every shard, which stays correct, only slower). Implemented by the Postgres
-/// and memory stores.
+/// replica claims every shard, which stays correct, only slower). Implemented by the Postgres,
+/// MariaDB and memory stores.
 ///
 /// # Behavior
 /// - Every time comes from the database's clock.

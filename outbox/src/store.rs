@@ -80,7 +80,7 @@ impl OpenedStore {
     }
 
     /// The same, with the store's relay groups ([`OpenedStore::group_store`]).
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     fn with_groups<S>(name: &'static str, store: S) -> Self
     where
         S: OutboxStore + OutboxAdmin + Migrate + RelayGroupStore + Clone + 'static,
@@ -106,8 +106,8 @@ impl OpenedStore {
         self.schema.migrate().await
     }
 
-    /// Where relay groups keep their leases, if the backend supports them (Postgres); MariaDB
-    /// and SQLite do not yet, and a relay given a group there runs as without one.
+    /// Where relay groups keep their leases, if the backend supports them (Postgres, MariaDB);
+    /// SQLite does not, and a relay given a group there runs as without one.
     pub fn group_store(&self) -> Option<Arc<dyn RelayGroupStore>> {
         self.groups.clone()
     }
@@ -144,7 +144,7 @@ pub async fn open(url: &str, options: &StoreOptions) -> Result<OpenedStore, Erro
             outbox_backend_postgres::url::open_url(url, options).await?,
         )),
         #[cfg(feature = "mysql")]
-        "mysql" | "mariadb" => Ok(OpenedStore::new(
+        "mysql" | "mariadb" => Ok(OpenedStore::with_groups(
             "mysql",
             outbox_backend_mysql::url::open_url(url, options).await?,
         )),

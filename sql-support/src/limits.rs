@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use outbox_traits::{validate_duration, Error};
+use outbox_traits::{validate_duration, Error, GroupRenewal};
 
 pub use outbox_traits::MAX_DURATION;
 
@@ -33,6 +33,24 @@ pub fn millis(what: &str, duration: Duration) -> Result<i64, Error> {
     let ms = duration.as_micros().div_ceil(1000);
     // Bounded by MAX_DURATION above, far below i64::MAX milliseconds.
     Ok(i64::try_from(ms).unwrap_or(i64::MAX))
+}
+
+/// A relay-group renewal's shard count and lease in microseconds, as the stores' renewal SQL
+/// takes them, after [`GroupRenewal::validate`].
+///
+/// # Errors
+/// [`Error::InvalidInput`] for a renewal that does not validate or whose shard count does not
+/// fit an SQL `int`.
+pub fn group_renewal(req: &GroupRenewal) -> Result<(i32, i64), Error> {
+    req.validate()?;
+    let lease_us = micros("relay group lease", req.lease)?;
+    let shards = i32::try_from(req.shards).map_err(|_| {
+        Error::invalid_input(format!(
+            "relay group shard count {} is too large",
+            req.shards
+        ))
+    })?;
+    Ok((shards, lease_us))
 }
 
 /// `text` cut to at most [`MAX_ERROR_BYTES`], at a character boundary.

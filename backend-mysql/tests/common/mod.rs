@@ -93,13 +93,9 @@ impl Db {
     /// Drop the table and its key-lock table (best effort: a failed test leaves them for
     /// inspection).
     pub async fn drop(self) {
-        let _ = sqlx::query(&format!(
-            "DROP TABLE {}, {}",
-            self.table(),
-            self.config.key_locks_table()
-        ))
-        .execute(self.store.pool())
-        .await;
+        let _ = sqlx::raw_sql(&self.config.drop_sql())
+            .execute(self.store.pool())
+            .await;
         self.store.pool().close().await;
     }
 }
@@ -429,15 +425,13 @@ pub mod harness {
         Ok(now.and_utc())
     }
 
-    /// Drop `store`'s table and its key-lock table (its pool stays open: the conformance
-    /// harness shares one).
+    /// Drop `store`'s table, its key-lock table and its relay-group objects (its pool stays
+    /// open: the conformance harness shares one).
     pub async fn teardown(store: &MysqlStore) -> Result<(), Error> {
-        let sql = format!(
-            "DROP TABLE {}, {}",
-            store.config().qualified_table(),
-            store.config().key_locks_table()
-        );
-        sqlx::query(&sql).execute(store.pool()).await.map_err(err)?;
+        sqlx::raw_sql(&store.config().drop_sql())
+            .execute(store.pool())
+            .await
+            .map_err(err)?;
         Ok(())
     }
 }

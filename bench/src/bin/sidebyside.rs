@@ -611,9 +611,7 @@ async fn mysql_ours(pool: &sqlx::MySqlPool, o: &Opts) -> BoxResult<Run> {
         drain_recording(store.clone(), o, mariadb_cpu(pool)).await
     }
     .await;
-    sqlx::raw_sql(&format!("DROP TABLE {}", config.qualified_table()))
-        .execute(pool)
-        .await?;
+    sqlx::raw_sql(&config.drop_sql()).execute(pool).await?;
     result
 }
 
