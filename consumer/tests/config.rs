@@ -27,23 +27,23 @@ fn nats_urls() {
     )
     .unwrap();
     // The credentials move to `security`, as the publisher keeps them.
-    assert_eq!(c.url, "nats://127.0.0.1:4222");
+    assert_eq!(c.url(), "nats://127.0.0.1:4222");
     assert_eq!(
-        c.security.auth,
+        c.security().auth,
         outbox_consumer::nats::NatsAuth::UserPassword {
             user: "u".into(),
             password: "s3cret".into()
         }
     );
-    assert_eq!(c.subject.as_deref(), Some("o.>"));
-    assert_eq!(c.dead_letter_subject, "d.x");
-    assert_eq!(c.dead_letter_stream, None);
-    assert_eq!(c.ack_wait, Duration::from_secs(2));
-    assert_eq!((c.options.batch, c.options.concurrency), (10, 2));
-    assert_eq!(c.options.retry.max_attempts, 7);
-    assert_eq!(c.options.retry.max_backoff, Duration::from_millis(50));
+    assert_eq!(c.subject(), Some("o.>"));
+    assert_eq!(c.dead_letter_subject(), "d.x");
+    assert_eq!(c.dead_letter_stream(), None);
+    assert_eq!(c.ack_wait(), Duration::from_secs(2));
+    assert_eq!((c.options().batch, c.options().concurrency), (10, 2));
+    assert_eq!(c.options().retry.max_attempts, 7);
+    assert_eq!(c.options().retry.max_backoff, Duration::from_millis(50));
     assert_eq!(
-        c.options.retry.unavailable_budget,
+        c.options().retry.unavailable_budget,
         Some(Duration::from_secs(60))
     );
     assert!(!format!("{c:?}").contains("s3cret"));
@@ -166,9 +166,9 @@ fn credential_files() {
     .unwrap();
     assert!(!format!("{nats:?}").contains("s3cret"));
     assert!(
-        !nats.url.contains("app"),
+        !nats.url().contains("app"),
         "the credentials leave the URL: {}",
-        nats.url
+        nats.url()
     );
     let two = format!("nats://h:4222?stream=S&consumer=c&token_file={pw}&nkey_file={pw}");
     assert!(invalid(NatsConsumerConfig::from_url(&two), &two).contains("more than one kind"));
@@ -187,4 +187,26 @@ fn credential_files() {
         };
         assert!(err.contains("/nonexistent/pw cannot be read"), "{err}");
     }
+}
+
+/// The NATS builder runs the same checks as `from_url`, with the same messages, and its `Debug`
+/// shows no password either.
+#[test]
+fn nats_builder_checks_every_setting() {
+    let nats = || NatsConsumerConfig::builder("nats://u:s3cret@h:4222", "S", "c");
+    let built = nats().subject("o.>").build().unwrap();
+    assert_eq!((built.stream(), built.consumer()), ("S", "c"));
+    assert_eq!(built.subject(), Some("o.>"));
+    assert_eq!(built.dead_letter_stream(), Some("S_DEAD"));
+    assert!(!format!("{:?}", nats()).contains("s3cret"));
+    let text = invalid(
+        nats().ack_wait(Duration::from_millis(5)).build(),
+        "nats ack_wait",
+    );
+    assert!(text.contains("ack_wait"), "{text}");
+    let text = invalid(
+        NatsConsumerConfig::builder("nats://h", "S", "a.b").build(),
+        "nats consumer",
+    );
+    assert!(text.contains("may not contain"), "{text}");
 }
