@@ -75,12 +75,9 @@ fn redis_urls() {
         "rediss://:s3cret@h:6380/2?stream=s&group=g&consumer=me&dead_stream=dl&claim_idle_ms=500&block_ms=100",
     )
     .unwrap();
-    assert_eq!(c.url, "rediss://:s3cret@h:6380/2");
-    assert_eq!(
-        (c.consumer.as_str(), c.dead_letter_stream.as_str()),
-        ("me", "dl")
-    );
-    assert_eq!(c.claim_idle, Duration::from_millis(500));
+    assert_eq!(c.url(), "rediss://:s3cret@h:6380/2");
+    assert_eq!((c.consumer(), c.dead_letter_stream()), ("me", "dl"));
+    assert_eq!(c.claim_idle(), Duration::from_millis(500));
     assert!(!format!("{c:?}").contains("s3cret"));
     for url in [
         "redis://:s3cret@h?stream=s",
@@ -209,4 +206,19 @@ fn nats_builder_checks_every_setting() {
         "nats consumer",
     );
     assert!(text.contains("may not contain"), "{text}");
+}
+
+/// As `nats_builder_checks_every_setting`, for Redis.
+#[test]
+fn redis_builder_checks_every_setting() {
+    let redis = || RedisConsumerConfig::builder("redis://:s3cret@h:6379", "s", "g");
+    let built = redis().consumer("me").build().unwrap();
+    assert_eq!((built.group(), built.consumer()), ("g", "me"));
+    assert!(!format!("{:?}", redis()).contains("s3cret"));
+    invalid(redis().dead_letter_stream("s").build(), "redis dead stream");
+    invalid(
+        redis().claim_idle(Duration::ZERO).build(),
+        "redis claim_idle",
+    );
+    invalid(redis().consumer("").build(), "redis consumer");
 }
