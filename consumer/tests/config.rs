@@ -99,10 +99,10 @@ fn kafka_urls() {
          &session.timeout.ms=6000&security.protocol=sasl_plaintext&sasl.mechanism=PLAIN",
     )
     .unwrap();
-    assert_eq!(c.brokers, "h1:9092,h2:9093");
-    assert_eq!(c.dead_letter_topic, "t-dlq");
-    assert_eq!(c.properties["sasl.username"], "user");
-    assert_eq!(c.properties["sasl.password"], "s3cret");
+    assert_eq!(c.brokers(), "h1:9092,h2:9093");
+    assert_eq!(c.dead_letter_topic(), "t-dlq");
+    assert_eq!(c.properties()["sasl.username"], "user");
+    assert_eq!(c.properties()["sasl.password"], "s3cret");
     assert!(!format!("{c:?}").contains("s3cret"));
     for url in [
         "kafka://user:s3cret@h:9092?group=g",
@@ -143,8 +143,8 @@ fn credential_files() {
          &sasl.mechanism=SCRAM-SHA-256&password_file={pw}"
     ))
     .unwrap();
-    assert_eq!(kafka.properties["sasl.username"], "app");
-    assert_eq!(kafka.properties["sasl.password"], "s3cret");
+    assert_eq!(kafka.properties()["sasl.username"], "app");
+    assert_eq!(kafka.properties()["sasl.password"], "s3cret");
     assert!(!format!("{kafka:?}").contains("s3cret"));
     let both = format!("kafka://app:pw@h:9093?topic=t&group=g&password_file={pw}");
     assert!(invalid(KafkaConsumerConfig::from_url(&both), &both).contains("give one"));
@@ -221,4 +221,19 @@ fn redis_builder_checks_every_setting() {
         "redis claim_idle",
     );
     invalid(redis().consumer("").build(), "redis consumer");
+}
+
+/// As `nats_builder_checks_every_setting`, for Kafka.
+#[test]
+fn kafka_builder_checks_every_setting() {
+    let kafka = || KafkaConsumerConfig::builder("h:9092", "t", "g");
+    let built = kafka().property("sasl.password", "s3cret").build().unwrap();
+    assert_eq!(built.properties()["sasl.password"], "s3cret");
+    assert!(!format!("{built:?}").contains("s3cret"));
+    invalid(kafka().dead_letter_topic("t").build(), "kafka dead topic");
+    invalid(kafka().timeout(Duration::ZERO).build(), "kafka timeout");
+    invalid(
+        kafka().property("group.id", "x").build(),
+        "kafka own property",
+    );
 }
