@@ -28,11 +28,11 @@ pub struct InboxTable {
 
 impl InboxTable {
     fn config(&self) -> Result<InboxConfig, Error> {
-        let config = InboxConfig::new(self.inbox_table.clone())?;
-        match &self.inbox_schema {
-            Some(schema) => config.with_schema(schema.clone()),
-            None => Ok(config),
+        let mut config = InboxConfig::builder().table(self.inbox_table.clone());
+        if let Some(schema) = &self.inbox_schema {
+            config = config.schema(schema.clone());
         }
+        config.build()
     }
 }
 

@@ -215,7 +215,7 @@ async fn postgres_inbox_migrate_status_and_purge() -> TestResult {
     let case = Case {
         db: Db::Postgres(sqlx::PgPool::connect(&url).await?),
         store: url,
-        config: InboxConfig::default().with_schema(&schema)?,
+        config: InboxConfig::builder().schema(&schema).build()?,
         schema: Some(schema),
     };
     let outcome = migrate_status_and_purge(&case).await;
@@ -232,7 +232,7 @@ async fn mariadb_inbox_migrate_status_and_purge() -> TestResult {
     let case = Case {
         db: Db::Mysql(sqlx::MySqlPool::connect(&url).await?),
         store: url,
-        config: InboxConfig::default().with_schema(&schema)?,
+        config: InboxConfig::builder().schema(&schema).build()?,
         schema: Some(schema),
     };
     let outcome = migrate_status_and_purge(&case).await;

@@ -209,8 +209,10 @@ async fn a_request_trace_runs_through_enqueue_relay_and_consumer() -> TestResult
 
     // The consumer: its handler notes each message's id as it runs, in its span.
     let (seen_tx, mut seen_rx) = tokio::sync::mpsc::unbounded_channel::<Uuid>();
-    let consumer =
-        NatsConsumer::connect(NatsConsumerConfig::new(nats_url.clone(), &stream, "traces")).await?;
+    let consumer = NatsConsumer::connect(
+        NatsConsumerConfig::builder(nats_url.clone(), &stream, "traces").build()?,
+    )
+    .await?;
     let stop = CancellationToken::new();
     let running = tokio::spawn(consumer.run_until(
         handler_fn(move |d: Delivery| {

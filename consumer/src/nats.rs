@@ -49,39 +49,53 @@ pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
 /// Default connection and request timeout.
 pub const DEFAULT_NATS_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Everything [`NatsConsumer::connect`] needs. `Debug` shows the URL without its password.
+/// Everything [`NatsConsumer::connect`] needs: built with [`NatsConsumerConfig::builder`] or
+/// [`NatsConsumerConfig::from_url`], both of which check it, and read with getters of the same
+/// names. `Debug` shows the URL without its password.
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_consumer::nats::NatsConsumerConfig;
+/// let config = NatsConsumerConfig::builder("nats://127.0.0.1:4222", "OUTBOX", "payments")
+///     .subject("outbox.order.>")
+///     .ack_wait(Duration::from_secs(10))
+///     .build()?;
+/// assert_eq!(config.dead_letter_subject(), "dead.OUTBOX.payments");
+/// assert!(NatsConsumerConfig::builder("nats://h:4222", "A.B", "c").build().is_err());
+/// # Ok::<(), outbox_traits::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct NatsConsumerConfig {
     /// Server URL, e.g. `nats://user:pass@127.0.0.1:4222` (credentials never appear in errors).
-    pub url: String,
+    pub(crate) url: String,
     /// The stream to consume (it must exist: the relay's publisher creates it).
-    pub stream: String,
+    pub(crate) stream: String,
     /// The durable consumer's name; created on first connect. Processes that share it share
     /// the messages. Also the `consumer` label of the metrics.
-    pub consumer: String,
+    pub(crate) consumer: String,
     /// Only messages of this subject (wildcards allowed); `None`: the whole stream.
-    pub subject: Option<String>,
+    pub(crate) subject: Option<String>,
     /// Subject of dead letters. Default: `dead.<stream>.<consumer>`.
-    pub dead_letter_subject: String,
+    pub(crate) dead_letter_subject: String,
     /// A stream to create (if missing) for the dead letters: it captures `dead.<stream>.>` when
     /// the dead-letter subject is under it (the default: every consumer of the stream shares
     /// it), else the dead-letter subject itself. Default: `Some("<stream>_DEAD")`. With `None`,
     /// a stream must already capture the dead-letter subject; `connect` checks it (also when an
     /// existing stream of this name captures other subjects).
-    pub dead_letter_stream: Option<String>,
+    pub(crate) dead_letter_stream: Option<String>,
     /// How long JetStream waits for an acknowledgement before redelivering. While a message is
     /// between retries the consumer tells JetStream it is in progress every half of this; a
     /// single handler call longer than this gets the message redelivered meanwhile. It is set
     /// when the durable consumer is created; an existing one keeps its own. Default:
     /// [`DEFAULT_ACK_WAIT`].
-    pub ack_wait: Duration,
+    pub(crate) ack_wait: Duration,
     /// Connection and request timeout. Default: [`DEFAULT_NATS_TIMEOUT`].
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// Retries, batch size and concurrency.
-    pub options: ConsumerOptions,
+    pub(crate) options: ConsumerOptions,
     /// TLS and credentials: the same settings, URL options and semantics as the NATS
     /// publisher's ([`NatsSecurity`]). Its `Debug` shows no secret.
-    pub security: NatsSecurity,
+    pub(crate) security: NatsSecurity,
 }
 
 impl std::fmt::Debug for NatsConsumerConfig {
@@ -102,8 +116,80 @@ impl std::fmt::Debug for NatsConsumerConfig {
 }
 
 impl NatsConsumerConfig {
-    /// A configuration with the defaults for `stream` and durable consumer `consumer`.
-    pub fn new(url: impl Into<String>, stream: &str, consumer: &str) -> Self {
+    /// A builder for durable consumer `consumer` of `stream` on the server at `url`,
+    /// starting from the defaults; finish with [`NatsConsumerConfigBuilder::build`].
+    pub fn builder(
+        url: impl Into<String>,
+        stream: &str,
+        consumer: &str,
+    ) -> NatsConsumerConfigBuilder {
+        NatsConsumerConfigBuilder {
+            config: Self::defaults(url, stream, consumer),
+        }
+    }
+
+    /// Server URL, e.g. `nats://user:pass@127.0.0.1:4222` (credentials never appear in errors).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The stream to consume (it must exist: the relay's publisher creates it).
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    /// The durable consumer's name; created on first connect. Processes that share it share
+    /// the messages. Also the `consumer` label of the metrics.
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// Only messages of this subject (wildcards allowed); `None`: the whole stream.
+    pub fn subject(&self) -> Option<&str> {
+        self.subject.as_deref()
+    }
+
+    /// Subject of dead letters. Default: `dead.<stream>.<consumer>`.
+    pub fn dead_letter_subject(&self) -> &str {
+        &self.dead_letter_subject
+    }
+
+    /// A stream to create (if missing) for the dead letters: it captures `dead.<stream>.>` when
+    /// the dead-letter subject is under it (the default: every consumer of the stream shares
+    /// it), else the dead-letter subject itself. Default: `Some("<stream>_DEAD")`. With `None`,
+    /// a stream must already capture the dead-letter subject; `connect` checks it (also when an
+    /// existing stream of this name captures other subjects).
+    pub fn dead_letter_stream(&self) -> Option<&str> {
+        self.dead_letter_stream.as_deref()
+    }
+
+    /// How long JetStream waits for an acknowledgement before redelivering. While a message is
+    /// between retries the consumer tells JetStream it is in progress every half of this; a
+    /// single handler call longer than this gets the message redelivered meanwhile. It is set
+    /// when the durable consumer is created; an existing one keeps its own. Default:
+    /// [`DEFAULT_ACK_WAIT`].
+    pub fn ack_wait(&self) -> Duration {
+        self.ack_wait
+    }
+
+    /// Connection and request timeout. Default: [`DEFAULT_NATS_TIMEOUT`].
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Retries, batch size and concurrency.
+    pub fn options(&self) -> &ConsumerOptions {
+        &self.options
+    }
+
+    /// TLS and credentials: the same settings, URL options and semantics as the NATS
+    /// publisher's ([`NatsSecurity`]). Its `Debug` shows no secret.
+    pub fn security(&self) -> &NatsSecurity {
+        &self.security
+    }
+
+    /// The configuration with the defaults for `stream` and durable consumer `consumer`.
+    fn defaults(url: impl Into<String>, stream: &str, consumer: &str) -> Self {
         Self {
             url: url.into(),
             stream: stream.to_owned(),
@@ -118,32 +204,6 @@ impl NatsConsumerConfig {
         }
     }
 
-    /// Consume only `subject` (wildcards allowed).
-    pub fn with_subject(mut self, subject: impl Into<String>) -> Self {
-        self.subject = Some(subject.into());
-        self
-    }
-
-    /// Send dead letters to `subject`, captured by `stream` (created if missing) or, with
-    /// `None`, by a stream that already exists.
-    pub fn with_dead_letters(mut self, subject: impl Into<String>, stream: Option<String>) -> Self {
-        self.dead_letter_subject = subject.into();
-        self.dead_letter_stream = stream;
-        self
-    }
-
-    /// Set [`NatsConsumerConfig::ack_wait`].
-    pub fn with_ack_wait(mut self, ack_wait: Duration) -> Self {
-        self.ack_wait = ack_wait;
-        self
-    }
-
-    /// Set the retries, batch size and concurrency.
-    pub fn with_options(mut self, options: ConsumerOptions) -> Self {
-        self.options = options;
-        self
-    }
-
     /// Parse `nats://[user:pass@]host:4222?stream=ORDERS&consumer=payments[&subject=orders.>]`.
     ///
     /// Options: [`NATS_URL_OPTIONS`] (`stream` and `consumer` required; `dead_subject`,
@@ -156,9 +216,9 @@ impl NatsConsumerConfig {
     /// let c = NatsConsumerConfig::from_url(
     ///     "nats://127.0.0.1:4222?stream=OUTBOX&consumer=payments&subject=outbox.order.>&max_attempts=3",
     /// ).unwrap();
-    /// assert_eq!(c.url, "nats://127.0.0.1:4222");
-    /// assert_eq!(c.dead_letter_subject, "dead.OUTBOX.payments");
-    /// assert_eq!(c.options.retry.max_attempts, 3);
+    /// assert_eq!(c.url(), "nats://127.0.0.1:4222");
+    /// assert_eq!(c.dead_letter_subject(), "dead.OUTBOX.payments");
+    /// assert_eq!(c.options().retry.max_attempts, 3);
     /// assert!(NatsConsumerConfig::from_url("nats://h?stream=S&consumer=c&colour=red").is_err());
     /// ```
     pub fn from_url(url: &str) -> Result<Self, Error> {
@@ -267,7 +327,8 @@ impl NatsConsumerConfig {
         let _ = server.set_password(None);
         server.set_query(None);
         server.set_fragment(None);
-        let mut config = Self::new(server.to_string().trim_end_matches('/'), &stream, &consumer);
+        let mut config =
+            Self::defaults(server.to_string().trim_end_matches('/'), &stream, &consumer);
         config.security = security;
         config.subject = subject;
         if let Some(dead_subject) = dead_subject {
@@ -296,7 +357,7 @@ impl NatsConsumerConfig {
     }
 
     /// Check the values without connecting.
-    pub fn validate(&self) -> Result<(), Error> {
+    pub(crate) fn validate(&self) -> Result<(), Error> {
         self.options.validate()?;
         for (what, name) in [("stream", &self.stream), ("consumer", &self.consumer)] {
             options::non_empty(BROKER, what, name)?;
@@ -321,6 +382,80 @@ impl NatsConsumerConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// Builder of [`NatsConsumerConfig`] ([`NatsConsumerConfig::builder`]); [`NatsConsumerConfigBuilder::build`] checks every setting.
+/// `Debug` is the config's: no secret shows.
+#[derive(Clone)]
+pub struct NatsConsumerConfigBuilder {
+    config: NatsConsumerConfig,
+}
+
+impl std::fmt::Debug for NatsConsumerConfigBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("NatsConsumerConfigBuilder")
+            .field(&self.config)
+            .finish()
+    }
+}
+
+impl NatsConsumerConfigBuilder {
+    /// Only messages of this subject (wildcards allowed); `None`: the whole stream.
+    pub fn subject(mut self, subject: impl Into<String>) -> Self {
+        self.config.subject = Some(subject.into());
+        self
+    }
+
+    /// Subject of dead letters. Default: `dead.<stream>.<consumer>`.
+    pub fn dead_letter_subject(mut self, subject: impl Into<String>) -> Self {
+        self.config.dead_letter_subject = subject.into();
+        self
+    }
+
+    /// A stream to create (if missing) for the dead letters: it captures `dead.<stream>.>` when
+    /// the dead-letter subject is under it (the default: every consumer of the stream shares
+    /// it), else the dead-letter subject itself. Default: `Some("<stream>_DEAD")`. With `None`,
+    /// a stream must already capture the dead-letter subject; `connect` checks it (also when an
+    /// existing stream of this name captures other subjects).
+    pub fn dead_letter_stream(mut self, stream: Option<String>) -> Self {
+        self.config.dead_letter_stream = stream;
+        self
+    }
+
+    /// How long JetStream waits for an acknowledgement before redelivering. While a message is
+    /// between retries the consumer tells JetStream it is in progress every half of this; a
+    /// single handler call longer than this gets the message redelivered meanwhile. It is set
+    /// when the durable consumer is created; an existing one keeps its own. Default:
+    /// [`DEFAULT_ACK_WAIT`].
+    pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.config.ack_wait = ack_wait;
+        self
+    }
+
+    /// Connection and request timeout. Default: [`DEFAULT_NATS_TIMEOUT`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.config.timeout = timeout;
+        self
+    }
+
+    /// Retries, batch size and concurrency.
+    pub fn options(mut self, options: ConsumerOptions) -> Self {
+        self.config.options = options;
+        self
+    }
+
+    /// TLS and credentials: the same settings, URL options and semantics as the NATS
+    /// publisher's ([`NatsSecurity`]). Its `Debug` shows no secret.
+    pub fn security(mut self, security: NatsSecurity) -> Self {
+        self.config.security = security;
+        self
+    }
+
+    /// Check every setting without connecting; [`Error::InvalidInput`] says which one to fix.
+    pub fn build(self) -> Result<NatsConsumerConfig, Error> {
+        self.config.validate()?;
+        Ok(self.config)
     }
 }
 

@@ -106,38 +106,53 @@ pub(crate) fn certificates(tls: &RedisTls) -> Result<redis::TlsCertificates, Err
     })
 }
 
-/// Everything [`RedisConsumer::connect`] needs. `Debug` shows the URL without its password.
+/// Everything [`RedisConsumer::connect`] needs: built with [`RedisConsumerConfig::builder`] or
+/// [`RedisConsumerConfig::from_url`], both of which check it, and read with getters of the same
+/// names. `Debug` shows the URL without its password.
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_consumer::redis::RedisConsumerConfig;
+/// let config = RedisConsumerConfig::builder("redis://:pw@127.0.0.1:6379", "outbox", "payments")
+///     .consumer("payments-1")
+///     .claim_idle(Duration::from_secs(60))
+///     .build()?;
+/// assert_eq!(config.dead_letter_stream(), "outbox:dead");
+/// assert!(!format!("{config:?}").contains("pw"));
+/// assert!(RedisConsumerConfig::builder("redis://h", "s", "").build().is_err());
+/// # Ok::<(), outbox_traits::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct RedisConsumerConfig {
     /// Server URL, e.g. `redis://:password@127.0.0.1:6379/0` or `rediss://` for TLS.
-    pub url: String,
+    pub(crate) url: String,
     /// The stream key to consume.
-    pub stream: String,
+    pub(crate) stream: String,
     /// The consumer group (created at the stream's start if missing, so that entries written
     /// before the group existed are consumed too). Also the `consumer` label of the metrics.
-    pub group: String,
+    pub(crate) group: String,
     /// This consumer's name in the group. Default: `consumer-<random>`. A process that restarts
     /// under the same name first takes back its own pending entries; under a new name they are
     /// taken over after [`claim_idle`](Self::claim_idle).
-    pub consumer: String,
+    pub(crate) consumer: String,
     /// Stream key of dead letters. Default: `<stream>:dead`.
-    pub dead_letter_stream: String,
+    pub(crate) dead_letter_stream: String,
     /// Entries pending (delivered, not acknowledged) in any consumer of the group for longer
     /// than this are taken over with `XAUTOCLAIM`. While an entry waits between retries its
     /// consumer resets its idle time every half of this (`XCLAIM ... JUSTID`); keep it above
     /// your longest single handler call, or a live consumer's entry is handled twice. Default:
     /// [`DEFAULT_CLAIM_IDLE`].
-    pub claim_idle: Duration,
+    pub(crate) claim_idle: Duration,
     /// How long one `XREADGROUP` waits for new entries (shortened to half of `claim_idle`).
     /// Default: [`DEFAULT_BLOCK`].
-    pub block: Duration,
+    pub(crate) block: Duration,
     /// Connection and reply timeout. Default: [`DEFAULT_REDIS_TIMEOUT`].
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// Retries, batch size and concurrency.
-    pub options: ConsumerOptions,
+    pub(crate) options: ConsumerOptions,
     /// Certificate files of a `rediss://` connection: the Redis publisher's settings and URL
     /// options (`ca_file`, `cert_file`, `key_file`).
-    pub tls: RedisTls,
+    pub(crate) tls: RedisTls,
 }
 
 impl std::fmt::Debug for RedisConsumerConfig {
@@ -158,8 +173,79 @@ impl std::fmt::Debug for RedisConsumerConfig {
 }
 
 impl RedisConsumerConfig {
-    /// A configuration with the defaults for `stream` and `group`.
-    pub fn new(url: impl Into<String>, stream: &str, group: &str) -> Self {
+    /// A builder for consumer group `group` of stream `stream` on the server at `url`,
+    /// starting from the defaults; finish with [`RedisConsumerConfigBuilder::build`].
+    pub fn builder(
+        url: impl Into<String>,
+        stream: &str,
+        group: &str,
+    ) -> RedisConsumerConfigBuilder {
+        RedisConsumerConfigBuilder {
+            config: Self::defaults(url, stream, group),
+        }
+    }
+
+    /// Server URL, e.g. `redis://:password@127.0.0.1:6379/0` or `rediss://` for TLS.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The stream key to consume.
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    /// The consumer group (created at the stream's start if missing, so that entries written
+    /// before the group existed are consumed too). Also the `consumer` label of the metrics.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// This consumer's name in the group. Default: `consumer-<random>`. A process that restarts
+    /// under the same name first takes back its own pending entries; under a new name they are
+    /// taken over after [`claim_idle`](Self::claim_idle).
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// Stream key of dead letters. Default: `<stream>:dead`.
+    pub fn dead_letter_stream(&self) -> &str {
+        &self.dead_letter_stream
+    }
+
+    /// Entries pending (delivered, not acknowledged) in any consumer of the group for longer
+    /// than this are taken over with `XAUTOCLAIM`. While an entry waits between retries its
+    /// consumer resets its idle time every half of this (`XCLAIM ... JUSTID`); keep it above
+    /// your longest single handler call, or a live consumer's entry is handled twice. Default:
+    /// [`DEFAULT_CLAIM_IDLE`].
+    pub fn claim_idle(&self) -> Duration {
+        self.claim_idle
+    }
+
+    /// How long one `XREADGROUP` waits for new entries (shortened to half of `claim_idle`).
+    /// Default: [`DEFAULT_BLOCK`].
+    pub fn block(&self) -> Duration {
+        self.block
+    }
+
+    /// Connection and reply timeout. Default: [`DEFAULT_REDIS_TIMEOUT`].
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Retries, batch size and concurrency.
+    pub fn options(&self) -> &ConsumerOptions {
+        &self.options
+    }
+
+    /// Certificate files of a `rediss://` connection: the Redis publisher's settings and URL
+    /// options (`ca_file`, `cert_file`, `key_file`).
+    pub fn tls(&self) -> &RedisTls {
+        &self.tls
+    }
+
+    /// The configuration with the defaults for `stream` and `group`.
+    fn defaults(url: impl Into<String>, stream: &str, group: &str) -> Self {
         Self {
             url: url.into(),
             stream: stream.to_owned(),
@@ -177,30 +263,6 @@ impl RedisConsumerConfig {
         }
     }
 
-    /// Set this consumer's name in the group.
-    pub fn with_consumer(mut self, name: impl Into<String>) -> Self {
-        self.consumer = name.into();
-        self
-    }
-
-    /// Set [`RedisConsumerConfig::claim_idle`].
-    pub fn with_claim_idle(mut self, idle: Duration) -> Self {
-        self.claim_idle = idle;
-        self
-    }
-
-    /// Set the dead-letter stream key.
-    pub fn with_dead_letter_stream(mut self, stream: impl Into<String>) -> Self {
-        self.dead_letter_stream = stream.into();
-        self
-    }
-
-    /// Set the retries, batch size and concurrency.
-    pub fn with_options(mut self, options: ConsumerOptions) -> Self {
-        self.options = options;
-        self
-    }
-
     /// Parse `redis://[:password@]host:6379[/db]?stream=outbox.order&group=payments`.
     ///
     /// Options: [`REDIS_URL_OPTIONS`] (`stream` and `group` required; `consumer`,
@@ -213,8 +275,8 @@ impl RedisConsumerConfig {
     /// let c = RedisConsumerConfig::from_url(
     ///     "redis://127.0.0.1:6379/0?stream=outbox.order&group=payments&claim_idle_ms=30000",
     /// ).unwrap();
-    /// assert_eq!(c.url, "redis://127.0.0.1:6379/0");
-    /// assert_eq!(c.dead_letter_stream, "outbox.order:dead");
+    /// assert_eq!(c.url(), "redis://127.0.0.1:6379/0");
+    /// assert_eq!(c.dead_letter_stream(), "outbox.order:dead");
     /// assert!(RedisConsumerConfig::from_url("redis://h?stream=s").is_err()); // no group
     /// ```
     pub fn from_url(url: &str) -> Result<Self, Error> {
@@ -281,7 +343,7 @@ impl RedisConsumerConfig {
                 ))
             })?;
         }
-        let mut config = Self::new(server.to_string(), &stream, &group);
+        let mut config = Self::defaults(server.to_string(), &stream, &group);
         config.tls = tls;
         if let Some(consumer) = consumer {
             config.consumer = consumer;
@@ -298,7 +360,7 @@ impl RedisConsumerConfig {
     }
 
     /// Check the values without connecting.
-    pub fn validate(&self) -> Result<(), Error> {
+    pub(crate) fn validate(&self) -> Result<(), Error> {
         self.options.validate()?;
         self.tls.validate(&self.url)?;
         options::non_empty(BROKER, "stream", &self.stream)?;
@@ -333,6 +395,79 @@ impl RedisConsumerConfig {
         self.block
             .min(self.claim_idle / 2)
             .max(Duration::from_millis(1))
+    }
+}
+
+/// Builder of [`RedisConsumerConfig`] ([`RedisConsumerConfig::builder`]); [`RedisConsumerConfigBuilder::build`] checks every setting.
+/// `Debug` is the config's: no secret shows.
+#[derive(Clone)]
+pub struct RedisConsumerConfigBuilder {
+    config: RedisConsumerConfig,
+}
+
+impl std::fmt::Debug for RedisConsumerConfigBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("RedisConsumerConfigBuilder")
+            .field(&self.config)
+            .finish()
+    }
+}
+
+impl RedisConsumerConfigBuilder {
+    /// This consumer's name in the group. Default: `consumer-<random>`. A process that restarts
+    /// under the same name first takes back its own pending entries; under a new name they are
+    /// taken over after [`claim_idle`](Self::claim_idle).
+    pub fn consumer(mut self, name: impl Into<String>) -> Self {
+        self.config.consumer = name.into();
+        self
+    }
+
+    /// Stream key of dead letters. Default: `<stream>:dead`.
+    pub fn dead_letter_stream(mut self, stream: impl Into<String>) -> Self {
+        self.config.dead_letter_stream = stream.into();
+        self
+    }
+
+    /// Entries pending (delivered, not acknowledged) in any consumer of the group for longer
+    /// than this are taken over with `XAUTOCLAIM`. While an entry waits between retries its
+    /// consumer resets its idle time every half of this (`XCLAIM ... JUSTID`); keep it above
+    /// your longest single handler call, or a live consumer's entry is handled twice. Default:
+    /// [`DEFAULT_CLAIM_IDLE`].
+    pub fn claim_idle(mut self, idle: Duration) -> Self {
+        self.config.claim_idle = idle;
+        self
+    }
+
+    /// How long one `XREADGROUP` waits for new entries (shortened to half of `claim_idle`).
+    /// Default: [`DEFAULT_BLOCK`].
+    pub fn block(mut self, block: Duration) -> Self {
+        self.config.block = block;
+        self
+    }
+
+    /// Connection and reply timeout. Default: [`DEFAULT_REDIS_TIMEOUT`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.config.timeout = timeout;
+        self
+    }
+
+    /// Retries, batch size and concurrency.
+    pub fn options(mut self, options: ConsumerOptions) -> Self {
+        self.config.options = options;
+        self
+    }
+
+    /// Certificate files of a `rediss://` connection: the Redis publisher's settings and URL
+    /// options (`ca_file`, `cert_file`, `key_file`).
+    pub fn tls(mut self, tls: RedisTls) -> Self {
+        self.config.tls = tls;
+        self
+    }
+
+    /// Check every setting without connecting; [`Error::InvalidInput`] says which one to fix.
+    pub fn build(self) -> Result<RedisConsumerConfig, Error> {
+        self.config.validate()?;
+        Ok(self.config)
     }
 }
 

@@ -27,23 +27,23 @@ fn nats_urls() {
     )
     .unwrap();
     // The credentials move to `security`, as the publisher keeps them.
-    assert_eq!(c.url, "nats://127.0.0.1:4222");
+    assert_eq!(c.url(), "nats://127.0.0.1:4222");
     assert_eq!(
-        c.security.auth,
+        c.security().auth,
         outbox_consumer::nats::NatsAuth::UserPassword {
             user: "u".into(),
             password: "s3cret".into()
         }
     );
-    assert_eq!(c.subject.as_deref(), Some("o.>"));
-    assert_eq!(c.dead_letter_subject, "d.x");
-    assert_eq!(c.dead_letter_stream, None);
-    assert_eq!(c.ack_wait, Duration::from_secs(2));
-    assert_eq!((c.options.batch, c.options.concurrency), (10, 2));
-    assert_eq!(c.options.retry.max_attempts, 7);
-    assert_eq!(c.options.retry.max_backoff, Duration::from_millis(50));
+    assert_eq!(c.subject(), Some("o.>"));
+    assert_eq!(c.dead_letter_subject(), "d.x");
+    assert_eq!(c.dead_letter_stream(), None);
+    assert_eq!(c.ack_wait(), Duration::from_secs(2));
+    assert_eq!((c.options().batch, c.options().concurrency), (10, 2));
+    assert_eq!(c.options().retry.max_attempts, 7);
+    assert_eq!(c.options().retry.max_backoff, Duration::from_millis(50));
     assert_eq!(
-        c.options.retry.unavailable_budget,
+        c.options().retry.unavailable_budget,
         Some(Duration::from_secs(60))
     );
     assert!(!format!("{c:?}").contains("s3cret"));
@@ -75,12 +75,9 @@ fn redis_urls() {
         "rediss://:s3cret@h:6380/2?stream=s&group=g&consumer=me&dead_stream=dl&claim_idle_ms=500&block_ms=100",
     )
     .unwrap();
-    assert_eq!(c.url, "rediss://:s3cret@h:6380/2");
-    assert_eq!(
-        (c.consumer.as_str(), c.dead_letter_stream.as_str()),
-        ("me", "dl")
-    );
-    assert_eq!(c.claim_idle, Duration::from_millis(500));
+    assert_eq!(c.url(), "rediss://:s3cret@h:6380/2");
+    assert_eq!((c.consumer(), c.dead_letter_stream()), ("me", "dl"));
+    assert_eq!(c.claim_idle(), Duration::from_millis(500));
     assert!(!format!("{c:?}").contains("s3cret"));
     for url in [
         "redis://:s3cret@h?stream=s",
@@ -102,10 +99,10 @@ fn kafka_urls() {
          &session.timeout.ms=6000&security.protocol=sasl_plaintext&sasl.mechanism=PLAIN",
     )
     .unwrap();
-    assert_eq!(c.brokers, "h1:9092,h2:9093");
-    assert_eq!(c.dead_letter_topic, "t-dlq");
-    assert_eq!(c.properties["sasl.username"], "user");
-    assert_eq!(c.properties["sasl.password"], "s3cret");
+    assert_eq!(c.brokers(), "h1:9092,h2:9093");
+    assert_eq!(c.dead_letter_topic(), "t-dlq");
+    assert_eq!(c.properties()["sasl.username"], "user");
+    assert_eq!(c.properties()["sasl.password"], "s3cret");
     assert!(!format!("{c:?}").contains("s3cret"));
     for url in [
         "kafka://user:s3cret@h:9092?group=g",
@@ -146,8 +143,8 @@ fn credential_files() {
          &sasl.mechanism=SCRAM-SHA-256&password_file={pw}"
     ))
     .unwrap();
-    assert_eq!(kafka.properties["sasl.username"], "app");
-    assert_eq!(kafka.properties["sasl.password"], "s3cret");
+    assert_eq!(kafka.properties()["sasl.username"], "app");
+    assert_eq!(kafka.properties()["sasl.password"], "s3cret");
     assert!(!format!("{kafka:?}").contains("s3cret"));
     let both = format!("kafka://app:pw@h:9093?topic=t&group=g&password_file={pw}");
     assert!(invalid(KafkaConsumerConfig::from_url(&both), &both).contains("give one"));
@@ -166,9 +163,9 @@ fn credential_files() {
     .unwrap();
     assert!(!format!("{nats:?}").contains("s3cret"));
     assert!(
-        !nats.url.contains("app"),
+        !nats.url().contains("app"),
         "the credentials leave the URL: {}",
-        nats.url
+        nats.url()
     );
     let two = format!("nats://h:4222?stream=S&consumer=c&token_file={pw}&nkey_file={pw}");
     assert!(invalid(NatsConsumerConfig::from_url(&two), &two).contains("more than one kind"));
@@ -187,4 +184,56 @@ fn credential_files() {
         };
         assert!(err.contains("/nonexistent/pw cannot be read"), "{err}");
     }
+}
+
+/// The NATS builder runs the same checks as `from_url`, with the same messages, and its `Debug`
+/// shows no password either.
+#[test]
+fn nats_builder_checks_every_setting() {
+    let nats = || NatsConsumerConfig::builder("nats://u:s3cret@h:4222", "S", "c");
+    let built = nats().subject("o.>").build().unwrap();
+    assert_eq!((built.stream(), built.consumer()), ("S", "c"));
+    assert_eq!(built.subject(), Some("o.>"));
+    assert_eq!(built.dead_letter_stream(), Some("S_DEAD"));
+    assert!(!format!("{:?}", nats()).contains("s3cret"));
+    let text = invalid(
+        nats().ack_wait(Duration::from_millis(5)).build(),
+        "nats ack_wait",
+    );
+    assert!(text.contains("ack_wait"), "{text}");
+    let text = invalid(
+        NatsConsumerConfig::builder("nats://h", "S", "a.b").build(),
+        "nats consumer",
+    );
+    assert!(text.contains("may not contain"), "{text}");
+}
+
+/// As `nats_builder_checks_every_setting`, for Redis.
+#[test]
+fn redis_builder_checks_every_setting() {
+    let redis = || RedisConsumerConfig::builder("redis://:s3cret@h:6379", "s", "g");
+    let built = redis().consumer("me").build().unwrap();
+    assert_eq!((built.group(), built.consumer()), ("g", "me"));
+    assert!(!format!("{:?}", redis()).contains("s3cret"));
+    invalid(redis().dead_letter_stream("s").build(), "redis dead stream");
+    invalid(
+        redis().claim_idle(Duration::ZERO).build(),
+        "redis claim_idle",
+    );
+    invalid(redis().consumer("").build(), "redis consumer");
+}
+
+/// As `nats_builder_checks_every_setting`, for Kafka.
+#[test]
+fn kafka_builder_checks_every_setting() {
+    let kafka = || KafkaConsumerConfig::builder("h:9092", "t", "g");
+    let built = kafka().property("sasl.password", "s3cret").build().unwrap();
+    assert_eq!(built.properties()["sasl.password"], "s3cret");
+    assert!(!format!("{built:?}").contains("s3cret"));
+    invalid(kafka().dead_letter_topic("t").build(), "kafka dead topic");
+    invalid(kafka().timeout(Duration::ZERO).build(), "kafka timeout");
+    invalid(
+        kafka().property("group.id", "x").build(),
+        "kafka own property",
+    );
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::*;
 use kafka_common::{consume, create_topic, unique_topic};
 use outbox_conformance_tests::env::service_url;
-use outbox_consumer::kafka::{KafkaConsumer, KafkaConsumerConfig};
+use outbox_consumer::kafka::{KafkaConsumer, KafkaConsumerConfig, KafkaConsumerConfigBuilder};
 use outbox_consumer::{CancellationToken, Source, DEAD_ATTEMPTS, DEAD_REASON, DEAD_SOURCE};
 use outbox_publisher_kafka::{KafkaConfig, KafkaPublisher};
 use outbox_routing::{Envelope, EnvelopeMode};
@@ -50,10 +50,10 @@ async fn fixture() -> Option<Fixture> {
 }
 
 impl Fixture {
-    fn config(&self, group: &str) -> KafkaConsumerConfig {
+    fn config(&self, group: &str) -> KafkaConsumerConfigBuilder {
         // Tansu: group joins take about half the session timeout.
-        KafkaConsumerConfig::new(self.brokers.clone(), &self.topic, group)
-            .with_property("session.timeout.ms", "6000")
+        KafkaConsumerConfig::builder(self.brokers.clone(), &self.topic, group)
+            .property("session.timeout.ms", "6000")
     }
 
     async fn publish(&self, batch: &[Message]) {
@@ -161,7 +161,9 @@ async fn decodes_what_the_publisher_wrote_and_commits_after_the_handler() {
     batch.extend([ce_binary, ce_structured]);
 
     let (handler, mut calls) = Scripted::new();
-    let consumer = KafkaConsumer::connect(f.config("decode")).await.unwrap();
+    let consumer = KafkaConsumer::connect(f.config("decode").build().unwrap())
+        .await
+        .unwrap();
     let task = tokio::spawn(consumer.run(handler));
     let seen = calls_until(&mut calls, |c| c.len() >= batch.len()).await;
     for msg in &batch {
@@ -218,9 +220,10 @@ async fn retries_then_commits_and_dead_letters_poison_and_undecodable_ones() {
     handler.plan(flaky.id, Plan::FailFirst(2));
     handler.plan(poison.id, Plan::Poison);
     handler.plan(hopeless.id, Plan::AlwaysFail);
-    let consumer = KafkaConsumer::connect(f.config("retry").with_options(fast_options(3)))
-        .await
-        .unwrap();
+    let consumer =
+        KafkaConsumer::connect(f.config("retry").options(fast_options(3)).build().unwrap())
+            .await
+            .unwrap();
     let task = tokio::spawn(consumer.run(handler));
     let seen = calls_until(&mut calls, |c| of(c, after_all.id).len() == 1).await;
     let attempts: Vec<u32> = of(&seen, flaky.id).iter().map(|d| d.attempt).collect();
@@ -277,7 +280,9 @@ async fn a_record_uncommitted_by_a_dead_consumer_goes_to_the_next_in_the_group()
 
     let (first, mut first_calls) = Scripted::new();
     first.plan(msg.id, Plan::Hang);
-    let consumer = KafkaConsumer::connect(f.config("crash")).await.unwrap();
+    let consumer = KafkaConsumer::connect(f.config("crash").build().unwrap())
+        .await
+        .unwrap();
     let task = tokio::spawn(consumer.run(first));
     let seen = calls_until(&mut first_calls, |c| !c.is_empty()).await;
     let (partition, offset) = position(&seen[0].delivery);
@@ -290,7 +295,9 @@ async fn a_record_uncommitted_by_a_dead_consumer_goes_to_the_next_in_the_group()
     let _ = task.await;
 
     let (second, mut second_calls) = Scripted::new();
-    let consumer = KafkaConsumer::connect(f.config("crash")).await.unwrap();
+    let consumer = KafkaConsumer::connect(f.config("crash").build().unwrap())
+        .await
+        .unwrap();
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(consumer.run_until(second, shutdown.clone()));
     let seen = calls_until(&mut second_calls, |c| !c.is_empty()).await;

@@ -65,8 +65,10 @@ fn counters_and_the_latency_histogram_carry_the_consumer_label() {
             handler.plan(down.id, Plan::UnavailableFirst(5));
             handler.plan(poison.id, Plan::Poison);
             let consumer = RedisConsumer::connect(
-                RedisConsumerConfig::new(url.clone(), &stream, "metered")
-                    .with_options(fast_options(3)),
+                RedisConsumerConfig::builder(url.clone(), &stream, "metered")
+                    .options(fast_options(3))
+                    .build()
+                    .unwrap(),
             )
             .await
             .unwrap();

@@ -10,7 +10,7 @@ use async_nats::jetstream;
 use common::*;
 use outbox_conformance_tests::env::service_url;
 use outbox_conformance_tests::servers::{free_port, installed, missing, wait_port};
-use outbox_consumer::nats::{NatsConsumer, NatsConsumerConfig};
+use outbox_consumer::nats::{NatsConsumer, NatsConsumerConfig, NatsConsumerConfigBuilder};
 use outbox_consumer::{
     handler_fn, CancellationToken, Delivery, Handled, Source, DEAD_ATTEMPTS, DEAD_REASON,
     DEAD_SOURCE,
@@ -55,8 +55,8 @@ async fn fixture_at(url: String) -> Fixture {
 }
 
 impl Fixture {
-    fn config(&self, consumer: &str) -> NatsConsumerConfig {
-        NatsConsumerConfig::new(self.url.clone(), &self.stream, consumer)
+    fn config(&self, consumer: &str) -> NatsConsumerConfigBuilder {
+        NatsConsumerConfig::builder(self.url.clone(), &self.stream, consumer)
     }
 
     async fn publish(&self, batch: &[Message]) {
@@ -155,7 +155,9 @@ async fn decodes_what_the_publisher_wrote_and_acks_each_once() {
     batch.extend([ce_binary, ce_structured]);
 
     let (handler, mut calls) = Scripted::new();
-    let consumer = NatsConsumer::connect(f.config("decode")).await.unwrap();
+    let consumer = NatsConsumer::connect(f.config("decode").build().unwrap())
+        .await
+        .unwrap();
     let task = tokio::spawn(consumer.run(handler));
     let seen = calls_until(&mut calls, |c| c.len() >= batch.len()).await;
     for msg in &batch {
@@ -210,9 +212,10 @@ async fn retries_then_acks_and_dead_letters_poison_and_undecodable_ones() {
     handler.plan(flaky.id, Plan::FailFirst(2));
     handler.plan(poison.id, Plan::Poison);
     handler.plan(hopeless.id, Plan::AlwaysFail);
-    let consumer = NatsConsumer::connect(f.config("retry").with_options(fast_options(3)))
-        .await
-        .unwrap();
+    let consumer =
+        NatsConsumer::connect(f.config("retry").options(fast_options(3)).build().unwrap())
+            .await
+            .unwrap();
     let task = tokio::spawn(consumer.run(handler));
     let seen = calls_until(&mut calls, |c| {
         of(c, after.id).len() == 1 && of(c, flaky.id).len() == 3 && of(c, hopeless.id).len() == 3
@@ -272,8 +275,11 @@ async fn a_dead_letter_stream_of_ones_own_captures_the_subject_given() {
     handler.plan(poison.id, Plan::Poison);
     let consumer = NatsConsumer::connect(
         f.config("own")
-            .with_dead_letters(subject.clone(), Some(dead_stream.clone()))
-            .with_options(fast_options(3)),
+            .dead_letter_subject(subject.clone())
+            .dead_letter_stream(Some(dead_stream.clone()))
+            .options(fast_options(3))
+            .build()
+            .unwrap(),
     )
     .await
     .unwrap();
@@ -297,12 +303,14 @@ async fn a_message_unacked_by_a_dead_consumer_is_redelivered() {
     let Some(f) = fixture().await else { return };
     let msg = message(Some("k"), 1, serde_json::json!({"n": 1}));
     f.publish(std::slice::from_ref(&msg)).await;
-    let config = f.config("crash").with_ack_wait(Duration::from_millis(500));
+    let config = f.config("crash").ack_wait(Duration::from_millis(500));
 
     // The first consumer dies while its handler runs: the message was not acknowledged.
     let (first, mut first_calls) = Scripted::new();
     first.plan(msg.id, Plan::Hang);
-    let consumer = NatsConsumer::connect(config.clone()).await.unwrap();
+    let consumer = NatsConsumer::connect(config.clone().build().unwrap())
+        .await
+        .unwrap();
     let task = tokio::spawn(consumer.run(first));
     calls_until(&mut first_calls, |c| !c.is_empty()).await;
     let stream = f.jetstream.get_stream(&f.stream).await.unwrap();
@@ -318,7 +326,9 @@ async fn a_message_unacked_by_a_dead_consumer_is_redelivered() {
     let _ = task.await;
 
     let (second, mut second_calls) = Scripted::new();
-    let consumer = NatsConsumer::connect(config).await.unwrap();
+    let consumer = NatsConsumer::connect(config.build().unwrap())
+        .await
+        .unwrap();
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(consumer.run_until(second, shutdown.clone()));
     let seen = calls_until(&mut second_calls, |c| !c.is_empty()).await;
@@ -362,8 +372,10 @@ async fn a_broker_outage_costs_no_attempt() {
     });
     let consumer = NatsConsumer::connect(
         f.config("outage")
-            .with_ack_wait(Duration::from_millis(500))
-            .with_options(fast_options(1)),
+            .ack_wait(Duration::from_millis(500))
+            .options(fast_options(1))
+            .build()
+            .unwrap(),
     )
     .await
     .unwrap();

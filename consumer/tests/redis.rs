@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use outbox_conformance_tests::env::service_url;
-use outbox_consumer::redis::{RedisConsumer, RedisConsumerConfig};
+use outbox_consumer::redis::{RedisConsumer, RedisConsumerConfig, RedisConsumerConfigBuilder};
 use outbox_consumer::{CancellationToken, Source, DEAD_ATTEMPTS, DEAD_REASON, DEAD_SOURCE};
 use outbox_publisher_redis::{RedisConfig, RedisPublisher};
 use outbox_traits::{Message, PublishOutcome, Publisher};
@@ -45,8 +45,8 @@ async fn fixture() -> Option<Fixture> {
 }
 
 impl Fixture {
-    fn config(&self, group: &str) -> RedisConsumerConfig {
-        RedisConsumerConfig::new(self.url.clone(), &self.stream, group)
+    fn config(&self, group: &str) -> RedisConsumerConfigBuilder {
+        RedisConsumerConfig::builder(self.url.clone(), &self.stream, group)
     }
 
     async fn publish(&self, batch: &[Message]) {
@@ -152,7 +152,9 @@ async fn decodes_what_the_publisher_wrote_and_acks_each_once() {
     batch.extend([ce_binary, ce_structured]);
 
     let (handler, mut calls) = Scripted::new();
-    let consumer = RedisConsumer::connect(f.config("decode")).await.unwrap();
+    let consumer = RedisConsumer::connect(f.config("decode").build().unwrap())
+        .await
+        .unwrap();
     let task = tokio::spawn(consumer.run(handler));
     let seen = calls_until(&mut calls, |c| c.len() >= batch.len()).await;
     for msg in &batch {
@@ -216,9 +218,10 @@ async fn retries_then_acks_and_dead_letters_poison_and_undecodable_ones() {
     handler.plan(flaky.id, Plan::FailFirst(2));
     handler.plan(poison.id, Plan::Poison);
     handler.plan(hopeless.id, Plan::AlwaysFail);
-    let consumer = RedisConsumer::connect(f.config("retry").with_options(fast_options(3)))
-        .await
-        .unwrap();
+    let consumer =
+        RedisConsumer::connect(f.config("retry").options(fast_options(3)).build().unwrap())
+            .await
+            .unwrap();
     let task = tokio::spawn(consumer.run(handler));
     let seen = calls_until(&mut calls, |c| {
         of(c, after.id).len() == 1 && of(c, flaky.id).len() == 3 && of(c, hopeless.id).len() == 3
@@ -268,7 +271,7 @@ async fn retries_then_acks_and_dead_letters_poison_and_undecodable_ones() {
 async fn die_while_handling(f: &Fixture, group: &str, msg: &Message) {
     let (first, mut first_calls) = Scripted::new();
     first.plan(msg.id, Plan::Hang);
-    let consumer = RedisConsumer::connect(f.config(group).with_consumer("first"))
+    let consumer = RedisConsumer::connect(f.config(group).consumer("first").build().unwrap())
         .await
         .unwrap();
     let task = tokio::spawn(consumer.run(first));
@@ -293,9 +296,11 @@ async fn a_dead_consumers_pending_entry_is_taken_over() {
     let (second, mut second_calls) = Scripted::new();
     let config = f
         .config("crash")
-        .with_consumer("second")
-        .with_claim_idle(Duration::from_millis(200));
-    let consumer = RedisConsumer::connect(config).await.unwrap();
+        .consumer("second")
+        .claim_idle(Duration::from_millis(200));
+    let consumer = RedisConsumer::connect(config.build().unwrap())
+        .await
+        .unwrap();
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(consumer.run_until(second, shutdown.clone()));
     let seen = calls_until(&mut second_calls, |c| !c.is_empty()).await;
@@ -314,7 +319,7 @@ async fn a_consumer_restarted_under_its_name_takes_back_its_pending_entry() {
 
     // Same name, claim_idle far away: the entry comes from its own pending list at start.
     let (again, mut calls) = Scripted::new();
-    let consumer = RedisConsumer::connect(f.config("restart").with_consumer("first"))
+    let consumer = RedisConsumer::connect(f.config("restart").consumer("first").build().unwrap())
         .await
         .unwrap();
     let task = tokio::spawn(consumer.run(again));
@@ -366,11 +371,8 @@ async fn an_entry_between_retries_is_not_taken_over_by_another_consumer() {
 
     let (first, mut first_calls) = Scripted::new();
     first.plan(msg.id, Plan::FailFirst(1));
-    let config = f
-        .config("keep")
-        .with_claim_idle(claim_idle)
-        .with_options(options);
-    let a = RedisConsumer::connect(config.clone().with_consumer("a"))
+    let config = f.config("keep").claim_idle(claim_idle).options(options);
+    let a = RedisConsumer::connect(config.clone().consumer("a").build().unwrap())
         .await
         .unwrap();
     let task_a = tokio::spawn(a.run(first));
@@ -378,7 +380,7 @@ async fn an_entry_between_retries_is_not_taken_over_by_another_consumer() {
 
     // A second consumer of the group, claiming entries idle for 200 ms, runs through the pause.
     let (second, mut second_calls) = Scripted::new();
-    let b = RedisConsumer::connect(config.with_consumer("b"))
+    let b = RedisConsumer::connect(config.consumer("b").build().unwrap())
         .await
         .unwrap();
     let task_b = tokio::spawn(b.run(second));

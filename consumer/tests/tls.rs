@@ -52,7 +52,7 @@ async fn nats_consumer_over_tls_with_a_client_certificate_and_a_password_file() 
 
     let url = format!("{}&stream=ORDERS&consumer=payments", tls(&password_file));
     let config = NatsConsumerConfig::from_url(&url).unwrap();
-    assert!(config.security.tls_required);
+    assert!(config.security().tls_required);
     let shown = format!("{config:?}");
     assert!(
         !shown.contains(&password),

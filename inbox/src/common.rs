@@ -52,17 +52,19 @@ impl<T> Outcome<T> {
 }
 
 /// Where an inbox lives: its table and, optionally, the schema (Postgres), database
-/// (MariaDB/MySQL) or attached database (SQLite) that holds it.
+/// (MariaDB/MySQL) or attached database (SQLite) that holds it. Built with
+/// [`InboxConfig::builder`] (or [`Default`]: table [`DEFAULT_TABLE`]) and read with getters of
+/// the same names.
 ///
-/// Both names are checked with [`validate_sql_identifier`] when set, so they are safe to quote
-/// into statements.
+/// Both names are checked with [`validate_sql_identifier`] by [`InboxConfigBuilder::build`], so
+/// they are safe to quote into statements.
 ///
 /// ```
 /// use outbox_inbox::InboxConfig;
-/// let config = InboxConfig::new("payments_inbox")?.with_schema("billing")?;
+/// let config = InboxConfig::builder().table("payments_inbox").schema("billing").build()?;
 /// assert_eq!(config.table(), "payments_inbox");
 /// assert_eq!(config.schema(), Some("billing"));
-/// assert!(InboxConfig::new("bad name").is_err());
+/// assert!(InboxConfig::builder().table("bad name").build().is_err());
 /// # Ok::<(), outbox_inbox::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,30 +83,51 @@ impl Default for InboxConfig {
     }
 }
 
-impl InboxConfig {
-    /// An inbox in table `table` of the connection's default schema or database.
-    ///
-    /// # Errors
-    /// [`Error::InvalidInput`] when `table` is not a plain SQL identifier.
-    pub fn new(table: impl Into<String>) -> Result<Self, Error> {
-        let table = table.into();
-        validate_sql_identifier("inbox table name", &table)?;
-        Ok(Self {
-            schema: None,
-            table,
-        })
+/// Builder of [`InboxConfig`] ([`InboxConfig::builder`]); [`InboxConfigBuilder::build`] checks
+/// both names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxConfigBuilder {
+    schema: Option<String>,
+    table: String,
+}
+
+impl InboxConfigBuilder {
+    /// The inbox table's name (a plain SQL identifier). Default: [`DEFAULT_TABLE`].
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
     }
 
     /// Put the table in `schema` (Postgres schema, MariaDB/MySQL database, SQLite attached
-    /// database); the Postgres and MariaDB migrations create it when missing.
+    /// database; a plain SQL identifier); the Postgres and MariaDB migrations create it when
+    /// missing. Default: none, the connection's default schema or database.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = Some(schema.into());
+        self
+    }
+
+    /// Check both names.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] when `schema` is not a plain SQL identifier.
-    pub fn with_schema(mut self, schema: impl Into<String>) -> Result<Self, Error> {
-        let schema = schema.into();
-        validate_sql_identifier("inbox schema name", &schema)?;
-        self.schema = Some(schema);
-        Ok(self)
+    /// [`Error::InvalidInput`] when the table or schema name is not a plain SQL identifier.
+    pub fn build(self) -> Result<InboxConfig, Error> {
+        validate_sql_identifier("inbox table name", &self.table)?;
+        if let Some(schema) = &self.schema {
+            validate_sql_identifier("inbox schema name", schema)?;
+        }
+        Ok(InboxConfig {
+            schema: self.schema,
+            table: self.table,
+        })
+    }
+}
+
+impl InboxConfig {
+    /// A builder starting from table [`DEFAULT_TABLE`] in the connection's default schema or
+    /// database.
+    pub fn builder() -> InboxConfigBuilder {
+        let Self { schema, table } = Self::default();
+        InboxConfigBuilder { schema, table }
     }
 
     /// The table name.
@@ -272,12 +295,18 @@ mod tests {
 
     #[test]
     fn names_are_checked() {
-        assert!(InboxConfig::new("inbox").is_ok());
-        assert!(InboxConfig::new("x\"; DROP").is_err());
-        assert!(InboxConfig::default().with_schema("a b").is_err());
+        assert!(InboxConfig::builder().table("inbox").build().is_ok());
+        assert!(InboxConfig::builder().table("x\"; DROP").build().is_err());
+        assert!(InboxConfig::builder().schema("a b").build().is_err());
         assert_eq!(
-            InboxConfig::new("t")
-                .and_then(|c| c.with_schema("s"))
+            InboxConfig::builder().build().ok(),
+            Some(InboxConfig::default())
+        );
+        assert_eq!(
+            InboxConfig::builder()
+                .table("t")
+                .schema("s")
+                .build()
                 .map(|c| c.qualified('"'))
                 .ok()
                 .as_deref(),

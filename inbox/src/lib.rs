@@ -31,7 +31,8 @@ pub mod sqlite;
 mod sqlx_common;
 
 pub use common::{
-    validate_consumer, InboxConfig, Outcome, Receipt, DEFAULT_TABLE, MAX_BATCH, MAX_CONSUMER_CHARS,
+    validate_consumer, InboxConfig, InboxConfigBuilder, Outcome, Receipt, DEFAULT_TABLE, MAX_BATCH,
+    MAX_CONSUMER_CHARS,
 };
 pub use outbox_traits::Error;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

@@ -381,7 +381,7 @@ async fn main() -> Result<(), BoxError> {
             std::process::exit(2);
         }
     };
-    let config = InboxConfig::new(INBOX_TABLE)?;
+    let config = InboxConfig::builder().table(INBOX_TABLE).build()?;
     let dir = tempfile::tempdir()?;
     let mut stores = Vec::new();
     for name in &settings.stores {

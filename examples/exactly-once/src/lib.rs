@@ -428,7 +428,7 @@ impl PaymentService {
     /// # Errors
     /// As [`OrderService::connect`]; [`Error::InvalidInput`] for a bad inbox table name.
     pub async fn connect(url: &str, names: Names, consumer: &str) -> Result<Self, Error> {
-        let inbox = InboxConfig::new(names.inbox.as_str())?;
+        let inbox = InboxConfig::builder().table(names.inbox.as_str()).build()?;
         Ok(Self {
             db: Db::open(url).await?,
             names,

@@ -69,7 +69,10 @@ impl MySqlInbox {
     async fn store(&self) -> Result<MySqlStore, Error> {
         let pool = self.pool().await?;
         let database = format!("inbox_{}", Uuid::new_v4().simple());
-        let config = InboxConfig::new("inbox")?.with_schema(&database)?;
+        let config = InboxConfig::builder()
+            .table("inbox")
+            .schema(&database)
+            .build()?;
         mysql::migrate(&pool, &config).await?;
         pool.execute(
             format!(
@@ -208,9 +211,10 @@ async fn process_runs_the_handler_once_and_a_missing_table_says_to_migrate() {
     };
     let pool = harness.pool().await.unwrap();
     let database = format!("inbox_{}", Uuid::new_v4().simple());
-    let config = InboxConfig::new("inbox")
-        .unwrap()
-        .with_schema(&database)
+    let config = InboxConfig::builder()
+        .table("inbox")
+        .schema(&database)
+        .build()
         .unwrap();
     pool.execute(format!("CREATE DATABASE `{database}`").as_str())
         .await
@@ -410,9 +414,10 @@ mod diesel_async_inbox {
         };
         let mut conn = AsyncMysqlConnection::establish(&harness.url).await.unwrap();
         let database = format!("inbox_{}", Uuid::new_v4().simple());
-        let config = InboxConfig::new("inbox")
-            .unwrap()
-            .with_schema(&database)
+        let config = InboxConfig::builder()
+            .table("inbox")
+            .schema(&database)
+            .build()
             .unwrap();
         conn.batch_execute(&format!("CREATE DATABASE `{database}`"))
             .await

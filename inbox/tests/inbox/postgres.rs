@@ -77,7 +77,10 @@ impl PgInbox {
     async fn store(&self) -> Result<PgStore, Error> {
         let pool = self.pool().await?;
         let schema = format!("inbox_{}", Uuid::new_v4().simple());
-        let config = InboxConfig::new("inbox")?.with_schema(&schema)?;
+        let config = InboxConfig::builder()
+            .table("inbox")
+            .schema(&schema)
+            .build()?;
         postgres::migrate(&pool, &config).await?;
         pool.execute(
             format!(
@@ -200,7 +203,11 @@ async fn fresh() -> Option<(PgPool, InboxConfig, String)> {
     let harness = PgInbox::from_env()?;
     let pool = harness.pool().await.ok()?;
     let schema = format!("inbox_{}", Uuid::new_v4().simple());
-    let config = InboxConfig::new("inbox").ok()?.with_schema(&schema).ok()?;
+    let config = InboxConfig::builder()
+        .table("inbox")
+        .schema(&schema)
+        .build()
+        .ok()?;
     Some((pool, config, schema))
 }
 
@@ -460,9 +467,10 @@ mod diesel_async_inbox {
         };
         let mut conn = AsyncPgConnection::establish(&harness.url).await.unwrap();
         let schema = format!("inbox_{}", Uuid::new_v4().simple());
-        let config = InboxConfig::new("inbox")
-            .unwrap()
-            .with_schema(&schema)
+        let config = InboxConfig::builder()
+            .table("inbox")
+            .schema(&schema)
+            .build()
             .unwrap();
         let err = postgres::diesel::record(&mut conn, &config, "payments", Uuid::now_v7())
             .await

@@ -154,7 +154,7 @@ outbox_conformance_tests::inbox_suite!(SqliteInbox);
 #[test]
 fn process_runs_the_handler_once_and_a_missing_table_says_to_migrate() {
     let mut conn = Connection::open_in_memory().unwrap();
-    let config = InboxConfig::new("consumed").unwrap();
+    let config = InboxConfig::builder().table("consumed").build().unwrap();
     let id = Uuid::now_v7();
     let err = sqlite::record(&conn, &config, "payments", id).unwrap_err();
     assert!(err.to_string().contains("sqlite::migrate"), "{err}");
@@ -339,7 +339,7 @@ mod diesel_inbox {
     #[test]
     fn process_runs_the_handler_once_and_a_missing_table_says_to_migrate() {
         let mut conn = SqliteConnection::establish(":memory:").unwrap();
-        let config = InboxConfig::new("consumed").unwrap();
+        let config = InboxConfig::builder().table("consumed").build().unwrap();
         let id = Uuid::now_v7();
         let err = sqlite::diesel::record(&mut conn, &config, "payments", id).unwrap_err();
         assert!(err.to_string().contains("sqlite::diesel::migrate"), "{err}");
