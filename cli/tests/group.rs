@@ -19,7 +19,7 @@ use outbox_conformance_tests::env::service_url;
 use outbox_e2e::{check_delivery, unique_suffix};
 
 mod common;
-use common::fleet::{spawn_relay, Broker, Db, Relay};
+use common::fleet::{spawn_relay, Broker, Db, Relay, Watch};
 use common::{message, run, signal, sigterm, BoxError, GUARD};
 
 const GROUP: &str = "relays";
@@ -118,37 +118,79 @@ async fn wait_group(
     }
 }
 
+/// The shared servers and a fresh schema, stream subscription and writer for one test; `None`
+/// when Postgres or NATS is not configured.
+struct Setup {
+    suffix: String,
+    db: Db,
+    store: PostgresStore,
+    broker: Broker,
+    watch: Watch,
+    broker_url: String,
+    writer: Writer,
+}
+
+impl Setup {
+    async fn new() -> Result<Option<Self>, BoxError> {
+        let (Some(pg_url), Some(nats_url)) = (
+            service_url("OUTBOX_TEST_POSTGRES_URL"),
+            service_url("OUTBOX_TEST_NATS_URL"),
+        ) else {
+            return Ok(None);
+        };
+        let suffix = unique_suffix();
+        let db = Db::postgres(pg_url, &suffix).await?;
+        let Db::Postgres { store, .. } = &db else {
+            return Err("not postgres".into());
+        };
+        let store = store.clone();
+        let broker = Broker::Nats { url: nats_url };
+        let watch = broker.watch(&suffix).await?;
+        let broker_url = broker.relay_url(&suffix);
+        Ok(Some(Self {
+            suffix,
+            db,
+            store,
+            broker,
+            watch,
+            broker_url,
+            writer: Writer {
+                committed: Vec::new(),
+                rolled_back: 0,
+                n: 0,
+            },
+        }))
+    }
+}
+
+/// Start a replica named `name` of `db` into `broker_url` with [`RUN`], and wait until it has
+/// started.
+async fn start_relay(db: &Db, broker_url: &str, name: &str) -> Result<Relay, BoxError> {
+    let mut relay = spawn_relay(&db.store_args(name).await?, broker_url, name, &RUN)?;
+    if let Some(started) = relay.started.take() {
+        tokio::time::timeout(GUARD, started).await??;
+    }
+    Ok(relay)
+}
+
 #[tokio::test]
 async fn postgres_relay_group_rebalances_and_takes_over_without_loss() -> Result<(), BoxError> {
-    let (Some(pg_url), Some(nats_url)) = (
-        service_url("OUTBOX_TEST_POSTGRES_URL"),
-        service_url("OUTBOX_TEST_NATS_URL"),
-    ) else {
+    let Some(Setup {
+        suffix,
+        db,
+        store,
+        broker,
+        mut watch,
+        broker_url,
+        mut writer,
+    }) = Setup::new().await?
+    else {
         return Ok(());
     };
-    let suffix = unique_suffix();
-    let db = Db::postgres(pg_url, &suffix).await?;
-    let Db::Postgres { store, .. } = &db else {
-        return Err("not postgres".into());
-    };
-    let store = store.clone();
-    let broker = Broker::Nats { url: nats_url };
-    let mut watch = broker.watch(&suffix).await?;
-    let broker_url = broker.relay_url(&suffix);
-    let mut writer = Writer {
-        committed: Vec::new(),
-        rolled_back: 0,
-        n: 0,
-    };
     let start = |name: &str| {
-        let (db, broker_url, name) = (&db, &broker_url, format!("group-{suffix}-{name}"));
-        async move {
-            let mut relay = spawn_relay(&db.store_args(&name).await?, broker_url, &name, &RUN)?;
-            if let Some(started) = relay.started.take() {
-                tokio::time::timeout(GUARD, started).await??;
-            }
-            Ok::<Relay, BoxError>(relay)
-        }
+        let name = format!("group-{suffix}-{name}");
+        let (db, broker_url) = (&db, &broker_url);
+        async move { start_relay(db, broker_url, &name).await }
     };
 
     // One replica holds every shard.
@@ -327,10 +369,16 @@ async fn postgres_relay_group_survives_a_random_crash_loop() -> Result<(), BoxEr
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
-    let (Some(pg_url), Some(nats_url)) = (
-        service_url("OUTBOX_TEST_POSTGRES_URL"),
-        service_url("OUTBOX_TEST_NATS_URL"),
-    ) else {
+    let Some(Setup {
+        suffix,
+        db,
+        store,
+        broker,
+        mut watch,
+        broker_url,
+        mut writer,
+    }) = Setup::new().await?
+    else {
         return Ok(());
     };
     let seed = match std::env::var("OUTBOX_GROUP_SEED") {
@@ -339,29 +387,10 @@ async fn postgres_relay_group_survives_a_random_crash_loop() -> Result<(), BoxEr
     };
     eprintln!("group crash loop seed {seed} (OUTBOX_GROUP_SEED={seed} replays its choices)");
     let mut rng = StdRng::seed_from_u64(seed);
-    let suffix = unique_suffix();
-    let db = Db::postgres(pg_url, &suffix).await?;
-    let Db::Postgres { store, .. } = &db else {
-        return Err("not postgres".into());
-    };
-    let store = store.clone();
-    let broker = Broker::Nats { url: nats_url };
-    let mut watch = broker.watch(&suffix).await?;
-    let broker_url = broker.relay_url(&suffix);
-    let mut writer = Writer {
-        committed: Vec::new(),
-        rolled_back: 0,
-        n: 0,
-    };
     let mut spawned = 0;
     let mut start = async || {
         spawned += 1;
-        let name = format!("loop-{suffix}-{spawned}");
-        let mut relay = spawn_relay(&db.store_args(&name).await?, &broker_url, &name, &RUN)?;
-        if let Some(started) = relay.started.take() {
-            tokio::time::timeout(GUARD, started).await??;
-        }
-        Ok::<Relay, BoxError>(relay)
+        start_relay(&db, &broker_url, &format!("loop-{suffix}-{spawned}")).await
     };
     let mut relays = vec![start().await?, start().await?, start().await?];
     wait_division(
