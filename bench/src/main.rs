@@ -40,15 +40,15 @@ fn delete_published() -> bool {
         .is_some_and(|a| a == "delete_published")
 }
 
-/// The relay settings, from `BATCH` and `IN_FLIGHT` on the command line (defaults 500 and 2).
-fn relay_config() -> RelayConfig {
+/// The relay settings, from `BATCH` and `IN_FLIGHT` on the command line (defaults 500 and 2);
+/// a refused value (e.g. a batch of 0) is an error naming it.
+fn relay_config() -> Result<RelayConfig, outbox_traits::Error> {
     let arg = |n: usize| std::env::args().nth(n).and_then(|s| s.parse().ok());
     let defaults = RelayConfig::default();
     RelayConfig::builder()
         .batch_size(arg(4).unwrap_or(outbox_engine::DEFAULT_BATCH_SIZE))
         .concurrency(arg(5).unwrap_or(defaults.concurrency()))
         .build()
-        .unwrap()
 }
 
 fn row(store: &str, what: &str, count: usize, elapsed: Duration, settings: &str) {
@@ -68,7 +68,7 @@ async fn drain(
     expected: usize,
 ) -> BoxResult<()> {
     let publisher = Arc::new(RecordingPublisher::new());
-    let config = relay_config();
+    let config = relay_config()?;
     let deletes = store.capabilities().deletes_published;
     let settings = format!(
         "batch {}, {} batches in flight, per-key order + fencing on{}",

@@ -568,7 +568,7 @@ pub async fn run_engine_scenario(
         .poll_min(Duration::from_millis(1))
         .poll_max(Duration::from_millis(10))
         .build()
-        .unwrap();
+        .map_err(e("relay config"))?;
 
     let mut log = Vec::new();
     let mut faulty_runs = scenario.crashes.len() + 1;

@@ -149,12 +149,11 @@ impl Settings {
     /// neither bigger batches nor more of them in flight help. A batch that covers every key
     /// (batch ≥ keys when keys interleave) even hurts with 2+ in flight: every other claim finds
     /// each key's head leased and scans the whole backlog for nothing.
-    fn relay(&self) -> RelayConfig {
+    fn relay(&self) -> Result<RelayConfig, outbox_traits::Error> {
         RelayConfig::builder()
             .batch_size(self.batch.unwrap_or(500))
             .concurrency(self.concurrency.unwrap_or(2))
             .build()
-            .unwrap()
     }
 }
 
@@ -521,7 +520,7 @@ async fn drain(
         inner: store.clone(),
         profile: profile.clone(),
     });
-    let relay_config = s.relay();
+    let relay_config = s.relay()?;
     let relays = if s.relays == 1 {
         String::new()
     } else {

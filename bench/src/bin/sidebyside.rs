@@ -187,7 +187,7 @@ impl Opts {
         Ok(o)
     }
 
-    fn relay(&self) -> RelayConfig {
+    fn relay(&self) -> Result<RelayConfig, outbox_traits::Error> {
         let defaults = RelayConfig::default();
         RelayConfig::builder()
             // Unset: the store's choice (Postgres: 2,000 and 2 shards), as for a user.
@@ -195,11 +195,13 @@ impl Opts {
             .concurrency(self.concurrency.unwrap_or(defaults.concurrency()))
             .claim_shards(self.claim_shards)
             .build()
-            .unwrap()
     }
 
     fn relay_settings(&self) -> String {
-        let c = self.relay();
+        let c = match self.relay() {
+            Ok(c) => c,
+            Err(e) => return format!("invalid relay settings: {e}"),
+        };
         format!(
             "batch {}, {} in flight{}, order + fencing on{}",
             c.batch_size()
@@ -510,7 +512,7 @@ async fn drop_schema(pool: &sqlx::PgPool, config: &PostgresConfig) -> BoxResult<
 async fn drain_recording(store: Arc<dyn OutboxStore>, o: &Opts, db: Db<'_>) -> BoxResult<Run> {
     let publisher = Arc::new(RecordingPublisher::new());
     let timed = Arc::new(TimedStore::new(store));
-    let relay = Relay::new(timed.clone(), publisher.clone(), o.relay())?;
+    let relay = Relay::new(timed.clone(), publisher.clone(), o.relay()?)?;
     let timer = Timer::start(db, None).await?;
     let stats = relay.run_until_idle().await?;
     let run = timer.stop(o.messages).await?;
@@ -553,7 +555,7 @@ async fn kafka_ours(pool: &sqlx::PgPool, brokers: &str, o: &Opts) -> BoxResult<R
                 payload: payload.into_bytes(),
             })
             .collect();
-        let relay = Relay::new(store.clone(), publisher, o.relay())?;
+        let relay = Relay::new(store.clone(), publisher, o.relay()?)?;
         let timer = Timer::start(Db::Postgres(pool), tansu_pid(brokers)).await?;
         let stats = relay.run_until_idle().await?;
         let run = timer.stop(o.messages).await?;

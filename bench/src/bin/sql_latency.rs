@@ -443,8 +443,7 @@ async fn bench_target(name: &str, s: &Settings, target: &Target) -> BoxResult<()
     let defaults = RelayConfig::default();
     let relay_config = RelayConfig::builder()
         .poll_max(s.poll_max.unwrap_or(defaults.poll_max()))
-        .build()
-        .unwrap();
+        .build()?;
     let relay = Relay::new(counting.clone(), Arc::from(publisher), relay_config)?;
     let handle = relay.spawn();
     let result = measure(name, s, target, &counting, &arrivals, base).await;
