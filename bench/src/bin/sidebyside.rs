@@ -6,9 +6,17 @@
 //! cargo run --release -p outbox-bench --bin sidebyside -- [postgres,kafka,sqlite,mysql|all]
 //!     [rounds=3] [messages=100000] [keys=1000] [peer_messages=10000] [batch=N] [concurrency=N]
 //!     [claim_shards=N]
-//!     [kafka_props=a=b;c=d] [pgmq=100x1,100x2,1000x1,1000x2|none] [peer=true|false] [delete_published=false|true]
-//!     [recommended=false|true]
+//!     [kafka_props=a=b;c=d] [pgmq=100x1,100x2,1000x1,1000x2|none] [peer=true|false]
+//!     [delete_published=false|true|both] [recommended=false|true]
 //! ```
+//!
+//! With no `batch=`, `concurrency=`, `claim_shards=` or `recommended=`, this project's drains run
+//! at the relay's defaults, as for a user who sets nothing: the batch size and claim shards the
+//! store declares (`Capabilities`: Postgres 2,000 in 2 shards, MariaDB its own, SQLite one claim
+//! at a time) and the default in-flight count; published rows are kept unless
+//! `delete_published=` says otherwise. `delete_published=both` runs each of this project's drains
+//! twice a round, keeping then deleting published rows, as two series (`, keeping` and
+//! `, deleting`), so that both modes are measured side by side with the same peers.
 //!
 //! Sections, each round running them in turn (this project first, then its peer):
 //!
@@ -102,6 +110,9 @@ struct Opts {
     peer: bool,
     /// This project's drains (every store) delete published rows (`delete_published(true)`).
     delete_published: Option<bool>,
+    /// `delete_published=both`: each drain of this project keeping, then deleting (see
+    /// [`Opts::modes`]).
+    both_modes: bool,
     /// Each store at the README's recommended settings (see [`Opts::for_store`]).
     recommended: bool,
 }
@@ -121,6 +132,7 @@ impl Opts {
             pgmq: vec![(100, 1), (100, 2), (1_000, 1), (1_000, 2)],
             peer: true,
             delete_published: None,
+            both_modes: false,
             recommended: false,
         };
         for arg in std::env::args().skip(1) {
@@ -157,7 +169,16 @@ impl Opts {
                     }
                 }
                 "peer" => o.peer = value.parse()?,
-                "delete_published" => o.delete_published = Some(value.parse()?),
+                "delete_published" if value == "both" => {
+                    o.both_modes = true;
+                    o.delete_published = None;
+                }
+                "delete_published" => {
+                    o.both_modes = false;
+                    o.delete_published = Some(value.parse().map_err(|_| {
+                        format!("delete_published={value:?}: use false, true or both")
+                    })?);
+                }
                 "recommended" => o.recommended = value.parse()?,
                 "pgmq" if value == "none" => o.pgmq.clear(),
                 "pgmq" => {
@@ -220,6 +241,26 @@ impl Opts {
         )
     }
 
+    /// [`Opts::relay_settings`] for a Postgres store, naming what it chooses where nothing was
+    /// given (its `PREFERRED_BATCH` and `PREFERRED_CLAIM_SHARDS`).
+    fn postgres_settings(&self) -> String {
+        self.relay_settings()
+            .replace(
+                "batch chosen by the store",
+                &format!(
+                    "batch {} (the store's choice)",
+                    outbox_backend_postgres::PREFERRED_BATCH
+                ),
+            )
+            .replace(
+                "claim shards chosen by the store",
+                &format!(
+                    "{} claim shards (the store's choice)",
+                    outbox_backend_postgres::PREFERRED_CLAIM_SHARDS
+                ),
+            )
+    }
+
     /// Whether this project's drains delete published rows.
     fn deletes(&self) -> bool {
         self.delete_published.unwrap_or(false)
@@ -246,6 +287,23 @@ impl Opts {
             _ => {}
         }
         o
+    }
+
+    /// The publish modes each of this project's drains runs in, each with its series name's
+    /// suffix: one (no suffix) unless `delete_published=both`, then keeping and deleting.
+    fn modes(&self) -> Vec<(&'static str, Opts)> {
+        if !self.both_modes {
+            return vec![("", self.clone())];
+        }
+        [(", keeping", false), (", deleting", true)]
+            .into_iter()
+            .map(|(suffix, deletes)| {
+                let mut o = self.clone();
+                o.both_modes = false;
+                o.delete_published = Some(deletes);
+                (suffix, o)
+            })
+            .collect()
     }
 
     fn has(&self, section: &str) -> bool {
@@ -876,10 +934,12 @@ fn print_tables(o: &Opts, r: &Results, load: (Option<f64>, Option<f64>)) {
         println!("| store | settings | msg/s, rounds | median | vs target | CPU µs/msg: relay (+ server) | share of cores |");
         println!("|---|---|---|---|---|---|---|");
         for (section, label, target, server) in stores {
-            if let Some(s) = r.get(section) {
+            for (name, s) in r.starting(section) {
                 let (cpu, share) = s.cpu(server, false);
+                // The publish mode's suffix, if any (`delete_published=both`).
+                let mode = name.get(section.len()..).unwrap_or_default();
                 println!(
-                    "| {label} | {} | {} | **{}** | {:.2}× of {} | {cpu} | {share} |",
+                    "| {label}{mode} | {} | {} | **{}** | {:.2}× of {} | {cpu} | {share} |",
                     s.settings,
                     s.rates(),
                     thousands(s.rate()),
@@ -926,21 +986,30 @@ async fn main() -> BoxResult<()> {
     };
 
     let mut r = Results::default();
+    // Each store's options in each publish mode, with the series names' suffix.
+    let per_store = |store: &str| -> Vec<(&'static str, Opts)> {
+        o.modes()
+            .into_iter()
+            .map(|(suffix, m)| (suffix, m.for_store(store)))
+            .collect()
+    };
     let (pg_o, sqlite_o, mysql_o) = (
-        o.for_store("postgres"),
-        o.for_store("sqlite"),
-        o.for_store("mysql"),
+        per_store("postgres"),
+        per_store("sqlite"),
+        per_store("mysql"),
     );
     let load_start = load_average();
     for round in 1..=o.rounds {
         eprintln!("round {round} of {}", o.rounds);
         if let Some(q) = &q {
-            r.add(
-                "postgres (this project)",
-                &pg_o.relay_settings(),
-                o.messages,
-                postgres_ours(&pg, &pg_o).await?,
-            );
+            for (suffix, pg_o) in &pg_o {
+                r.add(
+                    &format!("postgres (this project){suffix}"),
+                    &pg_o.postgres_settings(),
+                    o.messages,
+                    postgres_ours(&pg, pg_o).await?,
+                );
+            }
             for &(batch, workers) in &o.pgmq {
                 let name = format!("pgmq, read {batch} + delete, {workers} worker(s)");
                 r.add(
@@ -952,16 +1021,18 @@ async fn main() -> BoxResult<()> {
             }
         }
         if o.has("kafka") {
-            let mut settings = format!("{}, idempotent, acks=all", pg_o.relay_settings());
-            for (k, v) in &o.kafka_props {
-                settings.push_str(&format!(", {k}={v}"));
+            for (suffix, pg_o) in &pg_o {
+                let mut settings = format!("{}, idempotent, acks=all", pg_o.postgres_settings());
+                for (k, v) in &o.kafka_props {
+                    settings.push_str(&format!(", {k}={v}"));
+                }
+                r.add(
+                    &format!("this project → kafka{suffix}"),
+                    &settings,
+                    o.messages,
+                    kafka_ours(&pg, &brokers, pg_o).await?,
+                );
             }
-            r.add(
-                "this project → kafka",
-                &settings,
-                o.messages,
-                kafka_ours(&pg, &brokers, &pg_o).await?,
-            );
             if o.peer {
                 r.add(
                     "oxide-outbox → kafka",
@@ -972,20 +1043,24 @@ async fn main() -> BoxResult<()> {
             }
         }
         if o.has("sqlite") {
-            r.add(
-                "sqlite",
-                &sqlite_o.relay_settings(),
-                o.messages,
-                sqlite_ours(&sqlite_o).await?,
-            );
+            for (suffix, sqlite_o) in &sqlite_o {
+                r.add(
+                    &format!("sqlite{suffix}"),
+                    &sqlite_o.relay_settings(),
+                    o.messages,
+                    sqlite_ours(sqlite_o).await?,
+                );
+            }
         }
         if let Some(mysql) = &mysql {
-            r.add(
-                "mysql",
-                &mysql_o.relay_settings(),
-                o.messages,
-                mysql_ours(mysql, &mysql_o).await?,
-            );
+            for (suffix, mysql_o) in &mysql_o {
+                r.add(
+                    &format!("mysql{suffix}"),
+                    &mysql_o.relay_settings(),
+                    o.messages,
+                    mysql_ours(mysql, mysql_o).await?,
+                );
+            }
         }
     }
     print_tables(&o, &r, (load_start, load_average()));
