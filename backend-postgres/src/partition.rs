@@ -498,18 +498,22 @@ async fn purge_locked(
         }
     }
 
-    // (b) Whole partitions whose range ended before the cut-off and that hold only published
-    // rows: detached and dropped, each in a short transaction of its own.
+    // (b) Whole partitions whose range ended before the cut-off and that hold only rows
+    // published before it: detached and dropped, each in a short transaction of its own.
     let mut removed: u64 = 0;
     let old = sqlx::query(&p.list_old)
         .bind(age_us)
         .fetch_all(&mut **conn)
         .await
         .map_err(err)?;
+    // A partition is kept while it holds a row that is not yet purgeable: unfinished (pending,
+    // dead), or published within `older_than` (a message created long ago, published late).
     let unfinished = |part: &str| {
         format!(
             "SELECT EXISTS (SELECT 1 FROM {part} WHERE state = 'pending') \
-                 OR EXISTS (SELECT 1 FROM {part} WHERE state = 'dead')"
+                 OR EXISTS (SELECT 1 FROM {part} WHERE state = 'dead') \
+                 OR EXISTS (SELECT 1 FROM {part} WHERE state = 'published' \
+                            AND published_at >= now() - $1::bigint * interval '1 microsecond')"
         )
     };
     for row in old {
@@ -518,6 +522,7 @@ async fn purge_locked(
         let hi: chrono::DateTime<chrono::Utc> = row.try_get("hi").map_err(err)?;
         // Cheap through the partial claim and dead-letter indexes.
         let pinned: bool = sqlx::query_scalar(&unfinished(&part))
+            .bind(age_us)
             .fetch_one(&mut **conn)
             .await
             .map_err(err)?;
@@ -561,6 +566,7 @@ async fn purge_locked(
         // Under the lock, nothing can have been written into it since the check above,
         // unless it was before the lock: check again.
         let pinned: bool = sqlx::query_scalar(&unfinished(&part))
+            .bind(age_us)
             .fetch_one(&mut *tx)
             .await
             .map_err(err)?;
