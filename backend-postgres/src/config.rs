@@ -131,7 +131,7 @@ fn validate_partition_interval(interval: Duration) -> Result<(), Error> {
     if interval < MIN_PARTITION_INTERVAL
         || interval > MAX_PARTITION_INTERVAL
         || interval.subsec_nanos() != 0
-        || interval.as_secs() % 60 != 0
+        || !interval.as_secs().is_multiple_of(60)
     {
         return Err(Error::invalid_input(format!(
             "partition_interval {interval:?} is not a whole number of minutes from 1 minute to \

@@ -33,7 +33,7 @@ pub async fn migrate(pool: &PgPool, config: &PostgresConfig) -> Result<(), Error
         .await
         .map_err(err)?;
     // A plain table is never turned into a partitioned one, nor the reverse.
-    crate::partition::check_shape(&mut *tx, config).await?;
+    crate::partition::check_shape(&mut tx, config).await?;
     // Several statements: a query without arguments goes through the simple query protocol,
     // which runs them all, in this transaction.
     tx.execute(config.migration_sql()).await.map_err(err)?;

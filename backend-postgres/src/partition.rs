@@ -86,7 +86,7 @@ $outbox$;
     ) + &sql.migrate;
     migrate = rewrite(
         &migrate,
-        &format!("PRIMARY KEY (id),"),
+        "PRIMARY KEY (id),",
         "PRIMARY KEY (id, created_at),",
     );
     migrate = rewrite(

@@ -71,6 +71,13 @@ fn take_partition_interval(url: &str) -> Result<(String, Option<Duration>), Erro
     Ok((url, interval))
 }
 
+#[async_trait]
+impl Migrate for PostgresStore {
+    async fn migrate(&self) -> Result<(), Error> {
+        PostgresStore::migrate(self).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,12 +103,5 @@ mod tests {
         assert!(matches!(err, Error::InvalidInput(_)));
         assert!(!err.to_string().contains("s3cret"));
         Ok(())
-    }
-}
-
-#[async_trait]
-impl Migrate for PostgresStore {
-    async fn migrate(&self) -> Result<(), Error> {
-        PostgresStore::migrate(self).await
     }
 }
