@@ -34,6 +34,7 @@ pub async fn migrate(pool: &PgPool, config: &PostgresConfig) -> Result<(), Error
         .map_err(err)?;
     // A plain table is never turned into a partitioned one, nor the reverse.
     crate::partition::check_shape(&mut tx, config).await?;
+    // (Whether it exists: the DDL below creates it if not.)
     // Several statements: a query without arguments goes through the simple query protocol,
     // which runs them all, in this transaction.
     tx.execute(config.migration_sql()).await.map_err(err)?;

@@ -391,12 +391,12 @@ async fn table_is_partitioned(
         .await
 }
 
-/// The typed error of a table whose shape is not the configuration's, or `Ok` when they agree
-/// (or the table does not exist yet).
+/// The typed error of a table whose shape is not the configuration's, or whether the table
+/// exists when they agree (or it does not exist yet). One catalog query.
 pub(crate) async fn check_shape(
     conn: &mut sqlx::PgConnection,
     config: &PostgresConfig,
-) -> Result<(), Error> {
+) -> Result<bool, Error> {
     let table = config.qualified_table();
     let partitioned = table_is_partitioned(conn, config)
         .await
@@ -415,7 +415,7 @@ pub(crate) async fn check_shape(
              `?partition_interval=1d` in the store URL): the plain table's statements address \
              rows in a way that is wrong across partitions"
         ))),
-        _ => Ok(()),
+        (exists, _) => Ok(exists.is_some()),
     }
 }
 

@@ -93,13 +93,7 @@ impl PostgresStore {
             .acquire()
             .await
             .map_err(self.err("check the table's shape"))?;
-        crate::partition::check_shape(&mut conn, self.config()).await?;
-        let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-            .bind(self.config().qualified_table())
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(self.err("check the table's shape"))?;
-        if exists {
+        if crate::partition::check_shape(&mut conn, self.config()).await? {
             let _ = self.shape_checked.set(());
         }
         Ok(())
