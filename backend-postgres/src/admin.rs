@@ -46,6 +46,11 @@ impl OutboxAdmin for PostgresStore {
         let Some(age_us) = purge_age(older_than, micros) else {
             return Ok(0);
         };
+        self.ensure_shape().await?;
+        if self.config().sql().partitioned.is_some() {
+            let batch = i64::try_from(batch).unwrap_or(i64::MAX);
+            return crate::partition::purge(self, age_us, batch).await;
+        }
         let done = sqlx::query(&self.config().sql().purge)
             .bind(age_us)
             .bind(i64::try_from(batch).unwrap_or(i64::MAX))

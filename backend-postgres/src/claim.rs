@@ -236,6 +236,7 @@ type ClaimTx = sqlx::Transaction<'static, sqlx::Postgres>;
 /// `seq` order.
 async fn claim(store: &PostgresStore, req: &ClaimRequest) -> Result<Claim, Error> {
     let plan = ClaimPlan::new(store, req)?;
+    store.ensure_shape().await?;
     let token = plan.token;
     // The claim statement runs in a short transaction of its own whose first statement pins
     // its plan (see `claim_settings`). The transaction runs in its own task, so that a caller

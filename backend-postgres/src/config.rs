@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use outbox_sql_support::validate_sql_identifier;
 use outbox_sql_support::TableSettings;
@@ -35,6 +36,7 @@ struct Inner {
     schema: String,
     notify: bool,
     lock_keys: bool,
+    partition_interval: Option<Duration>,
     common: TableSettings,
     sql: Sql,
 }
@@ -93,9 +95,50 @@ impl PostgresConfig {
         &self.inner.sql.migrate
     }
 
+    /// The width of the table's time partitions, or `None` for a plain table (the default). See
+    /// [`PostgresConfigBuilder::partition_interval`].
+    pub fn partition_interval(&self) -> Option<Duration> {
+        self.inner.partition_interval
+    }
+
+    /// `"schema"."<table>_premake"` on a partitioned table (`None` on a plain one): the SQL
+    /// function, created by the migration, that creates the missing partitions from the
+    /// interval holding `start` (default now) to `ahead` intervals later, e.g. before a backfill
+    /// of old rows: `SELECT "public"."outbox_premake"(4, now() - interval '3 days')`. Every
+    /// purge calls it for the intervals ahead.
+    pub fn premake_function(&self) -> Option<&str> {
+        self.inner
+            .sql
+            .partitioned
+            .as_ref()
+            .map(|p| p.premake_function.as_str())
+    }
+
     pub(crate) fn sql(&self) -> &Sql {
         &self.inner.sql
     }
+}
+
+/// The shortest partition interval: one minute (partition names carry the minute they start).
+pub const MIN_PARTITION_INTERVAL: Duration = Duration::from_secs(60);
+
+/// The longest partition interval: 366 days.
+pub const MAX_PARTITION_INTERVAL: Duration = Duration::from_secs(366 * 86_400);
+
+/// Check a partition interval: whole minutes, from [`MIN_PARTITION_INTERVAL`] to
+/// [`MAX_PARTITION_INTERVAL`].
+fn validate_partition_interval(interval: Duration) -> Result<(), Error> {
+    if interval < MIN_PARTITION_INTERVAL
+        || interval > MAX_PARTITION_INTERVAL
+        || interval.subsec_nanos() != 0
+        || !interval.as_secs().is_multiple_of(60)
+    {
+        return Err(Error::invalid_input(format!(
+            "partition_interval {interval:?} is not a whole number of minutes from 1 minute to \
+             366 days; give e.g. 1h or 1d"
+        )));
+    }
+    Ok(())
 }
 
 impl Default for PostgresConfig {
@@ -114,12 +157,14 @@ impl PostgresConfig {
             b.notify,
             b.lock_keys,
             b.common.delete_published,
+            b.partition_interval.map(|i| i.as_secs()),
         );
         Self {
             inner: Arc::new(Inner {
                 schema: b.schema,
                 notify: b.notify,
                 lock_keys: b.lock_keys,
+                partition_interval: b.partition_interval,
                 common: b.common,
                 sql,
             }),
@@ -136,6 +181,7 @@ impl fmt::Debug for PostgresConfig {
             .field("notify", &self.inner.notify)
             .field("lock_keys", &self.inner.lock_keys)
             .field("delete_published", &self.inner.common.delete_published)
+            .field("partition_interval", &self.inner.partition_interval)
             .finish()
     }
 }
@@ -146,6 +192,7 @@ pub struct PostgresConfigBuilder {
     schema: String,
     notify: bool,
     lock_keys: bool,
+    partition_interval: Option<Duration>,
     common: TableSettings,
 }
 
@@ -155,6 +202,7 @@ impl Default for PostgresConfigBuilder {
             schema: DEFAULT_SCHEMA.to_owned(),
             notify: true,
             lock_keys: false,
+            partition_interval: None,
             common: TableSettings::default(),
         }
     }
@@ -212,10 +260,28 @@ impl PostgresConfigBuilder {
         self
     }
 
+    /// Partition the table by time, `interval` wide (default `None`: a plain table).
+    ///
+    /// The migration then creates the table `PARTITION BY RANGE (created_at)`, with partitions
+    /// aligned to `interval` from the Unix epoch (UTC), a DEFAULT partition, and the
+    /// partitions from the current one to four intervals ahead; and
+    /// [`purge_published`](outbox_traits::OutboxAdmin::purge_published) drops whole old
+    /// partitions instead of deleting their rows one by one. See the README, "Partitioned
+    /// tables", for what it costs and when it pays. `interval` must be a whole number of
+    /// minutes, from 1 minute to 366 days (checked by [`build`](Self::build)). The setting is
+    /// the table's: a migration refuses to turn a plain table into a partitioned one or back.
+    pub fn partition_interval(mut self, interval: Option<Duration>) -> Self {
+        self.partition_interval = interval;
+        self
+    }
+
     /// Validate the names and limits and build every SQL statement.
     pub fn build(self) -> Result<PostgresConfig, Error> {
         validate_sql_identifier("schema name", &self.schema)?;
         self.common.validate()?;
+        if let Some(interval) = self.partition_interval {
+            validate_partition_interval(interval)?;
+        }
         Ok(self.into_config())
     }
 

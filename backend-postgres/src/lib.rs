@@ -12,6 +12,7 @@ mod error;
 mod group;
 mod lease;
 mod migrate;
+mod partition;
 mod row;
 mod sql;
 mod status;

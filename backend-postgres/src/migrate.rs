@@ -18,6 +18,9 @@ pub const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78;
 /// commit. Safe to call at every start-up.
 ///
 /// # Errors
+/// [`Error::InvalidInput`] when the table exists with the other shape than the configuration's
+/// (plain, or partitioned by [`PostgresConfigBuilder::partition_interval`](crate::PostgresConfigBuilder::partition_interval)):
+/// a migration never converts a table.
 /// Classified database errors, e.g. [`Error::Unavailable`] when the server cannot be reached or a
 /// permanent error when the role may not create the schema or table.
 pub async fn migrate(pool: &PgPool, config: &PostgresConfig) -> Result<(), Error> {
@@ -29,6 +32,9 @@ pub async fn migrate(pool: &PgPool, config: &PostgresConfig) -> Result<(), Error
         .execute(&mut *tx)
         .await
         .map_err(err)?;
+    // A plain table is never turned into a partitioned one, nor the reverse.
+    crate::partition::check_shape(&mut tx, config).await?;
+    // (Whether it exists: the DDL below creates it if not.)
     // Several statements: a query without arguments goes through the simple query protocol,
     // which runs them all, in this transaction.
     tx.execute(config.migration_sql()).await.map_err(err)?;

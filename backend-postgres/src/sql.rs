@@ -15,7 +15,7 @@ use outbox_sql_support::names::{fnv1a, MAX_IDENT};
 
 /// Percent of each table page filled by inserts. The rest takes the new row versions of
 /// claims, extends, releases and retries on the row's own page, which HOT updates need.
-const FILLFACTOR: u32 = 50;
+pub(crate) const FILLFACTOR: u32 = 50;
 
 /// The longest a fenced transition (complete, fail, release, extend) or a claim waits for a row
 /// lock another transaction holds, as Postgres's `lock_timeout`; past it the statement fails
@@ -95,6 +95,8 @@ pub(crate) struct Sql {
     pub requeue_check_seqs: String,
     pub purge: String,
     pub counts: String,
+    /// The statements of a partitioned table (`partition_interval`), `None` for a plain one.
+    pub partitioned: Option<crate::partition::PartitionSql>,
 }
 
 fn channel_name(schema: &str, table: &str) -> String {
@@ -323,6 +325,7 @@ impl Sql {
         notify: bool,
         lock_keys: bool,
         delete_published: bool,
+        partition_interval_s: Option<u64>,
     ) -> Self {
         let t = format!("\"{schema}\".\"{table}\"");
         let claim_idx = derived_name(table, "claim_idx");
@@ -689,7 +692,7 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#,
             bounded_lock_wait()
         );
 
-        Self {
+        let sql = Self {
             // Deleting writes no new row version and no index entries: about a third of the
             // cost of marking the row published.
             complete: if delete_published {
@@ -802,6 +805,11 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#,
             pkey_constraint,
             channel,
             table: t,
+            partitioned: None,
+        };
+        match partition_interval_s {
+            None => sql,
+            Some(interval_s) => crate::partition::partitioned(sql, schema, table, interval_s),
         }
     }
 }
@@ -814,10 +822,10 @@ mod tests {
     fn the_insert_leaves_waking_to_the_trigger_and_locks_keys_only_when_asked(
     ) -> Result<(), Box<dyn std::error::Error>> {
         for notify in [false, true] {
-            let plain = Sql::build("s", "t", notify, false, false);
+            let plain = Sql::build("s", "t", notify, false, false, None);
             assert!(!plain.insert.contains("pg_notify"), "{}", plain.insert);
             assert!(!plain.insert.contains("lock_key"));
-            let locked = Sql::build("s", "t", notify, true, false);
+            let locked = Sql::build("s", "t", notify, true, false, None);
             assert!(locked
                 .insert
                 .contains(r#"WHERE (SELECT "s"."t_lock_key"(VARIADIC $7::text[])) IS NOT NULL"#));

@@ -2,6 +2,7 @@
 //! (the shared [`SqlxStore`]); its trait impls are in `claim.rs` (relay side) and `admin.rs`.
 
 use std::fmt;
+use std::sync::{Arc, OnceLock};
 
 use outbox_sql_support::SqlxStore;
 use outbox_traits::Error;
@@ -21,6 +22,9 @@ use crate::migrate::migrate;
 #[derive(Clone)]
 pub struct PostgresStore {
     inner: SqlxStore<Postgres, PostgresConfig>,
+    /// Set once the table was found to have the configuration's shape (plain or partitioned):
+    /// checked before the first claim and purge, see [`PostgresStore::ensure_shape`].
+    shape_checked: Arc<OnceLock<()>>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -35,6 +39,7 @@ impl PostgresStore {
     pub fn new(pool: PgPool, config: PostgresConfig) -> Self {
         Self {
             inner: SqlxStore::new(pool, config),
+            shape_checked: Arc::default(),
         }
     }
 
@@ -49,6 +54,7 @@ impl PostgresStore {
     pub async fn connect(url: &str, config: PostgresConfig) -> Result<Self, Error> {
         Ok(Self {
             inner: SqlxStore::connect(url, WHAT, config).await?,
+            shape_checked: Arc::default(),
         })
     }
 
@@ -68,6 +74,29 @@ impl PostgresStore {
     /// As [`crate::migrate`].
     pub async fn migrate(&self) -> Result<(), Error> {
         migrate(self.pool(), self.config()).await
+    }
+
+    /// Refuse to run this configuration's statements on a table of the other shape: the plain
+    /// table's claims address rows by `ctid`, which is unique only within one partition, so on
+    /// a partitioned table they would lease and update rows of other partitions. Checked once
+    /// per store (one catalog query), before its first claim or purge; a missing table passes
+    /// (the statements then fail as on any missing table).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] naming both shapes when they differ.
+    pub(crate) async fn ensure_shape(&self) -> Result<(), Error> {
+        if self.shape_checked.get().is_some() {
+            return Ok(());
+        }
+        let mut conn = self
+            .pool()
+            .acquire()
+            .await
+            .map_err(self.err("check the table's shape"))?;
+        if crate::partition::check_shape(&mut conn, self.config()).await? {
+            let _ = self.shape_checked.set(());
+        }
+        Ok(())
     }
 
     /// Maps a sqlx error of operation `op` on this store's table.

@@ -1,6 +1,8 @@
 //! Opening the store from a URL, as `outbox::store::open` and the `outbox-relay` program do:
 //! this backend's schemes, the [`StoreOptions`] it takes, and [`Migrate`].
 
+use std::time::Duration;
+
 use outbox_traits::{async_trait, Error};
 use outbox_url::{store_scheme, Migrate, StoreOptions};
 
@@ -14,7 +16,10 @@ pub const URL_SCHEMES: &[&str] = &["postgres", "postgresql"];
 ///
 /// `url` is the database's own connection URL, `postgres://user:password@host:5432/db` or
 /// `postgresql://...`: its query options (`sslmode`, `sslrootcert`, `password_file`, ...) are
-/// the driver's, as for [`PostgresStore::connect`]. The table is not created: call
+/// the driver's, as for [`PostgresStore::connect`], except one, which is this crate's and is
+/// taken out before connecting: `partition_interval` (`15m`, `1h`, `1d`: whole minutes, hours
+/// or days), the table's [`partition_interval`](crate::PostgresConfigBuilder::partition_interval)
+/// (`postgres://host/db?partition_interval=1d`). The table is not created: call
 /// [`PostgresStore::migrate`] (or [`Migrate::migrate`]).
 ///
 /// # Errors
@@ -22,19 +27,81 @@ pub const URL_SCHEMES: &[&str] = &["postgres", "postgresql"];
 /// [`Error::Unavailable`] when the server cannot be reached. Passwords never appear in errors.
 pub async fn open_url(url: &str, options: &StoreOptions) -> Result<PostgresStore, Error> {
     store_scheme(url, URL_SCHEMES, "Postgres")?;
-    let mut config = PostgresConfig::builder().delete_published(options.delete_published);
+    let (url, interval) = take_partition_interval(url)?;
+    let mut config = PostgresConfig::builder()
+        .delete_published(options.delete_published)
+        .partition_interval(interval);
     if let Some(table) = &options.table {
         config = config.table(table.clone());
     }
     if let Some(schema) = &options.schema {
         config = config.schema(schema.clone());
     }
-    PostgresStore::connect(url, config.build()?).await
+    PostgresStore::connect(&url, config.build()?).await
+}
+
+/// The URL without its `partition_interval` query option, and that option's value.
+fn take_partition_interval(url: &str) -> Result<(String, Option<Duration>), Error> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_owned(), None));
+    };
+    let (query, fragment) = match query.split_once('#') {
+        Some((query, fragment)) => (query, Some(fragment)),
+        None => (query, None),
+    };
+    let mut interval = None;
+    let mut kept = Vec::new();
+    for pair in query.split('&') {
+        match pair.split_once('=') {
+            Some(("partition_interval", value)) => {
+                interval = Some(crate::partition::parse_interval(value)?);
+            }
+            _ => kept.push(pair),
+        }
+    }
+    let mut url = base.to_owned();
+    if !kept.is_empty() {
+        url.push('?');
+        url.push_str(&kept.join("&"));
+    }
+    if let Some(fragment) = fragment {
+        url.push('#');
+        url.push_str(fragment);
+    }
+    Ok((url, interval))
 }
 
 #[async_trait]
 impl Migrate for PostgresStore {
     async fn migrate(&self) -> Result<(), Error> {
         PostgresStore::migrate(self).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_partition_interval_is_taken_out_of_the_url() -> Result<(), Error> {
+        let (url, interval) =
+            take_partition_interval("postgres://u:p@h/db?sslmode=disable&partition_interval=1d")?;
+        assert_eq!(url, "postgres://u:p@h/db?sslmode=disable");
+        assert_eq!(interval, Some(Duration::from_secs(86_400)));
+        let (url, interval) = take_partition_interval("postgres://h/db?partition_interval=15m")?;
+        assert_eq!(
+            (url.as_str(), interval),
+            ("postgres://h/db", Some(Duration::from_secs(900)))
+        );
+        let (url, interval) = take_partition_interval("postgres://h/db?sslmode=require")?;
+        assert_eq!(
+            (url.as_str(), interval),
+            ("postgres://h/db?sslmode=require", None)
+        );
+        let err =
+            take_partition_interval("postgres://u:s3cret@h/db?partition_interval=1x").unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)));
+        assert!(!err.to_string().contains("s3cret"));
+        Ok(())
     }
 }

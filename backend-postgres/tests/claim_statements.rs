@@ -284,6 +284,15 @@ async fn a_claim_runs_its_second_statement_only_when_short_from_a_full_window() 
         .await
         .unwrap();
     let store = PostgresStore::new(pool, db.config.clone());
+    // A store checks the table's shape (plain or partitioned) once, before its first claim: one
+    // catalog query. Done here, so that what follows shows the claims alone.
+    let (_, first) = claim(&store, &proxy, 10).await;
+    assert_eq!(
+        executed(&first).len(),
+        2,
+        "the first claim:{}",
+        summary(&first)
+    );
 
     // Every claim is one transaction: a simple-protocol BEGIN that also sets the plan settings,
     // the Executes, a simple COMMIT. The one Execute is the claim statement.

@@ -168,6 +168,8 @@ pub mod harness {
         skewed_clock: bool,
         /// Stores serialise the writers of a key (`lock_keys`, `HarnessCapabilities::key_locks`).
         lock_keys: bool,
+        /// Tables partitioned by time (`partition_interval`).
+        partition_interval: Option<Duration>,
     }
 
     impl PgHarness {
@@ -178,6 +180,15 @@ pub mod harness {
                 delete_published: false,
                 skewed_clock: false,
                 lock_keys: false,
+                partition_interval: None,
+            }
+        }
+
+        /// Stores over a table partitioned `interval` wide.
+        pub fn partitioned(self, interval: Duration) -> Self {
+            Self {
+                partition_interval: Some(interval),
+                ..self
             }
         }
 
@@ -225,6 +236,9 @@ pub mod harness {
             if self.lock_keys {
                 name.push_str(", key locks");
             }
+            if let Some(interval) = self.partition_interval {
+                name.push_str(&format!(", partitioned by {interval:?}"));
+            }
             name
         }
 
@@ -234,6 +248,7 @@ pub mod harness {
                 .table("outbox")
                 .delete_published(self.delete_published)
                 .lock_keys(self.lock_keys)
+                .partition_interval(self.partition_interval)
                 .build()?;
             // Business transactions, admin calls and time control share one pool; each relay gets
             // its own (see `relay`).
