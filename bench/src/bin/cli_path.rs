@@ -452,9 +452,10 @@ async fn drain_cli(
         )
         .into());
     }
+    // From "relay started" on: without the timestamp, the same settings print the same line.
     let start_line = stderr
         .lines()
-        .find(|l| l.contains("relay started"))
+        .find_map(|l| l.find("relay started").and_then(|at| l.get(at..)))
         .unwrap_or("")
         .to_owned();
     let per = |secs: f64| secs * 1e6 / messages as f64;
