@@ -447,7 +447,11 @@ pub async fn drain_progress(
 ) {
     let mut progress = Progress::new("drained", Some(total));
     // Each update is a status query: once a second for a bar, once per summary line otherwise.
-    let mut tick = tokio::time::interval(progress.update_every());
+    // The first one is an interval after the start, not at once: `total` was just read, and a
+    // status query reads every unfinished row (on SQLite it also holds the store's one
+    // connection, so the relay's first claims would wait for it; issue 31).
+    let every = progress.update_every();
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
@@ -462,4 +466,59 @@ pub async fn drain_progress(
         progress.set(total.saturating_sub(drain_backlog(&now)));
     }
     progress.finish();
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use outbox::Counts;
+
+    use super::*;
+
+    /// An admin over an empty outbox that counts its status queries.
+    #[derive(Default)]
+    struct CountingAdmin {
+        statuses: AtomicUsize,
+    }
+
+    #[outbox::async_trait]
+    impl OutboxAdmin for CountingAdmin {
+        async fn list_dead(&self, _: Option<i64>, _: usize) -> Result<Vec<DeadMessage>, Error> {
+            Ok(vec![])
+        }
+        async fn requeue(&self, _: &[Uuid]) -> Result<u64, Error> {
+            Ok(0)
+        }
+        async fn discard(&self, _: &[Uuid]) -> Result<u64, Error> {
+            Ok(0)
+        }
+        async fn purge_published(&self, _: Duration, _: usize) -> Result<u64, Error> {
+            Ok(0)
+        }
+        async fn counts(&self) -> Result<Counts, Error> {
+            Ok(Counts::default())
+        }
+        async fn status(&self, _: usize) -> Result<StoreStatus, Error> {
+            self.statuses.fetch_add(1, Ordering::SeqCst);
+            Ok(StoreStatus::default())
+        }
+    }
+
+    /// The drain's progress does not query the status again as it starts (the backlog was
+    /// just read; on SQLite the query would hold the relay's connection over its first claims):
+    /// a drain that ends before the first update reads the status once, for the closing line.
+    #[tokio::test(flavor = "current_thread")]
+    async fn drain_progress_reads_no_status_at_start() {
+        let admin = Arc::new(CountingAdmin::default());
+        let (done, finished) = tokio::sync::oneshot::channel();
+        let watch = tokio::spawn(drain_progress(admin.clone(), 10, finished));
+        // Let the progress task start and its timer fire anything due at once; far below the
+        // first update's interval (5 s off a terminal).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(admin.statuses.load(Ordering::SeqCst), 0);
+        let _ = done.send(());
+        watch.await.expect("progress task");
+        assert_eq!(admin.statuses.load(Ordering::SeqCst), 1);
+    }
 }
