@@ -497,7 +497,8 @@ fn sqlite_db(path: &Path) -> Db {
         },
         table: "outbox".into(),
         store_args: vec!["--store".into(), format!("sqlite://{}", path.display())],
-        uuid_version: 4,
+        // The table's default id is time-ordered, like the Rust enqueue's.
+        uuid_version: 7,
         refusal: &["CHECK constraint failed"],
         too_large: Some(
             "INSERT INTO outbox (aggregatetype, aggregateid, type, payload) \
