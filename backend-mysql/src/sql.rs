@@ -152,10 +152,22 @@ fn claimable(a: &str) -> String {
 /// how many shards the keys are split into and which one the claim takes (`1, 0` for an
 /// unsharded claim: every row). A keyed row maps by `CRC32` of its key, so every row of a key is
 /// in one shard and per-key order needs nothing across shards; an unordered row (no key) by its
-/// seq. Computed on rows the claim reads anyway (no index holds it; see `past_bound_sharded`).
+/// seq. The key's `CRC32` is the virtual column [`KEY_HASH`] (NULL exactly when the key is),
+/// which the claim index holds: a sharded window end reads that index alone, as an unsharded
+/// one does, instead of every row of the window (see `past_bound_sharded`). The same shard as
+/// `MOD(IF(partition_key IS NULL, seq, CRC32(partition_key)), n)`, which relays before the
+/// column computed, so relays of both versions divide the keys alike.
 fn in_shard(a: &str) -> String {
-    format!("MOD(IF({a}.partition_key IS NULL, {a}.seq, CRC32({a}.partition_key)), ?) = ?")
+    format!("MOD(COALESCE({a}.{KEY_HASH}, {a}.seq), ?) = ?")
 }
+
+/// The virtual column holding `CRC32(partition_key)` (see [`in_shard`]). Not stored in the row
+/// (a `VIRTUAL` column, computed when read); only the claim index holds its values.
+pub(crate) const KEY_HASH: &str = "key_hash";
+
+/// The claim index's columns: the claim scan and the dead letters in seq order, and the key's
+/// hash, so that a sharded scan tells a row's shard from the index entry alone.
+const CLAIM_INDEX_COLUMNS: &str = "state, seq, key_hash";
 
 /// Columns read for a [`outbox_traits::Message`], through alias `a`, in the order `row.rs`
 /// reads them by name.
@@ -340,6 +352,36 @@ SET @outbox_lower_ids = NULL;
     )
 }
 
+/// Brings a table made before claim shards were served from the claim index up to it: the
+/// virtual [`KEY_HASH`] column, then the claim index rebuilt with it, once (the rebuild runs only
+/// while the index lacks the column, so a migration of an up-to-date table changes nothing).
+///
+/// Both online: adding a virtual column that no index holds yet changes only the table's
+/// metadata (MariaDB's `ALGORITHM=INSTANT`; no row is read or written). The index rebuild is
+/// `ALGORITHM=INPLACE, LOCK=NONE`: the table is not copied, and writers and relays go on while
+/// it reads every row once to build the new index (it waits for the transactions open on the
+/// table when it starts and takes a short exclusive lock at its end). Its cost grows with the
+/// table: see the README.
+fn key_hash_ddl(t: &str, table: &str, schema: &str) -> String {
+    format!(
+        r#"
+-- Claim shards from the claim index: tables made before it get the key's hash, a virtual
+-- column (metadata only), and their claim index is rebuilt with it, online, once.
+ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {KEY_HASH} INT UNSIGNED AS (CRC32(partition_key)) VIRTUAL;
+SET @outbox_claim_index = IF(EXISTS (
+        SELECT 1 FROM information_schema.STATISTICS
+        WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = '{table}'
+          AND INDEX_NAME = 'ix_claim' AND COLUMN_NAME = '{KEY_HASH}'),
+    'DO 0',
+    'ALTER TABLE {t} DROP INDEX ix_claim, ADD INDEX ix_claim ({CLAIM_INDEX_COLUMNS}), ALGORITHM = INPLACE, LOCK = NONE');
+PREPARE outbox_claim_index FROM @outbox_claim_index;
+EXECUTE outbox_claim_index;
+DEALLOCATE PREPARE outbox_claim_index;
+SET @outbox_claim_index = NULL;
+"#
+    )
+}
+
 /// A trigger's schema (as a SQL expression), bare name and quoted, qualified name.
 struct Trigger {
     schema: String,
@@ -397,6 +439,8 @@ impl Sql {
     headers        LONGTEXT NOT NULL DEFAULT ('{{}}')
                    CHECK (JSON_VALID(headers) AND JSON_TYPE(headers) = 'OBJECT'),
     partition_key  VARCHAR({MAX_KEY_CHARS}),
+    -- The key's hash, for claim shards: computed, never stored in the row (see `KEY_HASH`).
+    {KEY_HASH}       INT UNSIGNED AS (CRC32(partition_key)) VIRTUAL,
     dedup_key      VARCHAR({MAX_KEY_CHARS}),
     state          ENUM('pending', 'published', 'dead') NOT NULL DEFAULT 'pending',
     attempts       INT NOT NULL DEFAULT 0,
@@ -418,8 +462,8 @@ impl Sql {
     UNIQUE KEY {ID_INDEX} (id),
     -- NULLs do not collide: most messages have no dedup key.
     UNIQUE KEY {DEDUP_INDEX} (dedup_key),
-    -- Claim scan and dead letters, in seq order.
-    KEY ix_claim (state, seq),
+    -- Claim scan and dead letters, in seq order; the key's hash for sharded claims.
+    KEY ix_claim ({CLAIM_INDEX_COLUMNS}),
     -- Per-key order: a key's first pending (or dead) rows, one probe per key.
     KEY ix_key (partition_key, state, seq),
     -- Purge of published rows, oldest first.
@@ -428,7 +472,8 @@ impl Sql {
 -- Binary, no-pad comparison: keys are equal only when their bytes are ('a' <> 'A' <> 'a ').
 ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
 {contract}"#,
-            contract = sql_contract(&t, table, &key_trigger, &id_trigger),
+            contract = sql_contract(&t, table, &key_trigger, &id_trigger)
+                + &key_hash_ddl(&t, table, &id_trigger.schema),
             payload_check = derived_name(table, "payload_size"),
             bytes_check = derived_name(table, "payload_bytes_size"),
         ) + &key_locks_ddl(&key_locks)
@@ -518,8 +563,8 @@ UNION ALL
             "SELECT w.seq FROM {t} w FORCE INDEX (ix_claim)
              WHERE w.state = 'pending' ORDER BY w.seq LIMIT ?, 1"
         );
-        // Apart from `past_bound`, which reads the claim index alone: the shard needs the key,
-        // so this one reads each row of the window too (as the candidates statement does).
+        // Reads the claim index alone too, which holds the key's hash: a sharded window end
+        // costs about `count` times the index entries of an unsharded one, no row.
         let past_bound_sharded = format!(
             "SELECT w.seq FROM {t} w FORCE INDEX (ix_claim)
              WHERE w.state = 'pending' AND {in_shard_w} ORDER BY w.seq LIMIT ?, 1",
