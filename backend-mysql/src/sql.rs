@@ -152,17 +152,23 @@ fn claimable(a: &str) -> String {
 /// how many shards the keys are split into and which one the claim takes (`1, 0` for an
 /// unsharded claim: every row). A keyed row maps by `CRC32` of its key, so every row of a key is
 /// in one shard and per-key order needs nothing across shards; an unordered row (no key) by its
-/// seq. The key's `CRC32` is the virtual column [`KEY_HASH`] (NULL exactly when the key is),
-/// which the claim index holds: a sharded window end reads that index alone, as an unsharded
-/// one does, instead of every row of the window (see `past_bound_sharded`). The same shard as
+/// seq. The key's `CRC32` is the column [`KEY_HASH`] (NULL exactly when the key is), which the
+/// claim index holds: a sharded window end reads that index alone, as an unsharded one does,
+/// instead of every row of the window (see `past_bound_sharded`). The same shard as
 /// `MOD(IF(partition_key IS NULL, seq, CRC32(partition_key)), n)`, which relays before the
 /// column computed, so relays of both versions divide the keys alike.
 fn in_shard(a: &str) -> String {
     format!("MOD(COALESCE({a}.{KEY_HASH}, {a}.seq), ?) = ?")
 }
 
-/// The virtual column holding `CRC32(partition_key)` (see [`in_shard`]). Not stored in the row
-/// (a `VIRTUAL` column, computed when read); only the claim index holds its values.
+/// The column holding `CRC32(partition_key)` (see [`in_shard`]), written by an insert trigger.
+///
+/// A plain column, not a generated one: MariaDB 10.11 reads a `VIRTUAL` column's values from
+/// an index only on some executions of a prepared statement (after another statement of the
+/// connection had read the table's rows, the window end read every row again: measured 5–14 ms
+/// against 1.6–5.7 ms for a plain column, `bench/src/bin/mysql_window.rs`), and a `PERSISTENT`
+/// one cannot be added to an existing table without copying it. The partition key is never
+/// changed after the insert, so the value never goes stale.
 pub(crate) const KEY_HASH: &str = "key_hash";
 
 /// The claim index's columns: the claim scan and the dead letters in seq order, and the key's
@@ -353,21 +359,41 @@ SET @outbox_lower_ids = NULL;
 }
 
 /// Brings a table made before claim shards were served from the claim index up to it: the
-/// virtual [`KEY_HASH`] column, then the claim index rebuilt with it, once (the rebuild runs only
-/// while the index lacks the column, so a migration of an up-to-date table changes nothing).
+/// [`KEY_HASH`] column, the trigger that fills it, the rows already there filled once (only in
+/// the migration that adds the column), then the claim index rebuilt with it, once (only while
+/// the index lacks the column). A migration of an up-to-date table changes nothing.
 ///
-/// Both online: adding a virtual column that no index holds yet changes only the table's
-/// metadata (MariaDB's `ALGORITHM=INSTANT`; no row is read or written). The index rebuild is
-/// `ALGORITHM=INPLACE, LOCK=NONE`: the table is not copied, and writers and relays go on while
-/// it reads every row once to build the new index (it waits for the transactions open on the
-/// table when it starts and takes a short exclusive lock at its end). Its cost grows with the
-/// table: see the README.
-fn key_hash_ddl(t: &str, table: &str, schema: &str) -> String {
+/// Adding the nullable column at the end of the row changes only the table's metadata
+/// (MariaDB's instant `ADD COLUMN`). The fill is one `UPDATE` of every keyed row: on a big table
+/// that is a long statement holding the lock of every row it changed until it ends (run it
+/// when few rows are kept, e.g. after a purge; see the README). The index rebuild is
+/// `ALGORITHM=INPLACE, LOCK=NONE`: the table is not copied, and writers and relays go on while it
+/// reads every row once (it waits for the transactions open on the table when it starts and
+/// takes a short exclusive lock at its end).
+fn key_hash_ddl(
+    t: &str,
+    table: &str,
+    schema: &str,
+    key_trigger: &str,
+    hash_trigger: &str,
+) -> String {
     format!(
         r#"
--- Claim shards from the claim index: tables made before it get the key's hash, a virtual
--- column (metadata only), and their claim index is rebuilt with it, online, once.
-ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {KEY_HASH} INT UNSIGNED AS (CRC32(partition_key)) VIRTUAL;
+-- Claim shards from the claim index: the key's hash in a column of its own, written by a trigger
+-- on every insert (after the partition key trigger, which sets the key), and held by the claim
+-- index. Tables made before it get the column, their keyed rows filled once, and their claim
+-- index rebuilt with it, online, once.
+SET @outbox_key_hash_new = NOT EXISTS (
+    SELECT 1 FROM information_schema.COLUMNS
+    WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = '{table}' AND COLUMN_NAME = '{KEY_HASH}');
+ALTER TABLE {t} ADD COLUMN IF NOT EXISTS {KEY_HASH} INT UNSIGNED;
+CREATE TRIGGER IF NOT EXISTS {hash_trigger} BEFORE INSERT ON {t} FOR EACH ROW
+    FOLLOWS `{key_trigger}`
+    SET NEW.{KEY_HASH} = CRC32(NEW.partition_key);
+SET STATEMENT check_constraint_checks = 0 FOR
+UPDATE {t} SET {KEY_HASH} = CRC32(partition_key)
+WHERE @outbox_key_hash_new AND partition_key IS NOT NULL;
+SET @outbox_key_hash_new = NULL;
 SET @outbox_claim_index = IF(EXISTS (
         SELECT 1 FROM information_schema.STATISTICS
         WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = '{table}'
@@ -439,8 +465,8 @@ impl Sql {
     headers        LONGTEXT NOT NULL DEFAULT ('{{}}')
                    CHECK (JSON_VALID(headers) AND JSON_TYPE(headers) = 'OBJECT'),
     partition_key  VARCHAR({MAX_KEY_CHARS}),
-    -- The key's hash, for claim shards: computed, never stored in the row (see `KEY_HASH`).
-    {KEY_HASH}       INT UNSIGNED AS (CRC32(partition_key)) VIRTUAL,
+    -- CRC32 of the key, for claim shards, written by a trigger (see `KEY_HASH`).
+    {KEY_HASH}       INT UNSIGNED,
     dedup_key      VARCHAR({MAX_KEY_CHARS}),
     state          ENUM('pending', 'published', 'dead') NOT NULL DEFAULT 'pending',
     attempts       INT NOT NULL DEFAULT 0,
@@ -473,7 +499,13 @@ impl Sql {
 ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
 {contract}"#,
             contract = sql_contract(&t, table, &key_trigger, &id_trigger)
-                + &key_hash_ddl(&t, table, &id_trigger.schema),
+                + &key_hash_ddl(
+                    &t,
+                    table,
+                    &id_trigger.schema,
+                    &derived_name(table, "partition_key"),
+                    &qualify(&derived_name(table, "key_hash")),
+                ),
             payload_check = derived_name(table, "payload_size"),
             bytes_check = derived_name(table, "payload_bytes_size"),
         ) + &key_locks_ddl(&key_locks)

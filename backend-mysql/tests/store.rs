@@ -371,17 +371,20 @@ async fn claim_index_columns(db: &Db) -> Vec<String> {
 }
 
 /// A table made before sharded claims read the claim index alone (claim index `(state, seq)`,
-/// no `key_hash` column), with rows in it: `migrate` adds the virtual column and rebuilds the
-/// index with it, once; the column holds each key's `CRC32`; a sharded window end then reads
-/// the index alone ("Using index": no row is read), and sharded claims take their shard's rows.
+/// no `key_hash` column nor its trigger), with rows in it: `migrate` adds the column and its
+/// trigger, fills the rows already there, and rebuilds the index with it, once; the column holds
+/// each key's `CRC32` for old and new rows; a sharded window end then reads the index alone
+/// ("Using index": no row is read), and sharded claims take their shard's rows.
 #[tokio::test]
 async fn migrate_gives_an_older_table_the_key_hash_in_its_claim_index() {
     let Some(db) = db().await else { return };
     assert_eq!(claim_index_columns(&db).await, ["state", "seq", "key_hash"]);
     sqlx::raw_sql(&format!(
         "ALTER TABLE {t} DROP INDEX ix_claim, ADD INDEX ix_claim (state, seq);
-         ALTER TABLE {t} DROP COLUMN key_hash",
-        t = db.table()
+         ALTER TABLE {t} DROP COLUMN key_hash;
+         DROP TRIGGER `{trigger}`",
+        t = db.table(),
+        trigger = outbox_sql_support::names::derived_name(db.config.table(), "key_hash"),
     ))
     .execute(db.pool())
     .await
@@ -401,6 +404,11 @@ async fn migrate_gives_an_older_table_the_key_hash_in_its_claim_index() {
 
     db.store.migrate().await.unwrap();
     assert_eq!(claim_index_columns(&db).await, ["state", "seq", "key_hash"]);
+    // Rows written after the migration get theirs from the trigger.
+    let later: Vec<_> = (200..240)
+        .map(|i| msg(&format!("k{}", i % 20), &format!("{i}")))
+        .collect();
+    db.enqueue(&later).await;
     let table_id = || async {
         sqlx::query_scalar::<_, u64>(
             "SELECT TABLE_ID FROM information_schema.INNODB_SYS_TABLES WHERE NAME = CONCAT(DATABASE(), '/', ?)",
@@ -431,7 +439,8 @@ async fn migrate_gives_an_older_table_the_key_hash_in_its_claim_index() {
     );
 
     let wrong: i64 = sqlx::query_scalar(&format!(
-        "SELECT COUNT(*) FROM {} WHERE NOT (key_hash <=> CRC32(partition_key))",
+        "SELECT COUNT(*) FROM {} WHERE NOT (key_hash <=> CRC32(partition_key))
+            OR (partition_key IS NOT NULL AND key_hash IS NULL)",
         db.table()
     ))
     .fetch_one(db.pool())
