@@ -400,7 +400,16 @@ async fn migrate_gives_an_older_table_the_key_hash_in_its_claim_index() {
             }
         })
         .collect();
-    db.enqueue(&messages).await;
+    // Seqs across several of the fill's ranges of 10,000.
+    db.enqueue(&messages[..100]).await;
+    sqlx::query(&format!(
+        "ALTER TABLE {} AUTO_INCREMENT = 25000",
+        db.table()
+    ))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    db.enqueue(&messages[100..]).await;
 
     db.store.migrate().await.unwrap();
     assert_eq!(claim_index_columns(&db).await, ["state", "seq", "key_hash"]);
