@@ -63,6 +63,10 @@ pub(crate) fn group_ddl(database: Option<&str>, table: &str) -> String {
     } = Names::of(database, table);
     // Group and member names are at most `MAX_GROUP_NAME_BYTES` bytes, so characters too.
     let name = format!("VARCHAR({MAX_GROUP_NAME_BYTES})");
+    // The procedure's parameters name their character set: without it they take the
+    // database's default, and in a database made `latin1` (or `utf8mb3`) a name with a
+    // character outside it fails the renewal ("Incorrect string value", seen on 10.11).
+    let param = format!("{name} CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin");
     format!(
         r#"
 -- ---------------------------------------------------------------------------------------------
@@ -87,7 +91,7 @@ CREATE TABLE IF NOT EXISTS {shards} (
 )
 ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
 CREATE OR REPLACE PROCEDURE {renew}(
-    p_group {name}, p_member CHAR(36) CHARACTER SET ascii, p_name {name}, p_shards INT,
+    p_group {param}, p_member CHAR(36) CHARACTER SET ascii, p_name {param}, p_shards INT,
     p_lease_us BIGINT)
 BEGIN
     DECLARE v_now DATETIME(6) DEFAULT UTC_TIMESTAMP(6);

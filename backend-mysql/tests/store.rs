@@ -284,7 +284,8 @@ async fn a_claim_of_one_shard_is_not_held_back_by_another_shard_s_claim_in_progr
         })
         .collect();
     db.enqueue(&messages).await;
-    // The shard of each row, as the claim computes it (`in_shard` in sql.rs).
+    // The shard of each row, as relays before the `key_hash` column computed it; the claim's
+    // `in_shard` (sql.rs) must give the same, so that relays of both versions agree.
     let shard = "MOD(IF(partition_key IS NULL, seq, CRC32(partition_key)), 2)";
     // READ COMMITTED and by primary key, as a claim locks: the scan keeps the locks of shard
     // 0's rows only (a locking scan of a secondary index would keep every row it read).
@@ -352,6 +353,144 @@ async fn a_claim_of_one_shard_is_not_held_back_by_another_shard_s_claim_in_progr
         0,
         "a row of shard 1 came back"
     );
+    db.drop().await;
+}
+
+/// The claim index's columns, in order.
+async fn claim_index_columns(db: &Db) -> Vec<String> {
+    let rows: Vec<(String,)> = sqlx::query_as(
+        "SELECT CAST(COLUMN_NAME AS CHAR) FROM information_schema.STATISTICS
+          WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND INDEX_NAME = 'ix_claim'
+          ORDER BY SEQ_IN_INDEX",
+    )
+    .bind(db.config.table())
+    .fetch_all(db.pool())
+    .await
+    .unwrap();
+    rows.into_iter().map(|(c,)| c).collect()
+}
+
+/// A table made before sharded claims read the claim index alone (claim index `(state, seq)`,
+/// no `key_hash` column nor its trigger), with rows in it: `migrate` adds the column and its
+/// trigger, fills the rows already there, and rebuilds the index with it, once; the column holds
+/// each key's `CRC32` for old and new rows; a sharded window end then reads the index alone
+/// ("Using index": no row is read), and sharded claims take their shard's rows.
+#[tokio::test]
+async fn migrate_gives_an_older_table_the_key_hash_in_its_claim_index() {
+    let Some(db) = db().await else { return };
+    assert_eq!(claim_index_columns(&db).await, ["state", "seq", "key_hash"]);
+    sqlx::raw_sql(&format!(
+        "ALTER TABLE {t} DROP INDEX ix_claim, ADD INDEX ix_claim (state, seq);
+         ALTER TABLE {t} DROP COLUMN key_hash;
+         DROP TRIGGER `{trigger}`",
+        t = db.table(),
+        trigger = outbox_sql_support::names::derived_name(db.config.table(), "key_hash"),
+    ))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(claim_index_columns(&db).await, ["state", "seq"]);
+    let messages: Vec<_> = (0..200)
+        .map(|i| {
+            let m = msg(&format!("k{}", i % 20), &format!("{i}"));
+            if i % 10 == 0 {
+                m.unordered()
+            } else {
+                m
+            }
+        })
+        .collect();
+    // Seqs across several of the fill's ranges of 10,000.
+    db.enqueue(&messages[..100]).await;
+    sqlx::query(&format!(
+        "ALTER TABLE {} AUTO_INCREMENT = 25000",
+        db.table()
+    ))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    db.enqueue(&messages[100..]).await;
+
+    db.store.migrate().await.unwrap();
+    assert_eq!(claim_index_columns(&db).await, ["state", "seq", "key_hash"]);
+    // Rows written after the migration get theirs from the trigger.
+    let later: Vec<_> = (200..240)
+        .map(|i| msg(&format!("k{}", i % 20), &format!("{i}")))
+        .collect();
+    db.enqueue(&later).await;
+    let table_id = || async {
+        sqlx::query_scalar::<_, u64>(
+            "SELECT TABLE_ID FROM information_schema.INNODB_SYS_TABLES WHERE NAME = CONCAT(DATABASE(), '/', ?)",
+        )
+        .bind(db.config.table())
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+    };
+    let index_id = || async {
+        sqlx::query_scalar::<_, u64>(
+            "SELECT i.INDEX_ID FROM information_schema.INNODB_SYS_INDEXES i
+              JOIN information_schema.INNODB_SYS_TABLES t ON t.TABLE_ID = i.TABLE_ID
+             WHERE t.NAME = CONCAT(DATABASE(), '/', ?) AND i.NAME = 'ix_claim'",
+        )
+        .bind(db.config.table())
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+    };
+    let (table_before, index_before) = (table_id().await, index_id().await);
+    // Idempotent: the index is not built again, nor the table copied.
+    db.store.migrate().await.unwrap();
+    assert_eq!(claim_index_columns(&db).await, ["state", "seq", "key_hash"]);
+    assert_eq!(
+        (table_id().await, index_id().await),
+        (table_before, index_before)
+    );
+
+    let wrong: i64 = sqlx::query_scalar(&format!(
+        "SELECT COUNT(*) FROM {} WHERE NOT (key_hash <=> CRC32(partition_key))
+            OR (partition_key IS NOT NULL AND key_hash IS NULL)",
+        db.table()
+    ))
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(wrong, 0);
+    // The shape of the sharded window end (`past_bound_sharded` in sql.rs).
+    let plan: Vec<Option<String>> = sqlx::query(&format!(
+        "EXPLAIN SELECT w.seq FROM {} w FORCE INDEX (ix_claim)
+          WHERE w.state = 'pending' AND MOD(COALESCE(w.key_hash, w.seq), ?) = ?
+          ORDER BY w.seq LIMIT 10, 1",
+        db.table()
+    ))
+    .bind(2)
+    .bind(1)
+    .fetch_all(db.pool())
+    .await
+    .unwrap()
+    .iter()
+    .map(|row| sqlx::Row::try_get(row, "Extra").unwrap())
+    .collect();
+    assert!(
+        plan.iter()
+            .any(|extra| extra.as_deref().is_some_and(|e| e.contains("Using index"))),
+        "the sharded window end reads rows: {plan:?}"
+    );
+
+    for index in [0, 1] {
+        let claim = db
+            .store
+            .claim(&ClaimRequest {
+                limit: 200,
+                lease: Duration::from_secs(60),
+                head_policy: Block,
+                shard: Some(ClaimShard::new(index, 2).unwrap()),
+            })
+            .await
+            .unwrap();
+        assert!(!claim.messages.is_empty());
+        assert_eq!(outside_shard(&db, &claim, index).await, 0, "shard {index}");
+    }
     db.drop().await;
 }
 

@@ -1,5 +1,5 @@
-//! A relay group on the real Postgres: `outbox-relay run --group` processes divide the claim
-//! shards, rebalance when a replica joins or leaves (SIGTERM: it gives its shards back), and a
+//! A relay group on the real Postgres and MariaDB: `outbox-relay run --group` processes divide
+//! the claim shards, rebalance when a replica joins or leaves (SIGTERM: it gives its shards back), and a
 //! standby or the survivors take over the shards of a replica that is SIGKILLed or frozen
 //! (SIGSTOP) past its shard lease, while a writer commits and rolls back transactions all along.
 //! At the end the NATS stream is read back: every committed message once (NATS dedups), no
@@ -13,7 +13,6 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use outbox::postgres::PostgresStore;
 use outbox::{GroupMember, NewMessage, RelayGroupStore};
 use outbox_conformance_tests::env::service_url;
 use outbox_e2e::{check_delivery, unique_suffix};
@@ -26,6 +25,9 @@ const GROUP: &str = "relays";
 const SHARDS: usize = 4;
 const KEYS: usize = 16;
 const PER_TX: usize = 8;
+/// How soon after a SIGKILL the survivors must hold the killed replica's shards: about one
+/// group lease (1 s), with room for a loaded machine.
+const TAKEOVER_BOUND: Duration = Duration::from_secs(3);
 /// Each relay's options: a group of 4 shards with a 1 s lease, short message leases (a frozen
 /// relay's claims hold their keys only that long), fast polls.
 const RUN: [&str; 14] = [
@@ -73,7 +75,7 @@ impl Writer {
 /// Wait until the live members named in `want` hold exactly those shard counts (and nobody else
 /// live holds any), writing a transaction per tick. Returns the members seen.
 async fn wait_group(
-    store: &PostgresStore,
+    store: &dyn RelayGroupStore,
     db: &Db,
     writer: &mut Writer,
     want: &[(&Relay, usize)],
@@ -118,12 +120,18 @@ async fn wait_group(
     }
 }
 
-/// The shared servers and a fresh schema, stream subscription and writer for one test; `None`
-/// when Postgres or NATS is not configured.
+/// The database a test's relay group runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Database {
+    Postgres,
+    Mariadb,
+}
+
+/// The shared servers and a fresh schema (Postgres) or table (MariaDB), stream subscription and
+/// writer for one test; `None` when the database or NATS is not configured.
 struct Setup {
     suffix: String,
     db: Db,
-    store: PostgresStore,
     broker: Broker,
     watch: Watch,
     broker_url: String,
@@ -131,26 +139,27 @@ struct Setup {
 }
 
 impl Setup {
-    async fn new() -> Result<Option<Self>, BoxError> {
-        let (Some(pg_url), Some(nats_url)) = (
-            service_url("OUTBOX_TEST_POSTGRES_URL"),
-            service_url("OUTBOX_TEST_NATS_URL"),
-        ) else {
+    async fn new(database: Database) -> Result<Option<Self>, BoxError> {
+        let var = match database {
+            Database::Postgres => "OUTBOX_TEST_POSTGRES_URL",
+            Database::Mariadb => "OUTBOX_TEST_MYSQL_URL",
+        };
+        let (Some(db_url), Some(nats_url)) =
+            (service_url(var), service_url("OUTBOX_TEST_NATS_URL"))
+        else {
             return Ok(None);
         };
         let suffix = unique_suffix();
-        let db = Db::postgres(pg_url, &suffix).await?;
-        let Db::Postgres { store, .. } = &db else {
-            return Err("not postgres".into());
+        let db = match database {
+            Database::Postgres => Db::postgres(db_url, &suffix).await?,
+            Database::Mariadb => Db::mysql(db_url, &suffix).await?,
         };
-        let store = store.clone();
         let broker = Broker::Nats { url: nats_url };
         let watch = broker.watch(&suffix).await?;
         let broker_url = broker.relay_url(&suffix);
         Ok(Some(Self {
             suffix,
             db,
-            store,
             broker,
             watch,
             broker_url,
@@ -163,10 +172,44 @@ impl Setup {
     }
 }
 
+/// The group tables of the outbox under test.
+fn groups(db: &Db) -> Result<&dyn RelayGroupStore, BoxError> {
+    match db {
+        Db::Postgres { store, .. } => Ok(store),
+        Db::Mysql { store, .. } => Ok(store),
+        Db::Sqlite { .. } => Err("SQLite has no relay groups".into()),
+    }
+}
+
+/// `--store ...` for the test's own `outbox-relay` commands (status), as the administrator.
+fn admin_args(db: &Db) -> Result<Vec<&str>, BoxError> {
+    match db {
+        Db::Postgres { url, schema, .. } => Ok(vec!["--store", url, "--schema", schema]),
+        Db::Mysql { url, table, .. } => Ok(vec!["--store", url, "--table", table]),
+        Db::Sqlite { .. } => Err("SQLite has no relay groups".into()),
+    }
+}
+
 /// Start a replica named `name` of `db` into `broker_url` with [`RUN`], and wait until it has
 /// started.
 async fn start_relay(db: &Db, broker_url: &str, name: &str) -> Result<Relay, BoxError> {
-    let mut relay = spawn_relay(&db.store_args(name).await?, broker_url, name, &RUN)?;
+    let store_args = db.store_args(name).await?;
+    if let Db::Mysql { store, table, .. } = db {
+        // The relay's account may change the outbox table only (`store_args`); a member of a
+        // group also renews through the procedure, leaves, and reads the group's tables.
+        for grant in [
+            format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON `{table}_group_members` TO '{name}'@'%'"
+            ),
+            format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON `{table}_group_shards` TO '{name}'@'%'"
+            ),
+            format!("GRANT EXECUTE ON PROCEDURE `{table}_group_renew` TO '{name}'@'%'"),
+        ] {
+            sqlx::query(&grant).execute(store.pool()).await?;
+        }
+    }
+    let mut relay = spawn_relay(&store_args, broker_url, name, &RUN)?;
     if let Some(started) = relay.started.take() {
         tokio::time::timeout(GUARD, started).await??;
     }
@@ -175,18 +218,32 @@ async fn start_relay(db: &Db, broker_url: &str, name: &str) -> Result<Relay, Box
 
 #[tokio::test]
 async fn postgres_relay_group_rebalances_and_takes_over_without_loss() -> Result<(), BoxError> {
+    rebalances_and_takes_over_without_loss(Database::Postgres).await
+}
+
+/// The same on MariaDB: the shared server, a table of the test's own, an account per replica.
+#[tokio::test]
+async fn mariadb_relay_group_rebalances_and_takes_over_without_loss() -> Result<(), BoxError> {
+    rebalances_and_takes_over_without_loss(Database::Mariadb).await
+}
+
+/// Three replicas join one by one (the third a hot standby), one is SIGKILLed and its shards
+/// taken over within about one group lease, one is frozen past its lease and taken over, wakes
+/// and rejoins, one leaves; a writer commits and rolls back all along; then the read back.
+async fn rebalances_and_takes_over_without_loss(database: Database) -> Result<(), BoxError> {
+    let started = std::time::Instant::now();
     let Some(Setup {
         suffix,
         db,
-        store,
         broker,
         mut watch,
         broker_url,
         mut writer,
-    }) = Setup::new().await?
+    }) = Setup::new(database).await?
     else {
         return Ok(());
     };
+    let store = groups(&db)?;
     let start = |name: &str| {
         let name = format!("group-{suffix}-{name}");
         let (db, broker_url) = (&db, &broker_url);
@@ -195,40 +252,43 @@ async fn postgres_relay_group_rebalances_and_takes_over_without_loss() -> Result
 
     // One replica holds every shard.
     let a = start("a").await?;
-    wait_group(&store, &db, &mut writer, &[(&a, SHARDS)], "a alone").await?;
+    wait_group(store, &db, &mut writer, &[(&a, SHARDS)], "a alone").await?;
     // A second joins: 2 and 2.
     let b = start("b").await?;
-    wait_group(&store, &db, &mut writer, &[(&a, 2), (&b, 2)], "b joined").await?;
+    wait_group(store, &db, &mut writer, &[(&a, 2), (&b, 2)], "b joined").await?;
     // A third joins: ceil(4 / 3) = 2 each, so it waits as a hot standby.
     let mut c = start("c").await?;
     wait_group(
-        &store,
+        store,
         &db,
         &mut writer,
         &[(&a, 2), (&b, 2), (&c, 0)],
         "c standby",
     )
     .await?;
-    // b is SIGKILLed: the standby takes its shards once its lease is over.
+    // b is SIGKILLed: the standby takes its shards once its lease is over, within about one
+    // group lease (1 s; members renew every third of it, and each step polls every 50 ms).
     let mut b = b;
     b.child.start_kill()?;
     b.child.wait().await?;
-    wait_group(&store, &db, &mut writer, &[(&a, 2), (&c, 2)], "b killed").await?;
+    let killed = std::time::Instant::now();
+    wait_group(store, &db, &mut writer, &[(&a, 2), (&c, 2)], "b killed").await?;
+    let takeover = killed.elapsed();
+    assert!(
+        takeover < TAKEOVER_BOUND,
+        "{database:?}: the standby took the SIGKILLed replica's shards after {takeover:?}"
+    );
     // a is frozen past its lease: c takes every shard.
     signal(&a.child, "STOP").await?;
-    wait_group(&store, &db, &mut writer, &[(&c, SHARDS)], "a frozen").await?;
+    wait_group(store, &db, &mut writer, &[(&c, SHARDS)], "a frozen").await?;
     // a wakes up: it finds its leases taken over (fenced), rejoins, and the two rebalance.
     signal(&a.child, "CONT").await?;
-    wait_group(&store, &db, &mut writer, &[(&a, 2), (&c, 2)], "a resumed").await?;
+    wait_group(store, &db, &mut writer, &[(&a, 2), (&c, 2)], "a resumed").await?;
 
     // `status --group` shows the two members and their shards.
-    let Db::Postgres { url, schema, .. } = &db else {
-        return Err("not postgres".into());
-    };
-    let out = run(&[
-        "--store", url, "--schema", schema, "--group", GROUP, "status", "--json",
-    ])
-    .await?;
+    let mut args = admin_args(&db)?;
+    args.extend(["--group", GROUP, "status", "--json"]);
+    let out = run(&args).await?;
     let status: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     let live: Vec<&serde_json::Value> = status["group"]["members"]
         .as_array()
@@ -249,7 +309,7 @@ async fn postgres_relay_group_rebalances_and_takes_over_without_loss() -> Result
     let status_c = tokio::time::timeout(GUARD, c.child.wait()).await??;
     let log_c = c.stderr.await?;
     assert!(status_c.success(), "{log_c}");
-    let members = wait_group(&store, &db, &mut writer, &[(&a, SHARDS)], "c left").await?;
+    let members = wait_group(store, &db, &mut writer, &[(&a, SHARDS)], "c left").await?;
     assert!(
         members
             .iter()
@@ -269,12 +329,26 @@ async fn postgres_relay_group_rebalances_and_takes_over_without_loss() -> Result
     assert!(log.contains("relay group: holding shards"), "{log}");
     read_back(&db, &broker, &suffix, &writer).await?;
     eprintln!(
-        "group: {} committed ({} rolled back) across join, standby, SIGKILL, SIGSTOP, leave",
+        "group on {database:?}: {} committed ({} rolled back) across join, standby, SIGKILL \
+         (taken over after {takeover:?}), SIGSTOP, leave; {:?} in all",
         writer.committed.len(),
-        writer.rolled_back
+        writer.rolled_back,
+        started.elapsed()
     );
     broker.delete(&suffix).await?;
-    db.clean_up().await
+    clean_up(&db).await
+}
+
+/// Drop what the test made: the schema (Postgres), or the outbox table, the relays' accounts
+/// and the group and key-lock tables beside the outbox table (MariaDB).
+async fn clean_up(db: &Db) -> Result<(), BoxError> {
+    db.clean_up().await?;
+    if let Db::Mysql { store, .. } = db {
+        sqlx::raw_sql(&store.config().drop_sql())
+            .execute(store.pool())
+            .await?;
+    }
+    Ok(())
 }
 
 /// Read the broker back: every committed message (once, NATS dedups by id), no rolled-back
@@ -303,7 +377,7 @@ async fn read_back(
 /// its fair share `ceil(SHARDS / live)`, and nobody else holds any (a SIGKILLed or frozen
 /// replica's leases have run out and been taken over), writing a transaction per tick.
 async fn wait_division(
-    store: &PostgresStore,
+    store: &dyn RelayGroupStore,
     db: &Db,
     writer: &mut Writer,
     live: &[&Relay],
@@ -366,21 +440,31 @@ enum Fault {
 /// `OUTBOX_GROUP_SEED` replays a run's choices (the seed is printed).
 #[tokio::test]
 async fn postgres_relay_group_survives_a_random_crash_loop() -> Result<(), BoxError> {
+    survives_a_random_crash_loop(Database::Postgres).await
+}
+
+/// The same on MariaDB.
+#[tokio::test]
+async fn mariadb_relay_group_survives_a_random_crash_loop() -> Result<(), BoxError> {
+    survives_a_random_crash_loop(Database::Mariadb).await
+}
+
+async fn survives_a_random_crash_loop(database: Database) -> Result<(), BoxError> {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 
     let Some(Setup {
         suffix,
         db,
-        store,
         broker,
         mut watch,
         broker_url,
         mut writer,
-    }) = Setup::new().await?
+    }) = Setup::new(database).await?
     else {
         return Ok(());
     };
+    let store = groups(&db)?;
     let seed = match std::env::var("OUTBOX_GROUP_SEED") {
         Ok(s) => s.parse()?,
         Err(_) => rand::rng().random(),
@@ -394,7 +478,7 @@ async fn postgres_relay_group_survives_a_random_crash_loop() -> Result<(), BoxEr
     };
     let mut relays = vec![start().await?, start().await?, start().await?];
     wait_division(
-        &store,
+        store,
         &db,
         &mut writer,
         &relays.iter().collect::<Vec<_>>(),
@@ -421,7 +505,7 @@ async fn postgres_relay_group_survives_a_random_crash_loop() -> Result<(), BoxEr
                     .filter(|(i, _)| *i != victim)
                     .map(|(_, r)| r)
                     .collect();
-                wait_division(&store, &db, &mut writer, &others, &what).await?;
+                wait_division(store, &db, &mut writer, &others, &what).await?;
                 relays[victim] = start().await?;
             }
             Fault::Freeze => {
@@ -432,7 +516,7 @@ async fn postgres_relay_group_survives_a_random_crash_loop() -> Result<(), BoxEr
                     .filter(|(i, _)| *i != victim)
                     .map(|(_, r)| r)
                     .collect();
-                wait_division(&store, &db, &mut writer, &others, &what).await?;
+                wait_division(store, &db, &mut writer, &others, &what).await?;
                 signal(&relays[victim].child, "CONT").await?;
             }
             Fault::Leave => {
@@ -448,12 +532,12 @@ async fn postgres_relay_group_survives_a_random_crash_loop() -> Result<(), BoxEr
                     .filter(|(i, _)| *i != victim)
                     .map(|(_, r)| r)
                     .collect();
-                wait_division(&store, &db, &mut writer, &others, &what).await?;
+                wait_division(store, &db, &mut writer, &others, &what).await?;
                 relays[victim] = start().await?;
             }
         }
         wait_division(
-            &store,
+            store,
             &db,
             &mut writer,
             &relays.iter().collect::<Vec<_>>(),
@@ -473,10 +557,10 @@ async fn postgres_relay_group_survives_a_random_crash_loop() -> Result<(), BoxEr
     }
     read_back(&db, &broker, &suffix, &writer).await?;
     eprintln!(
-        "group crash loop (seed {seed}): {} committed ({} rolled back) across {faults:?}",
+        "group crash loop on {database:?} (seed {seed}): {} committed ({} rolled back) across {faults:?}",
         writer.committed.len(),
         writer.rolled_back
     );
     broker.delete(&suffix).await?;
-    db.clean_up().await
+    clean_up(&db).await
 }
