@@ -7,6 +7,7 @@
 //! cargo build --release -p outbox-cli --bin outbox-relay && \
 //! cargo run --release -p outbox-bench --bin cli_path -- [sqlite,mysql|all] [rounds=3]
 //!     [messages=200000] [keys=1000] [paths=lib,cli] [settings=defaults,recommended]
+//!     [writer=sql|sql_rows|sql_rows_v4|enqueue]
 //! ```
 //!
 //! For each store (SQLite: a file in a temporary directory; MariaDB: `OUTBOX_TEST_MYSQL_URL`,
@@ -66,8 +67,11 @@ struct Opts {
     keys: usize,
     paths: Vec<String>,
     settings: Vec<String>,
-    /// `sql` (default): rows written by plain SQL, ids from the table's default (random,
-    /// version 4 on SQLite, version 1 on MariaDB); `enqueue`: written by the library's
+    /// `sql` (default): rows written by plain SQL in one `INSERT ... SELECT`, ids from the
+    /// table's default (SQLite: a v7 whose time is the statement's, so one statement's rows are
+    /// in random order among themselves; MariaDB: version 1); `sql_rows` (SQLite): one `INSERT`
+    /// per row, ids from the default; `sql_rows_v4` (SQLite): the same with the random v4 id the
+    /// default was before 2026-11-28 (MariaDB writes `sql` for both); `enqueue`: written by the library's
     /// `enqueue_batch` in batches of 500, as the store bench writes them (ids UUIDv7, in time
     /// order).
     writer: String,
@@ -117,7 +121,14 @@ impl Opts {
                 "keys" => o.keys = value.parse::<usize>()?.max(1),
                 "paths" => o.paths = list(value, &PATHS, "path")?,
                 "settings" => o.settings = list(value, &SETTINGS, "settings")?,
-                "writer" => o.writer = list(value, &["sql", "enqueue"], "writer")?.concat(),
+                "writer" => {
+                    o.writer = list(
+                        value,
+                        &["sql", "sql_rows", "sql_rows_v4", "enqueue"],
+                        "writer",
+                    )?
+                    .concat()
+                }
                 _ => {
                     return Err(format!(
                         "unknown option {key:?}; use rounds, messages, keys, paths, settings, \
@@ -290,6 +301,40 @@ fn sqlite_write(path: &Path, messages: usize, keys: usize) -> BoxResult<()> {
     Ok(())
 }
 
+/// The random (v4) id expression that was the SQLite table's default before 2026-11-28.
+const SQLITE_V4_ID: &str = "lower(hex(randomblob(4))) || '-' || lower(hex(randomblob(2))) || \
+     '-4' || substr(lower(hex(randomblob(2))), 2) || '-' || substr('89ab', 1 + (random() & 3), \
+     1) || substr(lower(hex(randomblob(2))), 2) || '-' || lower(hex(randomblob(6)))";
+
+/// MESSAGES rows written by SQL one `INSERT` per row (a service writing one message per business
+/// transaction; here in one transaction, not timed): `writer=sql_rows` leaves `id` to the
+/// table's default, `writer=sql_rows_v4` gives the random v4 id the default was before, for the
+/// default's cost side by side.
+fn sqlite_write_rows(path: &Path, messages: usize, keys: usize, v4: bool) -> BoxResult<()> {
+    let conn = rusqlite::Connection::open(path)?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    conn.execute_batch("BEGIN IMMEDIATE")?;
+    let (id_col, id_val) = if v4 {
+        ("id, ", format!("{SQLITE_V4_ID}, "))
+    } else {
+        ("", String::new())
+    };
+    {
+        let mut stmt = conn.prepare(&format!(
+            "INSERT INTO outbox ({id_col}aggregatetype, aggregateid, type, payload, partition_key)
+             VALUES ({id_val}'order', 'order-' || ?1, 'order.placed',
+                     json_object('order', ?1, 'customer', 'customer-' || (?1 % ?2),
+                                 'total_cents', 1000 + ?1, 'note', ?3),
+                     'customer-' || (?1 % ?2))"
+        ))?;
+        for n in 0..messages {
+            stmt.execute(rusqlite::params![n as i64, keys as i64, NOTE])?;
+        }
+    }
+    conn.execute_batch("COMMIT; PRAGMA wal_checkpoint(TRUNCATE);")?;
+    Ok(())
+}
+
 /// A fresh SQLite file with MESSAGES rows written by SQL; the directory is removed on drop.
 async fn sqlite_backlog(o: &Opts, delete: bool) -> BoxResult<(tempfile::TempDir, PathBuf)> {
     let dir = tempfile::tempdir()?;
@@ -307,7 +352,13 @@ async fn sqlite_backlog(o: &Opts, delete: bool) -> BoxResult<(tempfile::TempDir,
         })
         .await??;
     } else {
-        tokio::task::spawn_blocking(move || sqlite_write(&p, messages, keys)).await??;
+        let writer = o.writer.clone();
+        tokio::task::spawn_blocking(move || match writer.as_str() {
+            "sql_rows" => sqlite_write_rows(&p, messages, keys, false),
+            "sql_rows_v4" => sqlite_write_rows(&p, messages, keys, true),
+            _ => sqlite_write(&p, messages, keys),
+        })
+        .await??;
     }
     Ok((dir, path))
 }
@@ -339,7 +390,7 @@ async fn mysql_backlog(
     // MariaDB's sequence engine: seq_0_to_N, in statements of 50,000 rows.
     let chunk = 50_000;
     let mut from = 0;
-    while o.writer == "sql" && from < o.messages {
+    while o.writer != "enqueue" && from < o.messages {
         let to = (from + chunk).min(o.messages) - 1;
         sqlx::query(&format!(
             "INSERT INTO {} (aggregatetype, aggregateid, type, payload, partition_key)
