@@ -255,19 +255,7 @@ fn children_cpu() -> f64 {
 
 /// Own CPU seconds of this process (user + system), without reaped children.
 fn self_cpu() -> f64 {
-    std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|stat| {
-            let close = stat.rfind(')')?;
-            let fields: Vec<&str> = stat.get(close + 2..)?.split(' ').collect();
-            let ticks = fields
-                .get(11..13)?
-                .iter()
-                .map(|f| f.parse::<u64>().ok())
-                .sum::<Option<u64>>()?;
-            Some(ticks as f64 / 100.0)
-        })
-        .unwrap_or(0.0)
+    outbox_bench::process_cpu(std::process::id()).unwrap_or(0.0)
 }
 
 fn relay_bin(var: &str) -> BoxResult<PathBuf> {
