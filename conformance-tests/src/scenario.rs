@@ -553,12 +553,15 @@ fn step() -> impl Strategy<Value = Step> {
             Just(Advance::PastRetries)
         ]
         .prop_map(Step::Advance),
+        // The admin calls by seq twice as often as by id: a store whose by-seq paths do
+        // nothing shows only when one meets a dead message, and at weight 1 that happened too
+        // rarely to be sure within 200 cases (3 misses in 200 runs of the meta-test).
         1 => any::<u8>().prop_map(|pick| Step::Requeue { pick }),
         1 => any::<u8>().prop_map(|pick| Step::Discard { pick }),
-        1 => any::<u8>().prop_map(|pick| Step::RequeueBySeq { pick }),
+        2 => any::<u8>().prop_map(|pick| Step::RequeueBySeq { pick }),
         2 => (prop_oneof![4 => (0..KEYS).prop_map(Some), 1 => Just(None)], any::<u8>())
             .prop_map(|(key, form)| Step::Raw { key, form }),
-        1 => any::<u8>().prop_map(|pick| Step::DiscardBySeq { pick }),
+        2 => any::<u8>().prop_map(|pick| Step::DiscardBySeq { pick }),
         1 => (1u8..=3).prop_map(|batch| Step::Purge { batch }),
     ]
 }
