@@ -914,6 +914,128 @@ pub async fn purge_is_bounded(harness: &dyn Harness) -> Result<(), String> {
     f.finish().await
 }
 
+/// Two purges at once, from two admin handles, many times over: together they delete each old
+/// published message once and report exactly what they deleted (a purge that finds another
+/// one at work may return 0 and leave the rows to it); unfinished, dead and recently published
+/// messages stay.
+pub async fn concurrent_purges_count_exactly(harness: &dyn Harness) -> Result<(), String> {
+    const OLD: usize = 48;
+    const DEAD: usize = 6;
+    const PENDING: usize = 6;
+    const RECENT: usize = 6;
+    let f = Fixture::new(harness).await?;
+    // One key per message, so that no claim waits behind another message of its key.
+    let first: Vec<NewMessage> = (0..OLD + DEAD)
+        .map(|n| msg(&format!("k{n}"), &format!("m{n}")))
+        .collect();
+    f.enqueue(&first).await?;
+    let mut seen = 0;
+    while seen < OLD + DEAD {
+        let claim = f.claim(OLD + DEAD - seen).await?;
+        ensure!(
+            !claim.messages.is_empty(),
+            "claim returned nothing with {seen} of {} messages leased",
+            OLD + DEAD
+        );
+        let mut done = Vec::new();
+        for id in ids(&claim) {
+            if seen < OLD {
+                done.push(id);
+            } else {
+                f.dead_letter(claim.token, id, "refused").await?;
+            }
+            seen += 1;
+        }
+        f.relay
+            .complete(claim.token, &done)
+            .await
+            .map_err(err("complete"))?;
+    }
+    let age = Duration::from_secs(100);
+    f.advance(170).await?;
+    // Published just now (younger than the purge's age), and never claimed: both kept.
+    let later: Vec<NewMessage> = (0..RECENT)
+        .map(|n| msg(&format!("r{n}"), &format!("recent{n}")))
+        .chain((0..PENDING).map(|n| msg(&format!("p{n}"), &format!("pending{n}"))))
+        .collect();
+    f.enqueue(&later).await?;
+    let recent = f.claim(RECENT).await?;
+    ensure!(
+        labels(&recent)
+            == (0..RECENT)
+                .map(|n| format!("recent{n}"))
+                .collect::<Vec<_>>(),
+        "claim({RECENT}) returned {:?}, expected the oldest pending messages",
+        labels(&recent)
+    );
+    f.relay
+        .complete(recent.token, &ids(&recent))
+        .await
+        .map_err(err("complete"))?;
+
+    let admins = [
+        f.store.admin().await.map_err(err("admin handle"))?,
+        f.store.admin().await.map_err(err("admin handle"))?,
+    ];
+    let mut purged = 0_u64;
+    let mut rounds = 0;
+    loop {
+        rounds += 1;
+        ensure!(
+            rounds <= 200,
+            "two purges of batch 5 still deleting after 200 rounds ({purged} deleted)"
+        );
+        let start = Arc::new(tokio::sync::Barrier::new(2));
+        let tasks: Vec<_> = admins
+            .iter()
+            .map(|admin| {
+                let (admin, start) = (Arc::clone(admin), Arc::clone(&start));
+                tokio::spawn(async move {
+                    start.wait().await;
+                    admin.purge_published(age, 5).await
+                })
+            })
+            .collect();
+        let mut round = 0;
+        for task in tasks {
+            round += task
+                .await
+                .map_err(|e| format!("purge task failed: {e}"))?
+                .map_err(err("concurrent purge"))?;
+        }
+        purged += round;
+        if round == 0 {
+            break;
+        }
+    }
+    ensure!(
+        purged == f.kept(OLD as u64),
+        "two purges at once reported {purged} deleted of {} old published messages",
+        f.kept(OLD as u64)
+    );
+    let last = f
+        .admin
+        .purge_published(age, 100)
+        .await
+        .map_err(err("purge"))?;
+    ensure!(
+        last == 0,
+        "a purge after two purges at once had finished deleted {last} more"
+    );
+    let counts = f.counts().await?;
+    ensure!(
+        counts.published == f.kept(RECENT as u64)
+            && counts.dead == DEAD as u64
+            && counts.pending == PENDING as u64
+            && counts.leased == 0,
+        "after two purges at once: counts {counts:?}, expected {} published (recent), {DEAD} \
+         dead, {PENDING} pending",
+        f.kept(RECENT as u64)
+    );
+    drop(admins);
+    f.finish().await
+}
+
 /// A message with a not-before time waits for it, by the store's clock.
 pub async fn not_before_delays(harness: &dyn Harness) -> Result<(), String> {
     let f = Fixture::new(harness).await?;
@@ -2449,6 +2571,8 @@ pub enum Check {
     DeadLettersRequeueDiscard,
     /// [`purge_is_bounded`]
     PurgeIsBounded,
+    /// [`concurrent_purges_count_exactly`]
+    ConcurrentPurgesCountExactly,
     /// [`not_before_delays`]
     NotBeforeDelays,
     /// [`crash_keeps_leases`]
@@ -2483,7 +2607,7 @@ pub enum Check {
 
 impl Check {
     /// Every check.
-    pub const ALL: [Check; 28] = [
+    pub const ALL: [Check; 29] = [
         Check::ClaimRespectsLimit,
         Check::NoPhantoms,
         Check::LateCommitIsClaimed,
@@ -2497,6 +2621,7 @@ impl Check {
         Check::RetryHoldsBackItsKeyOnly,
         Check::DeadLettersRequeueDiscard,
         Check::PurgeIsBounded,
+        Check::ConcurrentPurgesCountExactly,
         Check::NotBeforeDelays,
         Check::CrashKeepsLeases,
         Check::ExtendKeepsLease,
@@ -2547,6 +2672,7 @@ impl Check {
             Check::RetryHoldsBackItsKeyOnly => retry_holds_back_its_key_only(harness).await,
             Check::DeadLettersRequeueDiscard => dead_letters_requeue_discard(harness).await,
             Check::PurgeIsBounded => purge_is_bounded(harness).await,
+            Check::ConcurrentPurgesCountExactly => concurrent_purges_count_exactly(harness).await,
             Check::NotBeforeDelays => not_before_delays(harness).await,
             Check::CrashKeepsLeases => crash_keeps_leases(harness).await,
             Check::ExtendKeepsLease => extend_keeps_lease(harness).await,

@@ -41,6 +41,7 @@ macro_rules! conformance_suite {
             retry_holds_back_its_key_only RetryHoldsBackItsKeyOnly,
             dead_letters_requeue_discard DeadLettersRequeueDiscard,
             purge_is_bounded PurgeIsBounded,
+            concurrent_purges_count_exactly ConcurrentPurgesCountExactly,
             not_before_delays NotBeforeDelays,
             crash_keeps_leases CrashKeepsLeases,
             extend_keeps_lease ExtendKeepsLease,

@@ -45,6 +45,10 @@ pub enum Defect {
     /// Keep a binary message's `payload` (JSON null) but drop its bytes and content type, as a
     /// store that never wrote the binary columns would.
     BinaryDropped,
+    /// Purge in two steps, as a store without row locks might: pick the old published rows,
+    /// let other callers run, then delete those still there, but return how many it picked.
+    /// Two purges at once both count the rows they both picked.
+    PurgeCountsPicked,
     /// Relay groups: a shard counts as free while another member's lease on it is live, so two
     /// replicas claim one shard.
     GroupSharesShards,
@@ -63,7 +67,7 @@ pub enum Defect {
 #[cfg_attr(not(feature = "defects"), allow(dead_code))]
 impl Defect {
     /// Every defect, for meta-tests that loop over them.
-    pub const ALL: [Defect; 14] = [
+    pub const ALL: [Defect; 15] = [
         Defect::CursorClaim,
         Defect::OverClaim,
         Defect::NoHeadOfLine,
@@ -78,6 +82,7 @@ impl Defect {
         Defect::StatusIgnoresRetrying,
         Defect::SeqAdminIgnored,
         Defect::BinaryDropped,
+        Defect::PurgeCountsPicked,
     ];
 
     /// Every relay-group defect ([`outbox_traits::RelayGroupStore`]), for the group check's
