@@ -294,12 +294,11 @@ fn sql_contract(t: &str, table: &str, key_trigger: &str, id_trigger: &Trigger) -
         schema: id_trigger_schema,
         name: id_trigger_name,
         qualified: id_trigger,
+        old_name: old_id_trigger_name,
+        old_qualified: old_id_trigger,
     } = id_trigger;
     format!(
         r#"
--- SQL enqueue contract. Tables made before it get the id default (a metadata-only change).
-ALTER TABLE {t} ALTER COLUMN id SET DEFAULT (UUID());
-
 -- New rows start with the "not leased" values instead of NULL, so that leasing them does not
 -- grow the row (metadata-only, like the id default; rows already there keep their NULLs).
 ALTER TABLE {t} ALTER COLUMN lease_token SET DEFAULT '',
@@ -340,11 +339,36 @@ CREATE TRIGGER IF NOT EXISTS {key_trigger} BEFORE INSERT ON {t} FOR EACH ROW
 -- impossible WHERE). A row whose lowered id another row already holds keeps its id (IGNORE)
 -- and, if unpublished, is dead-lettered with a reason. Checks off, as for the relay's own
 -- updates of old rows.
+--
+-- An id left out (the column's default, '') becomes a time-ordered UUIDv7, as the Rust enqueue
+-- writes: the statement's time in milliseconds (48 bits), then the 74 bits after the version
+-- and variant taken from UUID() (its time_low, which no two calls on a server share within
+-- seven minutes, then its clock sequence and node). Time-ordered ids keep the id index's
+-- inserts, and the completions and deletes that find rows through it, on its last pages; a
+-- v1 UUID starts with its time's low bits and scatters them. Tables made by earlier versions
+-- get this trigger in place of the one that only lowered ids (`..._id_case`), and then the new
+-- default (in that order, so that no insert ever stores '').
 SET @outbox_lower_ids = NOT EXISTS (
     SELECT 1 FROM information_schema.TRIGGERS
-    WHERE TRIGGER_SCHEMA = {id_trigger_schema} AND TRIGGER_NAME = '{id_trigger_name}');
+    WHERE TRIGGER_SCHEMA = {id_trigger_schema}
+      AND TRIGGER_NAME IN ('{id_trigger_name}', '{old_id_trigger_name}'));
 CREATE TRIGGER IF NOT EXISTS {id_trigger} BEFORE INSERT ON {t} FOR EACH ROW
-    SET NEW.id = LOWER(NEW.id);
+BEGIN
+    DECLARE u CHAR(36) CHARACTER SET ascii;
+    DECLARE ms CHAR(12) CHARACTER SET ascii;
+    IF NEW.id IS NULL OR NEW.id = '' THEN
+        SET u = UUID();
+        SET ms = LPAD(LOWER(HEX(FLOOR(UNIX_TIMESTAMP(NOW(3)) * 1000))), 12, '0');
+        SET NEW.id = CONCAT(
+            SUBSTR(ms, 1, 8), '-', SUBSTR(ms, 9, 4), '-7', SUBSTR(u, 1, 3), '-',
+            LOWER(HEX(8 | (CONV(SUBSTR(u, 21, 1), 16, 10) & 3))), SUBSTR(u, 4, 3), '-',
+            SUBSTR(u, 7, 2), SUBSTR(u, 22, 2), SUBSTR(u, 25, 8));
+    ELSE
+        SET NEW.id = LOWER(NEW.id);
+    END IF;
+END;
+DROP TRIGGER IF EXISTS {old_id_trigger};
+ALTER TABLE {t} ALTER COLUMN id SET DEFAULT '';
 SET STATEMENT check_constraint_checks = 0 FOR
 UPDATE IGNORE {t} SET id = LOWER(id) WHERE @outbox_lower_ids AND id <> LOWER(id);
 SET STATEMENT check_constraint_checks = 0 FOR
@@ -425,11 +449,14 @@ SET @outbox_claim_index = NULL;
     )
 }
 
-/// A trigger's schema (as a SQL expression), bare name and quoted, qualified name.
+/// A trigger's schema (as a SQL expression), bare name and quoted, qualified name, and the
+/// same names of the trigger it replaces on tables made by earlier versions.
 struct Trigger {
     schema: String,
     name: String,
     qualified: String,
+    old_name: String,
+    old_qualified: String,
 }
 
 impl Sql {
@@ -446,7 +473,8 @@ impl Sql {
         };
         let t = qualify(table);
         let key_trigger = qualify(&derived_name(table, "partition_key"));
-        let id_trigger_name = derived_name(table, "id_case");
+        let id_trigger_name = derived_name(table, "ids");
+        let old_id_trigger_name = derived_name(table, "id_case");
         let id_trigger = Trigger {
             schema: match database {
                 Some(db) => format!("'{db}'"),
@@ -454,6 +482,8 @@ impl Sql {
             },
             qualified: qualify(&id_trigger_name),
             name: id_trigger_name,
+            old_qualified: qualify(&old_id_trigger_name),
+            old_name: old_id_trigger_name,
         };
         let key_locks = qualify(&derived_name(table, "key_locks"));
         let create_database = database
@@ -465,8 +495,9 @@ impl Sql {
     -- Ids and headers are checked so that a row written by plain SQL cannot hold what the
     -- relay cannot read (tables made before these checks keep their rows; the relay
     -- dead-letters a bad one, see the README).
-    -- A SQL writer may leave id out: MariaDB's UUID() (a v1 UUID); the Rust enqueue writes a v7.
-    id             CHAR(36) CHARACTER SET ascii COLLATE ascii_bin NOT NULL DEFAULT (UUID())
+    -- A SQL writer may leave id out: the insert trigger below writes a time-ordered v7 in place
+    -- of the default '', as the Rust enqueue does.
+    id             CHAR(36) CHARACTER SET ascii COLLATE ascii_bin NOT NULL DEFAULT ''
                    CHECK (id REGEXP '^[0-9a-fA-F]{{8}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{4}}-[0-9a-fA-F]{{12}}$'),
     aggregatetype  VARCHAR({MAX_KEY_CHARS}) NOT NULL,
     aggregateid    VARCHAR({MAX_KEY_CHARS}) NOT NULL,

@@ -134,3 +134,126 @@ async fn the_locked_insert_reports_the_same_errors() {
     tx.rollback().await.unwrap();
     db.drop().await;
 }
+
+/// A SQL writer that leaves `id` out gets a time-ordered UUIDv7 (version 7, RFC variant, the
+/// database's time in its first 48 bits), unique, in insert order by its time; one that gives
+/// an id keeps it (lowered). Rows of one `INSERT ... SELECT` get distinct ids too.
+#[tokio::test]
+async fn an_omitted_id_is_a_time_ordered_v7() {
+    let Some(db) = db().await else { return };
+    let table = db.table().to_owned();
+    let mut conn = db.pool().acquire().await.unwrap();
+    let before: i64 =
+        sqlx::query_scalar("SELECT CAST(FLOOR(UNIX_TIMESTAMP(NOW(3)) * 1000) AS SIGNED)")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+    for n in 0..50 {
+        sqlx::query(&format!(
+            "INSERT INTO {table} (aggregatetype, aggregateid, type, payload) \
+             VALUES ('o', 'k{n}', 't', '{{}}')"
+        ))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    }
+    sqlx::query(&format!(
+        "INSERT INTO {table} (aggregatetype, aggregateid, type, payload) \
+         SELECT 'o', CONCAT('bulk', seq), 't', '{{}}' FROM {table}"
+    ))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload) \
+         VALUES ('0192F0A4-1B2C-7D3E-8F40-123456789ABC', 'o', 'given', 't', '{{}}')"
+    ))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let after: i64 =
+        sqlx::query_scalar("SELECT CAST(FLOOR(UNIX_TIMESTAMP(NOW(3)) * 1000) AS SIGNED)")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+    let rows: Vec<(String, String)> = sqlx::query_as(&format!(
+        "SELECT CAST(id AS CHAR CHARACTER SET utf8mb4), \
+                CAST(aggregateid AS CHAR CHARACTER SET utf8mb4) FROM {table} ORDER BY seq"
+    ))
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 101);
+    let (given, made) = rows.split_last().unwrap();
+    assert_eq!(
+        given.0, "0192f0a4-1b2c-7d3e-8f40-123456789abc",
+        "a given id is kept, lowered"
+    );
+    let mut last_ms = 0;
+    let mut seen = std::collections::HashSet::new();
+    for (id, key) in made {
+        let uuid = uuid::Uuid::parse_str(id).unwrap();
+        assert_eq!(uuid.get_version_num(), 7, "{key}: {id}");
+        assert_eq!(uuid.get_variant(), uuid::Variant::RFC4122, "{key}: {id}");
+        assert_eq!(id, &id.to_lowercase(), "{key}: {id}");
+        let ms = i64::from_str_radix(&id.replace('-', "")[..12], 16).unwrap();
+        assert!(
+            (before..=after).contains(&ms),
+            "{key}: {id} is not from the insert's time"
+        );
+        assert!(ms >= last_ms, "{key}: {id} is older than the row before it");
+        last_ms = ms;
+        assert!(seen.insert(id.clone()), "{key}: {id} given twice");
+    }
+    drop(conn);
+    db.drop().await;
+}
+
+/// A table made by the previous release (ids defaulting to `UUID()`, the trigger that only
+/// lowered ids) gets the v7 default from `migrate`, and a second migrate changes nothing.
+#[tokio::test]
+async fn migrate_gives_an_old_table_the_v7_default() {
+    let Some(db) = db().await else { return };
+    let table = db.table().to_owned();
+    let name = db.config.table().to_owned();
+    sqlx::raw_sql(&format!(
+        "DROP TRIGGER `{name}_ids`;
+         CREATE TRIGGER `{name}_id_case` BEFORE INSERT ON {table} FOR EACH ROW
+             SET NEW.id = LOWER(NEW.id);
+         ALTER TABLE {table} ALTER COLUMN id SET DEFAULT (UUID());"
+    ))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    let insert = format!(
+        "INSERT INTO {table} (aggregatetype, aggregateid, type, payload) VALUES ('o', 'k', 't', '{{}}')"
+    );
+    sqlx::query(&insert).execute(db.pool()).await.unwrap();
+    db.store.migrate().await.unwrap();
+    db.store.migrate().await.unwrap();
+    sqlx::query(&insert).execute(db.pool()).await.unwrap();
+    let ids: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT CAST(id AS CHAR CHARACTER SET utf8mb4) FROM {table} ORDER BY seq"
+    ))
+    .fetch_all(db.pool())
+    .await
+    .unwrap();
+    let versions: Vec<usize> = ids
+        .iter()
+        .map(|id| uuid::Uuid::parse_str(id).unwrap().get_version_num())
+        .collect();
+    assert_eq!(versions, [1, 7], "{ids:?}");
+    let triggers: Vec<String> = sqlx::query_scalar(
+        "SELECT CAST(TRIGGER_NAME AS CHAR CHARACTER SET utf8mb4) FROM information_schema.TRIGGERS \
+         WHERE EVENT_OBJECT_SCHEMA = DATABASE() AND EVENT_OBJECT_TABLE = ? ORDER BY TRIGGER_NAME",
+    )
+    .bind(&name)
+    .fetch_all(db.pool())
+    .await
+    .unwrap();
+    assert!(
+        triggers.contains(&format!("{name}_ids")) && !triggers.contains(&format!("{name}_id_case")),
+        "{triggers:?}"
+    );
+    db.drop().await;
+}

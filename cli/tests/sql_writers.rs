@@ -452,7 +452,7 @@ async fn mariadb_db() -> Result<Option<Db>, BoxError> {
             "--table".into(),
             table.clone(),
         ],
-        uuid_version: 1,
+        uuid_version: 7,
         refusal: &["CONSTRAINT"],
         too_large: Some(format!(
             "INSERT INTO `{table}` (aggregatetype, aggregateid, type, payload) \

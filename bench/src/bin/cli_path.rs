@@ -7,7 +7,7 @@
 //! cargo build --release -p outbox-cli --bin outbox-relay && \
 //! cargo run --release -p outbox-bench --bin cli_path -- [sqlite,mysql|all] [rounds=3]
 //!     [messages=200000] [keys=1000] [paths=lib,cli] [settings=defaults,recommended]
-//!     [writer=sql|sql_rows|sql_rows_v4|enqueue]
+//!     [writer=sql|sql_v1|sql_rows|sql_rows_v4|enqueue]
 //! ```
 //!
 //! For each store (SQLite: a file in a temporary directory; MariaDB: `OUTBOX_TEST_MYSQL_URL`,
@@ -69,7 +69,9 @@ struct Opts {
     settings: Vec<String>,
     /// `sql` (default): rows written by plain SQL in one `INSERT ... SELECT`, ids from the
     /// table's default (SQLite: a v7 whose time is the statement's, so one statement's rows are
-    /// in random order among themselves; MariaDB: version 1); `sql_rows` (SQLite): one `INSERT`
+    /// in random order among themselves; MariaDB: a v7 from the insert trigger, version 1 before
+    /// 2026-11-28); `sql_v1` (MariaDB): the same with `UUID()` (v1) given as the id, as the
+    /// default was before; `sql_rows` (SQLite): one `INSERT`
     /// per row, ids from the default; `sql_rows_v4` (SQLite): the same with the random v4 id the
     /// default was before 2026-11-28 (MariaDB writes `sql` for both); `enqueue`: written by the library's
     /// `enqueue_batch` in batches of 500, as the store bench writes them (ids UUIDv7, in time
@@ -124,7 +126,7 @@ impl Opts {
                 "writer" => {
                     o.writer = list(
                         value,
-                        &["sql", "sql_rows", "sql_rows_v4", "enqueue"],
+                        &["sql", "sql_v1", "sql_rows", "sql_rows_v4", "enqueue"],
                         "writer",
                     )?
                     .concat()
@@ -378,11 +380,16 @@ async fn mysql_backlog(
     // MariaDB's sequence engine: seq_0_to_N, in statements of 50,000 rows.
     let chunk = 50_000;
     let mut from = 0;
+    let (id_col, id_val) = if o.writer == "sql_v1" {
+        ("id, ", "UUID(), ")
+    } else {
+        ("", "")
+    };
     while o.writer != "enqueue" && from < o.messages {
         let to = (from + chunk).min(o.messages) - 1;
         sqlx::query(&format!(
-            "INSERT INTO {} (aggregatetype, aggregateid, type, payload, partition_key)
-             SELECT 'order', CONCAT('order-', seq), 'order.placed',
+            "INSERT INTO {} ({id_col}aggregatetype, aggregateid, type, payload, partition_key)
+             SELECT {id_val}'order', CONCAT('order-', seq), 'order.placed',
                     JSON_OBJECT('order', seq, 'customer', CONCAT('customer-', seq % ?),
                                 'total_cents', 1000 + seq, 'note', ?),
                     CONCAT('customer-', seq % ?)

@@ -8,6 +8,7 @@
 //!     [claim_shards=N]
 //!     [kafka_props=a=b;c=d] [pgmq=100x1,100x2,1000x1,1000x2|none] [peer=true|false]
 //!     [delete_published=false|true|both] [recommended=false|true]
+//!     [partitioned=false|true|both]
 //! ```
 //!
 //! With no `batch=`, `concurrency=`, `claim_shards=` or `recommended=`, this project's drains run
@@ -40,6 +41,12 @@
 //! each setting unless given explicitly: every store deletes published rows; Postgres (and
 //! Postgres → Kafka) claims over 2 claim shards in batches of 2,000; MariaDB takes batches of
 //! 1,000 with one in flight; SQLite keeps the defaults otherwise.
+//!
+//! `partitioned=true` makes this project's Postgres tables partitioned by day
+//! (`PostgresConfigBuilder::partition_interval`, retention by partition); `partitioned=both`
+//! runs each Postgres drain on a plain table and then on a partitioned one (series suffix
+//! `, partitioned`), side by side. Each Postgres setup also prints its enqueue rate (batches of
+//! 500, one transaction each), so that writers on the two shapes are compared too.
 //!
 //! `pgmq=none` and `peer=false` leave the peers out, to compare this project's settings
 //! (`batch=`, `concurrency=`, `claim_shards=`, `kafka_props=`) run against run.
@@ -115,6 +122,9 @@ struct Opts {
     both_modes: bool,
     /// Each store at the README's recommended settings (see [`Opts::for_store`]).
     recommended: bool,
+    /// The Postgres table shapes each Postgres drain runs on: plain (`false`), partitioned by
+    /// day (`true`), or both in turn.
+    partitioned: Vec<bool>,
 }
 
 impl Opts {
@@ -133,6 +143,7 @@ impl Opts {
             peer: true,
             delete_published: None,
             both_modes: false,
+            partitioned: vec![false],
             recommended: false,
         };
         for arg in std::env::args().skip(1) {
@@ -180,6 +191,12 @@ impl Opts {
                     })?);
                 }
                 "recommended" => o.recommended = value.parse()?,
+                "partitioned" if value == "both" => o.partitioned = vec![false, true],
+                "partitioned" => {
+                    o.partitioned = vec![value
+                        .parse()
+                        .map_err(|_| format!("partitioned={value:?}: use false, true or both"))?];
+                }
                 "pgmq" if value == "none" => o.pgmq.clear(),
                 "pgmq" => {
                     o.pgmq = value
@@ -196,7 +213,7 @@ impl Opts {
                     return Err(format!(
                         "unknown option {key:?}; use rounds, messages, keys, peer_messages, batch, \
                          concurrency, claim_shards, kafka_props, pgmq, peer, delete_published, \
-                         recommended"
+                         recommended, partitioned"
                     )
                     .into())
                 }
@@ -244,6 +261,11 @@ impl Opts {
     /// [`Opts::relay_settings`] for a Postgres store, naming what it chooses where nothing was
     /// given (its `PREFERRED_BATCH` and `PREFERRED_CLAIM_SHARDS`).
     fn postgres_settings(&self) -> String {
+        let shape = if self.partitioned == [true] {
+            ", table partitioned by day"
+        } else {
+            ""
+        };
         self.relay_settings()
             .replace(
                 "batch chosen by the store",
@@ -259,6 +281,7 @@ impl Opts {
                     outbox_backend_postgres::PREFERRED_CLAIM_SHARDS
                 ),
             )
+            + shape
     }
 
     /// Whether this project's drains delete published rows.
@@ -540,19 +563,27 @@ async fn postgres_store(
     o: &Opts,
 ) -> BoxResult<(Arc<PostgresStore>, PostgresConfig)> {
     let schema = format!("bench_{}", outbox_e2e::unique_suffix());
+    let partitioned = o.partitioned.first().copied().unwrap_or(false);
     let config = PostgresConfig::builder()
         .schema(&schema)
         .notify(false)
         .delete_published(o.deletes())
+        .partition_interval(partitioned.then_some(std::time::Duration::from_secs(86_400)))
         .build()?;
     let store = Arc::new(PostgresStore::new(pool.clone(), config.clone()));
     store.migrate().await?;
+    let started = Instant::now();
     for chunk in (0..o.messages).collect::<Vec<_>>().chunks(ENQUEUE_BATCH) {
         let batch: Vec<_> = chunk.iter().map(|&n| message(n, o.keys)).collect();
         let mut tx = pool.begin().await?;
         outbox_backend_postgres::enqueue_batch(&mut *tx, &config, &batch).await?;
         tx.commit().await?;
     }
+    eprintln!(
+        "  enqueue ({} table): {} msg/s",
+        if partitioned { "partitioned" } else { "plain" },
+        thousands(o.messages as f64 / started.elapsed().as_secs_f64())
+    );
     sqlx::query(&format!("ANALYZE {}", config.qualified_table()))
         .execute(pool)
         .await?;
@@ -987,14 +1018,31 @@ async fn main() -> BoxResult<()> {
 
     let mut r = Results::default();
     // Each store's options in each publish mode, with the series names' suffix.
-    let per_store = |store: &str| -> Vec<(&'static str, Opts)> {
+    let per_store = |store: &str| -> Vec<(String, Opts)> {
         o.modes()
             .into_iter()
-            .map(|(suffix, m)| (suffix, m.for_store(store)))
+            .map(|(suffix, m)| (suffix.to_owned(), m.for_store(store)))
             .collect()
     };
+    // Postgres also in each table shape asked for (`partitioned=`).
+    let pg_shapes = |modes: Vec<(String, Opts)>| -> Vec<(String, Opts)> {
+        let mut out = Vec::new();
+        for (suffix, m) in modes {
+            for &parted in &o.partitioned {
+                let mut m = m.clone();
+                m.partitioned = vec![parted];
+                let shape = if parted && o.partitioned.len() > 1 {
+                    ", partitioned"
+                } else {
+                    ""
+                };
+                out.push((format!("{suffix}{shape}"), m));
+            }
+        }
+        out
+    };
     let (pg_o, sqlite_o, mysql_o) = (
-        per_store("postgres"),
+        pg_shapes(per_store("postgres")),
         per_store("sqlite"),
         per_store("mysql"),
     );
