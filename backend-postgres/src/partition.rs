@@ -274,10 +274,15 @@ SELECT {premake_function}({PARTITIONS_AHEAD});
     WHERE l.seq = ANY(ARRAY(SELECT seq FROM cand)) AND l.state = 'pending'
     FOR UPDATE OF l SKIP LOCKED"
     );
+    // The rows to update are found by their address alone (a TID scan per partition for each
+    // locked row). A `m.seq = ANY(ARRAY(SELECT seq FROM ...))` filter beside it, as the lock
+    // step has, was evaluated against every row the TID scans found, over the whole array
+    // (a parameter's array is not hashed): 2,000 × 2,000 comparisons in a claim of 2,000, a
+    // third of its time.
     let update_exact = |from: &str| {
         format!(
             "    FROM {from} h
-    WHERE m.seq = ANY(ARRAY(SELECT seq FROM {from})) AND m.state = 'pending'
+    WHERE m.state = 'pending'
       AND m.seq = h.seq AND m.tableoid = h.toid AND m.ctid = h.tid"
         )
     };
