@@ -1428,7 +1428,7 @@ async fn ids_in_any_case_are_completed_and_migrate_lowers_old_ones() {
         async move { sqlx::query(&sql).bind(id).execute(&pool).await }
     };
     // A table made before the trigger: rows keep the case they were written in.
-    let trigger = format!("`{}_ids`", db.config.table());
+    let trigger = format!("`{}_id_v7`", db.config.table());
     sqlx::query(&format!("DROP TRIGGER {trigger}"))
         .execute(db.pool())
         .await

@@ -164,6 +164,14 @@ async fn an_omitted_id_is_a_time_ordered_v7() {
     .execute(&mut *conn)
     .await
     .unwrap();
+    // An explicit NULL is an id left out too.
+    sqlx::query(&format!(
+        "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload) \
+         VALUES (NULL, 'o', 'null-id', 't', '{{}}')"
+    ))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
     sqlx::query(&format!(
         "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload) \
          VALUES ('0192F0A4-1B2C-7D3E-8F40-123456789ABC', 'o', 'given', 't', '{{}}')"
@@ -183,7 +191,7 @@ async fn an_omitted_id_is_a_time_ordered_v7() {
     .fetch_all(&mut *conn)
     .await
     .unwrap();
-    assert_eq!(rows.len(), 101);
+    assert_eq!(rows.len(), 102);
     let (given, made) = rows.split_last().unwrap();
     assert_eq!(
         given.0, "0192f0a4-1b2c-7d3e-8f40-123456789abc",
@@ -209,18 +217,43 @@ async fn an_omitted_id_is_a_time_ordered_v7() {
     db.drop().await;
 }
 
-/// A table made by the previous release (ids defaulting to `UUID()`, the trigger that only
-/// lowered ids) gets the v7 default from `migrate`, and a second migrate changes nothing.
+/// A table made before v7 ids (ids defaulting to `UUID()`, the trigger that only lowered ids)
+/// gets the v7 default from `migrate`, and a second migrate changes nothing.
 #[tokio::test]
 async fn migrate_gives_an_old_table_the_v7_default() {
+    upgrade_from(
+        "id_case",
+        "SET NEW.id = LOWER(NEW.id)",
+        "ALTER TABLE {table} ALTER COLUMN id SET DEFAULT (UUID());",
+    )
+    .await;
+}
+
+/// A table made with the first v7 trigger (`..._ids`, a slower body) gets the current one in
+/// its place. Its stand-in here writes v1 ids, so that the test tells which trigger ran.
+#[tokio::test]
+async fn migrate_replaces_the_first_v7_trigger() {
+    upgrade_from(
+        "ids",
+        "SET NEW.id = IF(NEW.id = '', UUID(), LOWER(NEW.id))",
+        "",
+    )
+    .await;
+}
+
+/// Put the table back as an earlier version left it (its id trigger `{name}_{suffix}` with
+/// `body`, then `extra` SQL), insert a row leaving the id out, migrate twice, insert again:
+/// the first row has the earlier trigger's v1 id, the second a v7, and only the current id
+/// trigger is left.
+async fn upgrade_from(suffix: &str, body: &str, extra: &str) {
     let Some(db) = db().await else { return };
     let table = db.table().to_owned();
     let name = db.config.table().to_owned();
+    let extra = extra.replace("{table}", &table);
     sqlx::raw_sql(&format!(
-        "DROP TRIGGER `{name}_ids`;
-         CREATE TRIGGER `{name}_id_case` BEFORE INSERT ON {table} FOR EACH ROW
-             SET NEW.id = LOWER(NEW.id);
-         ALTER TABLE {table} ALTER COLUMN id SET DEFAULT (UUID());"
+        "DROP TRIGGER `{name}_id_v7`;
+         CREATE TRIGGER `{name}_{suffix}` BEFORE INSERT ON {table} FOR EACH ROW {body};
+         {extra}"
     ))
     .execute(db.pool())
     .await
@@ -251,9 +284,10 @@ async fn migrate_gives_an_old_table_the_v7_default() {
     .fetch_all(db.pool())
     .await
     .unwrap();
-    assert!(
-        triggers.contains(&format!("{name}_ids")) && !triggers.contains(&format!("{name}_id_case")),
-        "{triggers:?}"
-    );
+    let id_triggers: Vec<&String> = triggers
+        .iter()
+        .filter(|t| t.starts_with(&format!("{name}_id")))
+        .collect();
+    assert_eq!(id_triggers, [&format!("{name}_id_v7")], "{triggers:?}");
     db.drop().await;
 }
