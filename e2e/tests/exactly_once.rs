@@ -2,7 +2,8 @@
 //! exactly-once example commits and rolls back orders while its relay and the payment service's
 //! consumer run as processes (`exactly-once-node`) that are SIGKILLed at random points and
 //! replaced, on Postgres → NATS → Postgres, MariaDB → Kafka → MariaDB and
-//! SQLite → Redis → SQLite, side by side.
+//! SQLite → Redis → SQLite, side by side. On Postgres and MariaDB the relay runs as two replicas
+//! of a relay group, dividing the claim shards, and a relay kill takes one of them at random.
 //!
 //! Each round writes a few transactions of orders (one rolled back), then waits until a random
 //! share of what is outstanding has got through, measured at the victim's end (the outbox's
@@ -92,6 +93,7 @@ async fn relays_and_consumers_killed_at_random_leave_exactly_one_effect_per_comm
             consumer_url: consumer("payments"),
             replay_url: consumer("replay"),
             keeps_key_order: false,
+            relay_group: Some(format!("xo{s}")),
             suffix: s.clone(),
         };
         let outcome = pipeline.run(seed).await;
@@ -127,6 +129,7 @@ async fn relays_and_consumers_killed_at_random_leave_exactly_one_effect_per_comm
             consumer_url: consumer("payments"),
             replay_url: consumer("replay"),
             keeps_key_order: true,
+            relay_group: Some(format!("xo{s}")),
             suffix: s.clone(),
         };
         let outcome = pipeline.run(seed.wrapping_add(1)).await;
@@ -158,6 +161,7 @@ async fn relays_and_consumers_killed_at_random_leave_exactly_one_effect_per_comm
             consumer_url: consumer("payments"),
             replay_url: consumer("replay"),
             keeps_key_order: true,
+            relay_group: None,
             suffix: s.clone(),
         };
         let outcome = pipeline.run(seed.wrapping_add(2)).await;
@@ -204,6 +208,9 @@ struct Pipeline {
     replay_url: String,
     /// Whether the broker keeps one key's messages in order across consumer crashes.
     keeps_key_order: bool,
+    /// Run the relay as two replicas of this relay group (stores that keep groups), instead of
+    /// one relay.
+    relay_group: Option<String>,
     suffix: String,
 }
 
@@ -219,10 +226,12 @@ impl Node {
         url: &str,
         broker: &str,
         suffix: &str,
+        group: Option<&str>,
         duplicates: &Duplicates,
     ) -> Result<Self, BoxError> {
         let mut child = Command::new(NODE)
             .args([role, url, broker, suffix])
+            .args(group)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -271,6 +280,11 @@ impl Node {
 
 type Duplicates = Arc<Mutex<Vec<Uuid>>>;
 
+/// The relays and the consumer, for [`Pipeline::wait`] to watch.
+fn nodes<'a>(relays: &'a mut [Node], consumer: &'a mut Node) -> Vec<&'a mut Node> {
+    relays.iter_mut().chain([consumer]).collect()
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
@@ -312,6 +326,7 @@ impl Pipeline {
                 &self.orders_url,
                 &self.relay_url,
                 &self.suffix,
+                self.relay_group.as_deref(),
                 &duplicates,
             )
         };
@@ -321,11 +336,36 @@ impl Pipeline {
                 &self.payments_url,
                 &self.consumer_url,
                 &self.suffix,
+                None,
                 &duplicates,
             )
         };
-        let mut relay = relay_node()?;
+        // In a group, two replicas divide the claim shards; a kill takes one of them, whose
+        // shards the other takes over once their 2 s lease has passed.
+        let replicas = if self.relay_group.is_some() { 2 } else { 1 };
+        let mut relays = (0..replicas)
+            .map(|_| relay_node())
+            .collect::<Result<Vec<_>, _>>()?;
         let mut consumer = consumer_node()?;
+        if let Some(group) = &self.relay_group {
+            // The replicas did form the group: both alive, each holding claim shards.
+            let groups = outbox
+                .group_store()
+                .ok_or("this store keeps no relay groups")?;
+            self.wait(
+                "group's division",
+                &mut nodes(&mut relays, &mut consumer),
+                async || {
+                    let members = groups.group_status(group).await?;
+                    Ok(members
+                        .iter()
+                        .filter(|m| m.alive && !m.shards.is_empty())
+                        .count()
+                        == 2)
+                },
+            )
+            .await?;
+        }
 
         let mut committed: HashMap<Uuid, Order> = HashMap::new();
         let mut rolled_back: HashSet<Uuid> = HashSet::new();
@@ -363,15 +403,16 @@ impl Pipeline {
                 let target = counts.published + rng.random_range(1..=outstanding.max(1));
                 self.wait(
                     "relay kill point",
-                    &mut [&mut relay, &mut consumer],
+                    &mut nodes(&mut relays, &mut consumer),
                     async || {
                         let counts = outbox.admin.counts().await?;
                         Ok(counts.published >= target || counts.pending + counts.leased == 0)
                     },
                 )
                 .await?;
-                relay.kill().await?;
-                relay = relay_node()?;
+                let victim = rng.random_range(0..relays.len());
+                relays.swap_remove(victim).kill().await?;
+                relays.push(relay_node()?);
                 relay_kills += 1;
             } else {
                 let booked = payments.payments().await?.len();
@@ -379,7 +420,7 @@ impl Pipeline {
                 let target = booked + rng.random_range(1..=outstanding.max(1));
                 self.wait(
                     "consumer kill point",
-                    &mut [&mut relay, &mut consumer],
+                    &mut nodes(&mut relays, &mut consumer),
                     async || Ok(payments.payments().await?.len() >= target.min(committed.len())),
                 )
                 .await?;
@@ -390,14 +431,20 @@ impl Pipeline {
         }
 
         // Drain: every committed order booked, nothing left in the outbox.
-        self.wait("drain", &mut [&mut relay, &mut consumer], async || {
-            let counts = outbox.admin.counts().await?;
-            Ok(counts.pending + counts.leased == 0
-                && payments.payments().await?.len() >= committed.len())
-        })
+        self.wait(
+            "drain",
+            &mut nodes(&mut relays, &mut consumer),
+            async || {
+                let counts = outbox.admin.counts().await?;
+                Ok(counts.pending + counts.leased == 0
+                    && payments.payments().await?.len() >= committed.len())
+            },
+        )
         .await?;
         consumer.stop().await?;
-        relay.stop().await?;
+        for relay in relays {
+            relay.stop().await?;
+        }
         let chaos_duplicates = lock(&duplicates).len();
         let after_chaos = payments.payments().await?;
         check(&after_chaos, &committed, &rolled_back)?;
@@ -410,6 +457,7 @@ impl Pipeline {
             &self.payments_url,
             &self.replay_url,
             &self.suffix,
+            None,
             &replayed,
         )?;
         self.wait("replay", &mut [&mut replay], async || {
@@ -448,13 +496,18 @@ impl Pipeline {
         }
         let distinct: HashSet<Uuid> = lock(&duplicates).iter().copied().collect();
         Ok(format!(
-            "{}: {} orders committed, {} rolled back; {relay_kills} relay and {consumer_kills} \
+            "{}: {} orders committed, {} rolled back; {relay_kills} relay{} and {consumer_kills} \
              consumer SIGKILLs; {} payments, one per committed order; the inbox dropped \
              {chaos_duplicates} duplicates ({} messages) during the chaos and {} in the replay; \
              {inversions} key-order inversions{}",
             self.what,
             committed.len(),
             rolled_back.len(),
+            if replicas > 1 {
+                " (of 2 replicas in a group)"
+            } else {
+                ""
+            },
             booked.len(),
             distinct.len(),
             lock(&replayed).len(),

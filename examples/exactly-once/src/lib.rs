@@ -386,7 +386,8 @@ impl OrderService {
 
 /// Relay the outbox table `names.outbox` of the database at `store_url` to the broker at
 /// `broker_url` (`nats://`, `kafka://`, `redis://`; see `outbox::broker::connect`) until
-/// `shutdown` resolves.
+/// `shutdown` resolves. A `config` that names a relay group joins it where the store keeps
+/// groups (Postgres, MariaDB).
 ///
 /// # Errors
 /// Bad URLs and unreachable servers at start; the relay's own errors.
@@ -403,8 +404,12 @@ pub async fn run_relay(
     };
     let store = outbox::store::open(store_url, &options).await?;
     store.migrate().await?;
+    let groups = store.group_store();
     let publisher = outbox::broker::connect(broker_url).await?;
-    let relay = Relay::new(store.store, Arc::from(publisher), config)?;
+    let mut relay = Relay::new(store.store, Arc::from(publisher), config)?;
+    if let Some(groups) = groups {
+        relay = relay.with_group_store(groups);
+    }
     relay.run(shutdown).await
 }
 
@@ -746,22 +751,26 @@ pub async fn run_payments(
 
 /// How to call [`serve`].
 pub const SERVE_USAGE: &str = "usage:
-  relay STORE_URL BROKER_URL [SUFFIX]        relay the order service's outbox to the broker
+  relay STORE_URL BROKER_URL [SUFFIX [GROUP]]
+                                             relay the order service's outbox to the broker
+                                             (as a replica of relay group GROUP, if given)
   payments DB_URL CONSUMER_URL [SUFFIX]      consume into the payment service (consumer name `payments`)
 SUFFIX selects the tables `orders_SUFFIX`, `outbox_SUFFIX`, ... (default: `orders`, `outbox`, ...).";
 
 /// Run one service as a long-lived process, from command-line arguments (without the
-/// program name): `relay STORE_URL BROKER_URL [SUFFIX]` or `payments DB_URL CONSUMER_URL
-/// [SUFFIX]` (see [`SERVE_USAGE`]). It migrates its tables, prints `ready` on standard output,
-/// and runs until SIGTERM or Ctrl-C. The relay leases claims for 2 s, so that after a crash
-/// another relay takes over within seconds.
+/// program name): `relay STORE_URL BROKER_URL [SUFFIX [GROUP]]` or `payments DB_URL
+/// CONSUMER_URL [SUFFIX]` (see [`SERVE_USAGE`]). It migrates its tables, prints `ready` on
+/// standard output, and runs until SIGTERM or Ctrl-C. The relay leases claims for 2 s, and in a
+/// group its shards for 2 s too, so that after a crash another relay takes over within seconds.
 ///
 /// # Errors
 /// [`Error::InvalidInput`] for bad arguments (with [`SERVE_USAGE`]); the services' errors.
 pub async fn serve(args: &[String]) -> Result<(), Error> {
     let usage = || Error::invalid_input(SERVE_USAGE);
     let (role, url, broker) = match args {
-        [role, url, broker, ..] if args.len() <= 4 => (role.as_str(), url, broker),
+        [role, url, broker, ..] if args.len() <= 4 || (args.len() == 5 && role == "relay") => {
+            (role.as_str(), url, broker)
+        }
         _ => return Err(usage()),
     };
     let names = match args.get(3) {
@@ -783,6 +792,8 @@ pub async fn serve(args: &[String]) -> Result<(), Error> {
             let config = RelayConfig::builder()
                 .batch_size(20)
                 .lease(Duration::from_secs(2))
+                .group(args.get(4).cloned())
+                .group_lease(Duration::from_secs(2))
                 .build()?;
             println!("ready");
             run_relay(url, &names, broker, config, shutdown.cancelled_owned()).await?;
