@@ -446,6 +446,66 @@ mod tests {
         Ok(())
     }
 
+    /// A claim can keep the lock of a row another relay has just leased (it read the row before
+    /// that lease and locked its new version after, then dropped it). Frozen there, it holds that
+    /// lock until the server ends its idle transaction: the row's holder then completes it
+    /// after that wait, without an error, because the claim's idle bound is shorter than the
+    /// completion's lock bound. Here a transaction begun as a claim locks the row and goes idle.
+    #[tokio::test]
+    async fn a_frozen_claim_s_stray_lock_delays_a_completion_without_failing_it(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        use outbox_traits::{ClaimRequest, HeadPolicy, OutboxStore};
+        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")
+        else {
+            return Ok(());
+        };
+        let schema = format!("outbox_test_{:016x}", rand::random::<u64>());
+        let config = PostgresConfig::builder().schema(&schema).build()?;
+        let store = PostgresStore::connect(&url, config.clone()).await?;
+        store.migrate().await?;
+        let table = config.qualified_table();
+        sqlx::query(&format!(
+            "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload)
+             VALUES (gen_random_uuid(), 'order', 'o', 'placed', '{{}}'::jsonb)"
+        ))
+        .execute(store.pool())
+        .await?;
+        let claim = store
+            .claim(&ClaimRequest {
+                limit: 10,
+                lease: std::time::Duration::from_secs(60),
+                head_policy: HeadPolicy::Block,
+                shard: None,
+            })
+            .await?;
+        let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
+        assert_eq!(ids.len(), 1);
+
+        let mut frozen = store.pool().begin_with(claim_begin()).await?;
+        sqlx::query(&format!("SELECT 1 FROM {table} WHERE id = $1 FOR UPDATE"))
+            .bind(ids[0])
+            .execute(&mut *frozen)
+            .await?;
+        // The holder's completion waits for the lock, which goes with the frozen claim's
+        // session; with an idle bound longer than the lock bound it failed with 55P03.
+        let completed = store.complete(claim.token, &ids).await;
+        let published: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {table} WHERE state = 'published'"
+        ))
+        .fetch_one(store.pool())
+        .await?;
+        // The server ended the frozen claim's session.
+        let frozen_after = sqlx::query("SELECT 1").execute(&mut *frozen).await;
+        drop(frozen);
+        sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+            .execute(store.pool())
+            .await?;
+        completed?;
+        assert_eq!(published, 1);
+        assert!(frozen_after.is_err(), "the frozen claim's session survived");
+        Ok(())
+    }
+
     /// The plan a claim runs with on a table without statistics: with `claim_settings` it walks the
     /// claim index in `seq` order; without it the planner sorts the whole backlog (the control,
     /// which shows this test would notice the setting's removal).
