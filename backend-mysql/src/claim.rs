@@ -57,7 +57,7 @@ use uuid::Uuid;
 use crate::error::is_deadlock;
 use crate::lease;
 use crate::row::{decode, decode_error, micros};
-use crate::sql::BEGIN;
+use crate::sql::{BEGIN, SENTINEL_SEQ};
 use crate::store::{MysqlStore, DEADLOCK_RETRIES};
 use outbox_sql_support::limits::truncate_error;
 use outbox_sql_support::quarantine::{held_back, Poison};
@@ -387,12 +387,19 @@ async fn lock(
     }
     seqs.sort_unstable();
     seqs.dedup();
-    sqlx::query(statement)
+    let mut rows = sqlx::query(statement)
         .bind(serde_json::to_string(&seqs).unwrap_or_default())
         .bind(limit)
         .fetch_all(&mut **tx)
         .await
-        .map_err(store.err("claim"))
+        .map_err(store.err("claim"))?;
+    // The statement's list ends with a sentinel seq that no row has (see
+    // `sql::LOCKING_SEQ_LIST`); a row written by hand with it was not asked for.
+    rows.retain(|row| {
+        row.try_get::<i64, _>("seq")
+            .map_or(true, |seq| seq != SENTINEL_SEQ)
+    });
+    Ok(rows)
 }
 
 /// Dead-letter a claim's undecodable rows (locked by its transaction) by `seq`, each with its
@@ -478,4 +485,62 @@ async fn keep_key_order(
         }
     });
     Ok(kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MysqlConfig;
+    use outbox_traits::{ClaimRequest, HeadPolicy, OutboxStore};
+
+    /// A claim's locking read over a list of seqs that another relay leased after the list was
+    /// made (every row rejected) keeps none of them locked, so a relay frozen right after it
+    /// holds no other relay's completion. MariaDB unlocks a rejected row when the join goes on
+    /// to the next entry of the list; without the list's sentinel the last row stayed locked
+    /// and this completion failed after its 2 s lock bound.
+    #[tokio::test]
+    async fn a_claim_frozen_after_its_locking_read_holds_no_row_another_relay_leased(
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_MYSQL_URL") else {
+            return Ok(());
+        };
+        let name = format!("outbox_test_{:016x}", rand::random::<u64>());
+        let config = MysqlConfig::builder().table(&name).build()?;
+        let store = MysqlStore::connect(&url, config.clone()).await?;
+        store.migrate().await?;
+        let table = config.qualified_table();
+        sqlx::query(&format!(
+            "INSERT INTO {table} (aggregatetype, aggregateid, type, payload)
+             VALUES ('o', 'k1', 't', '{{}}'), ('o', 'k2', 't', '{{}}'), ('o', 'k3', 't', '{{}}')"
+        ))
+        .execute(store.pool())
+        .await?;
+        // The other relay leases the three rows.
+        let claim = store
+            .claim(&ClaimRequest {
+                limit: 10,
+                lease: Duration::from_secs(60),
+                head_policy: HeadPolicy::Block,
+                shard: None,
+            })
+            .await?;
+        assert_eq!(claim.messages.len(), 3);
+        let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
+        // The frozen relay's claim read them as candidates before that lease; its locking read
+        // comes after, takes none, and its transaction stays open.
+        let mut seqs: Vec<i64> = claim.messages.iter().map(|m| m.seq).collect();
+        let mut frozen = store.pool().begin_with(BEGIN).await?;
+        let taken = lock(&mut frozen, &store, &config.sql().lock, &mut seqs, 10).await?;
+        let completed = store.complete(claim.token, &ids).await;
+        frozen.rollback().await?;
+        sqlx::query(&format!(
+            "DROP TABLE IF EXISTS {table}, {}",
+            config.key_locks_table()
+        ))
+        .execute(store.pool())
+        .await?;
+        assert!(taken.is_empty());
+        completed?;
+        Ok(())
+    }
 }

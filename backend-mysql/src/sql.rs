@@ -56,8 +56,9 @@ pub(crate) const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; 
 /// A transition first locks the rows it still holds with `SKIP LOCKED` too; it waits only for
 /// a row that a plain read shows it still holds while another transaction has it locked: a
 /// passing lock (another statement's probe of the row; a claim's locking reads are by primary
-/// key and release at once a row they reject, so a claim, even a frozen one, holds only rows
-/// that no one else leases).
+/// key and release at once a row they reject, the last one listed too thanks to
+/// [`LOCKING_SEQ_LIST`], so a claim, even a frozen one, holds only rows that no one else
+/// leases).
 pub(crate) const LOCK_WAIT_SECS: u32 = 2;
 
 /// The longest a store transaction may sit idle between its statements, in seconds
@@ -138,6 +139,21 @@ const ID_LIST: &str =
 
 /// A JSON array of seqs, as a table of one `seq` column.
 const SEQ_LIST: &str = "JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$'))";
+
+/// [`SEQ_LIST`] for a locking read by primary key that may reject rows: the list with one more
+/// seq, [`SENTINEL_SEQ`], at its end. MariaDB (seen on 10.11, READ COMMITTED) unlocks each row
+/// the `WHERE` rejects when the join goes on to the next entry of the list, but not the last
+/// entry's row: a claim whose last listed row had been leased by another relay in the meantime
+/// kept that row locked until it committed, and, frozen there, made the other relay's
+/// completion of it wait its lock bound and fail (`cli/tests/frozen.rs`; reproduced in the
+/// `mariadb` client). The sentinel is looked up after the last real entry, which unlocks that
+/// row; no row has its seq (`AUTO_INCREMENT` starts at 1), and one written by hand with it is
+/// dropped from the claim (`claim::lock`).
+const LOCKING_SEQ_LIST: &str =
+    "JSON_TABLE(JSON_ARRAY_APPEND(?, '$', -1), '$[*]' COLUMNS (seq BIGINT PATH '$'))";
+
+/// The seq [`LOCKING_SEQ_LIST`] appends to its list.
+pub(crate) const SENTINEL_SEQ: i64 = -1;
 
 /// A row is claimable (pending, due, and not leased or with an expired lease) as seen through
 /// alias `a`.
@@ -683,7 +699,7 @@ UNION ALL
         // would sort after locking every row).
         let lock = format!(
             r#"SELECT {columns}
-FROM {SEQ_LIST} j
+FROM {LOCKING_SEQ_LIST} j
 STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.seq
 WHERE {claimable_c}
 LIMIT ?
@@ -696,7 +712,7 @@ FOR UPDATE SKIP LOCKED"#,
         let past_heads = |dead_blocks: bool| -> String {
             format!(
                 r#"SELECT {columns}
-FROM {SEQ_LIST} j
+FROM {LOCKING_SEQ_LIST} j
 STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.seq
 WHERE {claimable_c}
    -- Still its key's first pending row (one index entry read; a NOT EXISTS with
@@ -791,7 +807,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
         );
         let held_by_seq = format!(
             "SELECT m.id, m.seq
-             FROM {SEQ_LIST} j
+             FROM {LOCKING_SEQ_LIST} j
              STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
              {fence}"
         );
