@@ -446,6 +446,20 @@ mod tests {
         Ok(())
     }
 
+    /// A store on a new schema of its own, migrated (`None` without a test server).
+    async fn migrated_store(
+    ) -> Result<Option<(PostgresStore, PostgresConfig, String)>, Box<dyn std::error::Error>> {
+        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")
+        else {
+            return Ok(None);
+        };
+        let schema = format!("outbox_test_{:016x}", rand::random::<u64>());
+        let config = PostgresConfig::builder().schema(&schema).build()?;
+        let store = PostgresStore::connect(&url, config.clone()).await?;
+        store.migrate().await?;
+        Ok(Some((store, config, schema)))
+    }
+
     /// A claim can keep the lock of a row another relay has just leased (it read the row before
     /// that lease and locked its new version after, then dropped it). Frozen there, it holds that
     /// lock until the server ends its idle transaction: the row's holder then completes it
@@ -455,14 +469,9 @@ mod tests {
     async fn a_frozen_claim_s_stray_lock_delays_a_completion_without_failing_it(
     ) -> Result<(), Box<dyn std::error::Error>> {
         use outbox_traits::{ClaimRequest, HeadPolicy, OutboxStore};
-        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")
-        else {
+        let Some((store, config, schema)) = migrated_store().await? else {
             return Ok(());
         };
-        let schema = format!("outbox_test_{:016x}", rand::random::<u64>());
-        let config = PostgresConfig::builder().schema(&schema).build()?;
-        let store = PostgresStore::connect(&url, config.clone()).await?;
-        store.migrate().await?;
         let table = config.qualified_table();
         sqlx::query(&format!(
             "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload)
@@ -513,14 +522,9 @@ mod tests {
     async fn the_claim_plan_walks_the_index_even_without_statistics(
     ) -> Result<(), Box<dyn std::error::Error>> {
         use sqlx::Executor;
-        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_POSTGRES_URL")
-        else {
+        let Some((store, config, schema)) = migrated_store().await? else {
             return Ok(());
         };
-        let schema = format!("outbox_test_{:016x}", rand::random::<u64>());
-        let config = PostgresConfig::builder().schema(&schema).build()?;
-        let store = PostgresStore::connect(&url, config.clone()).await?;
-        store.migrate().await?;
         // 8,000 pending rows, 8 per key in a row, never analyzed.
         let table = config.qualified_table();
         store
