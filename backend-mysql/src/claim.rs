@@ -393,11 +393,13 @@ async fn lock(
         .fetch_all(&mut **tx)
         .await
         .map_err(store.err("claim"))?;
-    // The statement's list ends with a sentinel seq that no row has (see
-    // `sql::LOCKING_SEQ_LIST`); a row written by hand with it was not asked for.
-    rows.retain(|row| {
-        row.try_get::<i64, _>("seq")
-            .map_or(true, |seq| seq != SENTINEL_SEQ)
+    // The statement's list ends with a sentinel seq that `AUTO_INCREMENT` never gives (see
+    // `sql::LOCKING_SEQ_LIST`). A row written by hand with that seq comes back for the
+    // sentinel: kept once if it was asked for, dropped otherwise.
+    let mut sentinel_wanted = seqs.binary_search(&SENTINEL_SEQ).is_ok();
+    rows.retain(|row| match row.try_get::<i64, _>("seq") {
+        Ok(seq) if seq == SENTINEL_SEQ => std::mem::take(&mut sentinel_wanted),
+        _ => true,
     });
     Ok(rows)
 }
@@ -492,6 +494,48 @@ mod tests {
     use super::*;
     use crate::MysqlConfig;
     use outbox_traits::{ClaimRequest, HeadPolicy, OutboxStore};
+
+    /// A row written by hand with the sentinel's seq (-1) is claimed like any other, once, and
+    /// completed.
+    #[tokio::test]
+    async fn a_row_with_the_sentinel_seq_is_claimed_once() -> Result<(), Box<dyn std::error::Error>>
+    {
+        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_MYSQL_URL") else {
+            return Ok(());
+        };
+        let name = format!("outbox_test_{:016x}", rand::random::<u64>());
+        let config = MysqlConfig::builder().table(&name).build()?;
+        let store = MysqlStore::connect(&url, config.clone()).await?;
+        store.migrate().await?;
+        let table = config.qualified_table();
+        sqlx::query(&format!(
+            "INSERT INTO {table} (seq, aggregatetype, aggregateid, type, payload)
+             VALUES ({SENTINEL_SEQ}, 'o', 'k1', 't', '{{}}'), (7, 'o', 'k2', 't', '{{}}')"
+        ))
+        .execute(store.pool())
+        .await?;
+        let request = ClaimRequest {
+            limit: 10,
+            lease: Duration::from_secs(60),
+            head_policy: HeadPolicy::Block,
+            shard: None,
+        };
+        let claim = store.claim(&request).await?;
+        let seqs: Vec<i64> = claim.messages.iter().map(|m| m.seq).collect();
+        let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
+        let completed = store.complete(claim.token, &ids).await;
+        let again = store.claim(&request).await;
+        sqlx::query(&format!(
+            "DROP TABLE IF EXISTS {table}, {}",
+            config.key_locks_table()
+        ))
+        .execute(store.pool())
+        .await?;
+        assert_eq!(seqs, [SENTINEL_SEQ, 7]);
+        completed?;
+        assert!(again?.messages.is_empty());
+        Ok(())
+    }
 
     /// A claim's locking read over a list of seqs that another relay leased after the list was
     /// made (every row rejected) keeps none of them locked, so a relay frozen right after it

@@ -147,8 +147,8 @@ const SEQ_LIST: &str = "JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$'))";
 /// kept that row locked until it committed, and, frozen there, made the other relay's
 /// completion of it wait its lock bound and fail (`cli/tests/frozen.rs`; reproduced in the
 /// `mariadb` client). The sentinel is looked up after the last real entry, which unlocks that
-/// row; no row has its seq (`AUTO_INCREMENT` starts at 1), and one written by hand with it is
-/// dropped from the claim (`claim::lock`).
+/// row. `AUTO_INCREMENT` never gives its seq; a row written by hand with it is claimed once
+/// when listed, and dropped when it answers only for the sentinel (`claim::lock`).
 const LOCKING_SEQ_LIST: &str =
     "JSON_TABLE(JSON_ARRAY_APPEND(?, '$', -1), '$[*]' COLUMNS (seq BIGINT PATH '$'))";
 

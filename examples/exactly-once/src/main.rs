@@ -4,7 +4,7 @@
 //! group reads the whole stream again under the same inbox name, as a crash before the acks
 //! would, and books nothing twice. Files go to `exactly-once-demo/` (made afresh).
 //!
-//! `... -- relay STORE_URL BROKER_URL [SUFFIX]` and `... -- payments DB_URL CONSUMER_URL
+//! `... -- relay STORE_URL BROKER_URL [SUFFIX [GROUP]]` and `... -- payments DB_URL CONSUMER_URL
 //! [SUFFIX]` run one service as a process of its own instead (see `serve`).
 
 use std::process::ExitCode;
