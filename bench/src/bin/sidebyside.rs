@@ -8,7 +8,7 @@
 //!     [claim_shards=N]
 //!     [kafka_props=a=b;c=d] [pgmq=100x1,100x2,1000x1,1000x2|none] [peer=true|false]
 //!     [delete_published=false|true|both] [recommended=false|true]
-//!     [partitioned=false|true|both]
+//!     [partitioned=false|true|both] [mysql_floor=2000x2|BATCHxWORKERS,...|none]
 //! ```
 //!
 //! With no `batch=`, `concurrency=`, `claim_shards=` or `recommended=`, this project's drains run
@@ -35,7 +35,14 @@
 //!   its `KafkaTransport` with `linger.ms=0` (its best setting), batch 100 (its default).
 //!   Its migration is read from the crate's source that cargo downloaded (nothing of it is kept
 //!   in this repository).
-//! - `sqlite`, `mysql`: this project's drain alone, as `postgres` (no peer).
+//! - `sqlite`, `mysql`: this project's drain as `postgres`. SQLite has no peer. MariaDB's is a
+//!   **floor**, not a product: pgmq's loop written on MariaDB (its table shape, a primary key
+//!   and an index on the visibility time; a read is a `SELECT ... FOR UPDATE SKIP LOCKED` of
+//!   `BATCH` rows in id order and an `UPDATE` of their visibility time, one transaction; then a
+//!   `DELETE` by id, or pgmq's archive: the rows copied to an archive table, then deleted), no
+//!   per-key order, no fencing, `WORKERS` loops side by side for each entry of `mysql_floor=`.
+//!   What no relay that leases its rows and then settles them can beat on this server, and what
+//!   the ratio in the MariaDB table is against.
 //!
 //! `recommended=true` runs each store at the settings the README's "Speed" recommends for it,
 //! each setting unless given explicitly: every store deletes published rows; Postgres (and
@@ -113,6 +120,8 @@ struct Opts {
     kafka_props: Vec<(String, String)>,
     /// pgmq loops: (batch, workers).
     pgmq: Vec<(i32, usize)>,
+    /// The bare SKIP LOCKED loops on MariaDB (pgmq's statements): (batch, workers).
+    mysql_floor: Vec<(usize, usize)>,
     /// Whether to run oxide-outbox in the Kafka section.
     peer: bool,
     /// This project's drains (every store) delete published rows (`delete_published(true)`).
@@ -140,6 +149,7 @@ impl Opts {
             claim_shards: None,
             kafka_props: vec![],
             pgmq: vec![(100, 1), (100, 2), (1_000, 1), (1_000, 2)],
+            mysql_floor: vec![(2_000, 2)],
             peer: true,
             delete_published: None,
             both_modes: false,
@@ -199,21 +209,18 @@ impl Opts {
                 }
                 "pgmq" if value == "none" => o.pgmq.clear(),
                 "pgmq" => {
-                    o.pgmq = value
-                        .split(',')
-                        .map(|c| {
-                            let (b, w) = c
-                                .split_once('x')
-                                .ok_or_else(|| format!("pgmq entry {c:?} needs BATCHxWORKERS"))?;
-                            Ok::<_, BoxError>((b.parse()?, w.parse::<usize>()?.max(1)))
-                        })
+                    o.pgmq = batches_by_workers("pgmq", value)?
+                        .into_iter()
+                        .map(|(b, w)| Ok::<_, BoxError>((i32::try_from(b)?, w)))
                         .collect::<Result<_, _>>()?;
                 }
+                "mysql_floor" if value == "none" => o.mysql_floor.clear(),
+                "mysql_floor" => o.mysql_floor = batches_by_workers("mysql_floor", value)?,
                 _ => {
                     return Err(format!(
                         "unknown option {key:?}; use rounds, messages, keys, peer_messages, batch, \
                          concurrency, claim_shards, kafka_props, pgmq, peer, delete_published, \
-                         recommended, partitioned"
+                         recommended, partitioned, mysql_floor"
                     )
                     .into())
                 }
@@ -335,6 +342,19 @@ impl Opts {
 }
 
 const ALL: [&str; 4] = ["postgres", "kafka", "sqlite", "mysql"];
+
+/// `BATCHxWORKERS,...` (e.g. `1000x1,1000x2`) as (batch, workers) pairs.
+fn batches_by_workers(option: &str, value: &str) -> BoxResult<Vec<(usize, usize)>> {
+    value
+        .split(',')
+        .map(|c| {
+            let (b, w) = c
+                .split_once('x')
+                .ok_or_else(|| format!("{option} entry {c:?} needs BATCHxWORKERS"))?;
+            Ok::<_, BoxError>((b.parse::<usize>()?.max(1), w.parse::<usize>()?.max(1)))
+        })
+        .collect()
+}
 
 fn env_or(var: &str, default: &str) -> String {
     std::env::var(var)
@@ -717,6 +737,128 @@ fn mariadb_cpu(pool: &sqlx::MySqlPool) -> Db<'static> {
     }
 }
 
+/// Starts each transaction of the MariaDB floor loop.
+const READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
+
+/// The floor on MariaDB: pgmq's loop written on MariaDB, `workers` loops of read `batch` then
+/// delete (or archive, `archive`) until the table is empty; see the module docs. Nothing is
+/// published and nothing is ordered: what is measured is the least a relay that leases rows and
+/// then settles them asks of the server.
+async fn mysql_floor(
+    pool: &sqlx::MySqlPool,
+    o: &Opts,
+    batch: usize,
+    workers: usize,
+    archive: bool,
+) -> BoxResult<Run> {
+    let suffix = outbox_e2e::unique_suffix();
+    let (q, a) = (format!("floor_q_{suffix}"), format!("floor_a_{suffix}"));
+    // pgmq's queue table (`pgmq.q_*`), in MariaDB's types, and its archive (`pgmq.a_*`).
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE {q} (
+             msg_id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+             read_ct INT NOT NULL DEFAULT 0,
+             enqueued_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+             vt TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+             message LONGTEXT NOT NULL,
+             INDEX (vt)
+         ) ENGINE = InnoDB;
+         CREATE TABLE {a} (
+             msg_id BIGINT NOT NULL PRIMARY KEY,
+             read_ct INT NOT NULL,
+             enqueued_at TIMESTAMP(6) NOT NULL,
+             archived_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+             vt TIMESTAMP(6) NOT NULL,
+             message LONGTEXT NOT NULL,
+             INDEX (archived_at)
+         ) ENGINE = InnoDB;"
+    ))
+    .execute(pool)
+    .await?;
+    let result = async {
+        for chunk in (0..o.messages)
+            .collect::<Vec<_>>()
+            .chunks(PEER_ENQUEUE_BATCH)
+        {
+            let mut insert = sqlx::QueryBuilder::new(format!("INSERT INTO {q} (message) "));
+            insert.push_values(chunk, |mut row, &n| {
+                row.push_bind(payload(n, &format!("customer-{}", n % o.keys)).to_string());
+            });
+            insert.build().execute(pool).await?;
+        }
+        sqlx::raw_sql(&format!("ANALYZE TABLE {q}"))
+            .execute(pool)
+            .await?;
+        let timer = Timer::start(mariadb_cpu(pool), None).await?;
+        let loops = (0..workers).map(|_| {
+            let (pool, q, a) = (pool.clone(), q.clone(), a.clone());
+            tokio::spawn(async move {
+                let mut done = 0u64;
+                loop {
+                    // pgmq's read: the first visible rows, skipping locked ones, made invisible
+                    // for the visibility timeout, in one transaction.
+                    // READ COMMITTED, as this project's store: locking reads lock only the rows
+                    // they return (under REPEATABLE READ two loops deadlock on gap locks).
+                    let mut tx = pool.begin_with(READ_COMMITTED).await?;
+                    let rows: Vec<(i64, String)> = sqlx::query_as(&format!(
+                        "SELECT msg_id, message FROM {q} WHERE vt <= NOW(6)
+                         ORDER BY msg_id LIMIT ? FOR UPDATE SKIP LOCKED"
+                    ))
+                    .bind(batch as u64)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                    if rows.is_empty() {
+                        return Ok::<_, sqlx::Error>(done);
+                    }
+                    // The ids are this table's own integers: written into the statement.
+                    let ids = rows
+                        .iter()
+                        .map(|(id, _)| id.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",");
+                    sqlx::query(&format!(
+                        "UPDATE {q} SET vt = NOW(6) + INTERVAL {PGMQ_VT_SECS} SECOND,
+                         read_ct = read_ct + 1 WHERE msg_id IN ({ids})"
+                    ))
+                    .execute(&mut *tx)
+                    .await?;
+                    tx.commit().await?;
+                    // pgmq's delete, or its archive (copy, then delete, in one transaction).
+                    let mut tx = pool.begin_with(READ_COMMITTED).await?;
+                    if archive {
+                        sqlx::query(&format!(
+                            "INSERT INTO {a} (msg_id, read_ct, enqueued_at, vt, message)
+                             SELECT msg_id, read_ct, enqueued_at, vt, message FROM {q}
+                             WHERE msg_id IN ({ids})"
+                        ))
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                    done += sqlx::query(&format!("DELETE FROM {q} WHERE msg_id IN ({ids})"))
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected();
+                    tx.commit().await?;
+                }
+            })
+        });
+        let mut done = 0;
+        for r in futures::future::join_all(loops).await {
+            done += r??;
+        }
+        let run = timer.stop(o.messages).await?;
+        if done != o.messages as u64 {
+            return Err(format!("the MariaDB floor loop deleted {done} of {}", o.messages).into());
+        }
+        Ok::<_, BoxError>(run)
+    }
+    .await;
+    sqlx::raw_sql(&format!("DROP TABLE IF EXISTS {q}, {a}"))
+        .execute(pool)
+        .await?;
+    result
+}
+
 // ---------------------------------------------------------------------------------------------
 // The peers.
 
@@ -981,6 +1123,36 @@ fn print_tables(o: &Opts, r: &Results, load: (Option<f64>, Option<f64>)) {
         }
         println!();
     }
+    if o.has("mysql") && r.starting("floor:").next().is_some() {
+        // The best floor loop of each kind: deleting, and archiving (pgmq's way of keeping).
+        let best = |verb: &str| {
+            r.starting("floor:")
+                .filter(|(name, _)| name.contains(verb))
+                .map(|(_, s)| s.rate())
+                .fold(None, |best: Option<f64>, rate| {
+                    Some(best.map_or(rate, |b| b.max(rate)))
+                })
+        };
+        let (delete, archive) = (best("+ delete"), best("+ archive"));
+        let ratio = |rate: f64, floor: Option<f64>| {
+            floor.map_or("—".to_owned(), |f| format!("{:.2}×", rate / f))
+        };
+        println!("MariaDB against the floor (pgmq's loop on MariaDB), same run\n");
+        println!("| drain | settings | msg/s, rounds | median | vs the floor, deleting | vs the floor, archiving | CPU µs/msg: relay + MariaDB | share of cores |");
+        println!("|---|---|---|---|---|---|---|---|");
+        for (name, s) in r.starting("mysql").chain(r.starting("floor:")) {
+            let (cpu, share) = s.cpu(true, false);
+            println!(
+                "| {name} | {} | {} | **{}** | {} | {} | {cpu} | {share} |",
+                s.settings,
+                s.rates(),
+                thousands(s.rate()),
+                ratio(s.rate(), delete),
+                ratio(s.rate(), archive),
+            );
+        }
+        println!();
+    }
 }
 
 #[tokio::main]
@@ -1108,6 +1280,17 @@ async fn main() -> BoxResult<()> {
                     o.messages,
                     mysql_ours(mysql, mysql_o).await?,
                 );
+            }
+            for &(batch, workers) in &o.mysql_floor {
+                for archive in [false, true] {
+                    let verb = if archive { "archive" } else { "delete" };
+                    r.add(
+                        &format!("floor: pgmq's loop on MariaDB, read {batch} + {verb}, {workers} worker(s)"),
+                        "no order, no fencing",
+                        o.messages,
+                        mysql_floor(mysql, &o, batch, workers, archive).await?,
+                    );
+                }
             }
         }
     }
