@@ -495,18 +495,39 @@ mod tests {
     use crate::MysqlConfig;
     use outbox_traits::{ClaimRequest, HeadPolicy, OutboxStore};
 
-    /// A row written by hand with the sentinel's seq (-1) is claimed like any other, once, and
-    /// completed.
-    #[tokio::test]
-    async fn a_row_with_the_sentinel_seq_is_claimed_once() -> Result<(), Box<dyn std::error::Error>>
-    {
+    type TestResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+    /// A migrated store on a table of its own, or `None` (test skipped) without a server.
+    async fn migrated_store() -> TestResult<Option<(MysqlStore, MysqlConfig)>> {
         let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_MYSQL_URL") else {
-            return Ok(());
+            return Ok(None);
         };
         let name = format!("outbox_test_{:016x}", rand::random::<u64>());
         let config = MysqlConfig::builder().table(&name).build()?;
         let store = MysqlStore::connect(&url, config.clone()).await?;
         store.migrate().await?;
+        Ok(Some((store, config)))
+    }
+
+    /// Drop the tables [`migrated_store`] made.
+    async fn drop_tables(store: &MysqlStore, config: &MysqlConfig) -> TestResult<()> {
+        sqlx::query(&format!(
+            "DROP TABLE IF EXISTS {}, {}",
+            config.qualified_table(),
+            config.key_locks_table()
+        ))
+        .execute(store.pool())
+        .await?;
+        Ok(())
+    }
+
+    /// A row written by hand with the sentinel's seq (-1) is claimed like any other, once, and
+    /// completed.
+    #[tokio::test]
+    async fn a_row_with_the_sentinel_seq_is_claimed_once() -> TestResult<()> {
+        let Some((store, config)) = migrated_store().await? else {
+            return Ok(());
+        };
         let table = config.qualified_table();
         sqlx::query(&format!(
             "INSERT INTO {table} (seq, aggregatetype, aggregateid, type, payload)
@@ -525,12 +546,7 @@ mod tests {
         let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
         let completed = store.complete(claim.token, &ids).await;
         let again = store.claim(&request).await;
-        sqlx::query(&format!(
-            "DROP TABLE IF EXISTS {table}, {}",
-            config.key_locks_table()
-        ))
-        .execute(store.pool())
-        .await?;
+        drop_tables(&store, &config).await?;
         assert_eq!(seqs, [SENTINEL_SEQ, 7]);
         completed?;
         assert!(again?.messages.is_empty());
@@ -544,14 +560,10 @@ mod tests {
     /// and this completion failed after its 2 s lock bound.
     #[tokio::test]
     async fn a_claim_frozen_after_its_locking_read_holds_no_row_another_relay_leased(
-    ) -> Result<(), Box<dyn std::error::Error>> {
-        let Some(url) = outbox_conformance_tests::env::service_url("OUTBOX_TEST_MYSQL_URL") else {
+    ) -> TestResult<()> {
+        let Some((store, config)) = migrated_store().await? else {
             return Ok(());
         };
-        let name = format!("outbox_test_{:016x}", rand::random::<u64>());
-        let config = MysqlConfig::builder().table(&name).build()?;
-        let store = MysqlStore::connect(&url, config.clone()).await?;
-        store.migrate().await?;
         let table = config.qualified_table();
         sqlx::query(&format!(
             "INSERT INTO {table} (aggregatetype, aggregateid, type, payload)
@@ -577,12 +589,7 @@ mod tests {
         let taken = lock(&mut frozen, &store, &config.sql().lock, &mut seqs, 10).await?;
         let completed = store.complete(claim.token, &ids).await;
         frozen.rollback().await?;
-        sqlx::query(&format!(
-            "DROP TABLE IF EXISTS {table}, {}",
-            config.key_locks_table()
-        ))
-        .execute(store.pool())
-        .await?;
+        drop_tables(&store, &config).await?;
         assert!(taken.is_empty());
         completed?;
         Ok(())
