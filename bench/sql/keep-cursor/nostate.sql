@@ -1,0 +1,45 @@
+-- The full sketch: `state` in no index nor predicate, so completion (state, published_at, lease,
+-- last_error cleared) is a HOT update. Rows that failed, were released or are scheduled are "aside"
+-- (their own small indexes) and never hold the cursor back.
+CREATE OR REPLACE PROCEDURE exp.drain_nostate(batch int) LANGUAGE plpgsql AS $$
+DECLARE tok uuid; ids uuid[]; cur bigint; l bigint; v text[]; alive bool;
+BEGIN
+  LOOP
+    SELECT c.seq, c.pending_l, c.pending_v INTO cur, l, v FROM exp.cursor c;
+    tok := gen_random_uuid();
+    WITH win AS MATERIALIZED (
+           SELECT x.tid, x.seq FROM (
+             (SELECT w.ctid AS tid, w.seq FROM exp.t w WHERE w.seq >= cur AND w.state = 'pending'
+              ORDER BY w.seq LIMIT batch)
+             UNION ALL
+             (SELECT a.ctid, a.seq FROM exp.t a
+              WHERE (a.last_error IS NOT NULL OR a.available_at > a.created_at) AND a.seq < cur
+                AND a.state = 'pending' ORDER BY a.seq LIMIT batch)) x
+           ORDER BY x.seq LIMIT batch),
+         c AS (SELECT ctid FROM exp.t WHERE ctid = ANY(ARRAY(SELECT tid FROM win)) FOR UPDATE SKIP LOCKED),
+         u AS (UPDATE exp.t SET lease_token = tok, lease_until = now() + interval '30 s'
+               WHERE ctid = ANY(ARRAY(SELECT ctid FROM c)) RETURNING id)
+    SELECT array_agg(id) INTO ids FROM u;
+    COMMIT;
+    EXIT WHEN ids IS NULL;
+    UPDATE exp.t SET state = 'published', published_at = now(), lease_token = NULL,
+                     lease_until = NULL, last_error = NULL
+    WHERE id = ANY(ids) AND lease_token = tok AND state = 'pending';
+    COMMIT;
+    IF v IS NOT NULL THEN
+      SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'virtualxid' AND virtualxid = ANY(v)) INTO alive;
+    END IF;
+    IF v IS NULL OR NOT alive THEN
+      IF v IS NOT NULL THEN
+        SELECT coalesce(min(seq), l + 1) INTO cur FROM exp.t
+        WHERE seq >= cur AND seq <= l AND state = 'pending'
+          AND NOT (last_error IS NOT NULL OR available_at > created_at);
+      END IF;
+      UPDATE exp.cursor SET seq = cur,
+        pending_l = (SELECT last_value FROM exp.t_seq_seq),
+        pending_v = ARRAY(SELECT virtualxid FROM pg_locks WHERE locktype = 'virtualxid'
+                          AND pid <> pg_backend_pid());
+      COMMIT;
+    END IF;
+  END LOOP;
+END $$;
