@@ -4,8 +4,10 @@
 
 mod common;
 
-use common::{db, db_with, msg, Db};
-use outbox_traits::{Binary, Error, HeadPolicy, NewMessage, OutboxAdmin};
+use common::{db, db_with, ids, msg, Db};
+use outbox_traits::{
+    Binary, Error, FailAction, Failure, HeadPolicy, NewMessage, OutboxAdmin, OutboxStore,
+};
 use uuid::Uuid;
 
 /// The names of the binary columns the table has.
@@ -198,5 +200,63 @@ async fn a_new_table_refuses_sql_written_bytes_over_the_payload_limit() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("payload_bytes_size"), "{err}");
+    db.drop().await;
+}
+
+/// A row that got past the table's checks (written with them off, or before a check was added)
+/// is leased, extended, retried, released and published like any other row: the relay's own
+/// updates change no column a check reads, so they do not run the checks. MariaDB runs every
+/// check on every `UPDATE`, and with them on the first lease failed the whole claim, holding
+/// back the row written beside it too.
+#[tokio::test]
+async fn a_row_past_the_tables_checks_goes_through_every_transition() {
+    let Some(db) = db_with(|b| b.max_payload_bytes(16)).await else {
+        return;
+    };
+    let big = Uuid::now_v7();
+    sqlx::query(&format!(
+        "SET STATEMENT check_constraint_checks = 0 FOR
+         INSERT INTO {} (id, aggregatetype, aggregateid, type, payload)
+         VALUES (?, 'order', 'big', 'order.placed', JSON_OBJECT('pad', REPEAT('x', 64)))",
+        db.table()
+    ))
+    .bind(big.to_string())
+    .execute(db.pool())
+    .await
+    .unwrap();
+    db.enqueue(&[msg("small", "small")]).await;
+
+    let claim = db.claim(10, HeadPolicy::Block).await;
+    assert_eq!(claim.messages.len(), 2, "{claim:?}");
+    assert_eq!(claim.messages[0].id, big);
+    let small = claim.messages[1].id;
+    db.store
+        .extend(claim.token, std::time::Duration::from_secs(60))
+        .await
+        .unwrap();
+    db.store.complete(claim.token, &[small]).await.unwrap();
+    db.store
+        .fail(
+            claim.token,
+            &[Failure {
+                id: big,
+                error: "broker said no".into(),
+                action: FailAction::Retry {
+                    delay: std::time::Duration::ZERO,
+                },
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(db.state(big).await, "pending");
+
+    let again = db.claim(10, HeadPolicy::Block).await;
+    assert_eq!(ids(&again), [big]);
+    db.store.release(again.token, &[big]).await.unwrap();
+    let last = db.claim(10, HeadPolicy::Block).await;
+    assert_eq!(ids(&last), [big]);
+    db.store.complete(last.token, &[big]).await.unwrap();
+    assert_eq!(db.state(big).await, "published");
+    assert_eq!(db.state(small).await, "published");
     db.drop().await;
 }
