@@ -1,11 +1,12 @@
--- The full sketch: `state` in no index nor predicate, so completion (state, published_at, lease,
--- last_error cleared) is a HOT update. Rows that failed, were released or are scheduled are "aside"
--- (their own small indexes) and never hold the cursor back.
+-- The design (docs/keep-cursor.md): `state` in no index nor predicate, so completion (state,
+-- published_at, lease, last_error cleared) is a HOT update. Rows that failed, were released or
+-- are scheduled are "aside" (their own small indexes, made by loop.sh) and never hold the
+-- cursor back. Needs exp.settle from proto.sql.
 CREATE OR REPLACE PROCEDURE exp.drain_nostate(batch int) LANGUAGE plpgsql AS $$
-DECLARE tok uuid; ids uuid[]; cur bigint; l bigint; v text[]; alive bool;
+DECLARE tok uuid; ids uuid[]; cur bigint;
 BEGIN
   LOOP
-    SELECT c.seq, c.pending_l, c.pending_v INTO cur, l, v FROM exp.cursor c;
+    SELECT c.seq INTO cur FROM exp.cursor c;
     tok := gen_random_uuid();
     WITH win AS MATERIALIZED (
            SELECT x.tid, x.seq FROM (
@@ -26,20 +27,7 @@ BEGIN
                      lease_until = NULL, last_error = NULL
     WHERE id = ANY(ids) AND lease_token = tok AND state = 'pending';
     COMMIT;
-    IF v IS NOT NULL THEN
-      SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'virtualxid' AND virtualxid = ANY(v)) INTO alive;
-    END IF;
-    IF v IS NULL OR NOT alive THEN
-      IF v IS NOT NULL THEN
-        SELECT coalesce(min(seq), l + 1) INTO cur FROM exp.t
-        WHERE seq >= cur AND seq <= l AND state = 'pending'
-          AND NOT (last_error IS NOT NULL OR available_at > created_at);
-      END IF;
-      UPDATE exp.cursor SET seq = cur,
-        pending_l = (SELECT last_value FROM exp.t_seq_seq),
-        pending_v = ARRAY(SELECT virtualxid FROM pg_locks WHERE locktype = 'virtualxid'
-                          AND pid <> pg_backend_pid());
-      COMMIT;
-    END IF;
+    PERFORM exp.settle(true);
+    COMMIT;
   END LOOP;
 END $$;

@@ -1,7 +1,6 @@
 -- A table of the relay's shape (backend-postgres/src/sql.rs) with today's claim indexes, and the
 -- cursor's row (the settled seq, and the pending settle: the sequence's last value L and the
 -- virtual transaction ids alive when it was read).
-DROP SCHEMA IF EXISTS exp CASCADE;
 CREATE SCHEMA exp;
 CREATE TABLE exp.t (
     id uuid NOT NULL DEFAULT gen_random_uuid() PRIMARY KEY,
