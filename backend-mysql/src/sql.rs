@@ -139,7 +139,7 @@ const CLEAR_LEASE_UNALIASED: &str =
 /// with 2 KB ones (BENCHMARKS.md, "MariaDB's checks on the relay's updates"). It also made a
 /// row that got past the checks (written with them off, or from before a check was added) fail
 /// every claim that leased it, holding back every other row of that claim; now such a row is
-/// published like any other. The quarantine and requeue skipped the checks already.
+/// published like any other. The quarantine and the requeues use it too.
 const SKIP_CHECKS: &str = "SET STATEMENT check_constraint_checks = 0 FOR";
 
 /// A row holds no lease token, through alias `a`: `''`, or NULL as older relays wrote.
@@ -855,7 +855,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             // them (written with `check_constraint_checks` off) could not be dead-lettered.
             // Only state, error and lease change here, so the checks are skipped.
             quarantine: format!(
-                "SET STATEMENT check_constraint_checks = 0 FOR
+                "{SKIP_CHECKS}
                  UPDATE JSON_TABLE(?, '$[*]' COLUMNS (
                      seq BIGINT PATH '$.seq',
                      reason LONGTEXT PATH '$.reason')) j
@@ -948,7 +948,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             // quarantined one was checked to decode (`requeue_check`). With the checks on, a
             // row that got past them would fail here with the raw CONSTRAINT error.
             requeue: format!(
-                "SET STATEMENT check_constraint_checks = 0 FOR
+                "{SKIP_CHECKS}
                  UPDATE {ID_LIST} j
                  STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
                  SET m.state = 'pending', m.attempts = 0, m.available_at = UTC_TIMESTAMP(6),
@@ -962,7 +962,7 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
             ),
             // Checks skipped as for `quarantine`: a requeued row keeps its values.
             requeue_seqs: format!(
-                "SET STATEMENT check_constraint_checks = 0 FOR
+                "{SKIP_CHECKS}
                  UPDATE {SEQ_LIST} j
                  STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
                  SET m.state = 'pending', m.attempts = 0, m.available_at = UTC_TIMESTAMP(6),

@@ -229,6 +229,10 @@ async fn a_row_past_the_tables_checks_goes_through_every_transition() {
     let claim = db.claim(10, HeadPolicy::Block).await;
     assert_eq!(claim.messages.len(), 2, "{claim:?}");
     assert_eq!(claim.messages[0].id, big);
+    // Its payload comes through as written, over the limit.
+    let payload: serde_json::Value =
+        serde_json::from_str(claim.messages[0].payload.as_str()).unwrap();
+    assert_eq!(payload, serde_json::json!({ "pad": "x".repeat(64) }));
     let small = claim.messages[1].id;
     db.store
         .extend(claim.token, std::time::Duration::from_secs(60))
