@@ -13,12 +13,30 @@ use crate::env::services_required;
 /// How long a server may take to accept connections before its start counts as failed.
 pub const START_GUARD: Duration = Duration::from_secs(60);
 
-/// A free TCP port on 127.0.0.1.
+/// A free TCP port on 127.0.0.1, never one this process was given before.
+///
+/// The port is free when it is picked, but the listener that found it closes at once, so the
+/// next pick may find the same port before the server meant for the first one binds it. A test
+/// that starts a cluster picks a dozen ports in a row, and two such tests may start side by
+/// side: a repeated port makes one node fail to bind, and the cluster never forms. So each port
+/// is handed out once per process. (Another process may still take it: the server's start then
+/// fails with its log, see [`wait_port`].)
 pub fn free_port() -> Result<u16, String> {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| format!("no free port: {e}"))
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let mut given = GIVEN
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    for _ in 0..100 {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .map_err(|e| format!("no free port: {e}"))?;
+        if given.insert(port) {
+            return Ok(port);
+        }
+    }
+    Err("no free port: 100 picks in a row returned ports this process was already given".into())
 }
 
 /// Wait until `port` accepts connections, or fail with the server's log once `child` exits or

@@ -429,6 +429,23 @@ impl RedisCluster {
             }
         })
         .await
+        .map_err(|e| format!("{e}; the nodes' logs, last lines:\n{}", self.log_tails()).into())
+    }
+
+    /// The last lines of every node's log, one block per node: what a cluster that did not form
+    /// says about why.
+    fn log_tails(&self) -> String {
+        self.ports
+            .iter()
+            .map(|p| {
+                let text = std::fs::read_to_string(self.dir.path().join(format!("{p}.log")))
+                    .unwrap_or_else(|e| format!("(no log: {e})"));
+                let lines: Vec<&str> = text.lines().collect();
+                let tail = lines[lines.len().saturating_sub(8)..].join("\n");
+                format!("-- node {p}:\n{tail}")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// Every node as a seed list: `redis://127.0.0.1:P0,...,127.0.0.1:P5`.
