@@ -1,8 +1,8 @@
 //! The relay's side of the store ([`OutboxStore`]): the claim, and the dispatch of the fenced
 //! transitions to [`crate::lease`].
 //!
-//! The claim: one short transaction of at most eleven round trips (two more when it
-//! dead-letters undecodable rows), whatever the batch size.
+//! The claim: one short transaction of at most ten round trips (two more when it dead-letters
+//! undecodable rows), whatever the batch size.
 //!
 //! 1. `BEGIN` (READ COMMITTED).
 //! 2. The window: the `seq` of the `4 × limit`-th pending row (none when the backlog is
@@ -14,23 +14,23 @@
 //! shard, so the order check and the locks are unchanged, and claims of different shards never
 //! find each other's candidates locked.
 //! 3. Find up to `limit` claimable rows of the window in `seq` order with a plain read,
-//!    skipping keys whose first pending row is not claimable (and, under `Block`, rows behind a
-//!    dead one). One more row carries the lease end, computed once by the database clock.
+//!    skipping rows behind a pending row of their key that is not claimable (and, under
+//!    `Block`, rows behind a dead one); with their keys. One more row carries the lease end,
+//!    computed once by the database clock. Each key's candidates are then its first pending
+//!    rows in seq order, as that read saw them.
 //! 4. Lock those still claimable by primary key with `FOR UPDATE SKIP LOCKED`, reading every
 //!    column the relay needs.
-//! 5. Per-key order: for the keys of the candidates, one query finds each key's first pending
-//!    row that is not a candidate (and its first dead row under `Block`). A candidate is kept
-//!    only if it comes before both, so every earlier unpublished row of its key is in the
-//!    claim. This catches what steps 3 and 4 cannot see: rows skipped because a concurrent
-//!    claim or transition had them locked, and rows behind the key's first one that are
-//!    leased, not due or dead.
+//! 5. Per-key order, with no further read: a key's candidates are kept up to the first one the
+//!    lock did not return (locked by a concurrent claim or transition, or changed since step
+//!    3: leased, completed, failed). Every kept row's earlier pending rows of its key are then
+//!    in the claim, locked by it ([`keep_key_order`]).
 //! 6. Fewer than `limit` kept and the window full: look past it (three queries, see
 //!    `look_past`), locking claimable key heads and unordered messages.
 //! 7. Lease the kept rows, by `seq`, in one `UPDATE`.
 //! 8. `COMMIT`, which releases the locks of the rows that were not kept.
 //!
-//! The candidates stay locked from steps 4 and 6 to the commit, so the checks of step 5 and the
-//! lease of step 7 see them unchanged. Locking reads never wait (`SKIP LOCKED`), the other
+//! The candidates stay locked from steps 4 and 6 to the commit, so the lease of step 7 finds
+//! them as step 4 read them. Locking reads never wait (`SKIP LOCKED`), the other
 //! reads do not lock, and step 7 updates rows this transaction already holds, so a claim cannot
 //! be part of a deadlock cycle; if InnoDB reports one anyway, the claim runs again (a few
 //! times) before the transient error is returned.
@@ -42,7 +42,7 @@
 //! rows until the server ended its idle transaction. Through the primary key a rejected row is
 //! unlocked at once, so a claim holds only rows it is taking, which no one else leases.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use chrono::{DateTime, NaiveDateTime, Utc};
@@ -152,9 +152,9 @@ async fn try_claim(
     let sql = store.config().sql();
     let table = store.config().qualified_table();
     let err = store.err("claim");
-    let (candidates_sql, order_sql) = match head_policy {
-        HeadPolicy::Block => (&sql.candidates_block, &sql.order_block),
-        HeadPolicy::Skip => (&sql.candidates_skip, &sql.order_skip),
+    let candidates_sql = match head_policy {
+        HeadPolicy::Block => &sql.candidates_block,
+        HeadPolicy::Skip => &sql.candidates_skip,
     };
 
     // The window: how many rows of the backlog (leased ones included) a claim reads in seq
@@ -184,7 +184,9 @@ async fn try_claim(
         .await
         .map_err(&err)?;
     let mut lease_until = None;
+    // The candidates' seqs, and each one's key (none: an unordered message).
     let mut seqs = Vec::with_capacity(found.len());
+    let mut keys: Vec<(i64, Option<String>)> = Vec::with_capacity(found.len());
     for row in &found {
         let get = |name: &str| -> Result<Option<NaiveDateTime>, Error> {
             row.try_get(name).map_err(|e| decode_error(e, table))
@@ -192,10 +194,16 @@ async fn try_claim(
         // The extra row holds only the lease end; candidate rows have none.
         match get("lease_until")? {
             Some(until) => lease_until = Some(until),
-            None => seqs.push(
-                row.try_get::<i64, _>("seq")
-                    .map_err(|e| decode_error(e, table))?,
-            ),
+            None => {
+                let seq = row
+                    .try_get::<i64, _>("seq")
+                    .map_err(|e| decode_error(e, table))?;
+                let key = row
+                    .try_get_unchecked::<Option<String>, _>("partition_key")
+                    .map_err(|e| decode_error(e, table))?;
+                seqs.push(seq);
+                keys.push((seq, key));
+            }
         }
     }
     let rows = lock(&mut tx, store, &sql.lock, &mut seqs, limit).await?;
@@ -207,8 +215,9 @@ async fn try_claim(
             Err(poison) => poisoned.push(poison),
         }
     }
-    // Rows that cannot become messages are dead-lettered on their own before the order check,
-    // which then sees them as dead heads.
+    // Rows that cannot become messages are dead-lettered on their own. They were locked, so
+    // they leave no gap in their key's candidates: under `Block` their key's later rows are
+    // held back below (`held_back`), under `Skip` they go.
     quarantine(&mut tx, store, &poisoned).await?;
     let lease_until = lease_until
         .ok_or_else(|| Error::permanent(format!("claim on {table} returned no lease end"), None))?;
@@ -226,7 +235,7 @@ async fn try_claim(
         ));
     }
 
-    let mut chosen = keep_key_order(&mut tx, order_sql, candidates, table).await?;
+    let mut chosen = keep_key_order(&keys, candidates, &poisoned);
     let got = u64::try_from(chosen.len()).unwrap_or(u64::MAX);
     if let (true, Some(bound)) = (got < limit, bound) {
         let more = look_past(
@@ -430,63 +439,47 @@ async fn quarantine(
     Ok(())
 }
 
-/// The candidates that keep per-key order: unordered ones, and keyed ones that come before
-/// their key's first pending row that is not a candidate (and its first dead row, for `Block`).
-async fn keep_key_order(
-    tx: &mut Transaction<'static, MySql>,
-    order_sql: &str,
-    candidates: Vec<Message>,
-    table: &str,
-) -> Result<Vec<Message>, Error> {
-    // Each key's candidates, in seq order, keyed by the first one's seq.
-    let mut keys: HashMap<String, (i64, String)> = HashMap::new();
-    for m in &candidates {
-        if let Some(key) = &m.partition_key {
-            let (_, seqs) = keys
-                .entry(key.clone())
-                .or_insert_with(|| (m.seq, String::new()));
-            if !seqs.is_empty() {
-                seqs.push(',');
-            }
-            seqs.push_str(&m.seq.to_string());
+/// The locked candidates that keep per-key order: unordered ones, and each key's up to its first
+/// candidate that was not locked.
+///
+/// `keys` are the candidates (seq and key) as the plain read of step 3 found them, in seq order:
+/// each key's are its first pending rows, every earlier one claimable (see `candidates_*` in
+/// `sql.rs`). A candidate missing from `locked` and `poisoned` was locked by a concurrent claim
+/// or transition, or changed since that read (leased, completed or failed elsewhere): the key's
+/// later candidates then wait. So every earlier pending row of a kept row's key is in this
+/// claim, under its lock. A row of the key that no read saw (a writer's commit after the read,
+/// of a seq drawn before) is not waited for, as on every store: writers that want commit order
+/// to be seq order lock their keys (`lock_keys`).
+fn keep_key_order(
+    keys: &[(i64, Option<String>)],
+    mut locked: Vec<Message>,
+    poisoned: &[Poison],
+) -> Vec<Message> {
+    let present: HashSet<i64> = locked
+        .iter()
+        .map(|m| m.seq)
+        .chain(poisoned.iter().map(|p| p.seq))
+        .collect();
+    // Each key's first candidate that is not present: none of the key's rows from it on go.
+    let mut gap: HashMap<&str, i64> = HashMap::new();
+    let mut key_of: HashMap<i64, &str> = HashMap::with_capacity(keys.len());
+    for (seq, key) in keys {
+        let Some(key) = key.as_deref() else {
+            continue;
+        };
+        key_of.insert(*seq, key);
+        if !present.contains(seq) {
+            let first = gap.entry(key).or_insert(*seq);
+            *first = (*first).min(*seq);
         }
     }
-    if keys.is_empty() {
-        return Ok(candidates);
-    }
-    let list: Vec<&(i64, String)> = keys.values().collect();
-    let rows: Vec<MySqlRow> = sqlx::query(order_sql)
-        .bind(serde_json::to_string(&list).unwrap_or_default())
-        .fetch_all(&mut **tx)
-        .await
-        .map_err(|e| crate::error::map_sqlx(e, "claim", table))?;
-    // First candidate's seq -> the seq no candidate of that key may pass (None: no limit).
-    let mut blockers: HashMap<i64, Option<i64>> = HashMap::with_capacity(rows.len());
-    for row in &rows {
-        let get = |name: &str| -> Result<Option<i64>, Error> {
-            row.try_get(name).map_err(|e| decode_error(e, table))
-        };
-        let first = get("first_seq")?.unwrap_or_default();
-        let blocker = match (get("pending_blocker")?, get("dead_blocker")?) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        blockers.insert(first, blocker);
-    }
-    let mut kept = candidates;
-    kept.retain(|m| {
-        let Some(key) = m.partition_key.as_deref() else {
-            return true;
-        };
-        // A key missing from the answer is held back: safe, and cannot happen (its first
-        // candidate is locked by this transaction, so it exists).
-        match keys.get(key).and_then(|(first, _)| blockers.get(first)) {
-            Some(Some(blocker)) => m.seq < *blocker,
-            Some(None) => true,
-            None => false,
-        }
+    locked.retain(|m| match (&m.partition_key, key_of.get(&m.seq)) {
+        (None, _) => true,
+        (Some(_), Some(key)) => gap.get(key).is_none_or(|g| m.seq < *g),
+        // Every locked row is a candidate, so this cannot happen; held back, which is safe.
+        (Some(_), None) => false,
     });
-    Ok(kept)
+    locked
 }
 
 #[cfg(test)]
@@ -518,6 +511,54 @@ mod tests {
         ))
         .execute(store.pool())
         .await?;
+        Ok(())
+    }
+
+    /// A key's first pending row locked by another transaction (a relay's transition in
+    /// progress, or its claim) when a claim's locking read comes: the claim skips it, and
+    /// holds back the key's later rows, which it had found claimable; another key's row goes.
+    #[tokio::test]
+    async fn a_claim_holds_back_a_key_behind_its_row_locked_elsewhere() -> TestResult<()> {
+        let Some((store, config)) = migrated_store().await? else {
+            return Ok(());
+        };
+        let table = config.qualified_table();
+        sqlx::query(&format!(
+            "INSERT INTO {table} (aggregatetype, aggregateid, type, payload)
+             VALUES ('o', 'k', 't', '{{}}'), ('o', 'k', 't', '{{}}'), ('o', 'other', 't', '{{}}')"
+        ))
+        .execute(store.pool())
+        .await?;
+        let head: i64 = sqlx::query_scalar(&format!(
+            "SELECT MIN(seq) FROM {table} WHERE partition_key = 'k'"
+        ))
+        .fetch_one(store.pool())
+        .await?;
+        // Locked by primary key: that row alone.
+        let mut elsewhere = store.pool().begin_with(BEGIN).await?;
+        sqlx::query(&format!("SELECT seq FROM {table} WHERE seq = ? FOR UPDATE"))
+            .bind(head)
+            .fetch_one(&mut *elsewhere)
+            .await?;
+        let request = ClaimRequest {
+            limit: 10,
+            lease: Duration::from_secs(60),
+            head_policy: HeadPolicy::Block,
+            shard: None,
+        };
+        let claim = store.claim(&request).await;
+        elsewhere.rollback().await?;
+        let after = store.claim(&request).await;
+        drop_tables(&store, &config).await?;
+        let keys: Vec<Option<String>> = claim?
+            .messages
+            .into_iter()
+            .map(|m| m.partition_key)
+            .collect();
+        assert_eq!(keys, [Some("other".to_owned())]);
+        // Unlocked, the key's rows come in order.
+        let after: Vec<i64> = after?.messages.iter().map(|m| m.seq).collect();
+        assert_eq!(after, [head, head + 1]);
         Ok(())
     }
 

@@ -224,8 +224,8 @@ pub(crate) struct Sql {
     pub key_locks: String,
     /// `INSERT ... VALUES` up to (not including) the rows; see [`Sql::insert`].
     insert_head: String,
-    /// Claim candidates where dead messages block their key: their seqs, by a plain read (no
-    /// lock), and one more row with the lease end. Parameters: the window's bound, the shard
+    /// Claim candidates where dead messages block their key: their seqs and keys, by a plain
+    /// read (no lock), and one more row with the lease end. Parameters: the window's bound, the shard
     /// (see [`in_shard`]), the limit, the lease.
     pub candidates_block: String,
     /// Claim candidates where dead messages are ignored for ordering.
@@ -233,10 +233,6 @@ pub(crate) struct Sql {
     /// Lock the listed candidates (a JSON array of seqs, sorted) that are still claimable, by
     /// primary key, skipping locked rows, at most the given number; their message columns.
     pub lock: String,
-    /// Per-key order check where dead messages block their key.
-    pub order_block: String,
-    /// Per-key order check where dead messages are ignored.
-    pub order_skip: String,
     /// The claim's window: the seq of its last row (none when the backlog fits in it).
     pub past_bound: String,
     /// [`Sql::past_bound`] of a sharded claim: the window of its shard's rows (shard parameters
@@ -618,7 +614,7 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
                 String::new()
             };
             format!(
-                r#"(SELECT c.seq, NULL AS lease_until
+                r#"(SELECT c.seq, c.partition_key, NULL AS lease_until
  FROM {t} c FORCE INDEX (ix_claim)
  WHERE {claimable_c}
    -- The window: up to the last of the first rows of the backlog in seq order (leased ones
@@ -641,6 +637,10 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
    -- of a long backlog, for every candidate: the condition on seq cannot end its index
    -- lookup.) A candidate this statement's read view does not show yet reads as blocked: safe,
    -- and the next claim sees it.
+   -- So each key's candidates are its first pending rows in seq order, as this statement sees
+   -- them (every earlier pending row of a candidate's key is claimable and in the window, and
+   -- the LIMIT cuts only later seqs): the claim keeps a key's candidates up to the first one
+   -- it could not lock, with no further read (`keep_key_order` in `claim.rs`).
    AND (c.partition_key IS NULL OR (
             (c.seq = (
              SELECT f.seq FROM {t} f FORCE INDEX (ix_key)
@@ -659,7 +659,7 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
  )
 UNION ALL
 -- One more row, so that even an empty claim returns its lease end by the database clock.
-(SELECT NULL, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"#,
+(SELECT NULL, NULL, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"#,
                 claimable_c = claimable("c"),
                 claimable_h = claimable("h"),
                 in_shard_c = in_shard("c"),
@@ -707,8 +707,8 @@ UNION ALL
         // would hold the other relays' completions of them until the server ended it. Through
         // the primary key, a row the WHERE rejects is unlocked at once: a claim holds only the
         // rows it takes, which are claimable, so no one else's lease. Rows locked by a
-        // concurrent claim or transition are skipped; the order check then holds back the later
-        // rows of their keys. The list is sorted and the join keeps its order: the oldest rows
+        // concurrent claim or transition are skipped; the claim then holds back the later
+        // rows of their keys (`keep_key_order` in `claim.rs`). The list is sorted and the join keeps its order: the oldest rows
         // first, and the scan stops, and stops locking, at the number still wanted (an ORDER BY
         // would sort after locking every row).
         let lock = format!(
@@ -773,34 +773,6 @@ LIMIT ?"#,
             )
         };
 
-        let order = |dead_blocks: bool| -> String {
-            let dead = if dead_blocks {
-                format!(
-                    "(SELECT d.seq FROM {t} d FORCE INDEX (ix_key)
-          WHERE d.partition_key = c.partition_key AND d.state = 'dead'
-          ORDER BY d.seq LIMIT 1)"
-                )
-            } else {
-                "NULL".to_owned()
-            };
-            format!(
-                r#"-- For each key of the claim (given as its first candidate's seq and the list of its
--- candidates' seqs): the key's first pending row that is not a candidate, and under Block
--- its first dead row. A candidate may go only if it comes before both; then every earlier
--- unpublished row of its key is in the claim. Each probe reads the key's index entries in
--- seq order and stops at the first row that is not a candidate.
-SELECT j.first_seq,
-       (SELECT p.seq FROM {t} p FORCE INDEX (ix_key)
-        WHERE p.partition_key = c.partition_key AND p.state = 'pending'
-          AND FIND_IN_SET(p.seq, j.seqs) = 0
-        ORDER BY p.seq LIMIT 1) AS pending_blocker,
-       {dead} AS dead_blocker
-FROM JSON_TABLE(?, '$[*]' COLUMNS (first_seq BIGINT PATH '$[0]',
-                                   seqs LONGTEXT CHARACTER SET ascii PATH '$[1]')) j
-STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
-            )
-        };
-
         // Fenced transitions run in one transaction: find the listed rows still held (token,
         // pending, lease unexpired by the database clock) by a plain read, lock those by
         // primary key, checking the fence again, then update exactly those. Through the
@@ -833,8 +805,6 @@ STRAIGHT_JOIN {t} c FORCE INDEX (PRIMARY) ON c.seq = j.first_seq"#
         Self {
             candidates_block: candidates(true),
             candidates_skip: candidates(false),
-            order_block: order(true),
-            order_skip: order(false),
             past_bound,
             past_bound_sharded,
             past_keys,
