@@ -137,6 +137,15 @@ async fn claim(store: &MysqlStore, req: &ClaimRequest) -> Result<Claim, Error> {
         .await
         {
             Err(e) if is_deadlock(&e) && attempt < DEADLOCK_RETRIES => attempt += 1,
+            Ok(claim) => {
+                // Its transitions then lock the rows by seq at once (see `leased.rs`).
+                store.leased.remember(
+                    claim.token,
+                    claim.messages.iter().map(|m| (m.id, m.seq)),
+                    req.lease,
+                );
+                return Ok(claim);
+            }
             other => return other,
         }
     }

@@ -116,13 +116,27 @@ impl MysqlStore {
             return Ok(());
         }
         let list = id_list(ids);
+        // The rows' seqs when this handle's claim leased them all under this token.
+        let known: Option<Vec<Held>> = self.leased.recall(token, ids).map(|rows| {
+            rows.into_iter()
+                .map(|(id, seq)| Held {
+                    id: id.hyphenated().to_string(),
+                    seq,
+                })
+                .collect()
+        });
         let mut attempt = 0;
         let held = loop {
-            match self.try_transition(op, token, &list, update, &rows).await {
+            match self
+                .try_transition(op, token, &list, known.as_deref(), update, &rows)
+                .await
+            {
                 Err(e) if is_deadlock(&e) && attempt < DEADLOCK_RETRIES => attempt += 1,
                 other => break other?,
             }
         };
+        // Done with them (held or not): the next transition of these ids, if any, reads them.
+        self.leased.forget(token, ids);
         let held: HashSet<Uuid> = held
             .iter()
             .map(|row| crate::row::uuid(&row.id, self.config().qualified_table()))
@@ -130,11 +144,15 @@ impl MysqlStore {
         Error::unless_held(ids, &held)
     }
 
+    /// One attempt of [`MysqlStore::transition`]. `known`: the rows' seqs, when this handle
+    /// leased every one of them under `token` (see `leased.rs`); they are then locked by seq
+    /// at once, the fence checked on each, instead of first being read by id.
     async fn try_transition(
         &self,
         op: &str,
         token: LeaseToken,
         list: &str,
+        known: Option<&[Held]>,
         update: &str,
         rows: &impl Fn(&[Held]) -> Result<String, Error>,
     ) -> Result<Vec<Held>, Error> {
@@ -142,10 +160,16 @@ impl MysqlStore {
         let sql = self.config().sql();
         let token = token.0.hyphenated().to_string();
         let mut tx = self.pool().begin_with(BEGIN).await.map_err(&err)?;
-        // The rows still held, by a plain read; then locked by primary key (see `Sql::held`).
-        let wanted = self
-            .held_ids(&mut tx, &sql.held_unlocked, list, &token, op)
-            .await?;
+        // The rows still held, by a plain read (or as this handle leased them); then locked by
+        // primary key (see `Sql::held`). A known row no longer held fails the lock's fence and
+        // is told apart below, like one skipped.
+        let wanted = match known {
+            Some(known) => known.to_vec(),
+            None => {
+                self.held_ids(&mut tx, &sql.held_unlocked, list, &token, op)
+                    .await?
+            }
+        };
         let mut held = if wanted.is_empty() {
             Vec::new()
         } else {

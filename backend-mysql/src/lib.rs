@@ -11,6 +11,7 @@ mod enqueue;
 mod error;
 mod group;
 mod lease;
+mod leased;
 mod migrate;
 mod row;
 mod sql;

@@ -2,6 +2,7 @@
 //! shared [`SqlxStore`]); its trait impls are in `claim.rs` (relay side) and `admin.rs`.
 
 use std::fmt;
+use std::sync::Arc;
 
 use outbox_sql_support::SqlxStore;
 use outbox_traits::Error;
@@ -11,6 +12,7 @@ use sqlx::Executor;
 
 use crate::config::MysqlConfig;
 use crate::error::{map_sqlx, WHAT};
+use crate::leased::LeasedSeqs;
 use crate::migrate::migrate;
 use crate::sql::IDLE_TRANSACTION_SECS;
 
@@ -27,6 +29,9 @@ pub(crate) const DEADLOCK_RETRIES: usize = 3;
 #[derive(Clone)]
 pub struct MysqlStore {
     inner: SqlxStore<MySql, MysqlConfig>,
+    /// The seqs of the rows this handle's claims leased, for their transitions (see
+    /// [`LeasedSeqs`]); shared by clones.
+    pub(crate) leased: Arc<LeasedSeqs>,
 }
 
 impl fmt::Debug for MysqlStore {
@@ -41,6 +46,7 @@ impl MysqlStore {
     pub fn new(pool: MySqlPool, config: MysqlConfig) -> Self {
         Self {
             inner: SqlxStore::new(pool, config),
+            leased: Arc::default(),
         }
     }
 
@@ -67,6 +73,7 @@ impl MysqlStore {
         });
         Ok(Self {
             inner: SqlxStore::connect_with(url, WHAT, config, pool).await?,
+            leased: Arc::default(),
         })
     }
 
