@@ -341,9 +341,13 @@ store = "sqlite://{held}"
         Err::<(), BoxError>(format!("the drain ended before `free` was drained:\n{stderr}").into())
     };
     tokio::time::timeout(common::GUARD, drained).await??;
-    // While `held` waits: each outbox's metrics under its own label.
+    // While `held` waits: each outbox's metrics under its own label. The store gauges are
+    // sampled every `gauges_every`, so a scrape just after `free` drained can still show its
+    // sample from before (all 150 leased; seen once in 50 runs): wait for the first sample of
+    // both outboxes taken after that.
     let text = until_http(&metrics, "/metrics", "both outboxes' figures", |_, body| {
         by_outbox(body, "outbox_leased_messages").get("held") == Some(&(N as f64))
+            && by_outbox(body, "outbox_leased_messages").get("free") == Some(&0.0)
             && by_outbox(body, "outbox_store_up").len() == 2
     })
     .await?;
