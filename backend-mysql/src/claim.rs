@@ -523,6 +523,36 @@ mod tests {
         Ok(())
     }
 
+    /// Insert one message per key (the key is its aggregate id, hence its partition key).
+    async fn insert_keys(
+        store: &MysqlStore,
+        config: &MysqlConfig,
+        keys: &[&str],
+    ) -> TestResult<()> {
+        let rows: Vec<String> = keys
+            .iter()
+            .map(|k| format!("('o', '{k}', 't', '{{}}')"))
+            .collect();
+        sqlx::query(&format!(
+            "INSERT INTO {} (aggregatetype, aggregateid, type, payload) VALUES {}",
+            config.qualified_table(),
+            rows.join(", ")
+        ))
+        .execute(store.pool())
+        .await?;
+        Ok(())
+    }
+
+    /// The claim these tests make: up to 10 messages, a minute's lease, dead rows blocking.
+    fn request() -> ClaimRequest {
+        ClaimRequest {
+            limit: 10,
+            lease: Duration::from_secs(60),
+            head_policy: HeadPolicy::Block,
+            shard: None,
+        }
+    }
+
     /// A key's first pending row locked by another transaction (a relay's transition in
     /// progress, or its claim) when a claim's locking read comes: the claim skips it, and
     /// holds back the key's later rows, which it had found claimable; another key's row goes.
@@ -532,12 +562,7 @@ mod tests {
             return Ok(());
         };
         let table = config.qualified_table();
-        sqlx::query(&format!(
-            "INSERT INTO {table} (aggregatetype, aggregateid, type, payload)
-             VALUES ('o', 'k', 't', '{{}}'), ('o', 'k', 't', '{{}}'), ('o', 'other', 't', '{{}}')"
-        ))
-        .execute(store.pool())
-        .await?;
+        insert_keys(&store, &config, &["k", "k", "other"]).await?;
         let head: i64 = sqlx::query_scalar(&format!(
             "SELECT MIN(seq) FROM {table} WHERE partition_key = 'k'"
         ))
@@ -549,15 +574,9 @@ mod tests {
             .bind(head)
             .fetch_one(&mut *elsewhere)
             .await?;
-        let request = ClaimRequest {
-            limit: 10,
-            lease: Duration::from_secs(60),
-            head_policy: HeadPolicy::Block,
-            shard: None,
-        };
-        let claim = store.claim(&request).await;
+        let claim = store.claim(&request()).await;
         elsewhere.rollback().await?;
-        let after = store.claim(&request).await;
+        let after = store.claim(&request()).await;
         drop_tables(&store, &config).await?;
         let keys: Vec<Option<String>> = claim?
             .messages
@@ -585,12 +604,7 @@ mod tests {
         ))
         .execute(store.pool())
         .await?;
-        let request = ClaimRequest {
-            limit: 10,
-            lease: Duration::from_secs(60),
-            head_policy: HeadPolicy::Block,
-            shard: None,
-        };
+        let request = request();
         let claim = store.claim(&request).await?;
         let seqs: Vec<i64> = claim.messages.iter().map(|m| m.seq).collect();
         let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
@@ -614,22 +628,9 @@ mod tests {
         let Some((store, config)) = migrated_store().await? else {
             return Ok(());
         };
-        let table = config.qualified_table();
-        sqlx::query(&format!(
-            "INSERT INTO {table} (aggregatetype, aggregateid, type, payload)
-             VALUES ('o', 'k1', 't', '{{}}'), ('o', 'k2', 't', '{{}}'), ('o', 'k3', 't', '{{}}')"
-        ))
-        .execute(store.pool())
-        .await?;
+        insert_keys(&store, &config, &["k1", "k2", "k3"]).await?;
         // The other relay leases the three rows.
-        let claim = store
-            .claim(&ClaimRequest {
-                limit: 10,
-                lease: Duration::from_secs(60),
-                head_policy: HeadPolicy::Block,
-                shard: None,
-            })
-            .await?;
+        let claim = store.claim(&request()).await?;
         assert_eq!(claim.messages.len(), 3);
         let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
         // The frozen relay's claim read them as candidates before that lease; its locking read
