@@ -187,6 +187,9 @@ async fn try_claim(
         .bind(bound.unwrap_or(i64::MAX))
         .bind(shard.count)
         .bind(shard.index)
+        // Again for the probe of the key's earlier rows (see `candidates_*`).
+        .bind(shard.count)
+        .bind(shard.index)
         .bind(limit)
         .bind(lease_us)
         .fetch_all(&mut *tx)
@@ -587,6 +590,72 @@ mod tests {
         // Unlocked, the key's rows come in order.
         let after: Vec<i64> = after?.messages.iter().map(|m| m.seq).collect();
         assert_eq!(after, [head, head + 1]);
+        Ok(())
+    }
+
+    /// A key whose rows sit in two shards: a row the migration adding `key_hash` left without
+    /// one is in its seq's shard, its key's later rows in the key's. The later row's shard
+    /// hands out nothing of the key while the earlier row is pending; once the other shard's
+    /// claim took and completed it, the later row goes.
+    #[tokio::test]
+    async fn a_key_split_across_shards_waits_for_its_row_in_the_other_shard() -> TestResult<()> {
+        let Some((store, config)) = migrated_store().await? else {
+            return Ok(());
+        };
+        let table = config.qualified_table();
+        insert_keys(&store, &config, &["first"]).await?;
+        let first: i64 = sqlx::query_scalar(&format!("SELECT MAX(seq) FROM {table}"))
+            .fetch_one(store.pool())
+            .await?;
+        // A key whose hash puts it in the other shard of two than the first row's seq.
+        let mut key = String::new();
+        for n in 0..64 {
+            let candidate = format!("k{n}");
+            let hash: i64 = sqlx::query_scalar("SELECT CAST(CRC32(?) % 2 AS SIGNED)")
+                .bind(&candidate)
+                .fetch_one(store.pool())
+                .await?;
+            if hash != first % 2 {
+                key = candidate;
+                break;
+            }
+        }
+        assert!(!key.is_empty());
+        // The first row becomes the key's, without a hash (as the migration could leave it).
+        sqlx::query(&format!(
+            "UPDATE {table} SET partition_key = ?, key_hash = NULL WHERE seq = ?"
+        ))
+        .bind(&key)
+        .bind(first)
+        .execute(store.pool())
+        .await?;
+        insert_keys(&store, &config, &[key.as_str()]).await?;
+        let shard = |index: i64| ClaimRequest {
+            shard: Some(outbox_traits::ClaimShard {
+                count: 2,
+                index: u32::try_from(index).unwrap_or(0),
+            }),
+            ..request()
+        };
+        let later_shard = 1 - first % 2;
+        let early = store.claim(&shard(later_shard)).await;
+        let other = store.claim(&shard(first % 2)).await;
+        let completed = match &other {
+            Ok(claim) => {
+                let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
+                store.complete(claim.token, &ids).await
+            }
+            Err(_) => Ok(()),
+        };
+        let late = store.claim(&shard(later_shard)).await;
+        drop_tables(&store, &config).await?;
+        let seqs = |claim: Result<Claim, Error>| -> TestResult<Vec<i64>> {
+            Ok(claim?.messages.iter().map(|m| m.seq).collect())
+        };
+        assert_eq!(seqs(early)?, Vec::<i64>::new());
+        assert_eq!(seqs(other)?, [first]);
+        completed?;
+        assert_eq!(seqs(late)?.len(), 1);
         Ok(())
     }
 

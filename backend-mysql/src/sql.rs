@@ -225,8 +225,8 @@ pub(crate) struct Sql {
     /// `INSERT ... VALUES` up to (not including) the rows; see [`Sql::insert`].
     insert_head: String,
     /// Claim candidates where dead messages block their key: their seqs and keys, by a plain
-    /// read (no lock), and one more row with the lease end. Parameters: the window's bound, the shard
-    /// (see [`in_shard`]), the limit, the lease.
+    /// read (no lock), and one more row with the lease end. Parameters: the window's bound, the
+    /// shard twice (see [`in_shard`]), the limit, the lease.
     pub candidates_block: String,
     /// Claim candidates where dead messages are ignored for ordering.
     pub candidates_skip: String,
@@ -637,10 +637,13 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
    -- of a long backlog, for every candidate: the condition on seq cannot end its index
    -- lookup.) A candidate this statement's read view does not show yet reads as blocked: safe,
    -- and the next claim sees it.
+   -- An earlier row of the key in another shard blocks it too: a keyed row that the migration
+   -- adding `key_hash` left without one is in its seq's shard, not always its key's, and this
+   -- claim cannot take it (the shard parameters appear a second time for this).
    -- So each key's candidates are its first pending rows in seq order, as this statement sees
-   -- them (every earlier pending row of a candidate's key is claimable and in the window, and
-   -- the LIMIT cuts only later seqs): the claim keeps a key's candidates up to the first one
-   -- it could not lock, with no further read (`keep_key_order` in `claim.rs`).
+   -- them (every earlier pending row of a candidate's key is claimable, in the shard and in the
+   -- window, and the LIMIT cuts only later seqs): the claim keeps a key's candidates up to the
+   -- first one it could not lock, with no further read (`keep_key_order` in `claim.rs`).
    AND (c.partition_key IS NULL OR (
             (c.seq = (
              SELECT f.seq FROM {t} f FORCE INDEX (ix_key)
@@ -649,7 +652,7 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
             OR c.seq = (
              SELECT h.seq FROM {t} h FORCE INDEX (ix_key)
              WHERE h.partition_key = c.partition_key AND h.state = 'pending'
-               AND (h.seq >= c.seq OR NOT ({claimable_h}))
+               AND (h.seq >= c.seq OR NOT ({claimable_h}) OR NOT ({in_shard_h}))
              ORDER BY h.seq LIMIT 1)){no_dead_before}))
  ORDER BY c.seq
  LIMIT ?
@@ -663,6 +666,7 @@ UNION ALL
                 claimable_c = claimable("c"),
                 claimable_h = claimable("h"),
                 in_shard_c = in_shard("c"),
+                in_shard_h = in_shard("h"),
             )
         };
 
