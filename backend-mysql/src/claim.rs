@@ -11,7 +11,7 @@
 //! A sharded claim ([`ClaimShard`]) does the same over its shard's rows only: the window, the
 //! candidates and the look past read only rows whose key's `CRC32` (an unordered row's seq)
 //! modulo the shard count is its index (`in_shard` in `sql.rs`). Every row of a key is in one
-//! shard, so the order check and the locks are unchanged, and claims of different shards never
+//! shard, so per-key order and the locks are unchanged, and claims of different shards never
 //! find each other's candidates locked.
 //! 3. Find up to `limit` claimable rows of the window in `seq` order with a plain read,
 //!    skipping rows behind a pending row of their key that is not claimable (and, under
@@ -481,8 +481,8 @@ fn keep_key_order(
         };
         key_of.insert(*seq, key);
         if !present.contains(seq) {
-            let first = gap.entry(key).or_insert(*seq);
-            *first = (*first).min(*seq);
+            // `keys` is in seq order: the first one found is the key's lowest.
+            gap.entry(key).or_insert(*seq);
         }
     }
     locked.retain(|m| match (&m.partition_key, key_of.get(&m.seq)) {
@@ -656,6 +656,42 @@ mod tests {
         assert_eq!(seqs(other)?, [first]);
         completed?;
         assert_eq!(seqs(late)?.len(), 1);
+        Ok(())
+    }
+
+    /// A handle's transitions of the rows its claims leased go by the seqs it remembered,
+    /// without reading the rows by id: here the id index they would read is gone, and the
+    /// completion and the release still go through. Each forgets its rows.
+    #[tokio::test]
+    async fn transitions_of_a_handle_s_own_claim_read_no_row_by_id() -> TestResult<()> {
+        let Some((store, config)) = migrated_store().await? else {
+            return Ok(());
+        };
+        let table = config.qualified_table();
+        insert_keys(&store, &config, &["a", "b", "c"]).await?;
+        let claim = store.claim(&request()).await?;
+        let remembered = store.leased.len();
+        sqlx::query(&format!(
+            "ALTER TABLE {table} DROP INDEX {}",
+            crate::sql::ID_INDEX
+        ))
+        .execute(store.pool())
+        .await?;
+        let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
+        let completed = store.complete(claim.token, &ids[..2]).await;
+        let released = store.release(claim.token, &ids[2..]).await;
+        let states: Vec<String> = sqlx::query_scalar(&format!(
+            "SELECT CAST(state AS CHAR) FROM {table} ORDER BY seq"
+        ))
+        .fetch_all(store.pool())
+        .await?;
+        let left = store.leased.len();
+        drop_tables(&store, &config).await?;
+        assert_eq!(remembered, 3);
+        completed?;
+        released?;
+        assert_eq!(states, ["published", "published", "pending"]);
+        assert_eq!(left, 0);
         Ok(())
     }
 

@@ -622,7 +622,8 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
    -- reads a bounded stretch however long a blocked backlog is; when it comes back short from
    -- a full window, the look-past statements take the heads past it.
    AND c.seq <= ?
-   -- Only the claim's shard (every row of a key is in one, so the probes below need no shard).
+   -- Only the claim's shard (every row of a key is in one, except a keyed row that the
+   -- `key_hash` migration left without one: the second probe below accounts for it).
    AND {in_shard_c}
    -- Skip rows behind an earlier pending row of their key that is not claimable (leased to
    -- another relay, waiting for a retry, not yet due; anywhere in the key's backlog, not
