@@ -191,6 +191,12 @@ struct ClaimPlan {
     past: String,
     quarantine: String,
     release: String,
+    /// The claim transaction's `BEGIN` (see [`claim_begin`]); with cursor claims it also moves
+    /// the shard's cursor (`settle`).
+    begin: std::borrow::Cow<'static, str>,
+    /// Whether the table has the cursor layout: the claim's row then carries the cursor it
+    /// read, which the look-past statement takes.
+    cursor: bool,
 }
 
 impl ClaimPlan {
@@ -221,6 +227,18 @@ impl ClaimPlan {
             past: past.clone(),
             quarantine: all.quarantine.clone(),
             release: all.release.clone(),
+            begin: match &all.cursor {
+                None => claim_begin().into(),
+                // Its own statement, before the claim's: the claim's snapshot then sees the
+                // cursor it moved. The shard numbers are integers, so they go in as text.
+                Some(names) => format!(
+                    "{}; SELECT {}({shards}, {shard})",
+                    claim_begin(),
+                    names.settle
+                )
+                .into(),
+            },
+            cursor: all.cursor.is_some(),
         })
     }
 
@@ -276,7 +294,7 @@ async fn try_claim(
     plan: ClaimPlan,
 ) -> Result<(Option<DateTime<Utc>>, Vec<Message>), Error> {
     let err = plan.err();
-    let mut tx: ClaimTx = pool.begin_with(claim_begin()).await.map_err(&err)?;
+    let mut tx: ClaimTx = pool.begin_with(plan.begin.clone()).await.map_err(&err)?;
     let mut rows: Vec<PgRow> = claim_statement(
         &plan.sql,
         plan.limit,
@@ -345,13 +363,19 @@ async fn look_past(
         return Ok(Vec::new());
     };
     let rest = i64::try_from(plan.max - got).unwrap_or(i64::MAX);
-    claim_statement(&plan.past, rest, plan.token, plan.lease_us, plan.window)
+    let mut past = claim_statement(&plan.past, rest, plan.token, plan.lease_us, plan.window)
         .bind(window_end)
         .bind(plan.shards)
-        .bind(plan.shard)
-        .fetch_all(&mut **tx)
-        .await
-        .map_err(err)
+        .bind(plan.shard);
+    if plan.cursor {
+        // The cursor the claim read (a cursor stays right for every later snapshot).
+        let cursor = match rows.first() {
+            Some(row) => row.try_get::<i64, _>("cursor_seq").map_err(&err)?,
+            None => 0,
+        };
+        past = past.bind(cursor);
+    }
+    past.fetch_all(&mut **tx).await.map_err(err)
 }
 
 /// The claimed rows as messages, and the [`Poison`]s of those that do not decode.

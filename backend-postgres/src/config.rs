@@ -37,6 +37,7 @@ struct Inner {
     notify: bool,
     lock_keys: bool,
     partition_interval: Option<Duration>,
+    cursor_claims: bool,
     common: TableSettings,
     sql: Sql,
 }
@@ -114,6 +115,12 @@ impl PostgresConfig {
             .map(|p| p.premake_function.as_str())
     }
 
+    /// Whether claims start from a per-shard cursor, with a table laid out for it. See
+    /// [`PostgresConfigBuilder::cursor_claims`].
+    pub fn cursor_claims(&self) -> bool {
+        self.inner.cursor_claims
+    }
+
     pub(crate) fn sql(&self) -> &Sql {
         &self.inner.sql
     }
@@ -158,6 +165,7 @@ impl PostgresConfig {
             b.lock_keys,
             b.common.delete_published,
             b.partition_interval.map(|i| i.as_secs()),
+            b.cursor_claims,
         );
         Self {
             inner: Arc::new(Inner {
@@ -165,6 +173,7 @@ impl PostgresConfig {
                 notify: b.notify,
                 lock_keys: b.lock_keys,
                 partition_interval: b.partition_interval,
+                cursor_claims: b.cursor_claims,
                 common: b.common,
                 sql,
             }),
@@ -182,6 +191,7 @@ impl fmt::Debug for PostgresConfig {
             .field("lock_keys", &self.inner.lock_keys)
             .field("delete_published", &self.inner.common.delete_published)
             .field("partition_interval", &self.inner.partition_interval)
+            .field("cursor_claims", &self.inner.cursor_claims)
             .finish()
     }
 }
@@ -193,6 +203,7 @@ pub struct PostgresConfigBuilder {
     notify: bool,
     lock_keys: bool,
     partition_interval: Option<Duration>,
+    cursor_claims: bool,
     common: TableSettings,
 }
 
@@ -203,6 +214,7 @@ impl Default for PostgresConfigBuilder {
             notify: true,
             lock_keys: false,
             partition_interval: None,
+            cursor_claims: false,
             common: TableSettings::default(),
         }
     }
@@ -275,12 +287,36 @@ impl PostgresConfigBuilder {
         self
     }
 
+    /// Lay a new table out for cursor claims (default off; `docs/keep-cursor.md`).
+    ///
+    /// Published rows kept (the default) are then marked published by a HOT update, which
+    /// writes no index entry: `state` is in no index. Claims start from a per-shard cursor,
+    /// below which every row is published, set aside (failed, released, requeued, dead or
+    /// scheduled: small indexes of their own) or rolled back, and which moves only over seqs
+    /// whose writers have all ended. A transaction that holds a write lock on the table for a
+    /// long time stops the cursor (claims go on, reading from where it stopped).
+    ///
+    /// The setting is the table's: the migration lays a new table out this way, and the store
+    /// refuses a table of the other layout (a migration never converts one). Not with
+    /// [`partition_interval`](Self::partition_interval). The relay's role needs `SELECT` on the
+    /// table's identity sequence and may read `pg_locks` (every role may).
+    pub fn cursor_claims(mut self, on: bool) -> Self {
+        self.cursor_claims = on;
+        self
+    }
+
     /// Validate the names and limits and build every SQL statement.
     pub fn build(self) -> Result<PostgresConfig, Error> {
         validate_sql_identifier("schema name", &self.schema)?;
         self.common.validate()?;
         if let Some(interval) = self.partition_interval {
             validate_partition_interval(interval)?;
+            if self.cursor_claims {
+                return Err(Error::invalid_input(
+                    "cursor_claims and partition_interval cannot be combined: cursor claims \
+                     need a plain table",
+                ));
+            }
         }
         Ok(self.into_config())
     }

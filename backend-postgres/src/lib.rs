@@ -4,6 +4,7 @@
 mod admin;
 mod claim;
 mod config;
+mod cursor;
 #[cfg(feature = "diesel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "diesel")))]
 pub mod diesel;

@@ -389,11 +389,19 @@ SELECT {premake_function}({PARTITIONS_AHEAD});
 async fn table_is_partitioned(
     conn: &mut sqlx::PgConnection,
     config: &PostgresConfig,
-) -> Result<Option<bool>, sqlx::Error> {
-    sqlx::query_scalar("SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass($1)")
-        .bind(config.qualified_table())
-        .fetch_optional(conn)
-        .await
+) -> Result<Option<(bool, bool)>, sqlx::Error> {
+    // Whether it is partitioned, and whether it is laid out for cursor claims (it has their
+    // plain seq index): one catalog query.
+    sqlx::query_as(
+        "SELECT t.relkind = 'p',
+                EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                        WHERE i.indrelid = t.oid AND c.relname = $2)
+         FROM pg_class t WHERE t.oid = to_regclass($1)",
+    )
+    .bind(config.qualified_table())
+    .bind(crate::cursor::seq_index_name(config.table()))
+    .fetch_optional(conn)
+    .await
 }
 
 /// The typed error of a table whose shape is not the configuration's, or whether the table
@@ -403,9 +411,10 @@ pub(crate) async fn check_shape(
     config: &PostgresConfig,
 ) -> Result<bool, Error> {
     let table = config.qualified_table();
-    let partitioned = table_is_partitioned(conn, config)
+    let found = table_is_partitioned(conn, config)
         .await
         .map_err(|e| map_sqlx(e, "check the table's shape", table))?;
+    let partitioned = found.map(|(partitioned, _)| partitioned);
     match (partitioned, config.partition_interval()) {
         (Some(false), Some(interval)) => Err(Error::invalid_input(format!(
             "the outbox table {table} is a plain table, but the configuration asks for a \
@@ -420,6 +429,11 @@ pub(crate) async fn check_shape(
              `?partition_interval=1d` in the store URL): the plain table's statements address \
              rows in a way that is wrong across partitions"
         ))),
+        (Some(false), None) => {
+            let laid_for_cursor = found.is_some_and(|(_, cursor)| cursor);
+            crate::cursor::check_layout(config, laid_for_cursor)?;
+            Ok(true)
+        }
         (exists, _) => Ok(exists.is_some()),
     }
 }
@@ -630,8 +644,8 @@ mod tests {
     #[test]
     fn every_rewrite_matches_once_and_the_plain_table_keeps_its_statements() {
         // `rewrite` asserts (debug builds) that each rewrite matched exactly once.
-        let plain = Sql::build("s", "t", true, false, false, None);
-        let parted = Sql::build("s", "t", true, false, false, Some(3600));
+        let plain = Sql::build("s", "t", true, false, false, None, false);
+        let parted = Sql::build("s", "t", true, false, false, Some(3600), false);
         for (a, b) in [
             (&plain.claim_block, &parted.claim_block),
             (&plain.claim_skip, &parted.claim_skip),
@@ -695,7 +709,7 @@ mod tests {
         let leased = format!("SELECT count(*) FROM {table} WHERE lease_token IS NOT NULL");
 
         // Control: the plain table's claim statement leases both rows for a limit of one.
-        let plain = Sql::build(&schema, "outbox", true, false, false, None);
+        let plain = Sql::build(&schema, "outbox", true, false, false, None, false);
         let mut tx = store.pool().begin().await?;
         sqlx::query(&plain.claim_skip)
             .bind(1_i64)
@@ -741,7 +755,7 @@ mod tests {
         let long = "t".repeat(63);
         let name = derived_name(&long, START_EXAMPLE);
         assert!(name.len() <= 63 && name.ends_with(START_EXAMPLE), "{name}");
-        let sql = Sql::build("s", &long, true, false, false, Some(60));
+        let sql = Sql::build("s", &long, true, false, false, Some(60), false);
         let prefix = &name[..name.len() - (START_EXAMPLE.len() - 1)];
         assert!(sql.migrate.contains(&format!("part := '{prefix}' ||")));
     }

@@ -17,6 +17,14 @@ use outbox_sql_support::names::{fnv1a, MAX_IDENT};
 /// claims, extends, releases and retries on the row's own page, which HOT updates need.
 pub(crate) const FILLFACTOR: u32 = 50;
 
+/// [`FILLFACTOR`] of a table laid out for cursor claims (`crate::cursor`): there the completion
+/// is a HOT update too, and a row's three versions (written, leased, published) fit on its page
+/// without waiting for the first to be pruned. At 50, about a fifth of the completions of a
+/// 100,000-message drain found no room (a concurrent claim's snapshot still needed the old
+/// version) and wrote index entries; at 33, none did, and the table came out about as large
+/// (`BENCHMARKS.md`).
+pub(crate) const CURSOR_FILLFACTOR: u32 = 33;
+
 /// The longest a fenced transition (complete, fail, release, extend) or a claim waits for a row
 /// lock another transaction holds, as Postgres's `lock_timeout`; past it the statement fails
 /// with `lock_not_available` (SQLSTATE 55P03), a transient error the relay retries.
@@ -105,6 +113,8 @@ pub(crate) struct Sql {
     pub counts: String,
     /// The statements of a partitioned table (`partition_interval`), `None` for a plain one.
     pub partitioned: Option<crate::partition::PartitionSql>,
+    /// The cursor layout's names (`cursor_claims`), `None` for the partial-index layout.
+    pub cursor: Option<crate::cursor::CursorNames>,
 }
 
 fn channel_name(schema: &str, table: &str) -> String {
@@ -334,8 +344,10 @@ impl Sql {
         lock_keys: bool,
         delete_published: bool,
         partition_interval_s: Option<u64>,
+        cursor_claims: bool,
     ) -> Self {
         let t = format!("\"{schema}\".\"{table}\"");
+        let cursor = cursor_claims.then(|| crate::cursor::CursorNames::new(schema, table));
         let claim_idx = derived_name(table, "claim_idx");
         let key_idx = derived_name(table, "key_idx");
         let dead_idx = derived_name(table, "dead_idx");
@@ -417,7 +429,7 @@ CREATE TABLE IF NOT EXISTS {t} (
 )
 -- Spare space on every page, so that the new row version written by a claim, extend, release
 -- or retry fits on the row's own page: a HOT update, with no index writes.
-WITH (fillfactor = {FILLFACTOR});
+WITH (fillfactor = {fillfactor});
 
 -- Dedup keys are unique. A partial index, not a UNIQUE constraint: most messages have no dedup
 -- key, and a constraint would index their NULLs too, costing every claim and complete (each
@@ -425,7 +437,14 @@ WITH (fillfactor = {FILLFACTOR});
 CREATE UNIQUE INDEX IF NOT EXISTS "{dedup_constraint}" ON {t} (dedup_key)
     WHERE dedup_key IS NOT NULL;
 
--- Claim scan: unpublished rows (leased or not) in seq order; stays small however much history
+{indexes}
+{contract}"#,
+            indexes = match &cursor {
+                Some(names) => {
+                    crate::cursor::ddl(table, &t, names, &shard_predicate("r", 1, 2))
+                }
+                None => format!(
+                    r#"-- Claim scan: unpublished rows (leased or not) in seq order; stays small however much history
 -- is kept.
 CREATE INDEX IF NOT EXISTS "{claim_idx}" ON {t} (seq)
     WHERE state = 'pending';
@@ -440,9 +459,15 @@ CREATE INDEX IF NOT EXISTS "{dead_idx}" ON {t} (seq)
 
 -- Purge of published rows, oldest first.
 CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
-    WHERE state = 'published';
-{contract}"#,
+    WHERE state = 'published';"#
+                ),
+            },
             state_check = derived_name(table, "state_check"),
+            fillfactor = if cursor.is_some() {
+                CURSOR_FILLFACTOR
+            } else {
+                FILLFACTOR
+            },
             headers_check = derived_name(table, "headers_check"),
             contract = sql_contract(schema, table, &t),
         ) + &wakeups_and_key_locks(
@@ -490,28 +515,92 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
             // Under Block a dead row holds back every later row of its key. Dead rows are not
             // in the window: one probe per candidate of the per-key index, run only when the
             // table holds a dead row at all (a one-time check of the dead-letter index).
+            // In the cursor layout a dead row has a `last_error` (a CHECK), which puts it in the
+            // small index of failed rows by key.
+            let failed = |alias: &str| {
+                if cursor.is_some() {
+                    format!("{alias}.last_error IS NOT NULL AND ")
+                } else {
+                    String::new()
+                }
+            };
             let dead_before = if dead_blocks {
                 format!(
                     "
-           AND (NOT (SELECT EXISTS (SELECT 1 FROM {t} x WHERE x.state = 'dead'))
+           AND (NOT (SELECT EXISTS (SELECT 1 FROM {t} x WHERE {failed_x}x.state = 'dead'))
                 OR NOT EXISTS (
                     SELECT 1 FROM {t} d
-                    WHERE d.partition_key = c.partition_key AND d.state = 'dead'
-                      AND d.seq < c.seq))"
+                    WHERE d.partition_key = c.partition_key AND {failed_d}d.state = 'dead'
+                      AND d.seq < c.seq))",
+                    failed_x = failed("x"),
+                    failed_d = failed("d"),
                 )
             } else {
                 String::new()
             };
+            let claimable = |alias: &str| {
+                format!(
+                    "{alias}.available_at <= now() \
+                     AND ({alias}.lease_until IS NULL OR {alias}.lease_until <= now())"
+                )
+            };
+            // The window: the shard's first $4 unpublished rows in seq order.
+            let (win, cursor_seq) = match &cursor {
+                None => (
+                    format!(
+                        "SELECT w.ctid AS tid, w.id, w.seq, w.partition_key,
+           {claimable_w} AS claimable
+    FROM {t} w WHERE w.state = 'pending' AND {shard_w} ORDER BY w.seq LIMIT $4",
+                        claimable_w = claimable("w"),
+                        shard_w = shard_predicate("w", 5, 6),
+                    ),
+                    "",
+                ),
+                // From the shard's cursor (every row of the shard below it is published, aside or
+                // rolled back, for good, as this statement's snapshot sees it: the claim's
+                // `BEGIN` moved it in this transaction), and the pending rows aside below it.
+                Some(_) => (
+                    format!(
+                        "SELECT x.* FROM (
+        (SELECT w.ctid AS tid, w.id, w.seq, w.partition_key, {claimable_w} AS claimable
+         FROM {t} w
+         WHERE w.seq >= (SELECT seq FROM cur) AND w.state = 'pending' AND {shard_w}
+         ORDER BY w.seq LIMIT $4)
+        UNION ALL
+        (SELECT a.ctid, a.id, a.seq, a.partition_key, {claimable_a}
+         FROM {t} a
+         WHERE {aside_a} AND a.seq < (SELECT seq FROM cur) AND a.state = 'pending'
+           AND {shard_a}
+         ORDER BY a.seq LIMIT $4)
+    ) x ORDER BY x.seq LIMIT $4",
+                        claimable_w = claimable("w"),
+                        claimable_a = claimable("a"),
+                        aside_a = crate::cursor::aside("a"),
+                        shard_w = shard_predicate("w", 5, 6),
+                        shard_a = shard_predicate("a", 5, 6),
+                    ),
+                    ", (SELECT seq FROM cur) AS cursor_seq",
+                ),
+            };
+            let cur = match &cursor {
+                None => String::new(),
+                Some(names) => format!(
+                    "cur AS MATERIALIZED (
+    -- The shard's cursor, as this statement's snapshot sees it.
+    SELECT COALESCE((SELECT c.below FROM {cursors} c WHERE c.shards = $5 AND c.shard = $6), 0)
+        AS seq
+),
+",
+                    cursors = names.cursors
+                ),
+            };
             format!(
-                r#"WITH win AS MATERIALIZED (
+                r#"WITH {cur}win AS MATERIALIZED (
     -- The window: the first $4 unpublished rows in seq order (leased or not). A claim reads
     -- at most these, however long a blocked key's backlog is; when it comes back short, the
     -- window's end tells `claim_past` where to look past it. Not locked here: only the chosen
     -- candidates are, below.
-    SELECT w.ctid AS tid, w.id, w.seq, w.partition_key,
-           w.available_at <= now() AND (w.lease_until IS NULL OR w.lease_until <= now())
-               AS claimable
-    FROM {t} w WHERE w.state = 'pending' AND {shard_w} ORDER BY w.seq LIMIT $4
+    {win}
 ),
 cand AS MATERIALIZED (
     SELECT c.tid, c.id, c.seq, c.partition_key, c.key_rank
@@ -577,14 +666,13 @@ upd AS (
 -- the window's end: when the claim came back short, the seq of the window's last row if the
 -- window was full (NULL if it held every unpublished row, as on an idle relay's polls, which
 -- then need no second statement). `claim_past` looks past that seq.
-SELECT l.lease_until, l.window_end, upd.*
+SELECT l.*, upd.*
 FROM (SELECT now() + $3::bigint * interval '1 microsecond' AS lease_until,
              CASE WHEN (SELECT count(*) FROM upd) < $1 THEN (
                  SELECT max(w.seq) FROM win w HAVING count(*) >= $4
-             ) END AS window_end) l
+             ) END AS window_end{cursor_seq}) l
 LEFT JOIN upd ON true
 ORDER BY upd.seq"#,
-                shard_w = shard_predicate("w", 5, 6),
             )
         };
 
@@ -691,6 +779,121 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#,
             )
         };
 
+        // `claim_past` in the cursor layout: as `claim_past`, with every read of unpublished
+        // rows split in two, from the cursor up in the plain indexes and aside below it. The
+        // loose scan of keys walks the plain per-key index, which holds every kept row: each
+        // step is one descent to the next key, but keys whose rows are all published count
+        // too, so a table with more than $4 keys in its kept history takes the many-keys path.
+        // `$8` is the cursor the claim read (a cursor stays right for every later snapshot).
+        let claim_past_cursor = |dead_blocks: bool| -> String {
+            let ordered_states = ordered_states(dead_blocks);
+            let claimable = |alias: &str| {
+                format!(
+                    "{alias}.state = 'pending' AND {alias}.available_at <= now() \
+                     AND ({alias}.lease_until IS NULL OR {alias}.lease_until <= now())"
+                )
+            };
+            // The first row in `ordered_states` of key `key`: its seq, and whether it is
+            // claimable.
+            let head = |key: &str| {
+                format!(
+                    "SELECT hh.tid, hh.seq, hh.claimable FROM (
+                 (SELECT h.ctid AS tid, h.seq, {claimable_h} AS claimable FROM {t} h
+                  WHERE h.partition_key = {key} AND h.seq >= $8::bigint
+                    AND h.state IN {ordered_states}
+                  ORDER BY h.seq LIMIT 1)
+                 UNION ALL
+                 (SELECT h.ctid, h.seq, {claimable_h} FROM {t} h
+                  WHERE h.partition_key = {key} AND {aside_h} AND h.seq < $8::bigint
+                    AND h.state IN {ordered_states}
+                  ORDER BY h.seq LIMIT 1)
+             ) hh ORDER BY hh.seq LIMIT 1",
+                    claimable_h = claimable("h"),
+                    aside_h = crate::cursor::aside("h"),
+                )
+            };
+            // Rows `c` past the window, pending and due, in `range`, with `extra` conditions.
+            let past = |range: &str, extra: &str| {
+                format!(
+                    "(SELECT c.ctid AS tid, c.seq
+         FROM {t} c
+         LEFT JOIN LATERAL ({head_c}) head ON true
+         WHERE {range} AND c.seq > (SELECT seq FROM bound) AND c.state = 'pending'
+           AND {shard_c}
+           AND c.available_at <= now() AND (c.lease_until IS NULL OR c.lease_until <= now())
+           AND {extra}
+         ORDER BY c.seq
+         LIMIT $1)",
+                    head_c = head("c.partition_key"),
+                    shard_c = shard_predicate("c", 6, 7),
+                )
+            };
+            let aside_c = crate::cursor::aside("c");
+            let many = "NOT (SELECT all_keys FROM walked) \
+                        AND (c.partition_key IS NULL OR (head.claimable AND head.seq = c.seq))";
+            let unordered = "(SELECT all_keys FROM walked) AND c.partition_key IS NULL";
+            format!(
+                r#"WITH RECURSIVE bound AS MATERIALIZED (
+    -- The last row of `claim`'s full window ($5, its `window_end`).
+    SELECT $5::bigint AS seq WHERE $5::bigint IS NOT NULL
+),
+keys AS (
+    -- A loose scan of the per-key index, one descent per key. It stops after $4 keys.
+    SELECT (SELECT min(k.partition_key) FROM {t} k WHERE k.partition_key IS NOT NULL) AS key,
+           1 AS n
+    FROM bound
+    UNION ALL
+    SELECT (SELECT min(k.partition_key) FROM {t} k WHERE k.partition_key > keys.key),
+           keys.n + 1
+    FROM keys
+    WHERE keys.key IS NOT NULL AND keys.n <= $4
+),
+walked AS MATERIALIZED (
+    SELECT bool_or(key IS NULL) AS all_keys FROM keys
+),
+cand AS MATERIALIZED (
+    SELECT x.tid, x.seq FROM (
+        -- Few keys: each key's head, when it is claimable and past the window.
+        SELECT h.tid, h.seq
+        FROM keys
+        CROSS JOIN LATERAL ({head_keys}) h
+        WHERE (SELECT all_keys FROM walked) AND h.claimable AND h.seq > (SELECT seq FROM bound)
+          AND {shard_h}
+        UNION ALL
+        {unordered_above}
+        UNION ALL
+        {unordered_below}
+        UNION ALL
+        -- Many keys: the rows past the window in seq order, keeping unordered ones and heads.
+        {many_above}
+        UNION ALL
+        {many_below}
+    ) x
+    ORDER BY x.seq
+    LIMIT $1
+),
+locked AS MATERIALIZED (
+    SELECT l.ctid AS tid FROM {t} l
+    WHERE l.ctid = ANY(ARRAY(SELECT tid FROM cand))
+    FOR UPDATE SKIP LOCKED
+),
+upd AS (
+    UPDATE {t} m
+    SET lease_token = $2,
+        lease_until = now() + $3::bigint * interval '1 microsecond'
+    WHERE m.ctid = ANY(ARRAY(SELECT tid FROM locked))
+    RETURNING {returning}
+)
+SELECT upd.* FROM upd ORDER BY upd.seq"#,
+                head_keys = head("keys.key"),
+                shard_h = shard_of("keys.key", "h.seq", 6, 7),
+                unordered_above = past("c.seq >= $8::bigint", unordered),
+                unordered_below = past(&format!("{aside_c} AND c.seq < $8::bigint"), unordered),
+                many_above = past("c.seq >= $8::bigint", many),
+                many_below = past(&format!("{aside_c} AND c.seq < $8::bigint"), many),
+            )
+        };
+
         // Every transition is fenced on the token, an unexpired lease (database clock) and the
         // pending state (a lease is held by a pending row); RETURNING id tells which messages
         // were not held.
@@ -700,12 +903,34 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#,
             bounded_lock_wait()
         );
 
+        // A released or requeued row is due now. In the cursor layout it must also stay aside
+        // (`available_at > created_at`), whatever the database clock did since it was written.
+        let due_now = if cursor.is_some() {
+            "GREATEST(now(), created_at + interval '1 microsecond')"
+        } else {
+            "now()"
+        };
+        // The cursor layout lists dead rows through the aside index (a dead row is aside).
+        let dead_listed = match &cursor {
+            Some(_) => format!("{} AND ", crate::cursor::aside("dead_row")),
+            None => String::new(),
+        };
         let sql = Self {
             // Deleting writes no new row version and no index entries: about a third of the
             // cost of marking the row published.
             complete: if delete_published {
                 format!(
                     "DELETE FROM {t}
+                     WHERE id = ANY($2) AND {fence}
+                     RETURNING id"
+                )
+            } else if cursor.is_some() {
+                // Takes the row out of aside too; for an ordinary row neither value changes,
+                // and no indexed one does: a HOT update.
+                format!(
+                    "UPDATE {t} SET state = 'published', published_at = now(), \
+                     lease_token = NULL, lease_until = NULL, last_error = NULL, \
+                     available_at = LEAST(available_at, created_at)
                      WHERE id = ANY($2) AND {fence}
                      RETURNING id"
                 )
@@ -718,7 +943,7 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#,
                 )
             },
             release: format!(
-                "UPDATE {t} SET available_at = now(), lease_token = NULL, lease_until = NULL
+                "UPDATE {t} SET available_at = {due_now}, lease_token = NULL, lease_until = NULL
                  WHERE id = ANY($2) AND {fence}
                  RETURNING id"
             ),
@@ -754,19 +979,19 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#,
             ),
             list_dead: format!(
                 "SELECT {MESSAGE_COLUMNS}, COALESCE(last_error, '') AS last_error
-                 FROM {t}
-                 WHERE state = 'dead' AND seq > $1
+                 FROM {t} dead_row
+                 WHERE {dead_listed}state = 'dead' AND seq > $1
                  ORDER BY seq
                  LIMIT $2"
             ),
             requeue: format!(
-                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = now(), \
+                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = {due_now}, \
                  lease_token = NULL, lease_until = NULL
                  WHERE state = 'dead' AND id = ANY($1)"
             ),
             discard: format!("DELETE FROM {t} WHERE state = 'dead' AND id = ANY($1)"),
             requeue_seqs: format!(
-                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = now(), \
+                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = {due_now}, \
                  lease_token = NULL, lease_until = NULL
                  WHERE state = 'dead' AND seq = ANY($1)"
             ),
@@ -783,16 +1008,34 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#,
             ),
             // The ctid list bounds the batch; a DELETE with a LIMIT needs that subquery, and
             // ctids are stable here because published rows are never updated.
-            purge: format!(
-                "DELETE FROM {t}
-                 WHERE ctid = ANY(ARRAY(
-                     SELECT ctid FROM {t}
-                     WHERE state = 'published'
-                       AND published_at < now() - $1::bigint * interval '1 microsecond'
-                     ORDER BY published_at
-                     LIMIT $2))
-                   AND state = 'published'"
-            ),
+            purge: if cursor.is_some() {
+                // No index on `published_at` here: the oldest $2 published rows in seq order,
+                // those of them old enough. Rows are published about in seq order, so this
+                // reads at most a batch; one published late, low in seq, holds back the rows
+                // after it only until it is old enough itself.
+                format!(
+                    "DELETE FROM {t}
+                     WHERE ctid = ANY(ARRAY(
+                         SELECT p.ctid FROM (
+                             SELECT ctid, published_at FROM {t}
+                             WHERE state = 'published'
+                             ORDER BY seq
+                             LIMIT $2) p
+                         WHERE p.published_at < now() - $1::bigint * interval '1 microsecond'))
+                       AND state = 'published'"
+                )
+            } else {
+                format!(
+                    "DELETE FROM {t}
+                     WHERE ctid = ANY(ARRAY(
+                         SELECT ctid FROM {t}
+                         WHERE state = 'published'
+                           AND published_at < now() - $1::bigint * interval '1 microsecond'
+                         ORDER BY published_at
+                         LIMIT $2))
+                       AND state = 'published'"
+                )
+            },
             counts: format!(
                 "SELECT count(*) FILTER (WHERE state = 'pending' AND lease_token IS NULL) AS pending,
                         count(*) FILTER (WHERE state = 'pending' AND lease_token IS NOT NULL)
@@ -803,8 +1046,16 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#,
             ),
             claim_block: claim(true),
             claim_skip: claim(false),
-            claim_past_block: claim_past(true),
-            claim_past_skip: claim_past(false),
+            claim_past_block: if cursor.is_some() {
+                claim_past_cursor(true)
+            } else {
+                claim_past(true)
+            },
+            claim_past_skip: if cursor.is_some() {
+                claim_past_cursor(false)
+            } else {
+                claim_past(false)
+            },
             insert,
             lock_function,
             notify_trigger,
@@ -814,6 +1065,7 @@ SELECT upd.* FROM upd ORDER BY upd.seq"#,
             channel,
             table: t,
             partitioned: None,
+            cursor,
         };
         match partition_interval_s {
             None => sql,
@@ -830,10 +1082,10 @@ mod tests {
     fn the_insert_leaves_waking_to_the_trigger_and_locks_keys_only_when_asked(
     ) -> Result<(), Box<dyn std::error::Error>> {
         for notify in [false, true] {
-            let plain = Sql::build("s", "t", notify, false, false, None);
+            let plain = Sql::build("s", "t", notify, false, false, None, false);
             assert!(!plain.insert.contains("pg_notify"), "{}", plain.insert);
             assert!(!plain.insert.contains("lock_key"));
-            let locked = Sql::build("s", "t", notify, true, false, None);
+            let locked = Sql::build("s", "t", notify, true, false, None, false);
             assert!(locked
                 .insert
                 .contains(r#"WHERE (SELECT "s"."t_lock_key"(VARIADIC $7::text[])) IS NOT NULL"#));

@@ -24,7 +24,14 @@ pub const STATUS_WINDOW: i64 = 100_000;
 /// - dead: the dead index; dead heads: one probe of the per-key index per dead row;
 /// - oldest: the first unpublished row by `seq`, one index probe;
 /// - last minute: published rows of the last minute, through the published index.
-fn statement(table: &str, delete_published: bool) -> String {
+fn statement(
+    table: &str,
+    delete_published: bool,
+    cursor: Option<&crate::cursor::CursorNames>,
+) -> String {
+    if let Some(names) = cursor {
+        return cursor_statement(table, names);
+    }
     let last_minute = if delete_published {
         "NULL::bigint".to_owned()
     } else {
@@ -70,15 +77,98 @@ fn statement(table: &str, delete_published: bool) -> String {
     )
 }
 
+/// [`statement`] for a table laid out for cursor claims (`crate::cursor`): the same figures, read
+/// from the smallest settled cursor up and from the rows aside below it, never through the kept
+/// history. No index holds `published_at` there, so the last minute's published count is not
+/// read (`NULL`, as when published rows are deleted): the relay's own metrics count what it
+/// publishes.
+fn cursor_statement(table: &str, names: &crate::cursor::CursorNames) -> String {
+    let cursors = &names.cursors;
+    let aside_w = crate::cursor::aside("w");
+    let aside_e = crate::cursor::aside("e");
+    // The rows of a state in `states`: from the low cursor up, and aside below it.
+    let rows = |alias: &str, states: &str| {
+        let aside = crate::cursor::aside(alias);
+        format!(
+            "(SELECT * FROM {table} {alias}
+              WHERE {alias}.seq >= (SELECT seq FROM low) AND {alias}.state IN {states}
+              UNION ALL
+              SELECT * FROM {table} {alias}
+              WHERE {aside} AND {alias}.seq < (SELECT seq FROM low) AND {alias}.state IN {states})"
+        )
+    };
+    let pending = rows("p", "('pending')");
+    format!(
+        "WITH low AS MATERIALIZED (
+            -- Below the smallest cursor of a shard count whose every shard has one, every row
+            -- is published, aside or rolled back.
+            SELECT COALESCE(max(s.low), 0) AS seq FROM (
+                SELECT min(c.below) AS low FROM {cursors} c
+                GROUP BY c.shards HAVING count(*) = min(c.shards)) s
+        ),
+        win AS MATERIALIZED (
+            SELECT w.id, w.seq, w.partition_key, w.lease_token, w.attempts, w.available_at
+            FROM (
+                (SELECT * FROM {table} w
+                 WHERE w.seq >= (SELECT seq FROM low) AND w.state = 'pending'
+                 ORDER BY w.seq LIMIT {STATUS_WINDOW})
+                UNION ALL
+                (SELECT * FROM {table} w
+                 WHERE {aside_w} AND w.seq < (SELECT seq FROM low) AND w.state = 'pending'
+                 ORDER BY w.seq LIMIT {STATUS_WINDOW})) w
+            ORDER BY w.seq LIMIT {STATUS_WINDOW}
+        ),
+        candidates AS (
+            SELECT d.id, d.seq, d.partition_key FROM {table} d
+            WHERE d.last_error IS NOT NULL AND d.state = 'dead' AND d.partition_key IS NOT NULL
+            UNION ALL
+            SELECT r.id, r.seq, r.partition_key FROM win r
+            WHERE r.partition_key IS NOT NULL AND r.attempts > 0 AND r.lease_token IS NULL
+              AND r.available_at > now()
+        ),
+        blocked AS MATERIALIZED (
+            SELECT c.id, c.seq FROM candidates c
+            WHERE NOT EXISTS (
+                SELECT 1 FROM {table} e
+                WHERE e.partition_key = c.partition_key AND e.seq >= (SELECT seq FROM low)
+                  AND e.state IN ('pending', 'dead') AND e.seq < c.seq)
+              AND NOT EXISTS (
+                SELECT 1 FROM {table} e
+                WHERE e.partition_key = c.partition_key AND {aside_e}
+                  AND e.seq < (SELECT seq FROM low)
+                  AND e.state IN ('pending', 'dead') AND e.seq < c.seq)
+        )
+        SELECT (SELECT count(*) FROM {pending} p) AS unpublished,
+               (SELECT count(*) FROM win WHERE lease_token IS NOT NULL) AS leased,
+               (SELECT count(*) FROM {table} d
+                 WHERE d.last_error IS NOT NULL AND d.state = 'dead') AS dead,
+               (SELECT extract(epoch FROM now() - p.created_at)::float8 FROM {pending} p
+                 ORDER BY p.seq LIMIT 1) AS oldest,
+               (SELECT count(*) FROM blocked) AS blocked_keys,
+               (SELECT coalesce(json_agg(json_build_object(
+                        'partition_key', m.partition_key, 'head_id', m.id, 'head_seq', m.seq,
+                        'head_state', CASE WHEN m.state = 'dead' THEN 'dead' ELSE 'retrying' END,
+                        'attempts', m.attempts, 'last_error', m.last_error) ORDER BY m.seq),
+                        '[]'::json)
+                  FROM (SELECT b.id FROM blocked b ORDER BY b.seq LIMIT $1) x
+                  JOIN {table} m ON m.id = x.id)::text AS blocked,
+               NULL::bigint AS last_minute"
+    )
+}
+
 pub(crate) async fn status(store: &PostgresStore, limit: usize) -> Result<StoreStatus, Error> {
     let config = store.config();
     let table = config.qualified_table();
     let err = |e| map_sqlx(e, "status", table);
-    let row: PgRow = sqlx::query(&statement(table, config.delete_published()))
-        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-        .fetch_one(store.pool())
-        .await
-        .map_err(err)?;
+    let row: PgRow = sqlx::query(&statement(
+        table,
+        config.delete_published(),
+        config.sql().cursor.as_ref(),
+    ))
+    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+    .fetch_one(store.pool())
+    .await
+    .map_err(err)?;
     let count = |name: &str| -> Result<u64, Error> {
         let n: i64 = row.try_get(name).map_err(err)?;
         Ok(u64::try_from(n).unwrap_or(0))

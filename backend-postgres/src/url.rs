@@ -16,10 +16,12 @@ pub const URL_SCHEMES: &[&str] = &["postgres", "postgresql"];
 ///
 /// `url` is the database's own connection URL, `postgres://user:password@host:5432/db` or
 /// `postgresql://...`: its query options (`sslmode`, `sslrootcert`, `password_file`, ...) are
-/// the driver's, as for [`PostgresStore::connect`], except one, which is this crate's and is
+/// the driver's, as for [`PostgresStore::connect`], except two, which are this crate's and are
 /// taken out before connecting: `partition_interval` (`15m`, `1h`, `1d`: whole minutes, hours
 /// or days), the table's [`partition_interval`](crate::PostgresConfigBuilder::partition_interval)
-/// (`postgres://host/db?partition_interval=1d`). The table is not created: call
+/// (`postgres://host/db?partition_interval=1d`), and `cursor_claims` (`true` or `false`), the
+/// table's [`cursor_claims`](crate::PostgresConfigBuilder::cursor_claims). The table is not
+/// created: call
 /// [`PostgresStore::migrate`] (or [`Migrate::migrate`]).
 ///
 /// # Errors
@@ -27,10 +29,11 @@ pub const URL_SCHEMES: &[&str] = &["postgres", "postgresql"];
 /// [`Error::Unavailable`] when the server cannot be reached. Passwords never appear in errors.
 pub async fn open_url(url: &str, options: &StoreOptions) -> Result<PostgresStore, Error> {
     store_scheme(url, URL_SCHEMES, "Postgres")?;
-    let (url, interval) = take_partition_interval(url)?;
+    let (url, interval, cursor_claims) = take_table_options(url)?;
     let mut config = PostgresConfig::builder()
         .delete_published(options.delete_published)
-        .partition_interval(interval);
+        .partition_interval(interval)
+        .cursor_claims(cursor_claims);
     if let Some(table) = &options.table {
         config = config.table(table.clone());
     }
@@ -40,21 +43,34 @@ pub async fn open_url(url: &str, options: &StoreOptions) -> Result<PostgresStore
     PostgresStore::connect(&url, config.build()?).await
 }
 
-/// The URL without its `partition_interval` query option, and that option's value.
-fn take_partition_interval(url: &str) -> Result<(String, Option<Duration>), Error> {
+/// The URL without this crate's query options, and their values: `partition_interval` and
+/// `cursor_claims`.
+fn take_table_options(url: &str) -> Result<(String, Option<Duration>, bool), Error> {
     let Some((base, query)) = url.split_once('?') else {
-        return Ok((url.to_owned(), None));
+        return Ok((url.to_owned(), None, false));
     };
     let (query, fragment) = match query.split_once('#') {
         Some((query, fragment)) => (query, Some(fragment)),
         None => (query, None),
     };
     let mut interval = None;
+    let mut cursor_claims = false;
     let mut kept = Vec::new();
     for pair in query.split('&') {
         match pair.split_once('=') {
             Some(("partition_interval", value)) => {
                 interval = Some(crate::partition::parse_interval(value)?);
+            }
+            Some(("cursor_claims", value)) => {
+                cursor_claims = match value {
+                    "true" => true,
+                    "false" => false,
+                    other => {
+                        return Err(Error::invalid_input(format!(
+                            "cursor_claims={other:?} in the store URL: give true or false"
+                        )))
+                    }
+                };
             }
             _ => kept.push(pair),
         }
@@ -68,7 +84,7 @@ fn take_partition_interval(url: &str) -> Result<(String, Option<Duration>), Erro
         url.push('#');
         url.push_str(fragment);
     }
-    Ok((url, interval))
+    Ok((url, interval, cursor_claims))
 }
 
 #[async_trait]
@@ -83,25 +99,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_partition_interval_is_taken_out_of_the_url() -> Result<(), Error> {
-        let (url, interval) =
-            take_partition_interval("postgres://u:p@h/db?sslmode=disable&partition_interval=1d")?;
+    fn the_table_options_are_taken_out_of_the_url() -> Result<(), Error> {
+        let (url, interval, cursor) =
+            take_table_options("postgres://u:p@h/db?sslmode=disable&partition_interval=1d")?;
         assert_eq!(url, "postgres://u:p@h/db?sslmode=disable");
         assert_eq!(interval, Some(Duration::from_secs(86_400)));
-        let (url, interval) = take_partition_interval("postgres://h/db?partition_interval=15m")?;
+        assert!(!cursor);
+        let (url, interval, _) = take_table_options("postgres://h/db?partition_interval=15m")?;
         assert_eq!(
             (url.as_str(), interval),
             ("postgres://h/db", Some(Duration::from_secs(900)))
         );
-        let (url, interval) = take_partition_interval("postgres://h/db?sslmode=require")?;
+        let (url, interval, cursor) =
+            take_table_options("postgres://h/db?cursor_claims=true&sslmode=require")?;
         assert_eq!(
-            (url.as_str(), interval),
-            ("postgres://h/db?sslmode=require", None)
+            (url.as_str(), interval, cursor),
+            ("postgres://h/db?sslmode=require", None, true)
         );
-        let err =
-            take_partition_interval("postgres://u:s3cret@h/db?partition_interval=1x").unwrap_err();
-        assert!(matches!(err, Error::InvalidInput(_)));
-        assert!(!err.to_string().contains("s3cret"));
+        for bad in [
+            "postgres://u:s3cret@h/db?partition_interval=1x",
+            "postgres://u:s3cret@h/db?cursor_claims=yes",
+        ] {
+            let err = take_table_options(bad).unwrap_err();
+            assert!(matches!(err, Error::InvalidInput(_)));
+            assert!(!err.to_string().contains("s3cret"));
+        }
         Ok(())
     }
 }

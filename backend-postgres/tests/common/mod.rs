@@ -170,6 +170,8 @@ pub mod harness {
         lock_keys: bool,
         /// Tables partitioned by time (`partition_interval`).
         partition_interval: Option<Duration>,
+        /// Tables laid out for cursor claims (`cursor_claims`).
+        cursor_claims: bool,
     }
 
     impl PgHarness {
@@ -181,6 +183,15 @@ pub mod harness {
                 skewed_clock: false,
                 lock_keys: false,
                 partition_interval: None,
+                cursor_claims: false,
+            }
+        }
+
+        /// Stores over a table laid out for cursor claims (`cursor_claims(true)`).
+        pub fn cursor_claims(self) -> Self {
+            Self {
+                cursor_claims: true,
+                ..self
             }
         }
 
@@ -239,6 +250,9 @@ pub mod harness {
             if let Some(interval) = self.partition_interval {
                 name.push_str(&format!(", partitioned by {interval:?}"));
             }
+            if self.cursor_claims {
+                name.push_str(", cursor claims");
+            }
             name
         }
 
@@ -249,6 +263,7 @@ pub mod harness {
                 .delete_published(self.delete_published)
                 .lock_keys(self.lock_keys)
                 .partition_interval(self.partition_interval)
+                .cursor_claims(self.cursor_claims)
                 .build()?;
             // Business transactions, admin calls and time control share one pool; each relay gets
             // its own (see `relay`).

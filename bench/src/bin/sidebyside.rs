@@ -8,7 +8,7 @@
 //!     [claim_shards=N]
 //!     [kafka_props=a=b;c=d] [pgmq=100x1,100x2,1000x1,1000x2|none] [peer=true|false]
 //!     [delete_published=false|true|both] [recommended=false|true]
-//!     [partitioned=false|true|both] [mysql_floor=2000x2|BATCHxWORKERS,...|none]
+//!     [partitioned=false|true|both] [cursor_claims=false|true|both] [mysql_floor=2000x2|BATCHxWORKERS,...|none]
 //! ```
 //!
 //! With no `batch=`, `concurrency=`, `claim_shards=` or `recommended=`, this project's drains run
@@ -48,6 +48,11 @@
 //! each setting unless given explicitly: every store deletes published rows; Postgres (and
 //! Postgres → Kafka) claims over 2 claim shards in batches of 2,000; MariaDB takes batches of
 //! 1,000 with one in flight; SQLite keeps the defaults otherwise.
+//!
+//! `cursor_claims=true` lays this project's Postgres tables out for cursor claims
+//! (`PostgresConfigBuilder::cursor_claims`: the completion that keeps a row is a HOT update);
+//! `cursor_claims=both` runs each Postgres drain on both layouts (series suffix `, cursor
+//! claims`), side by side. Not with partitioned tables.
 //!
 //! `partitioned=true` makes this project's Postgres tables partitioned by day
 //! (`PostgresConfigBuilder::partition_interval`, retention by partition); `partitioned=both`
@@ -134,6 +139,9 @@ struct Opts {
     /// The Postgres table shapes each Postgres drain runs on: plain (`false`), partitioned by
     /// day (`true`), or both in turn.
     partitioned: Vec<bool>,
+    /// The Postgres table layouts each Postgres drain runs on: partial indexes (`false`), laid
+    /// out for cursor claims (`true`), or both.
+    cursor_claims: Vec<bool>,
 }
 
 impl Opts {
@@ -154,6 +162,7 @@ impl Opts {
             delete_published: None,
             both_modes: false,
             partitioned: vec![false],
+            cursor_claims: vec![false],
             recommended: false,
         };
         for arg in std::env::args().skip(1) {
@@ -201,6 +210,12 @@ impl Opts {
                     })?);
                 }
                 "recommended" => o.recommended = value.parse()?,
+                "cursor_claims" if value == "both" => o.cursor_claims = vec![false, true],
+                "cursor_claims" => {
+                    o.cursor_claims = vec![value.parse().map_err(|_| {
+                        format!("cursor_claims={value:?}: use false, true or both")
+                    })?];
+                }
                 "partitioned" if value == "both" => o.partitioned = vec![false, true],
                 "partitioned" => {
                     o.partitioned = vec![value
@@ -220,7 +235,7 @@ impl Opts {
                     return Err(format!(
                         "unknown option {key:?}; use rounds, messages, keys, peer_messages, batch, \
                          concurrency, claim_shards, kafka_props, pgmq, peer, delete_published, \
-                         recommended, partitioned, mysql_floor"
+                         recommended, partitioned, cursor_claims, mysql_floor"
                     )
                     .into())
                 }
@@ -270,6 +285,8 @@ impl Opts {
     fn postgres_settings(&self) -> String {
         let shape = if self.partitioned == [true] {
             ", table partitioned by day"
+        } else if self.cursor_claims == [true] {
+            ", cursor claims"
         } else {
             ""
         };
@@ -589,6 +606,7 @@ async fn postgres_store(
         .notify(false)
         .delete_published(o.deletes())
         .partition_interval(partitioned.then_some(std::time::Duration::from_secs(86_400)))
+        .cursor_claims(o.cursor_claims.first().copied().unwrap_or(false))
         .build()?;
     let store = Arc::new(PostgresStore::new(pool.clone(), config.clone()));
     store.migrate().await?;
@@ -1201,14 +1219,22 @@ async fn main() -> BoxResult<()> {
         let mut out = Vec::new();
         for (suffix, m) in modes {
             for &parted in &o.partitioned {
-                let mut m = m.clone();
-                m.partitioned = vec![parted];
-                let shape = if parted && o.partitioned.len() > 1 {
-                    ", partitioned"
-                } else {
-                    ""
-                };
-                out.push((format!("{suffix}{shape}"), m));
+                for &cursor in &o.cursor_claims {
+                    if parted && cursor {
+                        continue;
+                    }
+                    let mut m = m.clone();
+                    m.partitioned = vec![parted];
+                    m.cursor_claims = vec![cursor];
+                    let shape = if parted && o.partitioned.len() > 1 {
+                        ", partitioned"
+                    } else if cursor && o.cursor_claims.len() > 1 {
+                        ", cursor claims"
+                    } else {
+                        ""
+                    };
+                    out.push((format!("{suffix}{shape}"), m));
+                }
             }
         }
         out

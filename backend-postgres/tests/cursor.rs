@@ -1,0 +1,315 @@
+//! Cursor claims (`cursor_claims`, `docs/keep-cursor.md`): the shared conformance suite on a
+//! table of that layout, and what only it does: a cursor that moves over settled seqs only,
+//! rows aside below it, and a completion that writes no index entry.
+
+mod common;
+
+use std::time::Duration;
+
+use common::harness::PgHarness;
+use common::{db_with, msg, names, Db};
+use outbox_backend_postgres::enqueue_batch;
+use outbox_traits::{Error, HeadPolicy, OutboxStore};
+
+/// The suite on the cursor layout. Every check runs; the two properties at a quarter of the
+/// cases (`reduced: 4`).
+mod conformance {
+    use super::PgHarness;
+
+    outbox_conformance_tests::conformance_suite!(optional: PgHarness::from_env()
+        .map(PgHarness::cursor_claims), reduced: 4);
+}
+
+async fn cursor_db() -> Option<Db> {
+    db_with(|b| b.cursor_claims(true)).await
+}
+
+/// The unsharded claim's cursor: every row below it is published, aside or rolled back.
+async fn cursor(db: &Db) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT below FROM \"{}\".\"outbox_cursors\" WHERE shards = 1 AND shard = 0",
+        db.schema
+    ))
+    .fetch_one(db.pool())
+    .await
+    .unwrap()
+}
+
+async fn max_seq(db: &Db) -> i64 {
+    sqlx::query_scalar(&format!("SELECT max(seq) FROM {}", db.table()))
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+}
+
+/// Claim and complete up to `limit` messages; their names.
+async fn drain_once(db: &Db, limit: usize) -> Vec<String> {
+    let claim = db.claim(limit, HeadPolicy::Block).await;
+    let ids: Vec<_> = claim.messages.iter().map(|m| m.id).collect();
+    db.store.complete(claim.token, &ids).await.unwrap();
+    names(&claim)
+}
+
+/// Claims enough for the cursor to settle twice over what was published (a move takes two
+/// claims: one notes the point, the next moves to it).
+async fn settle(db: &Db) {
+    for _ in 0..3 {
+        assert!(drain_once(db, 100).await.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn the_cursor_moves_over_published_rows() {
+    let Some(db) = cursor_db().await else {
+        return;
+    };
+    let batch: Vec<_> = (0..20)
+        .map(|i| msg(&format!("k{i}"), &i.to_string()))
+        .collect();
+    db.enqueue(&batch).await;
+    assert_eq!(drain_once(&db, 100).await.len(), 20);
+    settle(&db).await;
+    // Past every row: the next claim reads none of them.
+    assert_eq!(cursor(&db).await, max_seq(&db).await + 1);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn an_open_writer_holds_the_cursor_below_its_seq_and_is_published_in_its_key_order() {
+    let Some(db) = cursor_db().await else {
+        return;
+    };
+    // The writer draws the first seq for key k and stays open.
+    let mut open = db.pool().begin().await.unwrap();
+    enqueue_batch(&mut *open, &db.config, &[msg("k", "first")])
+        .await
+        .unwrap();
+    let held: i64 = sqlx::query_scalar(&format!("SELECT max(seq) FROM {}", db.table()))
+        .fetch_one(&mut *open)
+        .await
+        .unwrap();
+    // Later rows commit and are published meanwhile.
+    let later: Vec<_> = (0..20)
+        .map(|i| msg(&format!("o{i}"), &i.to_string()))
+        .collect();
+    db.enqueue(&later).await;
+    assert_eq!(drain_once(&db, 100).await.len(), 20);
+    settle(&db).await;
+    assert!(
+        cursor(&db).await <= held,
+        "the cursor passed seq {held}, which an open writer holds"
+    );
+    // It commits; a second writer of its key follows. The first is published first.
+    open.commit().await.unwrap();
+    db.enqueue(&[msg("k", "second")]).await;
+    assert_eq!(drain_once(&db, 1).await, ["first"]);
+    assert_eq!(drain_once(&db, 100).await, ["second"]);
+    settle(&db).await;
+    assert_eq!(cursor(&db).await, max_seq(&db).await + 1);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_rolled_back_seq_is_passed() {
+    let Some(db) = cursor_db().await else {
+        return;
+    };
+    let mut open = db.pool().begin().await.unwrap();
+    enqueue_batch(&mut *open, &db.config, &[msg("k", "rolled back")])
+        .await
+        .unwrap();
+    db.enqueue(&[msg("k", "kept")]).await;
+    assert_eq!(drain_once(&db, 100).await, ["kept"]);
+    settle(&db).await;
+    let before = cursor(&db).await;
+    open.rollback().await.unwrap();
+    settle(&db).await;
+    let after = cursor(&db).await;
+    assert!(after > before, "the cursor stayed at {after}");
+    assert_eq!(after, max_seq(&db).await + 1);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_transaction_that_only_reads_the_table_does_not_hold_the_cursor() {
+    let Some(db) = cursor_db().await else {
+        return;
+    };
+    // A report reading the table, left open.
+    let mut reader = db.pool().begin().await.unwrap();
+    let _: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {}", db.table()))
+        .fetch_one(&mut *reader)
+        .await
+        .unwrap();
+    db.enqueue(&[msg("a", "1"), msg("b", "2")]).await;
+    assert_eq!(drain_once(&db, 100).await.len(), 2);
+    settle(&db).await;
+    assert_eq!(cursor(&db).await, max_seq(&db).await + 1);
+    reader.rollback().await.unwrap();
+    db.drop().await;
+}
+
+/// Released, failed and scheduled rows below the cursor are found through the aside indexes.
+#[tokio::test]
+async fn rows_aside_below_the_cursor_are_claimed_in_key_order() {
+    let Some(db) = cursor_db().await else {
+        return;
+    };
+    db.enqueue(&[msg("k", "1"), msg("k", "2"), msg("u", "3")])
+        .await;
+    let claim = db.claim(100, HeadPolicy::Block).await;
+    assert_eq!(names(&claim), ["1", "2", "3"]);
+    // k's rows go back; u's is published; later rows are published past them.
+    let k: Vec<_> = claim.messages[..2].iter().map(|m| m.id).collect();
+    db.store.release(claim.token, &k).await.unwrap();
+    db.store
+        .complete(claim.token, &[claim.messages[2].id])
+        .await
+        .unwrap();
+    db.enqueue(&[msg("v", "4"), msg("w", "5")]).await;
+    let more = db.claim(100, HeadPolicy::Block).await;
+    assert_eq!(names(&more), ["1", "2", "4", "5"]);
+    db.store
+        .complete(
+            more.token,
+            &more.messages.iter().map(|m| m.id).collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+    // Published, the released rows leave the aside indexes, which claims read in full.
+    let aside: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {} WHERE last_error IS NOT NULL OR available_at > created_at",
+        db.table()
+    ))
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(aside, 0);
+    db.drop().await;
+}
+
+/// A release sets `available_at` past `created_at` even when the database clock stepped back
+/// since the row was written: otherwise the row would be neither aside nor above the cursor,
+/// and no claim would find it again.
+#[tokio::test]
+async fn a_release_after_the_clock_stepped_back_keeps_the_row_aside() {
+    let Some(db) = cursor_db().await else {
+        return;
+    };
+    db.enqueue(&[msg("k", "scheduled")]).await;
+    // Scheduled a little in the past of now, so aside (available_at > created_at) and due.
+    sqlx::query(&format!(
+        "UPDATE {} SET created_at = now() - interval '2 s', available_at = now() - interval '1 s'",
+        db.table()
+    ))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    db.enqueue(&[msg("o", "other")]).await;
+    let claim = db.claim(100, HeadPolicy::Block).await;
+    assert_eq!(names(&claim), ["scheduled", "other"]);
+    db.store
+        .complete(claim.token, &[claim.messages[1].id])
+        .await
+        .unwrap();
+    // The cursor passes the leased row: it is aside.
+    settle(&db).await;
+    assert!(cursor(&db).await > claim.messages[0].seq);
+    // The clock steps back an hour: the row reads as written in the future.
+    sqlx::query(&format!(
+        "UPDATE {} SET created_at = now() + interval '1 hour' WHERE seq = $1",
+        db.table()
+    ))
+    .bind(claim.messages[0].seq)
+    .execute(db.pool())
+    .await
+    .unwrap();
+    db.store
+        .release(claim.token, &[claim.messages[0].id])
+        .await
+        .unwrap();
+    // Once the clock has caught up, a claim finds it below the cursor.
+    db.advance(Duration::from_secs(7200)).await;
+    assert_eq!(drain_once(&db, 100).await, ["scheduled"]);
+    db.drop().await;
+}
+
+/// The completion that keeps a row writes no index entry: the indexes do not grow however
+/// many rows are published.
+#[tokio::test]
+async fn completing_a_kept_row_writes_no_index_entry() {
+    let Some(db) = cursor_db().await else {
+        return;
+    };
+    let batch: Vec<_> = (0..2000)
+        .map(|i| msg(&format!("k{}", i % 50), &i.to_string()))
+        .collect();
+    db.enqueue(&batch).await;
+    let claim = db.claim(2000, HeadPolicy::Block).await;
+    assert_eq!(claim.messages.len(), 2000);
+    let sizes = format!(
+        "SELECT sum(pg_relation_size(indexrelid))::bigint FROM pg_index
+         WHERE indrelid = '{}'::regclass",
+        db.table()
+    );
+    let before: i64 = sqlx::query_scalar(&sizes)
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    let ids: Vec<_> = claim.messages.iter().map(|m| m.id).collect();
+    db.store.complete(claim.token, &ids).await.unwrap();
+    let after: i64 = sqlx::query_scalar(&sizes)
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(after, before, "the completion wrote index entries");
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_table_of_the_other_layout_is_refused() {
+    let Some(plain) = db_with(|b| b).await else {
+        return;
+    };
+    let cursor_config = outbox_backend_postgres::PostgresConfig::builder()
+        .schema(&plain.schema)
+        .cursor_claims(true)
+        .build()
+        .unwrap();
+    let store = outbox_backend_postgres::PostgresStore::new(plain.pool().clone(), cursor_config);
+    let err = store.migrate().await.unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    assert!(err.to_string().contains("partial-index layout"), "{err}");
+    plain.drop().await;
+
+    let Some(cursor) = cursor_db().await else {
+        return;
+    };
+    let plain_config = outbox_backend_postgres::PostgresConfig::builder()
+        .schema(&cursor.schema)
+        .build()
+        .unwrap();
+    let store = outbox_backend_postgres::PostgresStore::new(cursor.pool().clone(), plain_config);
+    let err = store
+        .claim(&outbox_traits::ClaimRequest {
+            limit: 1,
+            lease: Duration::from_secs(30),
+            head_policy: HeadPolicy::Block,
+            shard: None,
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    assert!(err.to_string().contains("cursor_claims"), "{err}");
+    cursor.drop().await;
+}
+
+#[test]
+fn cursor_claims_and_partitions_do_not_combine() {
+    let err = outbox_backend_postgres::PostgresConfig::builder()
+        .cursor_claims(true)
+        .partition_interval(Some(Duration::from_secs(3600)))
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+}
