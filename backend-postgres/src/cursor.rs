@@ -165,8 +165,9 @@ BEGIN
                SELECT 1 FROM pg_locks k
                WHERE k.virtualtransaction = ANY(v) AND k.relation IN ('{t}'::regclass, seqrel))
            OR EXISTS (
-               -- A prepared transaction (two-phase commit) holds its locks under a virtual
-               -- transaction of its own, not the one noted: any that writes the table waits.
+               -- A prepared transaction (two-phase commit) keeps its locks with no backend
+               -- (pid NULL). Postgres 15 shows them under the virtual transaction noted; any
+               -- prepared writer of the table waits whatever id a version shows.
                SELECT 1 FROM pg_locks k
                WHERE k.pid IS NULL AND k.relation IN ('{t}'::regclass, seqrel)
                  AND k.mode = 'RowExclusiveLock')

@@ -313,3 +313,73 @@ fn cursor_claims_and_partitions_do_not_combine() {
         .unwrap_err();
     assert!(matches!(err, Error::InvalidInput(_)), "{err}");
 }
+
+/// A prepared transaction (two-phase commit) that wrote a row keeps its lock on the table after
+/// its session's transaction ended: the cursor waits for it, and the row is published once it
+/// commits. On a private server: the shared one allows no prepared transactions.
+#[tokio::test]
+async fn a_prepared_transaction_holds_the_cursor_below_its_seq() {
+    use outbox_conformance_tests::servers::{PostgresCluster, PostgresSetup};
+    use sqlx::Connection;
+
+    let Some(server) = PostgresCluster::start(PostgresSetup {
+        conf: "max_prepared_transactions = 4".into(),
+        ..Default::default()
+    })
+    .expect("a private Postgres") else {
+        return;
+    };
+    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", server.port());
+    let config = outbox_backend_postgres::PostgresConfig::builder()
+        .schema("twophase")
+        // A transaction that sent a NOTIFY (the insert trigger's) cannot be prepared.
+        .notify(false)
+        .cursor_claims(true)
+        .build()
+        .unwrap();
+    let store = outbox_backend_postgres::PostgresStore::connect(&url, config.clone())
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let db = Db {
+        url: url.clone(),
+        store,
+        config,
+        schema: "twophase".into(),
+    };
+    // A published row, and a point noted with no writer open.
+    db.enqueue(&[msg("a", "first")]).await;
+    assert_eq!(drain_once(&db, 100).await, ["first"]);
+    assert!(drain_once(&db, 100).await.is_empty());
+    // The writer draws a seq; the next claim moves the cursor and notes the writer in its point.
+    let mut writer = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut writer).await.unwrap();
+    enqueue_batch(&mut writer, &db.config, &[msg("k", "prepared")])
+        .await
+        .unwrap();
+    let held: i64 = sqlx::query_scalar("SELECT max(seq) FROM twophase.outbox")
+        .fetch_one(&mut writer)
+        .await
+        .unwrap();
+    assert!(drain_once(&db, 100).await.is_empty());
+    // It prepares: its session's transaction ends, its locks stay with the prepared one (on
+    // Postgres 15 under the same virtual transaction id, with no pid).
+    sqlx::query("PREPARE TRANSACTION 'outbox_test'")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    db.enqueue(&[msg("o", "later")]).await;
+    assert_eq!(drain_once(&db, 100).await, ["later"]);
+    settle(&db).await;
+    assert!(
+        cursor(&db).await <= held,
+        "the cursor passed seq {held}, which a prepared transaction holds"
+    );
+    sqlx::query("COMMIT PREPARED 'outbox_test'")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    assert_eq!(drain_once(&db, 100).await, ["prepared"]);
+    writer.close().await.unwrap();
+    db.store.pool().close().await;
+}
