@@ -18,12 +18,12 @@ use outbox_sql_support::names::{fnv1a, MAX_IDENT};
 pub(crate) const FILLFACTOR: u32 = 50;
 
 /// [`FILLFACTOR`] of a table laid out for cursor claims (`crate::cursor`): there the completion
-/// is a HOT update too, and a row's three versions (written, leased, published) fit on its page
-/// without waiting for the first to be pruned. At 50, about a fifth of the completions of a
-/// 100,000-message drain found no room (a concurrent claim's snapshot still needed the old
-/// version) and wrote index entries; at 33, none did, and the table came out about as large
-/// (`BENCHMARKS.md`).
-pub(crate) const CURSOR_FILLFACTOR: u32 = 33;
+/// is a HOT update too, and a row's three versions (written; leased, 24 bytes longer; published)
+/// must fit on its page without waiting for the first to be pruned, which a concurrent claim's
+/// snapshot can hold off. At 50, about a fifth of the completions of a 100,000-message drain
+/// found no room and wrote index entries; at 33, up to one in a hundred did with small rows on a
+/// loaded machine; at 30, none (`BENCHMARKS.md`).
+pub(crate) const CURSOR_FILLFACTOR: u32 = 30;
 
 /// The longest a fenced transition (complete, fail, release, extend) or a claim waits for a row
 /// lock another transaction holds, as Postgres's `lock_timeout`; past it the statement fails
