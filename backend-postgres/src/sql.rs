@@ -336,6 +336,27 @@ $outbox$;
     )
 }
 
+/// The end of both look-past statements: lock the candidates (`cand`) by row address, as the
+/// claim does (a row locked elsewhere or changed since the snapshot is skipped; a head alone
+/// breaks no order), lease them, and return them in seq order.
+fn lease_locked(t: &str) -> String {
+    format!(
+        "locked AS MATERIALIZED (
+    SELECT l.ctid AS tid FROM {t} l
+    WHERE l.ctid = ANY(ARRAY(SELECT tid FROM cand))
+    FOR UPDATE SKIP LOCKED
+),
+upd AS (
+    UPDATE {t} m
+    SET lease_token = $2,
+        lease_until = now() + $3::bigint * interval '1 microsecond'
+    WHERE m.ctid = ANY(ARRAY(SELECT tid FROM locked))
+    RETURNING {CLAIM_RETURNING}
+)
+SELECT upd.* FROM upd ORDER BY upd.seq"
+    )
+}
+
 impl Sql {
     pub(crate) fn build(
         schema: &str,
@@ -758,22 +779,9 @@ cand AS MATERIALIZED (
     ORDER BY x.seq
     LIMIT $1
 ),
--- Locked by row address, as in `claim`: a row locked elsewhere or changed since the snapshot
--- is skipped (a head alone breaks no order).
-locked AS MATERIALIZED (
-    SELECT l.ctid AS tid FROM {t} l
-    WHERE l.ctid = ANY(ARRAY(SELECT tid FROM cand))
-    FOR UPDATE SKIP LOCKED
-),
-upd AS (
-    UPDATE {t} m
-    SET lease_token = $2,
-        lease_until = now() + $3::bigint * interval '1 microsecond'
-    WHERE m.ctid = ANY(ARRAY(SELECT tid FROM locked))
-    RETURNING {returning}
-)
-SELECT upd.* FROM upd ORDER BY upd.seq"#,
+{lease_locked}"#,
                 shard_h = shard_of("keys.key", "h.seq", 6, 7),
+                lease_locked = lease_locked(&t),
                 shard_u = shard_predicate("u", 6, 7),
                 shard_c = shard_predicate("c", 6, 7),
             )
@@ -872,20 +880,9 @@ cand AS MATERIALIZED (
     ORDER BY x.seq
     LIMIT $1
 ),
-locked AS MATERIALIZED (
-    SELECT l.ctid AS tid FROM {t} l
-    WHERE l.ctid = ANY(ARRAY(SELECT tid FROM cand))
-    FOR UPDATE SKIP LOCKED
-),
-upd AS (
-    UPDATE {t} m
-    SET lease_token = $2,
-        lease_until = now() + $3::bigint * interval '1 microsecond'
-    WHERE m.ctid = ANY(ARRAY(SELECT tid FROM locked))
-    RETURNING {returning}
-)
-SELECT upd.* FROM upd ORDER BY upd.seq"#,
+{lease_locked}"#,
                 head_keys = head("keys.key"),
+                lease_locked = lease_locked(&t),
                 shard_h = shard_of("keys.key", "h.seq", 6, 7),
                 unordered_above = past("c.seq >= $8::bigint", unordered),
                 unordered_below = past(&format!("{aside_c} AND c.seq < $8::bigint"), unordered),

@@ -32,6 +32,8 @@ fn statement(
     if let Some(names) = cursor {
         return cursor_statement(table, names);
     }
+    let blocked_list = blocked_list(table);
+    let candidates = candidates(table, "d.state = 'dead'");
     let last_minute = if delete_published {
         "NULL::bigint".to_owned()
     } else {
@@ -45,14 +47,7 @@ fn statement(
             SELECT w.id, w.seq, w.partition_key, w.lease_token, w.attempts, w.available_at
             FROM {table} w WHERE w.state = 'pending' ORDER BY w.seq LIMIT {STATUS_WINDOW}
         ),
-        candidates AS (
-            SELECT d.id, d.seq, d.partition_key FROM {table} d
-            WHERE d.state = 'dead' AND d.partition_key IS NOT NULL
-            UNION ALL
-            SELECT r.id, r.seq, r.partition_key FROM win r
-            WHERE r.partition_key IS NOT NULL AND r.attempts > 0 AND r.lease_token IS NULL
-              AND r.available_at > now()
-        ),
+        {candidates},
         blocked AS MATERIALIZED (
             SELECT c.id, c.seq FROM candidates c
             WHERE NOT EXISTS (
@@ -65,14 +60,7 @@ fn statement(
                (SELECT count(*) FROM {table} WHERE state = 'dead') AS dead,
                (SELECT extract(epoch FROM now() - created_at)::float8 FROM {table}
                  WHERE state = 'pending' ORDER BY seq LIMIT 1) AS oldest,
-               (SELECT count(*) FROM blocked) AS blocked_keys,
-               (SELECT coalesce(json_agg(json_build_object(
-                        'partition_key', m.partition_key, 'head_id', m.id, 'head_seq', m.seq,
-                        'head_state', CASE WHEN m.state = 'dead' THEN 'dead' ELSE 'retrying' END,
-                        'attempts', m.attempts, 'last_error', m.last_error) ORDER BY m.seq),
-                        '[]'::json)
-                  FROM (SELECT b.id FROM blocked b ORDER BY b.seq LIMIT $1) x
-                  JOIN {table} m ON m.id = x.id)::text AS blocked,
+               {blocked_list},
                {last_minute} AS last_minute"
     )
 }
@@ -98,6 +86,8 @@ fn cursor_statement(table: &str, names: &crate::cursor::CursorNames) -> String {
         )
     };
     let pending = rows("p", "('pending')");
+    let blocked_list = blocked_list(table);
+    let candidates = candidates(table, "d.last_error IS NOT NULL AND d.state = 'dead'");
     format!(
         "WITH low AS MATERIALIZED (
             -- Below the smallest cursor of a shard count whose every shard has one, every row
@@ -118,14 +108,7 @@ fn cursor_statement(table: &str, names: &crate::cursor::CursorNames) -> String {
                  ORDER BY w.seq LIMIT {STATUS_WINDOW})) w
             ORDER BY w.seq LIMIT {STATUS_WINDOW}
         ),
-        candidates AS (
-            SELECT d.id, d.seq, d.partition_key FROM {table} d
-            WHERE d.last_error IS NOT NULL AND d.state = 'dead' AND d.partition_key IS NOT NULL
-            UNION ALL
-            SELECT r.id, r.seq, r.partition_key FROM win r
-            WHERE r.partition_key IS NOT NULL AND r.attempts > 0 AND r.lease_token IS NULL
-              AND r.available_at > now()
-        ),
+        {candidates},
         blocked AS MATERIALIZED (
             SELECT c.id, c.seq FROM candidates c
             WHERE NOT EXISTS (
@@ -144,15 +127,38 @@ fn cursor_statement(table: &str, names: &crate::cursor::CursorNames) -> String {
                  WHERE d.last_error IS NOT NULL AND d.state = 'dead') AS dead,
                (SELECT extract(epoch FROM now() - p.created_at)::float8 FROM {pending} p
                  ORDER BY p.seq LIMIT 1) AS oldest,
-               (SELECT count(*) FROM blocked) AS blocked_keys,
+               {blocked_list},
+               NULL::bigint AS last_minute"
+    )
+}
+
+/// The status's `candidates` CTE: rows that may block their key, the dead rows (`dead`, the
+/// filter that finds them: a layout's index) and the window's rows waiting for a retry.
+fn candidates(table: &str, dead: &str) -> String {
+    format!(
+        "candidates AS (
+            SELECT d.id, d.seq, d.partition_key FROM {table} d
+            WHERE {dead} AND d.partition_key IS NOT NULL
+            UNION ALL
+            SELECT r.id, r.seq, r.partition_key FROM win r
+            WHERE r.partition_key IS NOT NULL AND r.attempts > 0 AND r.lease_token IS NULL
+              AND r.available_at > now()
+        )"
+    )
+}
+
+/// The status's blocked keys, from its `blocked` CTE: how many, and the first `$1` of them as
+/// JSON (their head's key, id, seq, state, attempts and last error), oldest first.
+fn blocked_list(table: &str) -> String {
+    format!(
+        "(SELECT count(*) FROM blocked) AS blocked_keys,
                (SELECT coalesce(json_agg(json_build_object(
                         'partition_key', m.partition_key, 'head_id', m.id, 'head_seq', m.seq,
                         'head_state', CASE WHEN m.state = 'dead' THEN 'dead' ELSE 'retrying' END,
                         'attempts', m.attempts, 'last_error', m.last_error) ORDER BY m.seq),
                         '[]'::json)
                   FROM (SELECT b.id FROM blocked b ORDER BY b.seq LIMIT $1) x
-                  JOIN {table} m ON m.id = x.id)::text AS blocked,
-               NULL::bigint AS last_minute"
+                  JOIN {table} m ON m.id = x.id)::text AS blocked"
     )
 }
 
