@@ -11,13 +11,14 @@ use common::{db_with, msg, names, Db};
 use outbox_backend_postgres::enqueue_batch;
 use outbox_traits::{Error, HeadPolicy, OutboxStore};
 
-/// The suite on the cursor layout. Every check runs; the two properties at a quarter of the
-/// cases (`reduced: 4`).
+/// The suite on the cursor layout. Every check runs; the two properties at an eighth of the
+/// cases (`reduced: 8`, as the partitioned table's): they passed at 1,000 cases when the layout
+/// was built, and `scripts/mutants` scores this file at its full count.
 mod conformance {
     use super::PgHarness;
 
     outbox_conformance_tests::conformance_suite!(optional: PgHarness::from_env()
-        .map(PgHarness::cursor_claims), reduced: 4);
+        .map(PgHarness::cursor_claims), reduced: 8);
 }
 
 async fn cursor_db() -> Option<Db> {
