@@ -384,3 +384,34 @@ async fn a_prepared_transaction_holds_the_cursor_below_its_seq() {
     writer.close().await.unwrap();
     db.store.pool().close().await;
 }
+
+/// The migration gives the identity sequence a cache of 1: a session that cached a range would
+/// hand out seqs drawn long before, past a cursor that read the sequence meanwhile.
+#[tokio::test]
+async fn the_migration_keeps_the_sequence_from_caching() {
+    let Some(db) = cursor_db().await else {
+        return;
+    };
+    let cache = || async {
+        sqlx::query_scalar::<_, i64>(&format!(
+            "SELECT cache_size FROM pg_sequences
+             WHERE format('%I.%I', schemaname, sequencename)::regclass
+                   = pg_get_serial_sequence('{}', 'seq')::regclass",
+            db.table()
+        ))
+        .fetch_one(db.pool())
+        .await
+        .unwrap()
+    };
+    sqlx::query(&format!(
+        "ALTER TABLE {} ALTER COLUMN seq SET CACHE 20",
+        db.table()
+    ))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(cache().await, 20);
+    db.store.migrate().await.unwrap();
+    assert_eq!(cache().await, 1);
+    db.drop().await;
+}
