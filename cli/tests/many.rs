@@ -251,8 +251,14 @@ batch_size = 50
         !ready.contains(&bare),
         "the bare schema is no outbox: {ready}"
     );
+    // The relay counts a message once its completion returns, which may be after the broker
+    // delivered it: wait for every count to come up (the wait names the last text on failure).
     let text = until_http(&metrics, "/metrics", "every outbox's count", |_, body| {
-        by_outbox(body, "outbox_published_total").len() == 53
+        let counts = by_outbox(body, "outbox_published_total");
+        counts.len() == 53
+            && expected
+                .iter()
+                .all(|(outbox, ids)| counts.get(outbox).copied() == Some(ids.len() as f64))
     })
     .await?;
     let published = by_outbox(&text, "outbox_published_total");
