@@ -21,22 +21,27 @@ impl OutboxAdmin for PostgresStore {
         after_seq: Option<i64>,
         limit: usize,
     ) -> Result<Vec<DeadMessage>, Error> {
+        self.ensure_shape().await?;
         Admin(self).list_dead(after_seq, limit).await
     }
 
     async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        self.ensure_shape().await?;
         Admin(self).requeue(ids).await
     }
 
     async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        self.ensure_shape().await?;
         Admin(self).discard(ids).await
     }
 
     async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        self.ensure_shape().await?;
         Admin(self).requeue_seqs(seqs).await
     }
 
     async fn discard_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        self.ensure_shape().await?;
         Admin(self).discard_seqs(seqs).await
     }
 
@@ -46,12 +51,12 @@ impl OutboxAdmin for PostgresStore {
         let Some(age_us) = purge_age(older_than, micros) else {
             return Ok(0);
         };
-        self.ensure_shape().await?;
-        if self.config().sql().partitioned.is_some() {
+        let sql = self.checked_sql().await?;
+        if sql.partitioned.is_some() {
             let batch = i64::try_from(batch).unwrap_or(i64::MAX);
             return crate::partition::purge(self, age_us, batch).await;
         }
-        let done = sqlx::query(&self.config().sql().purge)
+        let done = sqlx::query(&sql.purge)
             .bind(age_us)
             .bind(i64::try_from(batch).unwrap_or(i64::MAX))
             .execute(self.pool())
@@ -61,6 +66,7 @@ impl OutboxAdmin for PostgresStore {
     }
 
     async fn counts(&self) -> Result<Counts, Error> {
+        self.ensure_shape().await?;
         Admin(self).counts().await
     }
 
@@ -89,7 +95,8 @@ impl SqlxAdmin for PostgresStore {
     }
 
     fn statement(&self, which: AdminStatement) -> &str {
-        let sql = self.config().sql();
+        // Every flow of `Admin` runs behind `ensure_shape` (the `OutboxAdmin` impl above).
+        let sql = self.sql();
         match which {
             AdminStatement::ListDead => &sql.list_dead,
             AdminStatement::RequeueCheck => &sql.requeue_check,

@@ -37,9 +37,14 @@ struct Inner {
     notify: bool,
     lock_keys: bool,
     partition_interval: Option<Duration>,
-    cursor_claims: bool,
+    cursor_claims: Option<bool>,
     common: TableSettings,
+    /// The statements of the layout a new table gets (the migration's).
     sql: Sql,
+    /// With `cursor_claims` unset on a plain table: the other layout's statements, for an
+    /// existing table of that layout, e.g. one made by an earlier release (see
+    /// [`PostgresConfig::sql_for`]).
+    other_layout: Option<Sql>,
 }
 
 impl PostgresConfig {
@@ -91,7 +96,14 @@ impl PostgresConfig {
     }
 
     /// The migration SQL for this table, for teams that apply migrations with their own tool.
-    /// It is idempotent; [`crate::migrate`] runs exactly this under an advisory lock.
+    /// It is idempotent; [`crate::migrate`] runs exactly this under an advisory lock, or, with
+    /// [`cursor_claims`](PostgresConfigBuilder::cursor_claims) unset, the partial-index
+    /// layout's SQL for an existing table of that layout.
+    ///
+    /// It lays a new table out as [`PostgresConfig::new_tables_use_cursor_claims`] says, and
+    /// refuses (raises) to run on a table of the other layout: a team whose table was made by
+    /// an earlier release and that runs this SQL again with its own tool takes it from a
+    /// configuration with `cursor_claims(false)`.
     pub fn migration_sql(&self) -> &str {
         &self.inner.sql.migrate
     }
@@ -115,14 +127,32 @@ impl PostgresConfig {
             .map(|p| p.premake_function.as_str())
     }
 
-    /// Whether claims start from a per-shard cursor, with a table laid out for it. See
+    /// The table layout asked for: `Some(true)` cursor claims, `Some(false)` the partial-index
+    /// layout, `None` (the default) whichever the table has. See
     /// [`PostgresConfigBuilder::cursor_claims`].
-    pub fn cursor_claims(&self) -> bool {
+    pub fn cursor_claims(&self) -> Option<bool> {
         self.inner.cursor_claims
     }
 
+    /// Whether a table this configuration creates is laid out for cursor claims: with
+    /// `cursor_claims` unset, a plain table whose published rows are kept.
+    pub fn new_tables_use_cursor_claims(&self) -> bool {
+        self.inner.sql.cursor.is_some()
+    }
+
+    /// The statements of the layout a new table gets.
     pub(crate) fn sql(&self) -> &Sql {
         &self.inner.sql
+    }
+
+    /// The statements for a table found laid out for cursor claims (`cursor`) or not. Where the
+    /// configuration names a layout the store refuses a table of the other one
+    /// ([`crate::cursor::check_layout`]), so these are its statements whatever `cursor` says.
+    pub(crate) fn sql_for(&self, cursor: bool) -> &Sql {
+        match &self.inner.other_layout {
+            Some(other) if self.inner.sql.cursor.is_some() != cursor => other,
+            _ => &self.inner.sql,
+        }
     }
 }
 
@@ -158,15 +188,29 @@ impl Default for PostgresConfig {
 impl PostgresConfig {
     /// Build from a builder whose names already passed [`validate_sql_identifier`].
     fn from_valid(b: PostgresConfigBuilder) -> Self {
-        let sql = Sql::build(
-            &b.schema,
-            &b.common.table,
-            b.notify,
-            b.lock_keys,
-            b.common.delete_published,
-            b.partition_interval.map(|i| i.as_secs()),
-            b.cursor_claims,
-        );
+        let build = |cursor_claims: bool| {
+            Sql::build(
+                &b.schema,
+                &b.common.table,
+                b.notify,
+                b.lock_keys,
+                b.common.delete_published,
+                b.partition_interval.map(|i| i.as_secs()),
+                cursor_claims,
+            )
+        };
+        // Unnamed, a new plain table is laid out for cursor claims when published rows are
+        // kept: deleting them is a little faster on the partial-index layout (`BENCHMARKS.md`,
+        // "Postgres cursor claims"). A partitioned table never is (`build` refuses asking for
+        // both).
+        let plain = b.partition_interval.is_none();
+        let new_cursor = match b.cursor_claims {
+            Some(on) => on,
+            None => plain && !b.common.delete_published,
+        };
+        let sql = build(new_cursor);
+        // Unnamed, an existing plain table may have the other layout: its statements too.
+        let other_layout = (plain && b.cursor_claims.is_none()).then(|| build(!new_cursor));
         Self {
             inner: Arc::new(Inner {
                 schema: b.schema,
@@ -176,6 +220,7 @@ impl PostgresConfig {
                 cursor_claims: b.cursor_claims,
                 common: b.common,
                 sql,
+                other_layout,
             }),
         }
     }
@@ -203,7 +248,7 @@ pub struct PostgresConfigBuilder {
     notify: bool,
     lock_keys: bool,
     partition_interval: Option<Duration>,
-    cursor_claims: bool,
+    cursor_claims: Option<bool>,
     common: TableSettings,
 }
 
@@ -214,7 +259,7 @@ impl Default for PostgresConfigBuilder {
             notify: true,
             lock_keys: false,
             partition_interval: None,
-            cursor_claims: false,
+            cursor_claims: None,
             common: TableSettings::default(),
         }
     }
@@ -287,21 +332,32 @@ impl PostgresConfigBuilder {
         self
     }
 
-    /// Lay a new table out for cursor claims (default off; `docs/keep-cursor.md`).
+    /// Name the table's layout: cursor claims (`true`) or the partial-index layout (`false`).
+    /// Unset (the default), an existing table is used as it is laid out, so a table made by an
+    /// earlier release keeps working unchanged, and a new plain table is laid out for cursor
+    /// claims when published rows are kept (the default), for partial indexes when the
+    /// configuration deletes them ([`delete_published`](Self::delete_published): deleting is
+    /// about 6% faster there). `docs/keep-cursor.md` has the design.
     ///
-    /// Published rows kept (the default) are then marked published by a HOT update, which
-    /// writes no index entry: `state` is in no index. Claims start from a per-shard cursor,
-    /// below which every row is published, set aside (failed, released, requeued, dead or
-    /// scheduled: small indexes of their own) or rolled back, and which moves only over seqs
-    /// whose writers have all ended. A transaction that holds a write lock on the table for a
-    /// long time stops the cursor (claims go on, reading from where it stopped).
+    /// **Cursor claims.** Published rows kept (the default) are marked published by a HOT
+    /// update, which writes no index entry: `state` is in no index. Claims start from a
+    /// per-shard cursor, below which every row is published, set aside (failed, released,
+    /// requeued, dead or scheduled: small indexes of their own) or rolled back, and which moves
+    /// only over seqs whose writers have all ended. A transaction that holds a write lock on the
+    /// table for a long time stops the cursor (claims go on, reading from where it stopped).
+    /// The relay's role needs `SELECT` on the table's identity sequence and may read `pg_locks`
+    /// (every role may). Keeping published rows drains about 1.15× faster than on the
+    /// partial-index layout (`BENCHMARKS.md`).
     ///
-    /// The setting is the table's: the migration lays a new table out this way, and the store
-    /// refuses a table of the other layout (a migration never converts one). Not with
-    /// [`partition_interval`](Self::partition_interval). The relay's role needs `SELECT` on the
-    /// table's identity sequence and may read `pg_locks` (every role may).
+    /// **The partial-index layout** (tables made before cursor claims existed, and every
+    /// partitioned table): claims read partial indexes on `state`, so every completion writes
+    /// index entries.
+    ///
+    /// Named, the layout is checked: the store refuses a table of the other one, and a
+    /// migration never converts a table. `true` cannot be combined with
+    /// [`partition_interval`](Self::partition_interval).
     pub fn cursor_claims(mut self, on: bool) -> Self {
-        self.cursor_claims = on;
+        self.cursor_claims = Some(on);
         self
     }
 
@@ -311,7 +367,7 @@ impl PostgresConfigBuilder {
         self.common.validate()?;
         if let Some(interval) = self.partition_interval {
             validate_partition_interval(interval)?;
-            if self.cursor_claims {
+            if self.cursor_claims == Some(true) {
                 return Err(Error::invalid_input(
                     "cursor_claims and partition_interval cannot be combined: cursor claims \
                      need a plain table",
@@ -373,25 +429,31 @@ mod tests {
     #[test]
     fn long_names_keep_derived_names_distinct_and_short() {
         let long = "t".repeat(63);
-        let config = PostgresConfig::builder()
-            .schema("s".repeat(63))
-            .table(&long)
-            .build()
-            .unwrap();
-        assert!(config.notify_channel().len() <= 63);
-        let sql = config.migration_sql();
-        for suffix in [
-            "claim_idx",
-            "key_idx",
-            "dead_idx",
-            "published_idx",
-            "dedup_key",
-            "notify",
-            "lock_key",
-        ] {
-            let name = crate::sql::derived_name(&long, suffix);
-            assert!(name.len() <= 63 && name.ends_with(suffix), "{name}");
-            assert!(sql.contains(&name));
+        let partial_index = ["claim_idx", "key_idx", "dead_idx", "published_idx"];
+        let cursor = [
+            "seq_idx",
+            "key_seq_idx",
+            "aside_idx",
+            "aside_key_idx",
+            "failed_key_idx",
+            "dead_check",
+            "cursors",
+            "settle",
+        ];
+        for (cursor_claims, layout) in [(false, &partial_index[..]), (true, &cursor[..])] {
+            let config = PostgresConfig::builder()
+                .schema("s".repeat(63))
+                .table(&long)
+                .cursor_claims(cursor_claims)
+                .build()
+                .unwrap();
+            assert!(config.notify_channel().len() <= 63);
+            let sql = config.migration_sql();
+            for suffix in layout.iter().chain(&["dedup_key", "notify", "lock_key"]) {
+                let name = crate::sql::derived_name(&long, suffix);
+                assert!(name.len() <= 63 && name.ends_with(suffix), "{name}");
+                assert!(sql.contains(&name), "{name}");
+            }
         }
     }
 }

@@ -204,9 +204,10 @@ pub(crate) fn seq_index_name(table: &str) -> String {
     derived_name(table, "seq_idx")
 }
 
-/// Refuse a plain table whose layout is not the configuration's: the cursor layout's claims
-/// would miss rows of a table without its cursors and aside indexes, and the other claims would
-/// read every kept row of one without the partial indexes. `laid_for_cursor`: whether the table
+/// Refuse a plain table whose layout is not the one the configuration names (an unnamed layout
+/// takes the table's): the cursor layout's claims would miss rows of a table without its cursors
+/// and aside indexes, and the other claims would read every kept row of one without the partial
+/// indexes. `laid_for_cursor`: whether the table
 /// has the cursor layout's seq index.
 ///
 /// # Errors
@@ -214,15 +215,16 @@ pub(crate) fn seq_index_name(table: &str) -> String {
 pub(crate) fn check_layout(config: &PostgresConfig, laid_for_cursor: bool) -> Result<(), Error> {
     let table = config.qualified_table();
     match (laid_for_cursor, config.cursor_claims()) {
-        (false, true) => Err(Error::invalid_input(format!(
+        (false, Some(true)) => Err(Error::invalid_input(format!(
             "the outbox table {table} has the partial-index layout, but the configuration asks \
              for cursor claims; a migration never converts a table: drop cursor_claims for this \
              table, or migrate a new table with it under another name"
         ))),
-        (true, false) => Err(Error::invalid_input(format!(
+        (true, Some(false)) => Err(Error::invalid_input(format!(
             "the outbox table {table} is laid out for cursor claims (index {}), but the \
-             configuration does not ask for them; set cursor_claims \
-             (`PostgresConfigBuilder::cursor_claims`, or `?cursor_claims=true` in the store URL)",
+             configuration asks for the partial-index layout; set cursor_claims to true or \
+             leave it unset (`PostgresConfigBuilder::cursor_claims`, or `?cursor_claims=true` in \
+             the store URL)",
             seq_index_name(config.table())
         ))),
         _ => Ok(()),

@@ -23,7 +23,7 @@ pub(crate) async fn complete(
     fenced(
         store,
         "complete",
-        &store.config().sql().complete,
+        &store.checked_sql().await?.complete,
         token,
         ids,
     )
@@ -58,7 +58,7 @@ pub(crate) async fn fail(
             }
         }
     }
-    let changed: HashSet<Uuid> = sqlx::query_scalar(&store.config().sql().fail)
+    let changed: HashSet<Uuid> = sqlx::query_scalar(&store.checked_sql().await?.fail)
         .bind(token.0)
         .bind(&ids)
         .bind(errors)
@@ -80,7 +80,7 @@ pub(crate) async fn extend(
 ) -> Result<DateTime<Utc>, Error> {
     outbox_traits::validate_lease_extension(lease)?;
     let lease_us = micros("lease extension", lease)?;
-    let row: PgRow = sqlx::query(&store.config().sql().extend)
+    let row: PgRow = sqlx::query(&store.checked_sql().await?.extend)
         .bind(token.0)
         .bind(lease_us)
         .fetch_one(store.pool())
@@ -99,7 +99,8 @@ pub(crate) async fn release(
     token: LeaseToken,
     ids: &[Uuid],
 ) -> Result<(), Error> {
-    fenced(store, "release", &store.config().sql().release, token, ids).await
+    let sql = &store.checked_sql().await?.release;
+    fenced(store, "release", sql, token, ids).await
 }
 
 /// Run a fenced `... RETURNING id` transition and report the ids it did not change.

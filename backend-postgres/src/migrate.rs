@@ -19,8 +19,10 @@ pub const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78;
 ///
 /// # Errors
 /// [`Error::InvalidInput`] when the table exists with the other shape than the configuration's
-/// (plain, or partitioned by [`PostgresConfigBuilder::partition_interval`](crate::PostgresConfigBuilder::partition_interval)):
-/// a migration never converts a table.
+/// (plain, or partitioned by [`PostgresConfigBuilder::partition_interval`](crate::PostgresConfigBuilder::partition_interval)),
+/// or the other layout than the one it names ([`PostgresConfigBuilder::cursor_claims`](crate::PostgresConfigBuilder::cursor_claims)):
+/// a migration never converts a table. With the layout unnamed, an existing table is migrated
+/// in its own layout and a new one is laid out for cursor claims.
 /// Classified database errors, e.g. [`Error::Unavailable`] when the server cannot be reached or a
 /// permanent error when the role may not create the schema or table.
 pub async fn migrate(pool: &PgPool, config: &PostgresConfig) -> Result<(), Error> {
@@ -32,12 +34,15 @@ pub async fn migrate(pool: &PgPool, config: &PostgresConfig) -> Result<(), Error
         .execute(&mut *tx)
         .await
         .map_err(err)?;
-    // A plain table is never turned into a partitioned one, nor the reverse.
-    crate::partition::check_shape(&mut tx, config).await?;
-    // (Whether it exists: the DDL below creates it if not.)
+    // A plain table is never turned into a partitioned one, nor the reverse, nor laid out
+    // anew: an existing table keeps its layout (the DDL below creates a missing one).
+    let sql = match crate::partition::check_shape(&mut tx, config).await? {
+        Some(cursor) => config.sql_for(cursor).migrate.as_str(),
+        None => config.migration_sql(),
+    };
     // Several statements: a query without arguments goes through the simple query protocol,
     // which runs them all, in this transaction.
-    tx.execute(config.migration_sql()).await.map_err(err)?;
+    tx.execute(sql).await.map_err(err)?;
     tx.execute(crate::group::group_migration_sql(config).as_str())
         .await
         .map_err(err)?;

@@ -404,12 +404,13 @@ async fn table_is_partitioned(
     .await
 }
 
-/// The typed error of a table whose shape is not the configuration's, or whether the table
-/// exists when they agree (or it does not exist yet). One catalog query.
+/// The typed error of a table whose shape or layout is not the configuration's; when they agree,
+/// whether the table is laid out for cursor claims (`None`: it does not exist yet). One catalog
+/// query.
 pub(crate) async fn check_shape(
     conn: &mut sqlx::PgConnection,
     config: &PostgresConfig,
-) -> Result<bool, Error> {
+) -> Result<Option<bool>, Error> {
     let table = config.qualified_table();
     let found = table_is_partitioned(conn, config)
         .await
@@ -432,9 +433,10 @@ pub(crate) async fn check_shape(
         (Some(false), None) => {
             let laid_for_cursor = found.is_some_and(|(_, cursor)| cursor);
             crate::cursor::check_layout(config, laid_for_cursor)?;
-            Ok(true)
+            Ok(Some(laid_for_cursor))
         }
-        (exists, _) => Ok(exists.is_some()),
+        (Some(true), Some(_)) => Ok(Some(false)),
+        (None, _) => Ok(None),
     }
 }
 

@@ -357,6 +357,24 @@ SELECT upd.* FROM upd ORDER BY upd.seq"
     )
 }
 
+/// A migration step that raises when the table `t` has index `index`, which only a table of the
+/// other layout has (`found`): a migration lays a new table out as `wanted` and never converts
+/// one. `setting` is the `cursor_claims` value that takes the table as it is.
+fn layout_guard(t: &str, index: &str, found: &str, wanted: &str, setting: &str) -> String {
+    format!(
+        r#"-- A table made with the other layout is never converted.
+DO $outbox_layout$
+BEGIN
+    IF to_regclass('{index}') IS NOT NULL THEN
+        RAISE EXCEPTION 'the outbox table {t} has {found} (index {index}), and this migration is for {wanted}; a migration never converts a table: take the migration of a configuration with cursor_claims {setting} (PostgresConfigBuilder::cursor_claims, or ?cursor_claims={setting} in the store URL)';
+    END IF;
+END
+$outbox_layout$;
+
+"#
+    )
+}
+
 impl Sql {
     pub(crate) fn build(
         schema: &str,
@@ -461,11 +479,23 @@ CREATE UNIQUE INDEX IF NOT EXISTS "{dedup_constraint}" ON {t} (dedup_key)
 {indexes}
 {contract}"#,
             indexes = match &cursor {
-                Some(names) => {
-                    crate::cursor::ddl(table, &t, names, &shard_predicate("r", 1, 2))
-                }
-                None => format!(
-                    r#"-- Claim scan: unpublished rows (leased or not) in seq order; stays small however much history
+                Some(names) =>
+                    layout_guard(
+                        &t,
+                        &format!("\"{schema}\".\"{claim_idx}\""),
+                        "the partial-index layout",
+                        "cursor claims",
+                        "false",
+                    ) + &crate::cursor::ddl(table, &t, names, &shard_predicate("r", 1, 2)),
+                None =>
+                    layout_guard(
+                        &t,
+                        &format!("\"{schema}\".\"{}\"", crate::cursor::seq_index_name(table)),
+                        "the cursor-claims layout",
+                        "the partial-index layout",
+                        "true",
+                    ) + &format!(
+                        r#"-- Claim scan: unpublished rows (leased or not) in seq order; stays small however much history
 -- is kept.
 CREATE INDEX IF NOT EXISTS "{claim_idx}" ON {t} (seq)
     WHERE state = 'pending';
@@ -481,7 +511,7 @@ CREATE INDEX IF NOT EXISTS "{dead_idx}" ON {t} (seq)
 -- Purge of published rows, oldest first.
 CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     WHERE state = 'published';"#
-                ),
+                    ),
             },
             state_check = derived_name(table, "state_check"),
             fillfactor = if cursor.is_some() {

@@ -169,7 +169,7 @@ pub(crate) async fn status(store: &PostgresStore, limit: usize) -> Result<StoreS
     let row: PgRow = sqlx::query(&statement(
         table,
         config.delete_published(),
-        config.sql().cursor.as_ref(),
+        store.checked_sql().await?.cursor.as_ref(),
     ))
     .bind(i64::try_from(limit).unwrap_or(i64::MAX))
     .fetch_one(store.pool())

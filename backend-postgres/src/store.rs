@@ -11,6 +11,7 @@ use sqlx::postgres::{PgPool, Postgres};
 use crate::config::PostgresConfig;
 use crate::error::{map_sqlx, WHAT};
 use crate::migrate::migrate;
+use crate::sql::Sql;
 
 /// An [`OutboxStore`](outbox_traits::OutboxStore) and [`OutboxAdmin`](outbox_traits::OutboxAdmin)
 /// over a Postgres table.
@@ -22,9 +23,10 @@ use crate::migrate::migrate;
 #[derive(Clone)]
 pub struct PostgresStore {
     inner: SqlxStore<Postgres, PostgresConfig>,
-    /// Set once the table was found to have the configuration's shape (plain or partitioned):
-    /// checked before the first claim and purge, see [`PostgresStore::ensure_shape`].
-    shape_checked: Arc<OnceLock<()>>,
+    /// Set once the table was found to have the configuration's shape (plain or partitioned)
+    /// and layout: whether it is laid out for cursor claims. Checked before the first statement
+    /// whose text depends on it, see [`PostgresStore::ensure_shape`].
+    layout: Arc<OnceLock<bool>>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -39,7 +41,7 @@ impl PostgresStore {
     pub fn new(pool: PgPool, config: PostgresConfig) -> Self {
         Self {
             inner: SqlxStore::new(pool, config),
-            shape_checked: Arc::default(),
+            layout: Arc::default(),
         }
     }
 
@@ -54,7 +56,7 @@ impl PostgresStore {
     pub async fn connect(url: &str, config: PostgresConfig) -> Result<Self, Error> {
         Ok(Self {
             inner: SqlxStore::connect(url, WHAT, config).await?,
-            shape_checked: Arc::default(),
+            layout: Arc::default(),
         })
     }
 
@@ -76,16 +78,18 @@ impl PostgresStore {
         migrate(self.pool(), self.config()).await
     }
 
-    /// Refuse to run this configuration's statements on a table of the other shape: the plain
-    /// table's claims address rows by `ctid`, which is unique only within one partition, so on
-    /// a partitioned table they would lease and update rows of other partitions. Checked once
-    /// per store (one catalog query), before its first claim or purge; a missing table passes
-    /// (the statements then fail as on any missing table).
+    /// Refuse to run this configuration's statements on a table of the other shape, and learn
+    /// the table's layout. The plain table's claims address rows by `ctid`, which is unique
+    /// only within one partition, so on a partitioned table they would lease and update rows
+    /// of other partitions; the cursor layout's claims would miss rows of a table without
+    /// cursors. Checked once per store (one catalog query), before its first statement whose
+    /// text depends on the layout; a missing table passes (the statements then fail as on any
+    /// missing table) and is checked again next time.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] naming both shapes when they differ.
+    /// [`Error::InvalidInput`] naming both shapes or layouts when they differ.
     pub(crate) async fn ensure_shape(&self) -> Result<(), Error> {
-        if self.shape_checked.get().is_some() {
+        if self.layout.get().is_some() {
             return Ok(());
         }
         let mut conn = self
@@ -93,10 +97,25 @@ impl PostgresStore {
             .acquire()
             .await
             .map_err(self.err("check the table's shape"))?;
-        if crate::partition::check_shape(&mut conn, self.config()).await? {
-            let _ = self.shape_checked.set(());
+        if let Some(cursor) = crate::partition::check_shape(&mut conn, self.config()).await? {
+            let _ = self.layout.set(cursor);
         }
         Ok(())
+    }
+
+    /// The statements for the table's layout once [`PostgresStore::ensure_shape`] found it,
+    /// and those of a new table's layout before.
+    pub(crate) fn sql(&self) -> &Sql {
+        match self.layout.get() {
+            Some(&cursor) => self.config().sql_for(cursor),
+            None => self.config().sql(),
+        }
+    }
+
+    /// [`PostgresStore::ensure_shape`], then [`PostgresStore::sql`].
+    pub(crate) async fn checked_sql(&self) -> Result<&Sql, Error> {
+        self.ensure_shape().await?;
+        Ok(self.sql())
     }
 
     /// Maps a sqlx error of operation `op` on this store's table.

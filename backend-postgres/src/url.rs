@@ -20,7 +20,8 @@ pub const URL_SCHEMES: &[&str] = &["postgres", "postgresql"];
 /// taken out before connecting: `partition_interval` (`15m`, `1h`, `1d`: whole minutes, hours
 /// or days), the table's [`partition_interval`](crate::PostgresConfigBuilder::partition_interval)
 /// (`postgres://host/db?partition_interval=1d`), and `cursor_claims` (`true` or `false`), the
-/// table's [`cursor_claims`](crate::PostgresConfigBuilder::cursor_claims). The table is not
+/// table's [`cursor_claims`](crate::PostgresConfigBuilder::cursor_claims) (left out: whichever
+/// layout the table has, cursor claims for a new plain table). The table is not
 /// created: call
 /// [`PostgresStore::migrate`] (or [`Migrate::migrate`]).
 ///
@@ -32,8 +33,10 @@ pub async fn open_url(url: &str, options: &StoreOptions) -> Result<PostgresStore
     let (url, interval, cursor_claims) = take_table_options(url)?;
     let mut config = PostgresConfig::builder()
         .delete_published(options.delete_published)
-        .partition_interval(interval)
-        .cursor_claims(cursor_claims);
+        .partition_interval(interval);
+    if let Some(on) = cursor_claims {
+        config = config.cursor_claims(on);
+    }
     if let Some(table) = &options.table {
         config = config.table(table.clone());
     }
@@ -45,16 +48,16 @@ pub async fn open_url(url: &str, options: &StoreOptions) -> Result<PostgresStore
 
 /// The URL without this crate's query options, and their values: `partition_interval` and
 /// `cursor_claims`.
-fn take_table_options(url: &str) -> Result<(String, Option<Duration>, bool), Error> {
+fn take_table_options(url: &str) -> Result<(String, Option<Duration>, Option<bool>), Error> {
     let Some((base, query)) = url.split_once('?') else {
-        return Ok((url.to_owned(), None, false));
+        return Ok((url.to_owned(), None, None));
     };
     let (query, fragment) = match query.split_once('#') {
         Some((query, fragment)) => (query, Some(fragment)),
         None => (query, None),
     };
     let mut interval = None;
-    let mut cursor_claims = false;
+    let mut cursor_claims = None;
     let mut kept = Vec::new();
     for pair in query.split('&') {
         match pair.split_once('=') {
@@ -63,8 +66,8 @@ fn take_table_options(url: &str) -> Result<(String, Option<Duration>, bool), Err
             }
             Some(("cursor_claims", value)) => {
                 cursor_claims = match value {
-                    "true" => true,
-                    "false" => false,
+                    "true" => Some(true),
+                    "false" => Some(false),
                     other => {
                         return Err(Error::invalid_input(format!(
                             "cursor_claims={other:?} in the store URL: give true or false"
@@ -104,7 +107,7 @@ mod tests {
             take_table_options("postgres://u:p@h/db?sslmode=disable&partition_interval=1d")?;
         assert_eq!(url, "postgres://u:p@h/db?sslmode=disable");
         assert_eq!(interval, Some(Duration::from_secs(86_400)));
-        assert!(!cursor);
+        assert_eq!(cursor, None);
         let (url, interval, _) = take_table_options("postgres://h/db?partition_interval=15m")?;
         assert_eq!(
             (url.as_str(), interval),
@@ -114,7 +117,7 @@ mod tests {
             take_table_options("postgres://h/db?cursor_claims=true&sslmode=require")?;
         assert_eq!(
             (url.as_str(), interval, cursor),
-            ("postgres://h/db?sslmode=require", None, true)
+            ("postgres://h/db?sslmode=require", None, Some(true))
         );
         for bad in [
             "postgres://u:s3cret@h/db?partition_interval=1x",

@@ -1,4 +1,5 @@
-//! Cursor claims (`cursor_claims`, `docs/keep-cursor.md`): the shared conformance suite on a
+//! Cursor claims (`cursor_claims`, `docs/keep-cursor.md`, the layout of a new table unless it
+//! deletes published rows): the shared conformance suite on a
 //! table of that layout, and what only it does: a cursor that moves over settled seqs only,
 //! rows aside below it, and a completion that writes no index entry.
 
@@ -269,7 +270,7 @@ async fn completing_a_kept_row_writes_no_index_entry() {
 
 #[tokio::test]
 async fn a_table_of_the_other_layout_is_refused() {
-    let Some(plain) = db_with(|b| b).await else {
+    let Some(plain) = db_with(|b| b.cursor_claims(false)).await else {
         return;
     };
     let cursor_config = outbox_backend_postgres::PostgresConfig::builder()
@@ -288,6 +289,7 @@ async fn a_table_of_the_other_layout_is_refused() {
     };
     let plain_config = outbox_backend_postgres::PostgresConfig::builder()
         .schema(&cursor.schema)
+        .cursor_claims(false)
         .build()
         .unwrap();
     let store = outbox_backend_postgres::PostgresStore::new(cursor.pool().clone(), plain_config);
@@ -303,6 +305,123 @@ async fn a_table_of_the_other_layout_is_refused() {
     assert!(matches!(err, Error::InvalidInput(_)), "{err}");
     assert!(err.to_string().contains("cursor_claims"), "{err}");
     cursor.drop().await;
+}
+
+/// Whether the table of `db` has the cursor layout's tables and indexes.
+async fn laid_for_cursor(db: &Db) -> bool {
+    sqlx::query_scalar(&format!(
+        "SELECT to_regclass('\"{0}\".\"outbox_seq_idx\"') IS NOT NULL
+            AND to_regclass('\"{0}\".\"outbox_cursors\"') IS NOT NULL",
+        db.schema
+    ))
+    .fetch_one(db.pool())
+    .await
+    .unwrap()
+}
+
+/// Unset, `cursor_claims` lays a new table out for cursor claims when published rows are kept,
+/// and for partial indexes when the configuration deletes them.
+#[tokio::test]
+async fn a_new_table_is_laid_out_for_cursor_claims_unless_published_rows_are_deleted() {
+    let Some(keeping) = common::db().await else {
+        return;
+    };
+    assert_eq!(keeping.config.cursor_claims(), None);
+    assert!(keeping.config.new_tables_use_cursor_claims());
+    assert!(laid_for_cursor(&keeping).await);
+    // And its claims read from the cursor.
+    keeping.enqueue(&[msg("k", "one")]).await;
+    assert_eq!(drain_once(&keeping, 10).await, ["one"]);
+    settle(&keeping).await;
+    assert_eq!(cursor(&keeping).await, max_seq(&keeping).await + 1);
+    keeping.drop().await;
+
+    let Some(deleting) = db_with(|b| b.delete_published(true)).await else {
+        return;
+    };
+    assert!(!deleting.config.new_tables_use_cursor_claims());
+    assert!(!laid_for_cursor(&deleting).await);
+    deleting.drop().await;
+}
+
+/// A table made by an earlier release (the partial-index layout) under a configuration that
+/// names no layout: the migration keeps its layout, and every statement is that layout's.
+#[tokio::test]
+async fn an_unnamed_layout_takes_an_existing_table_as_it_is() {
+    use outbox_traits::OutboxAdmin;
+    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+        return;
+    };
+    old.enqueue(&[msg("k", "first"), msg("j", "other")]).await;
+    let config = outbox_backend_postgres::PostgresConfig::builder()
+        .schema(&old.schema)
+        .build()
+        .unwrap();
+    assert!(config.new_tables_use_cursor_claims());
+    let store = outbox_backend_postgres::PostgresStore::new(old.pool().clone(), config.clone());
+    store.migrate().await.unwrap();
+    let db = Db {
+        url: old.url.clone(),
+        store,
+        config,
+        schema: old.schema.clone(),
+    };
+    assert!(
+        !laid_for_cursor(&db).await,
+        "the migration converted the table"
+    );
+    // Claims, a dead letter and its requeue, counts and the status, on the old layout.
+    let claim = db.claim(10, HeadPolicy::Block).await;
+    assert_eq!(names(&claim), ["first", "other"]);
+    db.store
+        .fail(
+            claim.token,
+            &[outbox_traits::Failure {
+                id: claim.messages[0].id,
+                error: "broker said no".into(),
+                action: outbox_traits::FailAction::Dead,
+            }],
+        )
+        .await
+        .unwrap();
+    db.store
+        .complete(claim.token, &[claim.messages[1].id])
+        .await
+        .unwrap();
+    let dead = db.store.list_dead(None, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(db.store.requeue(&[dead[0].message.id]).await.unwrap(), 1);
+    assert_eq!(drain_once(&db, 10).await, ["first"]);
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.dead, counts.published), (0, 0, 2));
+    db.store.status(10).await.unwrap();
+    db.drop().await;
+}
+
+/// The migration SQL run by hand (a team's own migration tool) on a table of the other layout
+/// raises instead of laying a second layout over the first.
+#[tokio::test]
+async fn a_migration_run_by_hand_refuses_a_table_of_the_other_layout() {
+    use sqlx::Executor;
+    for (made, run) in [(false, true), (true, false)] {
+        let Some(db) = db_with(|b| b.cursor_claims(made)).await else {
+            return;
+        };
+        let other = outbox_backend_postgres::PostgresConfig::builder()
+            .schema(&db.schema)
+            .cursor_claims(run)
+            .build()
+            .unwrap();
+        let err = db
+            .pool()
+            .execute(other.migration_sql())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("never converts a table"), "{err}");
+        assert_eq!(laid_for_cursor(&db).await, made);
+        db.drop().await;
+    }
 }
 
 #[test]
