@@ -50,7 +50,9 @@
 //! 1,000 with one in flight; SQLite keeps the defaults otherwise.
 //!
 //! `cursor_claims=true` lays this project's Postgres tables out for cursor claims
-//! (`PostgresConfigBuilder::cursor_claims`: the completion that keeps a row is a HOT update);
+//! (`PostgresConfigBuilder::cursor_claims`: the completion that keeps a row is a HOT update),
+//! `cursor_claims=false` for partial indexes; left out, the store's default chooses (cursor
+//! claims when published rows are kept, partial indexes when they are deleted).
 //! `cursor_claims=both` runs each Postgres drain on both layouts (series suffix `, cursor
 //! claims`), side by side. Not with partitioned tables.
 //!
@@ -140,8 +142,8 @@ struct Opts {
     /// day (`true`), or both in turn.
     partitioned: Vec<bool>,
     /// The Postgres table layouts each Postgres drain runs on: partial indexes (`false`), laid
-    /// out for cursor claims (`true`), or both.
-    cursor_claims: Vec<bool>,
+    /// out for cursor claims (`true`), both, or (`None`) the store's default.
+    cursor_claims: Vec<Option<bool>>,
 }
 
 impl Opts {
@@ -162,7 +164,7 @@ impl Opts {
             delete_published: None,
             both_modes: false,
             partitioned: vec![false],
-            cursor_claims: vec![false],
+            cursor_claims: vec![None],
             recommended: false,
         };
         for arg in std::env::args().skip(1) {
@@ -210,11 +212,13 @@ impl Opts {
                     })?);
                 }
                 "recommended" => o.recommended = value.parse()?,
-                "cursor_claims" if value == "both" => o.cursor_claims = vec![false, true],
+                "cursor_claims" if value == "both" => {
+                    o.cursor_claims = vec![Some(false), Some(true)];
+                }
                 "cursor_claims" => {
-                    o.cursor_claims = vec![value.parse().map_err(|_| {
+                    o.cursor_claims = vec![Some(value.parse().map_err(|_| {
                         format!("cursor_claims={value:?}: use false, true or both")
-                    })?];
+                    })?)];
                 }
                 "partitioned" if value == "both" => o.partitioned = vec![false, true],
                 "partitioned" => {
@@ -283,9 +287,14 @@ impl Opts {
     /// [`Opts::relay_settings`] for a Postgres store, naming what it chooses where nothing was
     /// given (its `PREFERRED_BATCH` and `PREFERRED_CLAIM_SHARDS`).
     fn postgres_settings(&self) -> String {
+        let cursor = match self.cursor_claims.as_slice() {
+            [Some(on)] => *on,
+            // The store's default for a new table.
+            _ => self.partitioned != [true] && !self.deletes(),
+        };
         let shape = if self.partitioned == [true] {
             ", table partitioned by day"
-        } else if self.cursor_claims == [true] {
+        } else if cursor {
             ", cursor claims"
         } else {
             ""
@@ -601,13 +610,15 @@ async fn postgres_store(
 ) -> BoxResult<(Arc<PostgresStore>, PostgresConfig)> {
     let schema = format!("bench_{}", outbox_e2e::unique_suffix());
     let partitioned = o.partitioned.first().copied().unwrap_or(false);
-    let config = PostgresConfig::builder()
+    let mut config = PostgresConfig::builder()
         .schema(&schema)
         .notify(false)
         .delete_published(o.deletes())
-        .partition_interval(partitioned.then_some(std::time::Duration::from_secs(86_400)))
-        .cursor_claims(o.cursor_claims.first().copied().unwrap_or(false))
-        .build()?;
+        .partition_interval(partitioned.then_some(std::time::Duration::from_secs(86_400)));
+    if let Some(Some(on)) = o.cursor_claims.first() {
+        config = config.cursor_claims(*on);
+    }
+    let config = config.build()?;
     let store = Arc::new(PostgresStore::new(pool.clone(), config.clone()));
     store.migrate().await?;
     let started = Instant::now();
@@ -1220,7 +1231,7 @@ async fn main() -> BoxResult<()> {
         for (suffix, m) in modes {
             for &parted in &o.partitioned {
                 for &cursor in &o.cursor_claims {
-                    if parted && cursor {
+                    if parted && cursor == Some(true) {
                         continue;
                     }
                     let mut m = m.clone();
@@ -1228,7 +1239,7 @@ async fn main() -> BoxResult<()> {
                     m.cursor_claims = vec![cursor];
                     let shape = if parted && o.partitioned.len() > 1 {
                         ", partitioned"
-                    } else if cursor && o.cursor_claims.len() > 1 {
+                    } else if cursor == Some(true) && o.cursor_claims.len() > 1 {
                         ", cursor claims"
                     } else {
                         ""
