@@ -248,7 +248,7 @@ impl ClaimPlan {
 }
 
 /// The claim's transaction, in Postgres's dialect.
-type ClaimTx = sqlx::Transaction<'static, sqlx::Postgres>;
+type ClaimTx<'c> = sqlx::Transaction<'c, sqlx::Postgres>;
 
 /// [`OutboxStore::claim`] for the store: [`try_claim`] in a task of its own, then the batch in
 /// `seq` order.
@@ -295,7 +295,26 @@ async fn try_claim(
     plan: ClaimPlan,
 ) -> Result<(Option<DateTime<Utc>>, Vec<Message>), Error> {
     let err = plan.err();
-    let mut tx: ClaimTx = pool.begin_with(plan.begin.clone()).await.map_err(&err)?;
+    let mut conn = pool.acquire().await.map_err(&err)?;
+    let failed = match sqlx::Connection::begin_with(&mut *conn, plan.begin.clone()).await {
+        Ok(tx) => return claim_in(tx, &plan).await,
+        Err(e) => e,
+    };
+    // The `BEGIN` is several statements: when one after `BEGIN` fails (the settle, on a table
+    // that is missing, or under a lock timeout), the session is left in an aborted transaction
+    // that sqlx does not roll back, since the transaction never began for it. Close that
+    // session rather than hand it to the next user of the pool, whose statements would fail
+    // with 25P02.
+    conn.close_on_drop();
+    Err(err(failed))
+}
+
+/// [`try_claim`] once its transaction began.
+async fn claim_in(
+    mut tx: ClaimTx<'_>,
+    plan: &ClaimPlan,
+) -> Result<(Option<DateTime<Utc>>, Vec<Message>), Error> {
+    let err = plan.err();
     let mut rows: Vec<PgRow> = claim_statement(
         &plan.sql,
         plan.limit,
@@ -308,7 +327,7 @@ async fn try_claim(
     .fetch_all(&mut *tx)
     .await
     .map_err(&err)?;
-    let more = look_past(&mut tx, &plan, &rows).await?;
+    let more = look_past(&mut tx, plan, &rows).await?;
     rows.extend(more);
     // More messages than the limit is impossible by the SQL (LIMITs inside MATERIALIZED CTEs,
     // the second statement asked for the rest only); if it ever happens, lease nothing and
@@ -318,7 +337,7 @@ async fn try_claim(
         tx.rollback().await.map_err(&err)?;
         return Err(Error::permanent(
             format!(
-                "claim on {} leased {leased} messages, more than the limit of {}; this is a                  bug in outbox-backend-postgres, please report it",
+                "claim on {} leased {leased} messages, more than the limit of {}; this is a bug in outbox-backend-postgres, please report it",
                 plan.table, plan.max
             ),
             None,
@@ -333,11 +352,11 @@ async fn try_claim(
         ),
         None => None,
     };
-    let (mut messages, mut poisoned) = decode_all(&rows, &plan)?;
+    let (mut messages, mut poisoned) = decode_all(&rows, plan)?;
     if !poisoned.is_empty() {
         poisoned.sort_by_key(|p| p.seq);
-        quarantine(&mut tx, &plan, &poisoned).await?;
-        messages = hold_back(&mut tx, &plan, &poisoned, messages).await?;
+        quarantine(&mut tx, plan, &poisoned).await?;
+        messages = hold_back(&mut tx, plan, &poisoned, messages).await?;
         for poison in &poisoned {
             poison.log(&plan.table);
         }
@@ -350,7 +369,7 @@ async fn try_claim(
 /// it, where a long blocked backlog may have hidden claimable keys. A window that held every
 /// unpublished row (an idle relay's polls) has nothing past it: no second statement.
 async fn look_past(
-    tx: &mut ClaimTx,
+    tx: &mut ClaimTx<'_>,
     plan: &ClaimPlan,
     rows: &[PgRow],
 ) -> Result<Vec<PgRow>, Error> {
@@ -398,7 +417,11 @@ fn decode_all(rows: &[PgRow], plan: &ClaimPlan) -> Result<(Vec<Message>, Vec<Poi
 
 /// Dead-letter a claim's undecodable rows (leased by its transaction) by `seq`, each with its
 /// reason, in one statement.
-async fn quarantine(tx: &mut ClaimTx, plan: &ClaimPlan, poisoned: &[Poison]) -> Result<(), Error> {
+async fn quarantine(
+    tx: &mut ClaimTx<'_>,
+    plan: &ClaimPlan,
+    poisoned: &[Poison],
+) -> Result<(), Error> {
     let seqs: Vec<i64> = poisoned.iter().map(|p| p.seq).collect();
     let reasons: Vec<&str> = poisoned.iter().map(|p| truncate_error(&p.reason)).collect();
     sqlx::query(&plan.quarantine)
@@ -414,7 +437,7 @@ async fn quarantine(tx: &mut ClaimTx, plan: &ClaimPlan, poisoned: &[Poison]) -> 
 /// Under `Block`, a quarantined row's key's later messages of this claim wait behind it like
 /// behind any dead head: release them in the claim's transaction; the rest are handed out.
 async fn hold_back(
-    tx: &mut ClaimTx,
+    tx: &mut ClaimTx<'_>,
     plan: &ClaimPlan,
     poisoned: &[Poison],
     messages: Vec<Message>,

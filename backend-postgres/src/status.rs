@@ -30,7 +30,7 @@ fn statement(
     cursor: Option<&crate::cursor::CursorNames>,
 ) -> String {
     if let Some(names) = cursor {
-        return cursor_statement(table, names);
+        return cursor_statement(table, names, delete_published);
     }
     let blocked_list = blocked_list(table);
     let candidates = candidates(table, "d.state = 'dead'");
@@ -67,10 +67,15 @@ fn statement(
 
 /// [`statement`] for a table laid out for cursor claims (`crate::cursor`): the same figures, read
 /// from the smallest settled cursor up and from the rows aside below it, never through the kept
-/// history. No index holds `published_at` there, so the last minute's published count is not
-/// read (`NULL`, as when published rows are deleted): the relay's own metrics count what it
-/// publishes.
-fn cursor_statement(table: &str, names: &crate::cursor::CursorNames) -> String {
+/// history. No index holds `published_at` there, so the last minute's publications are counted
+/// among the rows from the low cursor up and the [`STATUS_WINDOW`] rows just below it, where the
+/// cursor passed them: exact while fewer than that many were published in the minute (claims
+/// publish in about seq order), a lower bound above (still telling a running relay).
+fn cursor_statement(
+    table: &str,
+    names: &crate::cursor::CursorNames,
+    delete_published: bool,
+) -> String {
     let cursors = &names.cursors;
     let aside_w = crate::cursor::aside("w");
     let aside_e = crate::cursor::aside("e");
@@ -83,6 +88,21 @@ fn cursor_statement(table: &str, names: &crate::cursor::CursorNames) -> String {
               UNION ALL
               SELECT * FROM {table} {alias}
               WHERE {aside} AND {alias}.seq < (SELECT seq FROM low) AND {alias}.state IN {states})"
+        )
+    };
+    let last_minute = if delete_published {
+        "NULL::bigint".to_owned()
+    } else {
+        format!(
+            "(SELECT count(*) FROM {table} r
+                 WHERE r.seq >= (SELECT seq FROM low) AND r.state = 'published'
+                   AND r.published_at > now() - interval '1 minute')
+               + (SELECT count(*) FROM (
+                    SELECT r.state, r.published_at FROM {table} r
+                    WHERE r.seq < (SELECT seq FROM low)
+                    ORDER BY r.seq DESC LIMIT {STATUS_WINDOW}) r
+                  WHERE r.state = 'published'
+                    AND r.published_at > now() - interval '1 minute')"
         )
     };
     let pending = rows("p", "('pending')");
@@ -128,7 +148,7 @@ fn cursor_statement(table: &str, names: &crate::cursor::CursorNames) -> String {
                (SELECT extract(epoch FROM now() - p.created_at)::float8 FROM {pending} p
                  ORDER BY p.seq LIMIT 1) AS oldest,
                {blocked_list},
-               NULL::bigint AS last_minute"
+{last_minute} AS last_minute"
     )
 }
 

@@ -534,3 +534,79 @@ async fn the_migration_keeps_the_sequence_from_caching() {
     assert_eq!(cache().await, 1);
     db.drop().await;
 }
+
+/// A claim whose `BEGIN` fails after `BEGIN` itself (the settle of a table not made yet) leaves
+/// no aborted transaction on a pooled session: the pool's next user, here on its only
+/// connection, runs its statements.
+#[tokio::test]
+async fn a_claim_whose_settle_fails_hands_no_aborted_session_to_the_pool() {
+    let Some(url) = outbox_conformance_tests::env::service_url(common::URL_VAR) else {
+        return;
+    };
+    let schema = common::random_schema();
+    let config = outbox_backend_postgres::PostgresConfig::builder()
+        .schema(&schema)
+        .build()
+        .unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    let store = outbox_backend_postgres::PostgresStore::new(pool.clone(), config.clone());
+    let request = outbox_traits::ClaimRequest {
+        limit: 10,
+        lease: Duration::from_secs(30),
+        head_policy: HeadPolicy::Block,
+        shard: None,
+    };
+    let err = store.claim(&request).await.unwrap_err().to_string();
+    assert!(err.contains("outbox-relay migrate"), "{err}");
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&pool)
+        .await
+        .expect("the pool handed out a session left in an aborted transaction");
+    assert_eq!(one, 1);
+    // Migrated, the same store claims.
+    store.migrate().await.unwrap();
+    let db = Db {
+        url,
+        store,
+        config,
+        schema,
+    };
+    db.enqueue(&[msg("k", "one")]).await;
+    assert_eq!(drain_once(&db, 10).await, ["one"]);
+    db.drop().await;
+}
+
+/// The status counts the last minute's publications on this layout too, below the cursor (which
+/// passed them) and above it: the CLI's `relay_running` is read from it.
+#[tokio::test]
+async fn the_status_counts_the_last_minute_s_publications_on_both_sides_of_the_cursor() {
+    use outbox_traits::OutboxAdmin;
+    let Some(db) = cursor_db().await else {
+        return;
+    };
+    let batch: Vec<_> = (0..5).map(|i| msg(&format!("k{i}"), "a")).collect();
+    db.enqueue(&batch).await;
+    assert_eq!(drain_once(&db, 100).await.len(), 5);
+    settle(&db).await;
+    assert_eq!(cursor(&db).await, max_seq(&db).await + 1, "not passed yet");
+    // Three more, published and not yet passed by the cursor.
+    let more: Vec<_> = (0..3).map(|i| msg(&format!("k{i}"), "b")).collect();
+    db.enqueue(&more).await;
+    let claim = db.claim(100, HeadPolicy::Block).await;
+    let ids: Vec<_> = claim.messages.iter().map(|m| m.id).collect();
+    db.store.complete(claim.token, &ids).await.unwrap();
+    assert!(cursor(&db).await <= max_seq(&db).await);
+    let status = db.store.status(0).await.unwrap();
+    assert_eq!(status.published_last_minute, Some(8));
+    // A minute later, none.
+    db.advance(Duration::from_secs(61)).await;
+    assert_eq!(
+        db.store.status(0).await.unwrap().published_last_minute,
+        Some(0)
+    );
+    db.drop().await;
+}
