@@ -104,11 +104,13 @@ BEGIN
     END IF;
     -- A sequence that caches hands a session's seqs out long after they were drawn, past a
     -- cursor that read the sequence meanwhile.
+    -- Read from the catalog by the sequence's oid: the pg_sequences view, filtered by name,
+    -- would resolve every sequence of the database, and fail when another schema is dropped
+    -- meanwhile.
     IF EXISTS (
-        SELECT 1 FROM pg_sequences
-        WHERE format('%I.%I', schemaname, sequencename)::regclass
-              = pg_get_serial_sequence('{t}', 'seq')::regclass
-          AND cache_size <> 1
+        SELECT 1 FROM pg_sequence s
+        WHERE s.seqrelid = pg_get_serial_sequence('{t}', 'seq')::regclass
+          AND s.seqcache <> 1
     ) THEN
         ALTER TABLE {t} ALTER COLUMN seq SET CACHE 1;
     END IF;

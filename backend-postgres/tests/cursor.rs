@@ -513,9 +513,8 @@ async fn the_migration_keeps_the_sequence_from_caching() {
     };
     let cache = || async {
         sqlx::query_scalar::<_, i64>(&format!(
-            "SELECT cache_size FROM pg_sequences
-             WHERE format('%I.%I', schemaname, sequencename)::regclass
-                   = pg_get_serial_sequence('{}', 'seq')::regclass",
+            "SELECT seqcache FROM pg_sequence
+             WHERE seqrelid = pg_get_serial_sequence('{}', 'seq')::regclass",
             db.table()
         ))
         .fetch_one(db.pool())
