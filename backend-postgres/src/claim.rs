@@ -494,9 +494,8 @@ mod tests {
         Ok(())
     }
 
-    /// A store on a new schema of its own, migrated (`None` without a test server).
-    /// A store over a new table, of the default layout or (`partial_index`) of the
-    /// partial-index one.
+    /// A store on a new schema of its own, migrated (`None` without a test server): a table of
+    /// the default layout, or (`partial_index`) of the partial-index one.
     async fn migrated_store(
         partial_index: bool,
     ) -> Result<Option<(PostgresStore, PostgresConfig, String)>, Box<dyn std::error::Error>> {

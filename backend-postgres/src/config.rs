@@ -97,8 +97,8 @@ impl PostgresConfig {
 
     /// The migration SQL for this table, for teams that apply migrations with their own tool.
     /// It is idempotent; [`crate::migrate`] runs exactly this under an advisory lock, or, with
-    /// [`cursor_claims`](PostgresConfigBuilder::cursor_claims) unset, the partial-index
-    /// layout's SQL for an existing table of that layout.
+    /// [`cursor_claims`](PostgresConfigBuilder::cursor_claims) unset, the other layout's SQL for
+    /// an existing table of the other layout.
     ///
     /// It lays a new table out as [`PostgresConfig::new_tables_use_cursor_claims`] says, and
     /// refuses (raises) to run on a table of the other layout: a team whose table was made by
@@ -337,7 +337,8 @@ impl PostgresConfigBuilder {
     /// earlier release keeps working unchanged, and a new plain table is laid out for cursor
     /// claims when published rows are kept (the default), for partial indexes when the
     /// configuration deletes them ([`delete_published`](Self::delete_published): deleting is
-    /// about 6% faster there). `docs/keep-cursor.md` has the design.
+    /// 1.06× and 1.13× faster there in two side-by-side runs, `BENCHMARKS.md`).
+    /// `docs/keep-cursor.md` has the design.
     ///
     /// **Cursor claims.** Published rows kept (the default) are marked published by a HOT
     /// update, which writes no index entry: `state` is in no index. Claims start from a
@@ -346,7 +347,7 @@ impl PostgresConfigBuilder {
     /// only over seqs whose writers have all ended. A transaction that holds a write lock on the
     /// table for a long time stops the cursor (claims go on, reading from where it stopped).
     /// The relay's role needs `SELECT` on the table's identity sequence and may read `pg_locks`
-    /// (every role may). Keeping published rows drains about 1.15× faster than on the
+    /// (every role may). Keeping published rows drained 1.12× to 1.15× faster than on the
     /// partial-index layout (`BENCHMARKS.md`).
     ///
     /// **The partial-index layout** (tables made before cursor claims existed, and every

@@ -209,8 +209,7 @@ pub(crate) fn seq_index_name(table: &str) -> String {
 /// Refuse a plain table whose layout is not the one the configuration names (an unnamed layout
 /// takes the table's): the cursor layout's claims would miss rows of a table without its cursors
 /// and aside indexes, and the other claims would read every kept row of one without the partial
-/// indexes. `laid_for_cursor`: whether the table
-/// has the cursor layout's seq index.
+/// indexes. `laid_for_cursor`: whether the table has the cursor layout's seq index.
 ///
 /// # Errors
 /// [`Error::InvalidInput`] naming both layouts when they differ.

@@ -22,7 +22,8 @@ pub const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78;
 /// (plain, or partitioned by [`PostgresConfigBuilder::partition_interval`](crate::PostgresConfigBuilder::partition_interval)),
 /// or the other layout than the one it names ([`PostgresConfigBuilder::cursor_claims`](crate::PostgresConfigBuilder::cursor_claims)):
 /// a migration never converts a table. With the layout unnamed, an existing table is migrated
-/// in its own layout and a new one is laid out for cursor claims.
+/// in its own layout and a new one is laid out as
+/// [`PostgresConfig::new_tables_use_cursor_claims`] says.
 /// Classified database errors, e.g. [`Error::Unavailable`] when the server cannot be reached or a
 /// permanent error when the role may not create the schema or table.
 pub async fn migrate(pool: &PgPool, config: &PostgresConfig) -> Result<(), Error> {

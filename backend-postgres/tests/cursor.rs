@@ -609,3 +609,45 @@ async fn the_status_counts_the_last_minute_s_publications_on_both_sides_of_the_c
     );
     db.drop().await;
 }
+
+/// The other direction: a configuration that deletes published rows (whose new tables get
+/// partial indexes) over an existing table laid out for cursor claims takes it as it is.
+#[tokio::test]
+async fn a_deleting_configuration_takes_an_existing_cursor_table_as_it_is() {
+    let Some(made) = cursor_db().await else {
+        return;
+    };
+    made.enqueue(&[msg("k", "first"), msg("k", "second")]).await;
+    let config = outbox_backend_postgres::PostgresConfig::builder()
+        .schema(&made.schema)
+        .delete_published(true)
+        .build()
+        .unwrap();
+    assert!(!config.new_tables_use_cursor_claims());
+    let store = outbox_backend_postgres::PostgresStore::new(made.pool().clone(), config.clone());
+    store.migrate().await.unwrap();
+    let db = Db {
+        url: made.url.clone(),
+        store,
+        config,
+        schema: made.schema.clone(),
+    };
+    assert!(
+        laid_for_cursor(&db).await,
+        "the migration converted the table"
+    );
+    assert_eq!(drain_once(&db, 1).await, ["first"]);
+    assert_eq!(drain_once(&db, 10).await, ["second"]);
+    settle(&db).await;
+    let left: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {}", db.table()))
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "published rows were not deleted");
+    // The claims were the cursor layout's: they moved its cursor past both rows.
+    assert!(
+        cursor(&db).await > 2,
+        "the claims did not read from the cursor"
+    );
+    db.drop().await;
+}
