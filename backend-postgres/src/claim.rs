@@ -63,7 +63,8 @@ fn claim_begin() -> &'static str {
 }
 
 /// A claim of `limit` rows reads at most `limit * CLAIM_WINDOW` unpublished rows in seq order
-/// (see `Sql::claim_block`); past them it takes only key heads, key by key.
+/// (see `Sql::claim_block`); past them it takes only key heads, key by key. That is the window
+/// of a shard's first claim, and the most any claim reads ([`ClaimWindows`] sizes the others).
 ///
 /// Twice the limit: room for one other batch in flight (the relay's default of 2), whose
 /// leased rows sit at the head of the window, and for the claimable rows behind them. Reading,
@@ -74,6 +75,57 @@ fn claim_begin() -> &'static str {
 /// the limit 81,514 msg/s, 3× 87,961, **2× 90,278**; 1.5× and 1× come back short of the limit
 /// so often that the look-past statement makes them slower (63,808 and 66,037).
 const CLAIM_WINDOW: i64 = 2;
+
+/// The room a window keeps past the limit and the rows held in the shard's last window: an
+/// eighth of the limit, for rows that became held since (a retry come due, another relay's
+/// lease) and rows held back behind them.
+const WINDOW_SLACK_DIVISOR: i64 = 8;
+
+/// Each claim shard's window, sized from what its last claim found (by `(shards, shard)`, as
+/// the statements take them).
+///
+/// A window must hold the claimable rows of the limit and the held rows ahead of them (leased to
+/// a batch in flight, or not due). How many are held depends on how the relay runs: unsharded
+/// with 2 batches in flight, one batch's rows are leased at every claim; with one claim shard
+/// per batch in flight (the relay's default on Postgres: 2 shards, 2 in flight), a shard's
+/// next claim starts once its batch is done, and nothing of the shard is held. A fixed window
+/// of [`CLAIM_WINDOW`] × the limit fits the first and reads twice what the second needs. So
+/// each claim reads `limit + held + limit / 8` rows, `held` being what the shard's last window
+/// held, at most [`CLAIM_WINDOW`] × the limit (also the first claim's, and the next one's
+/// after a claim that came back short from a full window). Whatever the size, the claim is the
+/// same: the window is a prefix of the unpublished rows, and `claim_past` looks past it when
+/// it comes back short.
+#[derive(Debug, Default)]
+pub(crate) struct ClaimWindows(std::sync::Mutex<std::collections::HashMap<(i32, i32), i64>>);
+
+impl ClaimWindows {
+    /// The window of a claim of `limit` rows of shard `(shards, shard)`.
+    fn window(&self, shards: i32, shard: i32, limit: i64) -> i64 {
+        let most = limit.saturating_mul(CLAIM_WINDOW);
+        let held = self.lock().get(&(shards, shard)).copied();
+        match held {
+            None => most,
+            Some(held) => limit
+                .saturating_add(held)
+                .saturating_add((limit / WINDOW_SLACK_DIVISOR).max(1))
+                .min(most),
+        }
+    }
+
+    /// What a claim of shard `(shards, shard)` found: `held` rows of its window held, and
+    /// whether it came back short from a full window (the next window is then the largest).
+    fn record(&self, shards: i32, shard: i32, held: i64, short: bool, limit: i64) {
+        let held = if short { limit } else { held.max(0) };
+        self.lock().insert((shards, shard), held);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<(i32, i32), i64>> {
+        // A panic elsewhere while it was held leaves a map that is still whole.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
 
 /// A claim statement (`Sql::claim_*` or `Sql::claim_past_*`) with its first parameters bound:
 /// `$1` how many messages, `$2` the token, `$3` the lease in microseconds, `$4` the window.
@@ -178,8 +230,12 @@ struct ClaimPlan {
     /// How many messages at most (as the statements' `bigint`, and as asked).
     limit: i64,
     max: usize,
-    /// How many unpublished rows the first statement reads (see [`CLAIM_WINDOW`]).
+    /// How many unpublished rows the first statement reads (see [`ClaimWindows`]).
     window: i64,
+    /// The look-past statement's bound on the keys it walks one by one (see `Sql::claim_past`).
+    past_keys: i64,
+    /// Where the shard's windows are sized, to record what this claim found.
+    windows: std::sync::Arc<ClaimWindows>,
     /// The shard as the statements' parameters (see [`shard_params`]).
     shards: i32,
     shard: i32,
@@ -218,7 +274,9 @@ impl ClaimPlan {
             // The claim reads at most this many unpublished rows (leased ones included): the
             // ones in flight ahead of the claimable rows, and room for rows held back behind
             // them.
-            window: limit.saturating_mul(CLAIM_WINDOW),
+            window: store.claim_windows().window(shards, shard, limit),
+            past_keys: limit.saturating_mul(CLAIM_WINDOW),
+            windows: store.claim_windows().clone(),
             shards,
             shard,
             policy: req.head_policy,
@@ -375,15 +433,21 @@ async fn look_past(
 ) -> Result<Vec<PgRow>, Error> {
     let err = plan.err();
     let got = messages_in(rows);
-    let window_end = match rows.first() {
-        Some(row) => row.try_get::<Option<i64>, _>("window_end").map_err(&err)?,
-        None => None,
+    let (window_end, held) = match rows.first() {
+        Some(row) => (
+            row.try_get::<Option<i64>, _>("window_end").map_err(&err)?,
+            row.try_get::<i64, _>("window_held").map_err(&err)?,
+        ),
+        None => (None, 0),
     };
+    let short = got < plan.max && window_end.is_some();
+    plan.windows
+        .record(plan.shards, plan.shard, held, short, plan.limit);
     let (true, Some(window_end)) = (got < plan.max, window_end) else {
         return Ok(Vec::new());
     };
     let rest = i64::try_from(plan.max - got).unwrap_or(i64::MAX);
-    let mut past = claim_statement(&plan.past, rest, plan.token, plan.lease_us, plan.window)
+    let mut past = claim_statement(&plan.past, rest, plan.token, plan.lease_us, plan.past_keys)
         .bind(window_end)
         .bind(plan.shards)
         .bind(plan.shard);
@@ -632,5 +696,30 @@ mod tests {
         );
         assert!(pinned.contains("_claim_idx"), "{pinned}");
         Ok(())
+    }
+
+    #[test]
+    fn a_shard_s_window_is_the_limit_and_what_its_last_claim_found_held() {
+        let windows = ClaimWindows::default();
+        // A shard's first claim reads the most.
+        assert_eq!(windows.window(2, 0, 2000), 4000);
+        // Nothing held: the limit and an eighth.
+        windows.record(2, 0, 0, false, 2000);
+        assert_eq!(windows.window(2, 0, 2000), 2250);
+        // Another shard, or another shard count, keeps its own.
+        assert_eq!(windows.window(2, 1, 2000), 4000);
+        assert_eq!(windows.window(1, 0, 2000), 4000);
+        // A batch in flight ahead of the claimable rows: room for it.
+        windows.record(2, 0, 1000, false, 2000);
+        assert_eq!(windows.window(2, 0, 2000), 3250);
+        // Never past twice the limit.
+        windows.record(2, 0, 5000, false, 2000);
+        assert_eq!(windows.window(2, 0, 2000), 4000);
+        // Short from a full window: the next is the largest, whatever was held.
+        windows.record(2, 0, 0, true, 2000);
+        assert_eq!(windows.window(2, 0, 2000), 4000);
+        // A limit of 1 still leaves room for one more row.
+        windows.record(1, 0, 0, false, 1);
+        assert_eq!(windows.window(1, 0, 1), 2);
     }
 }

@@ -716,12 +716,14 @@ upd AS (
 -- One row even when nothing was claimed, to return the lease end in the same round trip, and
 -- the window's end: when the claim came back short, the seq of the window's last row if the
 -- window was full (NULL if it held every unpublished row, as on an idle relay's polls, which
--- then need no second statement). `claim_past` looks past that seq.
+-- then need no second statement). `claim_past` looks past that seq. And how many of the
+-- window's rows were held (leased or not due): the store sizes the shard's next window by it.
 SELECT l.*, upd.*
 FROM (SELECT now() + $3::bigint * interval '1 microsecond' AS lease_until,
              CASE WHEN (SELECT count(*) FROM upd) < $1 THEN (
                  SELECT max(w.seq) FROM win w HAVING count(*) >= $4
-             ) END AS window_end{cursor_seq}) l
+             ) END AS window_end,
+             (SELECT count(*) FROM win w WHERE NOT w.claimable) AS window_held{cursor_seq}) l
 LEFT JOIN upd ON true
 ORDER BY upd.seq"#,
             )

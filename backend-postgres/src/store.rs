@@ -27,6 +27,8 @@ pub struct PostgresStore {
     /// and layout: whether it is laid out for cursor claims. Checked before the first statement
     /// whose text depends on it, see [`PostgresStore::ensure_shape`].
     layout: Arc<OnceLock<bool>>,
+    /// Each claim shard's window, sized from its last claim (shared by the store's clones).
+    windows: Arc<crate::claim::ClaimWindows>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -42,6 +44,7 @@ impl PostgresStore {
         Self {
             inner: SqlxStore::new(pool, config),
             layout: Arc::default(),
+            windows: Arc::default(),
         }
     }
 
@@ -57,6 +60,7 @@ impl PostgresStore {
         Ok(Self {
             inner: SqlxStore::connect(url, WHAT, config).await?,
             layout: Arc::default(),
+            windows: Arc::default(),
         })
     }
 
@@ -110,6 +114,11 @@ impl PostgresStore {
             Some(&cursor) => self.config().sql_for(cursor),
             None => self.config().sql(),
         }
+    }
+
+    /// Each claim shard's window (see [`crate::claim::ClaimWindows`]).
+    pub(crate) fn claim_windows(&self) -> &Arc<crate::claim::ClaimWindows> {
+        &self.windows
     }
 
     /// [`PostgresStore::ensure_shape`], then [`PostgresStore::sql`].

@@ -85,6 +85,50 @@ async fn two_relays_on_separate_pools_never_overlap_and_keep_key_order() {
     db.drop().await;
 }
 
+/// A shard's window is sized from its last claim: after a claim that found nothing held, the
+/// next window is the limit and an eighth. When rows at its head have been leased meanwhile by
+/// another relay, that window comes back short, and the look past it still fills the batch, in
+/// seq order; the claim after reads a full window again.
+#[tokio::test]
+async fn a_window_sized_from_the_last_claim_still_fills_the_batch_when_rows_are_leased_ahead() {
+    let Some(db) = db().await else { return };
+    let names_of = |prefix: &str, range: std::ops::RangeInclusive<usize>| -> Vec<String> {
+        range.map(|i| format!("{prefix}{i:02}")).collect()
+    };
+    // 40 messages of 40 keys: none waits for another.
+    let messages: Vec<_> = names_of("m", 1..=40)
+        .iter()
+        .map(|name| msg(name, name))
+        .collect();
+    db.enqueue(&messages).await;
+    // First claim: the largest window; it finds nothing held, so the next is 8 + 1 rows.
+    let first = db.claim(8, Block).await;
+    assert_eq!(names(&first), names_of("m", 1..=8));
+    db.store.complete(first.token, &ids(&first)).await.unwrap();
+    // Another relay (its own store, so its own windows) leases the next 4.
+    let other = PostgresStore::connect(&db.url, db.config.clone())
+        .await
+        .unwrap();
+    let taken = other
+        .claim(&ClaimRequest {
+            limit: 4,
+            lease: Duration::from_secs(30),
+            head_policy: Block,
+            shard: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(names(&taken), names_of("m", 9..=12));
+    // The window of 9 holds 4 leased rows and 5 claimable ones; the look past takes 3 more.
+    let second = db.claim(8, Block).await;
+    assert_eq!(names(&second), names_of("m", 13..=20));
+    // Its window came back short: the next one is the largest again, and fills the batch.
+    let third = db.claim(8, Block).await;
+    assert_eq!(names(&third), names_of("m", 21..=28));
+    other.pool().close().await;
+    db.drop().await;
+}
+
 #[tokio::test]
 async fn a_row_locked_by_a_concurrent_claim_holds_back_its_key() {
     let Some(db) = db().await else { return };
