@@ -300,6 +300,11 @@ SELECT {premake_function}({PARTITIONS_AHEAD});
         s = rewrite(&s, &locked_plain, &locked_exact);
         s = rewrite(
             &s,
+            "    SELECT c.tid FROM cand c\n",
+            "    SELECT c.tid, c.toid, c.seq FROM cand c\n",
+        );
+        s = rewrite(
+            &s,
             "    SELECT r.tid FROM (
         SELECT c.tid, c.partition_key, c.key_rank,",
             "    SELECT r.tid, r.toid, r.seq FROM (

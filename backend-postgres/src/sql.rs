@@ -697,10 +697,17 @@ locked AS MATERIALIZED (
 -- breaks the match for every later row of its key: nothing passes an earlier message of its
 -- key. Unordered messages (no key) go as they are.
 chosen AS (
+    -- Every candidate locked (a claim that met no other; `locked` holds only candidates, so as
+    -- many rows means the same rows): each key's candidates are its first unpublished rows,
+    -- ranks 1 to n, so all pass the check, and it is not run.
+    SELECT c.tid FROM cand c
+    WHERE (SELECT count(*) FROM locked) = (SELECT count(*) FROM cand)
+    UNION ALL
     SELECT r.tid FROM (
         SELECT c.tid, c.partition_key, c.key_rank,
                row_number() OVER (PARTITION BY c.partition_key ORDER BY c.seq) AS rn
         FROM cand c JOIN locked l ON l.tid = c.tid
+        WHERE (SELECT count(*) FROM locked) <> (SELECT count(*) FROM cand)
     ) r
     WHERE r.partition_key IS NULL OR r.rn = r.key_rank
 ),
