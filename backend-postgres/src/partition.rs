@@ -297,6 +297,11 @@ SELECT {premake_function}({PARTITIONS_AHEAD});
             "SELECT c.tid, c.id, c.seq, c.partition_key, c.key_rank",
             "SELECT c.tid, c.toid, c.id, c.seq, c.partition_key, c.key_rank",
         );
+        s = rewrite(
+            &s,
+            "SELECT c.tid, c.id, c.seq, c.partition_key, NULL::bigint AS key_rank",
+            "SELECT c.tid, c.toid, c.id, c.seq, c.partition_key, NULL::bigint AS key_rank",
+        );
         s = rewrite(&s, &locked_plain, &locked_exact);
         s = rewrite(
             &s,
@@ -306,9 +311,9 @@ SELECT {premake_function}({PARTITIONS_AHEAD});
         s = rewrite(
             &s,
             "    SELECT r.tid FROM (
-        SELECT c.tid, c.partition_key, c.key_rank,",
+        SELECT c.tid, c.partition_key, c.rank,",
             "    SELECT r.tid, r.toid, r.seq FROM (
-        SELECT c.tid, c.toid, c.seq, c.partition_key, c.key_rank,",
+        SELECT c.tid, c.toid, c.seq, c.partition_key, c.rank,",
         );
         s = rewrite(
             &s,

@@ -654,7 +654,20 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     {win}
 ),
 cand AS MATERIALIZED (
-    SELECT c.tid, c.id, c.seq, c.partition_key, c.key_rank
+    -- Nothing held in the window (the common case: no batch in flight ahead, no retry, no
+    -- relay met): every row is claimable, so every key's rows pass the checks below, and the
+    -- candidates are the window's first rows in seq order (each key's first ones), taken without
+    -- sorting the window by key. Their place in their key (`key_rank`) is left NULL: the
+    -- prefix check after the lock needs it only when a lock was refused, and then counts it
+    -- from the candidates, of which each key's are its first unpublished rows.
+    (SELECT c.tid, c.id, c.seq, c.partition_key, NULL::bigint AS key_rank
+     FROM win c
+     WHERE NOT EXISTS (SELECT 1 FROM win h WHERE NOT h.claimable)
+       AND (c.partition_key IS NULL OR (true{dead_before}))
+     ORDER BY c.seq
+     LIMIT $1)
+    UNION ALL
+    (SELECT c.tid, c.id, c.seq, c.partition_key, c.key_rank
     FROM (
         -- The window is a prefix of the unpublished rows in seq order, so every unpublished
         -- row of a key before a window row is in the window too: a row's place in its key,
@@ -672,7 +685,8 @@ cand AS MATERIALIZED (
                          ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
     ) c
     -- Due, and not leased or with an expired lease (reclaimed: the old token loses its fence).
-    WHERE c.claimable
+    WHERE EXISTS (SELECT 1 FROM win h WHERE NOT h.claimable)
+      AND c.claimable
       -- Skip keys whose first unpublished row is not claimable (leased to another relay,
       -- waiting for a retry, not yet due) and rows behind any such row of their key (a key
       -- blocked in the middle of its backlog must not fill the LIMIT with rows the prefix
@@ -680,7 +694,7 @@ cand AS MATERIALIZED (
       -- backlog cannot fill the LIMIT and starve every other key.
       AND (c.partition_key IS NULL OR (c.prefix_claimable{dead_before}))
     ORDER BY c.seq
-    LIMIT $1
+    LIMIT $1)
 ),
 -- Lock the candidates by their row address. A row locked by a concurrent transaction is
 -- skipped; so is one changed since this statement's snapshot (locking follows it to its new
@@ -704,12 +718,17 @@ chosen AS (
     WHERE (SELECT count(*) FROM locked) = (SELECT count(*) FROM cand)
     UNION ALL
     SELECT r.tid FROM (
-        SELECT c.tid, c.partition_key, c.key_rank,
+        SELECT c.tid, c.partition_key, c.rank,
                row_number() OVER (PARTITION BY c.partition_key ORDER BY c.seq) AS rn
-        FROM cand c JOIN locked l ON l.tid = c.tid
+        FROM (
+            SELECT cc.*, COALESCE(cc.key_rank, row_number() OVER (
+                       PARTITION BY cc.partition_key ORDER BY cc.seq)) AS rank
+            FROM cand cc
+        ) c
+        JOIN locked l ON l.tid = c.tid
         WHERE (SELECT count(*) FROM locked) <> (SELECT count(*) FROM cand)
     ) r
-    WHERE r.partition_key IS NULL OR r.rn = r.key_rank
+    WHERE r.partition_key IS NULL OR r.rn = r.rank
 ),
 upd AS (
     -- Only the lease columns change: a HOT update when the page has room. By row address:
