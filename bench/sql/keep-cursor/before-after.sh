@@ -4,8 +4,8 @@
 # default layout, with two builds alternated ROUNDS times (default 5): BEFORE_BIN (e.g. main's
 # outbox-relay built in another worktree) against this tree's. MESSAGES rows (default 100,000)
 # over 1,000 keys are written by plain SQL and vacuumed before each drain (not timed). Prints
-# msg/s (the drain's wall time) and the Postgres CPU per message (the server's processes, from
-# /proc, read before and after the drain; it must run on the server's machine).
+# msg/s (the drain's wall time) and the CPU per message of the relay and of Postgres (the server's
+# processes, from /proc, read before and after the drain; it must run on the server's machine).
 #
 #   eval "$(scripts/services)"; cargo build --release -p outbox-cli
 #   bench/sql/keep-cursor/before-after.sh /tmp/outbox-relay-before 5
@@ -37,14 +37,25 @@ for r in $(seq 1 "$rounds"); do
     q -c "INSERT INTO \"$schema\".outbox (aggregatetype, aggregateid, type, payload, partition_key)
           SELECT 'order', 'o' || g, 'placed', jsonb_build_object('n', g), 'k' || (g % 1000)
           FROM generate_series(1, $n) g ORDER BY g" -c "VACUUM ANALYZE \"$schema\".outbox" > /dev/null
+    children=$(pgrep -P "$postmaster" | wc -l)
     ticks=$(pg_ticks)
+    relay_start=$(awk '{print $16 + $17}' /proc/$$/stat)
     start=$(date +%s.%N)
     "$bin" --store "$db" --schema "$schema" --broker stdout:// drain > /dev/null 2>&1
     end=$(date +%s.%N)
+    relay=$(( $(awk '{print $16 + $17}' /proc/$$/stat) - relay_start ))
+    # The drain's backends exit after it does; their time counts once the postmaster reaps
+    # them (up to 5 s).
+    for _ in $(seq 50); do
+      [ "$(pgrep -P "$postmaster" | wc -l)" -le "$children" ] && break
+      sleep 0.1
+    done
     used=$(( $(pg_ticks) - ticks ))
     left=$(q -c "SELECT count(*) FROM \"$schema\".outbox WHERE state <> 'published'")
-    printf '%-6s round %d: %6.0f msg/s, Postgres %5.1f us/msg, %s left\n' "$build" "$r" \
-      "$(echo "$n / ($end - $start)" | bc -l)" "$(echo "$used * 1000000 / $hz / $n" | bc -l)" "$left"
+    printf '%-6s round %d: %6.0f msg/s, CPU us/msg: relay %4.1f, Postgres %4.1f; %s left\n' \
+      "$build" "$r" "$(echo "$n / ($end - $start)" | bc -l)" \
+      "$(echo "$relay * 1000000 / $hz / $n" | bc -l)" "$(echo "$used * 1000000 / $hz / $n" | bc -l)" \
+      "$left"
     q -c "DROP SCHEMA \"$schema\" CASCADE" > /dev/null 2>&1
   done
 done
