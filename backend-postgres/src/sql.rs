@@ -653,6 +653,10 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
     -- candidates are, below.
     {win}
 ),
+-- How many of the window's rows are held (leased, or not due), counted once.
+held AS MATERIALIZED (
+    SELECT count(*) AS n FROM win h WHERE NOT h.claimable
+),
 cand AS MATERIALIZED (
     -- Nothing held in the window (the common case: no batch in flight ahead, no retry, no
     -- relay met): every row is claimable, so every key's rows pass the checks below, and the
@@ -662,7 +666,7 @@ cand AS MATERIALIZED (
     -- from the candidates, of which each key's are its first unpublished rows.
     (SELECT c.tid, c.id, c.seq, c.partition_key, NULL::bigint AS key_rank
      FROM win c
-     WHERE NOT EXISTS (SELECT 1 FROM win h WHERE NOT h.claimable)
+     WHERE (SELECT n FROM held) = 0
        AND (c.partition_key IS NULL OR (true{dead_before}))
      ORDER BY c.seq
      LIMIT $1)
@@ -685,7 +689,7 @@ cand AS MATERIALIZED (
                          ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
     ) c
     -- Due, and not leased or with an expired lease (reclaimed: the old token loses its fence).
-    WHERE EXISTS (SELECT 1 FROM win h WHERE NOT h.claimable)
+    WHERE (SELECT n FROM held) > 0
       AND c.claimable
       -- Skip keys whose first unpublished row is not claimable (leased to another relay,
       -- waiting for a retry, not yet due) and rows behind any such row of their key (a key
@@ -710,12 +714,16 @@ locked AS MATERIALIZED (
 -- locks were). A key's candidates are its first unpublished rows, so a row skipped by the lock
 -- breaks the match for every later row of its key: nothing passes an earlier message of its
 -- key. Unordered messages (no key) go as they are.
+-- Whether the lock returned every candidate (`locked` holds only candidates, so as many rows
+-- means the same rows), decided once.
+all_locked AS MATERIALIZED (
+    SELECT (SELECT count(*) FROM locked) = (SELECT count(*) FROM cand) AS yes
+),
 chosen AS (
-    -- Every candidate locked (a claim that met no other; `locked` holds only candidates, so as
-    -- many rows means the same rows): each key's candidates are its first unpublished rows,
-    -- ranks 1 to n, so all pass the check, and it is not run.
+    -- Every candidate locked (a claim that met no other): each key's candidates are its first
+    -- unpublished rows, ranks 1 to n, so all pass the check, and it is not run.
     SELECT c.tid FROM cand c
-    WHERE (SELECT count(*) FROM locked) = (SELECT count(*) FROM cand)
+    WHERE (SELECT yes FROM all_locked)
     UNION ALL
     SELECT r.tid FROM (
         SELECT c.tid, c.partition_key, c.rank,
@@ -726,7 +734,7 @@ chosen AS (
             FROM cand cc
         ) c
         JOIN locked l ON l.tid = c.tid
-        WHERE (SELECT count(*) FROM locked) <> (SELECT count(*) FROM cand)
+        WHERE NOT (SELECT yes FROM all_locked)
     ) r
     WHERE r.partition_key IS NULL OR r.rn = r.rank
 ),
@@ -749,7 +757,7 @@ FROM (SELECT now() + $3::bigint * interval '1 microsecond' AS lease_until,
              CASE WHEN (SELECT count(*) FROM upd) < $1 THEN (
                  SELECT max(w.seq) FROM win w HAVING count(*) >= $4
              ) END AS window_end,
-             (SELECT count(*) FROM win w WHERE NOT w.claimable) AS window_held{cursor_seq}) l
+             (SELECT n FROM held) AS window_held{cursor_seq}) l
 -- In no particular order: the store hands the batch out in seq order (it sorts it with the
 -- rows a look past the window adds).
 LEFT JOIN upd ON true"#,
