@@ -90,8 +90,9 @@ const WINDOW_SLACK_DIVISOR: i64 = 8;
 /// per batch in flight (the relay's default on Postgres: 2 shards, 2 in flight), a shard's
 /// next claim starts once its batch is done, and nothing of the shard is held. A fixed window
 /// of [`CLAIM_WINDOW`] × the limit fits the first and reads twice what the second needs. So
-/// each claim reads `limit + held + limit / 8` rows, `held` being what the shard's last window
-/// held, at most [`CLAIM_WINDOW`] × the limit (also the first claim's, and the next one's
+/// each claim reads `limit + held + limit / 8` rows, `held` being the rows of the shard's last
+/// window that were held or waited behind a held row of their key (a key whose head is leased
+/// elsewhere holds back its whole backlog in the window), at most [`CLAIM_WINDOW`] × the limit (also the first claim's, and the next one's
 /// after a claim that came back short from a full window). Whatever the size, the claim is the
 /// same: the window is a prefix of the unpublished rows, and `claim_past` looks past it when
 /// it comes back short.

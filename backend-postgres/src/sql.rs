@@ -657,6 +657,24 @@ CREATE INDEX IF NOT EXISTS "{published_idx}" ON {t} (published_at)
 held AS MATERIALIZED (
     SELECT count(*) AS n FROM win h WHERE NOT h.claimable
 ),
+ranked AS MATERIALIZED (
+    -- The window is a prefix of the unpublished rows in seq order, so every unpublished
+    -- row of a key before a window row is in the window too: a row's place in its key,
+    -- and whether every earlier row of its key is claimable, come from the window alone,
+    -- sorted by key, with no probe of the per-key index (a probe cost more than the rest
+    -- of the claim: it steps over the index entries that the key's finished rows left
+    -- behind). Only dead rows, which are not in the window, need a probe, and only when
+    -- the table holds one.
+    SELECT win.*,
+           -- The row's place among its key's unpublished rows: 1 for the key's head.
+           row_number() OVER keyed AS key_rank,
+           bool_and(win.claimable) OVER keyed AS prefix_claimable
+    FROM win
+    -- Only when something is held (otherwise no row of it is read).
+    WHERE (SELECT n FROM held) > 0
+    WINDOW keyed AS (PARTITION BY win.partition_key ORDER BY win.seq
+                     ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
+),
 cand AS MATERIALIZED (
     -- Nothing held in the window (the common case: no batch in flight ahead, no retry, no
     -- relay met): every row is claimable, so every key's rows pass the checks below, and the
@@ -672,25 +690,9 @@ cand AS MATERIALIZED (
      LIMIT $1)
     UNION ALL
     (SELECT c.tid, c.id, c.seq, c.partition_key, c.key_rank
-    FROM (
-        -- The window is a prefix of the unpublished rows in seq order, so every unpublished
-        -- row of a key before a window row is in the window too: a row's place in its key,
-        -- and whether every earlier row of its key is claimable, come from the window alone,
-        -- sorted by key, with no probe of the per-key index (a probe cost more than the rest
-        -- of the claim: it steps over the index entries that the key's finished rows left
-        -- behind). Only dead rows, which are not in the window, need a probe, and only when
-        -- the table holds one.
-        SELECT win.*,
-               -- The row's place among its key's unpublished rows: 1 for the key's head.
-               row_number() OVER keyed AS key_rank,
-               bool_and(win.claimable) OVER keyed AS prefix_claimable
-        FROM win
-        WINDOW keyed AS (PARTITION BY win.partition_key ORDER BY win.seq
-                         ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
-    ) c
+    FROM ranked c
     -- Due, and not leased or with an expired lease (reclaimed: the old token loses its fence).
-    WHERE (SELECT n FROM held) > 0
-      AND c.claimable
+    WHERE c.claimable
       -- Skip keys whose first unpublished row is not claimable (leased to another relay,
       -- waiting for a retry, not yet due) and rows behind any such row of their key (a key
       -- blocked in the middle of its backlog must not fill the LIMIT with rows the prefix
@@ -709,16 +711,16 @@ locked AS MATERIALIZED (
     WHERE l.ctid = ANY(ARRAY(SELECT tid FROM cand))
     FOR UPDATE SKIP LOCKED
 ),
--- Prefix check: the i-th locked candidate of a key may go only if it is the key's i-th
--- unpublished row (its `key_rank`, from the window, read in this statement's snapshot as the
--- locks were). A key's candidates are its first unpublished rows, so a row skipped by the lock
--- breaks the match for every later row of its key: nothing passes an earlier message of its
--- key. Unordered messages (no key) go as they are.
 -- Whether the lock returned every candidate (`locked` holds only candidates, so as many rows
 -- means the same rows), decided once.
 all_locked AS MATERIALIZED (
     SELECT (SELECT count(*) FROM locked) = (SELECT count(*) FROM cand) AS yes
 ),
+-- Prefix check: the i-th locked candidate of a key may go only if it is the key's i-th
+-- unpublished row (its `key_rank`, from the window, read in this statement's snapshot as the
+-- locks were). A key's candidates are its first unpublished rows, so a row skipped by the lock
+-- breaks the match for every later row of its key: nothing passes an earlier message of its
+-- key. Unordered messages (no key) go as they are.
 chosen AS (
     -- Every candidate locked (a claim that met no other): each key's candidates are its first
     -- unpublished rows, ranks 1 to n, so all pass the check, and it is not run.
@@ -751,13 +753,16 @@ upd AS (
 -- the window's end: when the claim came back short, the seq of the window's last row if the
 -- window was full (NULL if it held every unpublished row, as on an idle relay's polls, which
 -- then need no second statement). `claim_past` looks past that seq. And how many of the
--- window's rows were held (leased or not due): the store sizes the shard's next window by it.
+-- window's rows were held (leased or not due) or waited behind a held row of their key: the
+-- store sizes the shard's next window by it.
 SELECT l.*, upd.*
 FROM (SELECT now() + $3::bigint * interval '1 microsecond' AS lease_until,
              CASE WHEN (SELECT count(*) FROM upd) < $1 THEN (
                  SELECT max(w.seq) FROM win w HAVING count(*) >= $4
              ) END AS window_end,
-             (SELECT n FROM held) AS window_held{cursor_seq}) l
+             (SELECT count(*) FROM ranked r
+              WHERE NOT (r.claimable AND (r.partition_key IS NULL OR r.prefix_claimable)))
+                 AS window_held{cursor_seq}) l
 -- In no particular order: the store hands the batch out in seq order (it sorts it with the
 -- rows a look past the window adds).
 LEFT JOIN upd ON true"#,

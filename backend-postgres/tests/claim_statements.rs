@@ -348,3 +348,50 @@ async fn a_claim_runs_its_second_statement_only_when_short_from_a_full_window() 
     store.pool().close().await;
     db.drop().await;
 }
+
+/// A key whose head another relay holds keeps its backlog in every window. The store sizes a
+/// shard's next window from its last one, counting the rows that waited behind that head too,
+/// so a backlog shorter than the limit costs no look past the window on every other claim:
+/// each claim after the first runs its one statement and fills its batch.
+#[tokio::test]
+async fn a_backlog_behind_a_held_head_is_counted_when_the_next_window_is_sized() {
+    let Some(db) = db().await else { return };
+    let direct = PgConnectOptions::from_str(&db.url).unwrap();
+    let proxy = Proxy::start((direct.get_host().to_owned(), direct.get_port())).await;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            direct
+                .clone()
+                .host("127.0.0.1")
+                .port(proxy.port)
+                .ssl_mode(PgSslMode::Disable),
+        )
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool, db.config.clone());
+    // Key w's five messages, then forty messages of forty keys.
+    let mut messages: Vec<_> = (1..=5).map(|i| msg("w", &format!("w{i}"))).collect();
+    messages.extend((1..=40).map(|i| msg(&format!("o{i:02}"), &format!("o{i:02}"))));
+    db.enqueue(&messages).await;
+    // Another relay (the test's own store) leases w's head.
+    let head = db.claim(1, HeadPolicy::Block).await;
+    assert_eq!(names(&head), ["w1"]);
+    // The first claim reads the largest window; each later one reads the limit, the five rows
+    // of w the last one found held or behind a held row, and an eighth of the limit: enough.
+    let limit = 8;
+    for round in 0..4 {
+        let (got, sent) = claim(&store, &proxy, limit).await;
+        let wire = summary(&sent);
+        let expected: Vec<String> = (round * limit + 1..=round * limit + limit)
+            .map(|i| format!("o{i:02}"))
+            .collect();
+        assert_eq!(names(&got), expected, "round {round}:{wire}");
+        // The first round also runs the store's one-time check of the table.
+        let statements = if round == 0 { 2 } else { 1 };
+        assert_eq!(executed(&sent).len(), statements, "round {round}:{wire}");
+        store.complete(got.token, &ids(&got)).await.unwrap();
+    }
+    store.pool().close().await;
+    db.drop().await;
+}
