@@ -249,6 +249,27 @@ fn summary(sent: &[Sent]) -> String {
         .collect()
 }
 
+/// A store that claims through a proxy that records what it sends, on a pool of exactly one
+/// connection (no LISTEN: wakeups() is never called), over plain TCP. The test sets up and
+/// inspects through its own pool.
+async fn proxied_store(db: &common::Db) -> (Proxy, PostgresStore) {
+    let direct = PgConnectOptions::from_str(&db.url).unwrap();
+    let proxy = Proxy::start((direct.get_host().to_owned(), direct.get_port())).await;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            direct
+                .clone()
+                .host("127.0.0.1")
+                .port(proxy.port)
+                .ssl_mode(PgSslMode::Disable),
+        )
+        .await
+        .unwrap();
+    let store = PostgresStore::new(pool, db.config.clone());
+    (proxy, store)
+}
+
 /// One claim through the proxy, and the statements it sent (the pool's only connection is
 /// idle before and after, so nothing else is on the wire meanwhile).
 async fn claim(store: &PostgresStore, proxy: &Proxy, limit: usize) -> (Claim, Vec<Sent>) {
@@ -268,22 +289,7 @@ async fn claim(store: &PostgresStore, proxy: &Proxy, limit: usize) -> (Claim, Ve
 #[tokio::test]
 async fn a_claim_runs_its_second_statement_only_when_short_from_a_full_window() {
     let Some(db) = db().await else { return };
-    // Set up and inspect through the test's own pool; claim through the proxy, on a pool of
-    // exactly one connection (no LISTEN: wakeups() is never called), over plain TCP.
-    let direct = PgConnectOptions::from_str(&db.url).unwrap();
-    let proxy = Proxy::start((direct.get_host().to_owned(), direct.get_port())).await;
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(
-            direct
-                .clone()
-                .host("127.0.0.1")
-                .port(proxy.port)
-                .ssl_mode(PgSslMode::Disable),
-        )
-        .await
-        .unwrap();
-    let store = PostgresStore::new(pool, db.config.clone());
+    let (proxy, store) = proxied_store(&db).await;
     // A store checks the table's shape (plain or partitioned) once, before its first claim: one
     // catalog query. Done here, so that what follows shows the claims alone.
     let (_, first) = claim(&store, &proxy, 10).await;
@@ -356,20 +362,7 @@ async fn a_claim_runs_its_second_statement_only_when_short_from_a_full_window() 
 #[tokio::test]
 async fn a_backlog_behind_a_held_head_is_counted_when_the_next_window_is_sized() {
     let Some(db) = db().await else { return };
-    let direct = PgConnectOptions::from_str(&db.url).unwrap();
-    let proxy = Proxy::start((direct.get_host().to_owned(), direct.get_port())).await;
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(
-            direct
-                .clone()
-                .host("127.0.0.1")
-                .port(proxy.port)
-                .ssl_mode(PgSslMode::Disable),
-        )
-        .await
-        .unwrap();
-    let store = PostgresStore::new(pool, db.config.clone());
+    let (proxy, store) = proxied_store(&db).await;
     // Key w's five messages, then forty messages of forty keys.
     let mut messages: Vec<_> = (1..=5).map(|i| msg("w", &format!("w{i}"))).collect();
     messages.extend((1..=40).map(|i| msg(&format!("o{i:02}"), &format!("o{i:02}"))));
