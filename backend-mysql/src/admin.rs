@@ -168,6 +168,15 @@ impl SqlxAdmin for MysqlStore {
         }
     }
 
+    fn follow_up(&self, which: AdminStatement) -> Option<&str> {
+        let sql = self.config().sql();
+        match which {
+            AdminStatement::Requeue => sql.requeue_unpublished.as_deref(),
+            AdminStatement::RequeueSeqs => sql.requeue_seqs_unpublished.as_deref(),
+            _ => None,
+        }
+    }
+
     fn map_err(&self, err: sqlx::Error, op: &str) -> Error {
         self.err(op)(err)
     }

@@ -37,6 +37,7 @@ struct Inner {
     database: Option<String>,
     common: TableSettings,
     lock_keys: bool,
+    unpublished_table: bool,
     sql: Sql,
 }
 
@@ -86,12 +87,25 @@ impl MysqlConfig {
     /// each `IF EXISTS`. For tests and uninstalls; statements separated by `;` (run it as one
     /// text-protocol query, e.g. `sqlx::raw_sql`).
     pub fn drop_sql(&self) -> String {
+        let unpublished = self
+            .inner
+            .sql
+            .unpublished
+            .as_ref()
+            .map(|u| format!(", {u}"))
+            .unwrap_or_default();
         format!(
-            "DROP TABLE IF EXISTS {}, {};\n{}",
+            "DROP TABLE IF EXISTS {}, {}{unpublished};\n{}",
             self.qualified_table(),
             self.key_locks_table(),
             crate::group::group_drop_sql(self.database(), self.table())
         )
+    }
+
+    /// Whether the table is laid out with an unpublished table (see
+    /// [`MysqlConfigBuilder::unpublished_table`]).
+    pub fn unpublished_table(&self) -> bool {
+        self.inner.unpublished_table
     }
 
     pub(crate) fn sql(&self) -> &Sql {
@@ -99,18 +113,25 @@ impl MysqlConfig {
     }
 
     /// Build from settings that already passed their checks.
-    fn from_valid(database: Option<String>, common: TableSettings, lock_keys: bool) -> Self {
+    fn from_valid(
+        database: Option<String>,
+        common: TableSettings,
+        lock_keys: bool,
+        unpublished_table: bool,
+    ) -> Self {
         let sql = Sql::build(
             database.as_deref(),
             &common.table,
             common.delete_published,
             common.limits.max_payload_bytes,
+            unpublished_table,
         );
         Self {
             inner: Arc::new(Inner {
                 database,
                 common,
                 lock_keys,
+                unpublished_table,
                 sql,
             }),
         }
@@ -120,7 +141,7 @@ impl MysqlConfig {
 impl Default for MysqlConfig {
     /// Table `outbox` in the connection's database, 1 MiB payloads.
     fn default() -> Self {
-        Self::from_valid(None, TableSettings::default(), false)
+        Self::from_valid(None, TableSettings::default(), false, false)
     }
 }
 
@@ -142,6 +163,7 @@ pub struct MysqlConfigBuilder {
     database: Option<String>,
     common: TableSettings,
     lock_keys: bool,
+    unpublished_table: bool,
 }
 
 impl MysqlConfigBuilder {
@@ -196,6 +218,24 @@ impl MysqlConfigBuilder {
         self
     }
 
+    /// Lay the table out with an **unpublished table** (default off): a second table,
+    /// `<table>_unpublished`, holds one small row per pending or dead message, and the claim
+    /// scans and per-key order probes read it instead of indexes of the outbox table holding
+    /// `state`. A completion that keeps its row then deletes that small row and changes no
+    /// index of the outbox row (with the outbox table's own claim indexes it moves the row's
+    /// entry in three of them). For tables that keep published rows; see the README,
+    /// "Unpublished table", for the figures and what it costs writers.
+    ///
+    /// A table is made in one layout and stays in it: the migration refuses a table of the
+    /// other layout with a clear error, and a store whose configuration names the other
+    /// layout fails its first claim. Triggers keep the unpublished table in step with inserts
+    /// and deletes of any writer; change `state` only through the relay and its admin
+    /// commands.
+    pub fn unpublished_table(mut self, on: bool) -> Self {
+        self.unpublished_table = on;
+        self
+    }
+
     /// Validate the names and limits and build every SQL statement.
     pub fn build(self) -> Result<MysqlConfig, Error> {
         if let Some(database) = &self.database {
@@ -206,6 +246,7 @@ impl MysqlConfigBuilder {
             self.database,
             self.common,
             self.lock_keys,
+            self.unpublished_table,
         ))
     }
 }

@@ -38,7 +38,10 @@ pub(crate) async fn complete(
             "complete",
             token,
             ids,
-            &store.config().sql().complete,
+            Updates {
+                first: store.config().sql().complete_first.as_deref(),
+                then: &store.config().sql().complete,
+            },
             seq_list,
         )
         .await
@@ -59,10 +62,16 @@ pub(crate) async fn fail(
     }
     let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
     store
-        .transition("fail", token, &ids, &store.config().sql().fail, |held| {
-            let held: Vec<String> = held.iter().map(|row| row.id.clone()).collect();
-            failure_rows(failures, &held)
-        })
+        .transition(
+            "fail",
+            token,
+            &ids,
+            Updates::one(&store.config().sql().fail),
+            |held| {
+                let held: Vec<String> = held.iter().map(|row| row.id.clone()).collect();
+                failure_rows(failures, &held)
+            },
+        )
         .await
 }
 
@@ -94,10 +103,24 @@ pub(crate) async fn release(
             "release",
             token,
             ids,
-            &store.config().sql().release,
+            Updates::one(&store.config().sql().release),
             seq_list,
         )
         .await
+}
+
+/// The statements a transition runs on its held rows, each with the same one parameter.
+#[derive(Clone, Copy)]
+struct Updates<'a> {
+    /// Run first, if any (a kept completion's delete of the rows' unpublished entries).
+    first: Option<&'a str>,
+    then: &'a str,
+}
+
+impl<'a> Updates<'a> {
+    fn one(then: &'a str) -> Self {
+        Self { first: None, then }
+    }
 }
 
 impl MysqlStore {
@@ -109,7 +132,7 @@ impl MysqlStore {
         op: &str,
         token: LeaseToken,
         ids: &[Uuid],
-        update: &str,
+        update: Updates<'_>,
         rows: impl Fn(&[Held]) -> Result<String, Error>,
     ) -> Result<(), Error> {
         if ids.is_empty() {
@@ -153,7 +176,7 @@ impl MysqlStore {
         token: LeaseToken,
         list: &str,
         known: Option<&[Held]>,
-        update: &str,
+        update: Updates<'_>,
         rows: &impl Fn(&[Held]) -> Result<String, Error>,
     ) -> Result<Vec<Held>, Error> {
         let err = self.err(op);
@@ -203,11 +226,14 @@ impl MysqlStore {
         if !held.is_empty() {
             // The held rows are locked until commit: no other relay or lease expiry changes
             // them in between, so they are updated without checking the fence again.
-            sqlx::query(update)
-                .bind(rows(&held)?)
-                .execute(&mut *tx)
-                .await
-                .map_err(&err)?;
+            let rows = rows(&held)?;
+            for statement in update.first.into_iter().chain([update.then]) {
+                sqlx::query(statement)
+                    .bind(&rows)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(&err)?;
+            }
         }
         tx.commit().await.map_err(&err)?;
         Ok(held)

@@ -178,6 +178,22 @@ fn claimable(a: &str) -> String {
     )
 }
 
+/// [`claimable`] for a row read through the unpublished table (see [`Sql::build`]): its state
+/// through alias `a`, the unpublished table's row, and the rest through `r`, the outbox row of
+/// the same seq. With `a == r` (the table that holds its own claim indexes) exactly
+/// [`claimable`].
+fn claimable_in(a: &str, r: &str) -> String {
+    if a == r {
+        claimable(a)
+    } else {
+        format!(
+            "{a}.state = 'pending' AND {r}.state = 'pending' \
+             AND {r}.available_at <= UTC_TIMESTAMP(6) \
+             AND ({r}.lease_until IS NULL OR {r}.lease_until <= UTC_TIMESTAMP(6))"
+        )
+    }
+}
+
 /// Whether row `a` is in the claim's shard ([`outbox_traits::ClaimShard`]): two parameters,
 /// how many shards the keys are split into and which one the claim takes (`1, 0` for an
 /// unsharded claim: every row). A keyed row maps by `CRC32` of its key, so every row of a key is
@@ -276,6 +292,12 @@ pub(crate) struct Sql {
     pub held_wait: String,
     /// Complete the held rows, by `seq` (a JSON array of seqs).
     pub complete: String,
+    /// Run before [`Sql::complete`], with the same list, on a table with an unpublished table
+    /// that keeps published rows: delete the rows' entries there.
+    pub complete_first: Option<String>,
+    /// The unpublished table, quoted like `table`, when the outbox table has one (see
+    /// `unpublished_ddl`).
+    pub unpublished: Option<String>,
     /// Release the held rows, by `seq` (a JSON array of seqs).
     pub release: String,
     /// Fail the held rows, by id (a JSON list of `{"id", "error", "dead", "delay_us"}`).
@@ -288,6 +310,10 @@ pub(crate) struct Sql {
     pub discard: String,
     /// `requeue` by seq (a JSON array of seqs).
     pub requeue_seqs: String,
+    /// Run after [`Sql::requeue`] with an unpublished table: the entries of the requeued rows.
+    pub requeue_unpublished: Option<String>,
+    /// [`Sql::requeue_unpublished`] by seq.
+    pub requeue_seqs_unpublished: Option<String>,
     /// The dead rows among a JSON array of ids that were dead-lettered because they did not
     /// decode (`last_error` is a quarantine reason), with the message columns: a requeue
     /// checks that they decode now.
@@ -435,7 +461,25 @@ fn key_hash_ddl(
     schema: &str,
     key_trigger: &str,
     hash_trigger: &str,
+    claim_index: bool,
 ) -> String {
+    let rebuild_claim_index = if claim_index {
+        format!(
+            r#"SET @outbox_claim_index = IF(EXISTS (
+        SELECT 1 FROM information_schema.STATISTICS
+        WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = '{table}'
+          AND INDEX_NAME = 'ix_claim' AND COLUMN_NAME = '{KEY_HASH}'),
+    'DO 0',
+    'ALTER TABLE {t} DROP INDEX ix_claim, ADD INDEX ix_claim ({CLAIM_INDEX_COLUMNS}), ALGORITHM = INPLACE, LOCK = NONE');
+PREPARE outbox_claim_index FROM @outbox_claim_index;
+EXECUTE outbox_claim_index;
+DEALLOCATE PREPARE outbox_claim_index;
+SET @outbox_claim_index = NULL;
+"#
+        )
+    } else {
+        String::new()
+    };
     format!(
         r#"
 -- Claim shards from the claim index: the key's hash in a column of its own, written by a trigger
@@ -467,16 +511,88 @@ BEGIN NOT ATOMIC
     END IF;
 END;
 SET @outbox_key_hash_new = NULL;
-SET @outbox_claim_index = IF(EXISTS (
-        SELECT 1 FROM information_schema.STATISTICS
-        WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = '{table}'
-          AND INDEX_NAME = 'ix_claim' AND COLUMN_NAME = '{KEY_HASH}'),
-    'DO 0',
-    'ALTER TABLE {t} DROP INDEX ix_claim, ADD INDEX ix_claim ({CLAIM_INDEX_COLUMNS}), ALGORITHM = INPLACE, LOCK = NONE');
-PREPARE outbox_claim_index FROM @outbox_claim_index;
-EXECUTE outbox_claim_index;
-DEALLOCATE PREPARE outbox_claim_index;
-SET @outbox_claim_index = NULL;
+{rebuild_claim_index}"#
+    )
+}
+
+/// Refuses to migrate a table of the other layout: one with an unpublished table (see
+/// [`unpublished_ddl`]) for a configuration without, or the other way round. The statements of
+/// one layout cannot serve the other's table, and this migration would otherwise add what its
+/// layout lacks (the claim index) and leave the other's objects stale.
+fn layout_check(t: &str, table: &str, schema: &str, unpublished: bool) -> String {
+    let unpublished_table = derived_name(table, "unpublished");
+    let (found, message) = if unpublished {
+        (
+            format!(
+                "SELECT 1 FROM information_schema.STATISTICS
+        WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = '{table}' AND INDEX_NAME = 'ix_claim'"
+            ),
+            format!(
+                "{t} has its own claim indexes, no unpublished table: migrate it with unpublished_table(false)"
+            ),
+        )
+    } else {
+        (
+            format!(
+                "SELECT 1 FROM information_schema.TABLES
+        WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = '{unpublished_table}'"
+            ),
+            format!(
+                "{t} is laid out with an unpublished table: migrate it with unpublished_table(true)"
+            ),
+        )
+    };
+    let message = message.replace('\'', "''");
+    format!(
+        r#"
+-- The table's layout: with or without an unpublished table (`unpublished_table`).
+BEGIN NOT ATOMIC
+    IF EXISTS ({found}) THEN
+        SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = '{message}';
+    END IF;
+END;
+"#
+    )
+}
+
+/// The unpublished table of an outbox table laid out with one (`unpublished_table`): a row per
+/// pending or dead outbox row, `(state, seq)` as its primary key (the claim scan, the dead
+/// letters) and `(partition_key, state, seq)` as `ix_key` (per-key order), which the outbox
+/// table itself then lacks, with `ix_published`. A completion that keeps its row deletes the
+/// row's entry here and sets `state` and `published_at` on the outbox row, columns no index of
+/// it holds, so InnoDB changes no secondary index for it (three index entries moved per row
+/// before, the largest part of a kept completion's cost).
+///
+/// An insert trigger writes the entry of every row inserted (SQL writers included), a delete
+/// trigger removes it with the row (purge, discard, a deleting completion, a delete by hand);
+/// the relay's own state changes (dead-letter, requeue) move it in the same statement. A change
+/// of `state` by hand would leave it stale: use the admin commands.
+fn unpublished_ddl(t: &str, table: &str, u: &str, qualify: &dyn Fn(&str) -> String) -> String {
+    let insert_trigger = qualify(&derived_name(table, "unpublished_insert"));
+    let delete_trigger = qualify(&derived_name(table, "unpublished_delete"));
+    format!(
+        r#"
+-- The unpublished rows, in place of the outbox table's claim indexes (see the README).
+CREATE TABLE IF NOT EXISTS {u} (
+    state          ENUM('pending', 'dead') NOT NULL DEFAULT 'pending',
+    seq            BIGINT NOT NULL,
+    partition_key  VARCHAR({MAX_KEY_CHARS}),
+    {KEY_HASH}       INT UNSIGNED,
+    -- Claim scan and dead letters, in seq order; the key's hash for sharded claims.
+    PRIMARY KEY (state, seq),
+    -- Per-key order: a key's first pending (or dead) rows, one probe per key.
+    KEY ix_key (partition_key, state, seq)
+)
+ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
+-- Every row inserted that is not published (after the BEFORE triggers, which set the key and
+-- its hash), in the writer's transaction: a rolled-back insert leaves no entry.
+CREATE TRIGGER IF NOT EXISTS {insert_trigger} AFTER INSERT ON {t} FOR EACH ROW
+    INSERT INTO {u} (state, seq, partition_key, {KEY_HASH})
+    SELECT CAST(NEW.state AS CHAR), NEW.seq, NEW.partition_key, NEW.{KEY_HASH} FROM DUAL
+    WHERE NEW.state <> 'published';
+CREATE TRIGGER IF NOT EXISTS {delete_trigger} AFTER DELETE ON {t} FOR EACH ROW
+    DELETE FROM {u}
+    WHERE OLD.state <> 'published' AND state IN ('pending', 'dead') AND seq = OLD.seq;
 "#
     )
 }
@@ -498,12 +614,42 @@ impl Sql {
         table: &str,
         delete_published: bool,
         max_payload_bytes: usize,
+        unpublished: bool,
     ) -> Self {
         let qualify = |name: &str| match database {
             Some(db) => format!("`{db}`.`{name}`"),
             None => format!("`{name}`"),
         };
         let t = qualify(table);
+        // The unpublished table (`unpublished`): a row per pending or dead row of the outbox,
+        // keyed `(state, seq)` with a `(partition_key, state, seq)` index, in place of the
+        // outbox table's own `ix_claim` and `ix_key`; a completion deletes its row there and
+        // leaves every index of the outbox row alone (see `unpublished_ddl`).
+        let u = unpublished.then(|| qualify(&derived_name(table, "unpublished")));
+        // The table of the per-key index `ix_key` that the order probes read.
+        let k = u.clone().unwrap_or_else(|| t.clone());
+        // A scan of the claim index (`ix_claim`) or the per-key index (`ix_key`) through alias
+        // `a`, with its outbox row (through the second alias: `a` itself when the outbox table
+        // holds the index, else `{a}r`, joined by primary key).
+        let scan = |a: &str, index: &str| -> (String, String) {
+            match &u {
+                None => (format!("{t} {a} FORCE INDEX ({index})"), a.to_owned()),
+                Some(u) => {
+                    let index = if index == "ix_claim" {
+                        "PRIMARY"
+                    } else {
+                        index
+                    };
+                    (
+                        format!(
+                            "{u} {a} FORCE INDEX ({index})
+ STRAIGHT_JOIN {t} {a}r FORCE INDEX (PRIMARY) ON {a}r.seq = {a}.seq"
+                        ),
+                        format!("{a}r"),
+                    )
+                }
+            }
+        };
         let key_trigger = qualify(&derived_name(table, "partition_key"));
         let id_trigger_name = derived_name(table, "id_v7");
         let id_trigger = Trigger {
@@ -561,7 +707,7 @@ impl Sql {
     lease_until    DATETIME(6) DEFAULT '{NO_LEASE_END}',
     last_error     TEXT,
     created_at     DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
-    published_at   DATETIME(6),
+    published_at   DATETIME(6){published_default},
     -- The payload limit of the Rust enqueue. New tables only: adding a CHECK to a table copies
     -- it. A row over the limit is still relayed: the relay's updates skip the checks.
     CONSTRAINT `{payload_check}` CHECK (OCTET_LENGTH(payload) <= {max_payload_bytes}),
@@ -571,25 +717,47 @@ impl Sql {
     PRIMARY KEY (seq),
     UNIQUE KEY {ID_INDEX} (id),
     -- NULLs do not collide: most messages have no dedup key.
-    UNIQUE KEY {DEDUP_INDEX} (dedup_key),
+    UNIQUE KEY {DEDUP_INDEX} (dedup_key){claim_indexes}
+)
+-- Binary, no-pad comparison: keys are equal only when their bytes are ('a' <> 'A' <> 'a ').
+ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
+{contract}"#,
+            // With an unpublished table, a row not yet published holds the epoch here rather
+            // than NULL (NULL still reads as not published): the completion then overwrites 8
+            // bytes with 8 in place instead of growing the row, which InnoDB rewrites
+            // (`NO_LEASE_END` does the same for the lease columns; measured in BENCHMARKS.md,
+            // "An unpublished table").
+            published_default = if u.is_some() {
+                format!(" DEFAULT '{NO_LEASE_END}'")
+            } else {
+                String::new()
+            },
+            claim_indexes = if u.is_some() {
+                String::new()
+            } else {
+                format!(
+                    r#",
     -- Claim scan and dead letters, in seq order; the key's hash for sharded claims.
     KEY ix_claim ({CLAIM_INDEX_COLUMNS}),
     -- Per-key order: a key's first pending (or dead) rows, one probe per key.
     KEY ix_key (partition_key, state, seq),
     -- Purge of published rows, oldest first.
-    KEY ix_published (state, published_at)
-)
--- Binary, no-pad comparison: keys are equal only when their bytes are ('a' <> 'A' <> 'a ').
-ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
-{contract}"#,
-            contract = sql_contract(&t, table, &key_trigger, &id_trigger)
+    KEY ix_published (state, published_at)"#
+                )
+            },
+            contract = layout_check(&t, table, &id_trigger.schema, u.is_some())
+                + &sql_contract(&t, table, &key_trigger, &id_trigger)
                 + &key_hash_ddl(
                     &t,
                     table,
                     &id_trigger.schema,
                     &derived_name(table, "partition_key"),
                     &qualify(&derived_name(table, "key_hash")),
-                ),
+                    u.is_none(),
+                )
+                + &u.as_ref()
+                    .map(|u| unpublished_ddl(&t, table, u, &qualify))
+                    .unwrap_or_default(),
             payload_check = derived_name(table, "payload_size"),
             bytes_check = derived_name(table, "payload_bytes_size"),
         ) + &key_locks_ddl(&key_locks)
@@ -607,15 +775,17 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
                 format!(
                     "
             AND NOT EXISTS (
-                SELECT 1 FROM {t} d FORCE INDEX (ix_key)
+                SELECT 1 FROM {k} d FORCE INDEX (ix_key)
                 WHERE d.partition_key = c.partition_key AND d.state = 'dead' AND d.seq < c.seq)"
                 )
             } else {
                 String::new()
             };
+            let (from_c, c_row) = scan("c", "ix_claim");
+            let (from_h, h_row) = scan("h", "ix_key");
             format!(
                 r#"(SELECT c.seq, c.partition_key, NULL AS lease_until
- FROM {t} c FORCE INDEX (ix_claim)
+ FROM {from_c}
  WHERE {claimable_c}
    -- The window: up to the last of the first rows of the backlog in seq order (leased ones
    -- included; `past_bound`, given as a value so that it bounds the index range), so a claim
@@ -647,11 +817,11 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
    -- first one it could not lock, with no further read (`keep_key_order` in `claim.rs`).
    AND (c.partition_key IS NULL OR (
             (c.seq = (
-             SELECT f.seq FROM {t} f FORCE INDEX (ix_key)
+             SELECT f.seq FROM {k} f FORCE INDEX (ix_key)
              WHERE f.partition_key = c.partition_key AND f.state = 'pending'
              ORDER BY f.seq LIMIT 1)
             OR c.seq = (
-             SELECT h.seq FROM {t} h FORCE INDEX (ix_key)
+             SELECT h.seq FROM {from_h}
              WHERE h.partition_key = c.partition_key AND h.state = 'pending'
                AND (h.seq >= c.seq OR NOT ({claimable_h}) OR NOT ({in_shard_h}))
              ORDER BY h.seq LIMIT 1)){no_dead_before}))
@@ -664,8 +834,8 @@ ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_nopad_bin;
 UNION ALL
 -- One more row, so that even an empty claim returns its lease end by the database clock.
 (SELECT NULL, NULL, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)"#,
-                claimable_c = claimable("c"),
-                claimable_h = claimable("h"),
+                claimable_c = claimable_in("c", &c_row),
+                claimable_h = claimable_in("h", &h_row),
                 in_shard_c = in_shard("c"),
                 in_shard_h = in_shard("h"),
             )
@@ -677,21 +847,25 @@ UNION ALL
                 format!(
                     "
    AND NOT EXISTS (
-       SELECT 1 FROM {t} d FORCE INDEX (ix_key)
+       SELECT 1 FROM {k} d FORCE INDEX (ix_key)
        WHERE d.partition_key = {a}.partition_key AND d.state = 'dead' AND d.seq < {a}.seq)"
                 )
             } else {
                 String::new()
             }
         };
+        let (bound_table, bound_index) = match &u {
+            Some(u) => (u, "PRIMARY"),
+            None => (&t, "ix_claim"),
+        };
         let past_bound = format!(
-            "SELECT w.seq FROM {t} w FORCE INDEX (ix_claim)
+            "SELECT w.seq FROM {bound_table} w FORCE INDEX ({bound_index})
              WHERE w.state = 'pending' ORDER BY w.seq LIMIT ?, 1"
         );
         // Reads the claim index alone too, which holds the key's hash: a sharded window end
         // costs about `count` times the index entries of an unsharded one, no row.
         let past_bound_sharded = format!(
-            "SELECT w.seq FROM {t} w FORCE INDEX (ix_claim)
+            "SELECT w.seq FROM {bound_table} w FORCE INDEX ({bound_index})
              WHERE w.state = 'pending' AND {in_shard_w} ORDER BY w.seq LIMIT ?, 1",
             in_shard_w = in_shard("w"),
         );
@@ -699,7 +873,7 @@ UNION ALL
         // index, giving each key's first pending row, at most the given number of keys of the
         // claim's shard (the HAVING keeps the loose scan; checked with EXPLAIN on 10.11).
         let past_keys = format!(
-            "SELECT MIN(k.seq) AS head FROM {t} k FORCE INDEX (ix_key)
+            "SELECT MIN(k.seq) AS head FROM {k} k FORCE INDEX (ix_key)
              WHERE k.state = 'pending' AND k.partition_key IS NOT NULL
              GROUP BY k.partition_key
              HAVING MOD(CRC32(k.partition_key), ?) = ?
@@ -738,7 +912,7 @@ WHERE {claimable_c}
    -- `e.seq < c.seq` would read the key's whole backlog).
    AND (c.partition_key IS NULL OR (
        c.seq = (
-       SELECT e.seq FROM {t} e FORCE INDEX (ix_key)
+       SELECT e.seq FROM {k} e FORCE INDEX (ix_key)
        WHERE e.partition_key = c.partition_key AND e.state = 'pending'
        ORDER BY e.seq LIMIT 1){dead}))
 LIMIT ?
@@ -749,30 +923,32 @@ FOR UPDATE SKIP LOCKED"#,
             )
         };
         // A plain read, like the two below: `past_heads` locks what they find.
+        let (from_c, c_row) = scan("c", "ix_key");
         let past_unordered = format!(
             r#"SELECT c.seq
-FROM {t} c FORCE INDEX (ix_key)
+FROM {from_c}
 WHERE c.partition_key IS NULL AND c.state = 'pending' AND c.seq > ?
   AND {claimable_c} AND {in_shard_c}
 ORDER BY c.seq
 LIMIT ?"#,
-            claimable_c = claimable("c"),
+            claimable_c = claimable_in("c", &c_row),
             in_shard_c = in_shard("c"),
         );
         let past_rows = |dead_blocks: bool| -> String {
+            let (from_c, c_row) = scan("c", "ix_claim");
             format!(
                 r#"SELECT c.seq
-FROM {t} c FORCE INDEX (ix_claim)
+FROM {from_c}
 WHERE {claimable_c} AND c.seq > ? AND {in_shard_c}
   -- Heads only: the key's first pending row (a cached subquery per key), so a blocked key's
   -- rows cost no probe each.
   AND (c.partition_key IS NULL OR (
-       c.seq = (SELECT h.seq FROM {t} h FORCE INDEX (ix_key)
+       c.seq = (SELECT h.seq FROM {k} h FORCE INDEX (ix_key)
                 WHERE h.partition_key = c.partition_key AND h.state = 'pending'
                 ORDER BY h.seq LIMIT 1){dead}))
 ORDER BY c.seq
 LIMIT ?"#,
-                claimable_c = claimable("c"),
+                claimable_c = claimable_in("c", &c_row),
                 in_shard_c = in_shard("c"),
                 dead = no_dead_before("c", dead_blocks),
             )
@@ -807,6 +983,28 @@ LIMIT ?"#,
             "SET STATEMENT innodb_lock_wait_timeout = {LOCK_WAIT_SECS} FOR\n{held_by_seq}\n             FOR UPDATE"
         );
 
+        // The unpublished table's row of outbox row `m` in state `state`, for an `UPDATE` that
+        // moves it to another state (a pending row dead-lettered, a dead one requeued): a LEFT
+        // JOIN, so that a row without one (written before the trigger, by hand) still changes.
+        let join_u = |state: &str| -> String {
+            match &u {
+                Some(u) => format!(
+                    "
+                 LEFT JOIN {u} s FORCE INDEX (PRIMARY) ON s.state = '{state}' AND s.seq = m.seq"
+                ),
+                None => String::new(),
+            }
+        };
+        let set_u = |value: &str| -> String {
+            if u.is_some() {
+                format!(", s.state = {value}")
+            } else {
+                String::new()
+            }
+        };
+        let (extend_from, extend_row) = scan("c", "ix_claim");
+        let (dead_from, dead_row) = scan("d", "ix_claim");
+
         Self {
             candidates_block: candidates(true),
             candidates_skip: candidates(false),
@@ -834,9 +1032,11 @@ LIMIT ?"#,
                  UPDATE JSON_TABLE(?, '$[*]' COLUMNS (
                      seq BIGINT PATH '$.seq',
                      reason LONGTEXT PATH '$.reason')) j
-                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
-                 SET m.state = 'dead', m.last_error = j.reason, {CLEAR_LEASE}
-                 WHERE m.state = 'pending'"
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq{join}
+                 SET m.state = 'dead', m.last_error = j.reason, {CLEAR_LEASE}{set}
+                 WHERE m.state = 'pending'",
+                join = join_u("pending"),
+                set = set_u("'dead'"),
             ),
             held,
             held_unlocked,
@@ -858,6 +1058,15 @@ LIMIT ?"#,
                          {CLEAR_LEASE}"
                 )
             },
+            // A deleted row's entry goes with it (the delete trigger); a kept one's is deleted
+            // here, so that the completion changes no index of the outbox row.
+            complete_first: u.as_ref().filter(|_| !delete_published).map(|u| {
+                format!(
+                    "DELETE s FROM {SEQ_LIST} j
+                     STRAIGHT_JOIN {u} s FORCE INDEX (PRIMARY) ON s.state = 'pending' AND s.seq = j.seq"
+                )
+            }),
+            unpublished: u.clone(),
             release: format!(
                 "{SKIP_CHECKS}
                  UPDATE {SEQ_LIST} j
@@ -871,21 +1080,32 @@ LIMIT ?"#,
                      error LONGTEXT PATH '$.error',
                      dead TINYINT PATH '$.dead',
                      delay_us BIGINT PATH '$.delay_us')) f
-                 STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = f.id
+                 STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = f.id{join}
                  SET m.attempts = m.attempts + 1,
                      m.last_error = f.error,
                      m.state = IF(f.dead = 1, 'dead', 'pending'),
                      m.available_at = IF(f.dead = 1, m.available_at,
                                          UTC_TIMESTAMP(6) + INTERVAL f.delay_us MICROSECOND),
-                     {CLEAR_LEASE}"
+                     {CLEAR_LEASE}{set}",
+                join = join_u("pending"),
+                set = set_u("IF(f.dead = 1, 'dead', 'pending')"),
             ),
             // No index on lease_token (a claim would write it): the token's rows are found by
             // scanning the pending rows; extend is called rarely, once per long publish.
-            extend_find: format!(
-                "SELECT seq, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND AS lease_until
+            extend_find: if u.is_some() {
+                format!(
+                    "SELECT c.seq, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND AS lease_until
+                 FROM {extend_from}
+                 WHERE c.state = 'pending' AND {extend_row}.state = 'pending'
+                   AND {extend_row}.lease_token = ? AND {extend_row}.lease_until > UTC_TIMESTAMP(6)"
+                )
+            } else {
+                format!(
+                    "SELECT seq, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND AS lease_until
                  FROM {t} FORCE INDEX (ix_claim)
                  WHERE state = 'pending' AND lease_token = ? AND lease_until > UTC_TIMESTAMP(6)"
-            ),
+                )
+            },
             // Waits at most `LOCK_WAIT_SECS` for a row lock (see `held`).
             extend: format!(
                 "SET STATEMENT innodb_lock_wait_timeout = {LOCK_WAIT_SECS},
@@ -895,14 +1115,25 @@ LIMIT ?"#,
                  SET m.lease_until = ?
                  WHERE m.state = 'pending' AND m.lease_token = ? AND m.lease_until > UTC_TIMESTAMP(6)"
             ),
-            list_dead: format!(
-                "SELECT {columns}, COALESCE(m.last_error, '') AS last_error
+            list_dead: if u.is_some() {
+                format!(
+                    "SELECT {columns}, COALESCE({dead_row}.last_error, '') AS last_error
+                 FROM {dead_from}
+                 WHERE d.state = 'dead' AND {dead_row}.state = 'dead' AND d.seq > ?
+                 ORDER BY d.seq
+                 LIMIT ?",
+                    columns = message_columns(&dead_row)
+                )
+            } else {
+                format!(
+                    "SELECT {columns}, COALESCE(m.last_error, '') AS last_error
                  FROM {t} m FORCE INDEX (ix_claim)
                  WHERE m.state = 'dead' AND m.seq > ?
                  ORDER BY m.seq
                  LIMIT ?",
-                columns = message_columns("m")
-            ),
+                    columns = message_columns("m")
+                )
+            },
             requeue_check: format!(
                 "SELECT {columns}
                  FROM {ID_LIST} j
@@ -930,6 +1161,26 @@ LIMIT ?"#,
                      {CLEAR_LEASE}
                  WHERE m.state = 'dead'"
             ),
+            // After `requeue`, in its transaction: the requeued rows' entries, dead until now
+            // (a requeue's count is the outbox rows': the admin flow counts one statement).
+            requeue_unpublished: u.as_ref().map(|u| {
+                format!(
+                    "UPDATE {ID_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
+                 STRAIGHT_JOIN {u} s FORCE INDEX (PRIMARY) ON s.state = 'dead' AND s.seq = m.seq
+                 SET s.state = 'pending'
+                 WHERE m.state = 'pending'"
+                )
+            }),
+            requeue_seqs_unpublished: u.as_ref().map(|u| {
+                format!(
+                    "UPDATE {SEQ_LIST} j
+                 STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = j.seq
+                 STRAIGHT_JOIN {u} s FORCE INDEX (PRIMARY) ON s.state = 'dead' AND s.seq = m.seq
+                 SET s.state = 'pending'
+                 WHERE m.state = 'pending'"
+                )
+            }),
             discard: format!(
                 "DELETE m FROM {ID_LIST} j
                  STRAIGHT_JOIN {t} m FORCE INDEX ({ID_INDEX}) ON m.id = j.id
@@ -952,13 +1203,30 @@ LIMIT ?"#,
             // MariaDB's single-table DELETE takes no index hint and would sort every published
             // row; so pick the batch through the purge index, then delete it by primary key
             // (published rows never change, so no transaction is needed in between).
-            purge_pick: format!(
-                "SELECT seq FROM {t} FORCE INDEX (ix_published)
+            // With an unpublished table the outbox table has no index on `published_at`: the
+            // batch is the oldest published rows by seq, of which those old enough go. It reads
+            // at most its batch (and the unpublished rows among them), and a row published
+            // late holds back only the rows after it, until it is old enough itself.
+            purge_pick: if u.is_some() {
+                format!(
+                    "SELECT p.seq
+                 FROM (SELECT UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND AS cutoff) c
+                 STRAIGHT_JOIN (
+                     SELECT seq, published_at FROM {t} FORCE INDEX (PRIMARY)
+                     WHERE state = 'published'
+                     ORDER BY seq
+                     LIMIT ?) p
+                 WHERE p.published_at < c.cutoff"
+                )
+            } else {
+                format!(
+                    "SELECT seq FROM {t} FORCE INDEX (ix_published)
                  WHERE state = 'published'
                    AND published_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
                  ORDER BY published_at
                  LIMIT ?"
-            ),
+                )
+            },
             // A writer holds its keys' rows locked until it commits: skipped, so the purge
             // never waits for a writer, and a writer waits at most for this short transaction
             // (then inserts the key again).
@@ -1025,7 +1293,7 @@ mod tests {
 
     #[test]
     fn insert_has_one_row_of_placeholders_per_message() {
-        let sql = Sql::build(None, "outbox", false, 1024);
+        let sql = Sql::build(None, "outbox", false, 1024, false);
         let three = sql.insert(3);
         assert_eq!(three.matches('?').count(), 3 * INSERT_PARAMS_PER_ROW);
         assert!(three.starts_with("INSERT INTO `outbox` ("));
@@ -1035,7 +1303,7 @@ mod tests {
     #[test]
     fn names_are_quoted_everywhere() {
         for delete_published in [false, true] {
-            let sql = Sql::build(Some("db"), "t", delete_published, 1024);
+            let sql = Sql::build(Some("db"), "t", delete_published, 1024, false);
             assert_eq!(sql.table, "`db`.`t`");
             for statement in [
                 &sql.candidates_block,
@@ -1052,7 +1320,7 @@ mod tests {
 
     #[test]
     fn ending_a_lease_writes_the_unleased_values_not_nulls() {
-        let sql = Sql::build(None, "t", false, 1024);
+        let sql = Sql::build(None, "t", false, 1024, false);
         let ends = [
             &sql.quarantine,
             &sql.complete,

@@ -1,7 +1,8 @@
 //! [`OutboxAdmin::status`](outbox_traits::OutboxAdmin::status) and `ping` for MariaDB/MySQL.
 //! Every count reads an index range of the unpublished, dead or last minute's published rows
 //! (`ix_claim`, `ix_key`, `ix_published`), never the whole history. Two statements: the
-//! figures, then at most `limit` blocked keys.
+//! figures, then at most `limit` blocked keys. A table laid out with an unpublished table
+//! (`unpublished_table`) is read through it instead (see [`unpublished_figures`]).
 
 use outbox_traits::uuid::Uuid;
 use outbox_traits::{BlockedKey, Error, StoreStatus};
@@ -29,9 +30,69 @@ fn blocked_from(t: &str) -> String {
     )
 }
 
+/// [`blocked_from`] for a table with unpublished table `u`: the heads found there, read with
+/// their outbox rows (alias `b`).
+fn blocked_from_unpublished(t: &str, u: &str) -> String {
+    format!(
+        "FROM {u} bs FORCE INDEX (PRIMARY)
+         STRAIGHT_JOIN {t} b FORCE INDEX (PRIMARY) ON b.seq = bs.seq
+         WHERE bs.partition_key IS NOT NULL
+           AND (bs.state = 'dead'
+                OR (bs.state = 'pending' AND b.attempts > 0 AND {free}
+                    AND b.available_at > UTC_TIMESTAMP(6)))
+           AND NOT EXISTS (
+               SELECT 1 FROM {u} e FORCE INDEX (ix_key)
+               WHERE e.partition_key = bs.partition_key AND e.state IN ('pending', 'dead')
+                 AND e.seq < bs.seq)",
+        free = unleased("b")
+    )
+}
+
+/// The most rows below the oldest unpublished one that the last minute's published count of a
+/// table with an unpublished table reads (it has no index on `published_at`).
+pub const STATUS_WINDOW: i64 = 100_000;
+
+/// The figures of a table with unpublished table `u`: the pending, leased, dead and oldest
+/// rows from the unpublished table, and the last minute's published rows among those from
+/// [`STATUS_WINDOW`] rows below the oldest unpublished one up (exact while fewer than that
+/// many were published in the minute below it, as a relay draining a backlog publishes).
+fn unpublished_figures(t: &str, u: &str, delete_published: bool) -> String {
+    let last_minute = if delete_published {
+        "NULL".to_owned()
+    } else {
+        format!(
+            "(SELECT COUNT(*) FROM {t} p FORCE INDEX (PRIMARY)
+              WHERE p.seq >= COALESCE(
+                      (SELECT MIN(o.seq) FROM {u} o FORCE INDEX (PRIMARY) WHERE o.state = 'pending'),
+                      (SELECT MAX(x.seq) + 1 FROM {t} x)) - {STATUS_WINDOW}
+                AND p.state = 'published'
+                AND p.published_at > UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE)"
+        )
+    };
+    format!(
+        "SELECT
+            (SELECT COUNT(*) FROM {u} s FORCE INDEX (PRIMARY)
+              STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = s.seq
+              WHERE s.state = 'pending' AND m.state = 'pending' AND {free}) AS pending,
+            (SELECT COUNT(*) FROM {u} s FORCE INDEX (PRIMARY)
+              STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = s.seq
+              WHERE s.state = 'pending' AND m.state = 'pending' AND NOT {free}) AS leased,
+            (SELECT COUNT(*) FROM {u} WHERE state = 'dead') AS dead,
+            (SELECT TIMESTAMPDIFF(MICROSECOND, m.created_at, UTC_TIMESTAMP(6))
+              FROM {u} s FORCE INDEX (PRIMARY)
+              STRAIGHT_JOIN {t} m FORCE INDEX (PRIMARY) ON m.seq = s.seq
+              WHERE s.state = 'pending' ORDER BY s.seq LIMIT 1) AS oldest_us,
+            (SELECT COUNT(*) {blocked}) AS blocked_keys,
+            {last_minute} AS last_minute",
+        blocked = blocked_from_unpublished(t, u),
+        free = unleased("m")
+    )
+}
+
 pub(crate) async fn status(store: &MysqlStore, limit: usize) -> Result<StoreStatus, Error> {
     let config = store.config();
     let t = config.qualified_table();
+    let unpublished = config.sql().unpublished.as_deref();
     let last_minute = if config.delete_published() {
         "NULL".to_owned()
     } else {
@@ -40,8 +101,10 @@ pub(crate) async fn status(store: &MysqlStore, limit: usize) -> Result<StoreStat
                AND published_at > UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE)"
         )
     };
-    let figures = format!(
-        "SELECT
+    let figures = match unpublished {
+        Some(u) => unpublished_figures(t, u, config.delete_published()),
+        None => format!(
+            "SELECT
             (SELECT COUNT(*) FROM {t} m WHERE m.state = 'pending' AND {free}) AS pending,
             (SELECT COUNT(*) FROM {t} m WHERE m.state = 'pending' AND NOT {free})
                 AS leased,
@@ -50,9 +113,10 @@ pub(crate) async fn status(store: &MysqlStore, limit: usize) -> Result<StoreStat
               WHERE state = 'pending' ORDER BY seq LIMIT 1) AS oldest_us,
             (SELECT COUNT(*) {blocked}) AS blocked_keys,
             {last_minute} AS last_minute",
-        blocked = blocked_from(t),
-        free = unleased("m")
-    );
+            blocked = blocked_from(t),
+            free = unleased("m")
+        ),
+    };
     let row: MySqlRow = sqlx::query(&figures)
         .fetch_one(store.pool())
         .await
@@ -78,7 +142,10 @@ pub(crate) async fn status(store: &MysqlStore, limit: usize) -> Result<StoreStat
                     b.last_error
              {blocked}
              ORDER BY b.seq LIMIT ?",
-            blocked = blocked_from(t)
+            blocked = match unpublished {
+                Some(u) => blocked_from_unpublished(t, u),
+                None => blocked_from(t),
+            }
         );
         let rows: Vec<MySqlRow> = sqlx::query(&list)
             .bind(u64::try_from(limit).unwrap_or(u64::MAX))

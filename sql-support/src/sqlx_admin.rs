@@ -41,9 +41,9 @@ pub trait SqlxAdmin: Sync {
     /// A limit as the dialect binds it (`i64` on Postgres, `u64` on MariaDB).
     type Count: for<'q> Encode<'q, Self::DB> + Type<Self::DB> + Send + 'static;
     /// A list of ids as the dialect binds it (an array, or a JSON text).
-    type Ids: for<'q> Encode<'q, Self::DB> + Type<Self::DB> + Send + 'static;
+    type Ids: for<'q> Encode<'q, Self::DB> + Type<Self::DB> + Send + Clone + 'static;
     /// A list of seqs as the dialect binds it (an array, or a JSON text).
-    type Seqs: for<'q> Encode<'q, Self::DB> + Type<Self::DB> + Send + 'static;
+    type Seqs: for<'q> Encode<'q, Self::DB> + Type<Self::DB> + Send + Clone + 'static;
 
     /// The connection pool.
     fn pool(&self) -> &Pool<Self::DB>;
@@ -51,6 +51,14 @@ pub trait SqlxAdmin: Sync {
     fn table(&self) -> &str;
     /// The text of one of the admin statements.
     fn statement(&self, which: AdminStatement) -> &str;
+    /// A statement to run right after the requeue or discard `which`, in the same transaction
+    /// and bound to the same list, whose count is not the result (a table whose claim indexes
+    /// live in a second table moves the rows' entries there). None by default: the statement
+    /// runs alone.
+    fn follow_up(&self, which: AdminStatement) -> Option<&str> {
+        let _ = which;
+        None
+    }
     /// The contract's error for a sqlx error of operation `op`.
     fn map_err(&self, err: sqlx::Error, op: &str) -> Error;
 
@@ -208,17 +216,34 @@ where
         check.finish(store.table())
     }
 
-    /// Run `statement` bound to `list`; how many rows it changed. `op` names it in errors.
+    /// Run `statement` bound to `list` (and its [`SqlxAdmin::follow_up`], in one transaction);
+    /// how many rows it changed. `op` names it in errors.
     async fn run<L>(&self, statement: AdminStatement, list: L, op: &str) -> Result<u64, Error>
     where
-        L: for<'q> Encode<'q, S::DB> + Type<S::DB> + Send + 'static,
+        L: for<'q> Encode<'q, S::DB> + Type<S::DB> + Send + Clone + 'static,
     {
         let store = self.0;
+        let err = |e| store.map_err(e, op);
+        let Some(follow_up) = store.follow_up(statement) else {
+            let done = sqlx::query(store.statement(statement))
+                .bind(list)
+                .execute(store.pool())
+                .await
+                .map_err(err)?;
+            return Ok(S::rows_affected(&done));
+        };
+        let mut tx = store.pool().begin().await.map_err(err)?;
         let done = sqlx::query(store.statement(statement))
-            .bind(list)
-            .execute(store.pool())
+            .bind(list.clone())
+            .execute(&mut *tx)
             .await
-            .map_err(|e| store.map_err(e, op))?;
+            .map_err(err)?;
+        sqlx::query(follow_up)
+            .bind(list)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        tx.commit().await.map_err(err)?;
         Ok(S::rows_affected(&done))
     }
 }

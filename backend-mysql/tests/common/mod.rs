@@ -180,6 +180,8 @@ pub mod harness {
         skewed_clock: bool,
         /// Stores serialise the writers of a key (`lock_keys`, `HarnessCapabilities::key_locks`).
         lock_keys: bool,
+        /// Tables laid out with an unpublished table (`unpublished_table`).
+        unpublished_table: bool,
     }
 
     impl MysqlHarness {
@@ -191,6 +193,15 @@ pub mod harness {
                 delete_published: false,
                 skewed_clock: false,
                 lock_keys: false,
+                unpublished_table: false,
+            }
+        }
+
+        /// Stores whose tables are laid out with an unpublished table.
+        pub fn with_unpublished_table(self) -> Self {
+            Self {
+                unpublished_table: true,
+                ..self
             }
         }
 
@@ -238,6 +249,9 @@ pub mod harness {
             if self.lock_keys {
                 name.push_str(", key locks");
             }
+            if self.unpublished_table {
+                name.push_str(", unpublished table");
+            }
             name
         }
 
@@ -251,6 +265,7 @@ pub mod harness {
                 .table(random_table())
                 .delete_published(self.delete_published)
                 .lock_keys(self.lock_keys)
+                .unpublished_table(self.unpublished_table)
                 .build()?;
             let store = MysqlStore::new(shared, config);
             store.migrate().await?;

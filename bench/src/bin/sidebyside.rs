@@ -9,6 +9,7 @@
 //!     [kafka_props=a=b;c=d] [pgmq=100x1,100x2,1000x1,1000x2|none] [peer=true|false]
 //!     [delete_published=false|true|both] [recommended=false|true]
 //!     [partitioned=false|true|both] [cursor_claims=false|true|both] [mysql_floor=2000x2|BATCHxWORKERS,...|none]
+//!     [unpublished_table=false|true|both]
 //! ```
 //!
 //! With no `batch=`, `concurrency=`, `claim_shards=` or `recommended=`, this project's drains run
@@ -55,6 +56,11 @@
 //! claims when published rows are kept, partial indexes when they are deleted).
 //! `cursor_claims=both` runs each Postgres drain on both layouts (series suffix `, cursor
 //! claims`), side by side. Not with partitioned tables.
+//!
+//! `unpublished_table=true` lays this project's MariaDB tables out with an unpublished table
+//! (`MysqlConfigBuilder::unpublished_table`: the completion that keeps a row changes no index
+//! of it), `both` runs each MariaDB drain on both layouts (series suffix `, unpublished
+//! table`), side by side; left out, the store's default.
 //!
 //! `partitioned=true` makes this project's Postgres tables partitioned by day
 //! (`PostgresConfigBuilder::partition_interval`, retention by partition); `partitioned=both`
@@ -144,6 +150,9 @@ struct Opts {
     /// The Postgres table layouts each Postgres drain runs on: partial indexes (`false`), laid
     /// out for cursor claims (`true`), both, or (`None`) the store's default.
     cursor_claims: Vec<Option<bool>>,
+    /// The MariaDB table layouts each MariaDB drain runs on: the outbox table's own claim
+    /// indexes (`false`), an unpublished table (`true`), both, or (`None`) the store's default.
+    unpublished_table: Vec<Option<bool>>,
 }
 
 impl Opts {
@@ -165,6 +174,7 @@ impl Opts {
             both_modes: false,
             partitioned: vec![false],
             cursor_claims: vec![None],
+            unpublished_table: vec![None],
             recommended: false,
         };
         for arg in std::env::args().skip(1) {
@@ -220,6 +230,14 @@ impl Opts {
                         format!("cursor_claims={value:?}: use false, true or both")
                     })?)];
                 }
+                "unpublished_table" if value == "both" => {
+                    o.unpublished_table = vec![Some(false), Some(true)];
+                }
+                "unpublished_table" => {
+                    o.unpublished_table = vec![Some(value.parse().map_err(|_| {
+                        format!("unpublished_table={value:?}: use false, true or both")
+                    })?)];
+                }
                 "partitioned" if value == "both" => o.partitioned = vec![false, true],
                 "partitioned" => {
                     o.partitioned = vec![value
@@ -239,7 +257,7 @@ impl Opts {
                     return Err(format!(
                         "unknown option {key:?}; use rounds, messages, keys, peer_messages, batch, \
                          concurrency, claim_shards, kafka_props, pgmq, peer, delete_published, \
-                         recommended, partitioned, cursor_claims, mysql_floor"
+                         recommended, partitioned, cursor_claims, mysql_floor, unpublished_table"
                     )
                     .into())
                 }
@@ -732,10 +750,13 @@ async fn sqlite_ours(o: &Opts) -> BoxResult<Run> {
 
 async fn mysql_ours(pool: &sqlx::MySqlPool, o: &Opts) -> BoxResult<Run> {
     let table = format!("bench_{}", outbox_e2e::unique_suffix());
-    let config = MysqlConfig::builder()
+    let mut config = MysqlConfig::builder()
         .table(&table)
-        .delete_published(o.deletes())
-        .build()?;
+        .delete_published(o.deletes());
+    if let Some(Some(on)) = o.unpublished_table.first() {
+        config = config.unpublished_table(*on);
+    }
+    let config = config.build()?;
     let store = Arc::new(MysqlStore::new(pool.clone(), config.clone()));
     store.migrate().await?;
     let result = async {
@@ -1250,10 +1271,27 @@ async fn main() -> BoxResult<()> {
         }
         out
     };
+    // MariaDB also in each table layout asked for (`unpublished_table=`).
+    let mysql_layouts = |modes: Vec<(String, Opts)>| -> Vec<(String, Opts)> {
+        let mut out = Vec::new();
+        for (suffix, m) in modes {
+            for &layout in &o.unpublished_table {
+                let mut m = m.clone();
+                m.unpublished_table = vec![layout];
+                let shape = if layout == Some(true) && o.unpublished_table.len() > 1 {
+                    ", unpublished table"
+                } else {
+                    ""
+                };
+                out.push((format!("{suffix}{shape}"), m));
+            }
+        }
+        out
+    };
     let (pg_o, sqlite_o, mysql_o) = (
         pg_shapes(per_store("postgres")),
         per_store("sqlite"),
-        per_store("mysql"),
+        mysql_layouts(per_store("mysql")),
     );
     let load_start = load_average();
     for round in 1..=o.rounds {
