@@ -23,22 +23,27 @@ impl OutboxAdmin for MysqlStore {
         after_seq: Option<i64>,
         limit: usize,
     ) -> Result<Vec<DeadMessage>, Error> {
+        self.sql().await?;
         Admin(self).list_dead(after_seq, limit).await
     }
 
     async fn requeue(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        self.sql().await?;
         Admin(self).requeue(ids).await
     }
 
     async fn discard(&self, ids: &[Uuid]) -> Result<u64, Error> {
+        self.sql().await?;
         Admin(self).discard(ids).await
     }
 
     async fn requeue_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        self.sql().await?;
         Admin(self).requeue_seqs(seqs).await
     }
 
     async fn discard_seqs(&self, seqs: &[i64]) -> Result<u64, Error> {
+        self.sql().await?;
         Admin(self).discard_seqs(seqs).await
     }
 
@@ -62,7 +67,7 @@ impl OutboxAdmin for MysqlStore {
         let Some(age_us) = purge_age(older_than, micros) else {
             return Ok(0);
         };
-        let seqs: Vec<i64> = sqlx::query_scalar(&self.config().sql().purge_pick)
+        let seqs: Vec<i64> = sqlx::query_scalar(&self.sql().await?.purge_pick)
             .bind(age_us)
             .bind(u64::try_from(batch).unwrap_or(u64::MAX))
             .fetch_all(self.pool())
@@ -71,7 +76,7 @@ impl OutboxAdmin for MysqlStore {
         if seqs.is_empty() {
             return Ok(0);
         }
-        let done = sqlx::query(&self.config().sql().purge)
+        let done = sqlx::query(&self.sql().await?.purge)
             .bind(serde_json::to_string(&seqs).unwrap_or_default())
             .execute(self.pool())
             .await
@@ -155,7 +160,8 @@ impl SqlxAdmin for MysqlStore {
     }
 
     fn statement(&self, which: AdminStatement) -> &str {
-        let sql = self.config().sql();
+        // The layout was found by the `OutboxAdmin` method that runs this flow.
+        let sql = self.sql_found();
         match which {
             AdminStatement::ListDead => &sql.list_dead,
             AdminStatement::RequeueCheck => &sql.requeue_check,
@@ -169,7 +175,7 @@ impl SqlxAdmin for MysqlStore {
     }
 
     fn follow_up(&self, which: AdminStatement) -> Option<&str> {
-        let sql = self.config().sql();
+        let sql = self.sql_found();
         match which {
             AdminStatement::Requeue => sql.requeue_unpublished.as_deref(),
             AdminStatement::RequeueSeqs => sql.requeue_seqs_unpublished.as_deref(),

@@ -37,8 +37,14 @@ struct Inner {
     database: Option<String>,
     common: TableSettings,
     lock_keys: bool,
-    unpublished_table: bool,
+    /// The layout named by the builder; `None`: the table's own, and for a new table the
+    /// default (see [`MysqlConfig::new_tables_use_unpublished_table`]).
+    unpublished_table: Option<bool>,
+    /// The statements of the named layout, or of a new table's when none is named.
     sql: Sql,
+    /// When no layout is named: the statements of the other layout, for an existing table
+    /// laid out that way.
+    other: Option<Sql>,
 }
 
 impl MysqlConfig {
@@ -87,11 +93,11 @@ impl MysqlConfig {
     /// each `IF EXISTS`. For tests and uninstalls; statements separated by `;` (run it as one
     /// text-protocol query, e.g. `sqlx::raw_sql`).
     pub fn drop_sql(&self) -> String {
-        let unpublished = self
-            .inner
-            .sql
-            .unpublished
-            .as_ref()
+        // Either layout's: an existing table may be in the one not named.
+        let unpublished = [Some(&self.inner.sql), self.inner.other.as_ref()]
+            .into_iter()
+            .flatten()
+            .find_map(|sql| sql.unpublished.as_ref())
             .map(|u| format!(", {u}"))
             .unwrap_or_default();
         format!(
@@ -102,14 +108,31 @@ impl MysqlConfig {
         )
     }
 
-    /// Whether the table is laid out with an unpublished table (see
-    /// [`MysqlConfigBuilder::unpublished_table`]).
-    pub fn unpublished_table(&self) -> bool {
+    /// The table layout named with [`MysqlConfigBuilder::unpublished_table`], if one was.
+    /// `None`: the store uses the layout it finds the table in.
+    pub fn unpublished_table(&self) -> Option<bool> {
         self.inner.unpublished_table
     }
 
+    /// Whether a table this configuration's migration creates gets an unpublished table: the
+    /// layout named, or by default when published rows are kept (not with
+    /// `delete_published`, which gains nothing from it).
+    pub fn new_tables_use_unpublished_table(&self) -> bool {
+        self.inner.sql.unpublished.is_some()
+    }
+
+    /// The statements of the named layout, or of a new table's: the migration SQL, the
+    /// enqueue, the key locks (which both layouts share).
     pub(crate) fn sql(&self) -> &Sql {
         &self.inner.sql
+    }
+
+    /// The statements of a table laid out with an unpublished table (`true`) or without.
+    pub(crate) fn sql_for(&self, unpublished: bool) -> &Sql {
+        match &self.inner.other {
+            Some(other) if self.inner.sql.unpublished.is_some() != unpublished => other,
+            _ => &self.inner.sql,
+        }
     }
 
     /// Build from settings that already passed their checks.
@@ -117,15 +140,20 @@ impl MysqlConfig {
         database: Option<String>,
         common: TableSettings,
         lock_keys: bool,
-        unpublished_table: bool,
+        unpublished_table: Option<bool>,
     ) -> Self {
-        let sql = Sql::build(
-            database.as_deref(),
-            &common.table,
-            common.delete_published,
-            common.limits.max_payload_bytes,
-            unpublished_table,
-        );
+        let build = |unpublished: bool| {
+            Sql::build(
+                database.as_deref(),
+                &common.table,
+                common.delete_published,
+                common.limits.max_payload_bytes,
+                unpublished,
+            )
+        };
+        let new_tables = unpublished_table.unwrap_or(!common.delete_published);
+        let sql = build(new_tables);
+        let other = unpublished_table.is_none().then(|| build(!new_tables));
         Self {
             inner: Arc::new(Inner {
                 database,
@@ -133,6 +161,7 @@ impl MysqlConfig {
                 lock_keys,
                 unpublished_table,
                 sql,
+                other,
             }),
         }
     }
@@ -141,7 +170,7 @@ impl MysqlConfig {
 impl Default for MysqlConfig {
     /// Table `outbox` in the connection's database, 1 MiB payloads.
     fn default() -> Self {
-        Self::from_valid(None, TableSettings::default(), false, false)
+        Self::from_valid(None, TableSettings::default(), false, None)
     }
 }
 
@@ -163,7 +192,7 @@ pub struct MysqlConfigBuilder {
     database: Option<String>,
     common: TableSettings,
     lock_keys: bool,
-    unpublished_table: bool,
+    unpublished_table: Option<bool>,
 }
 
 impl MysqlConfigBuilder {
@@ -218,7 +247,10 @@ impl MysqlConfigBuilder {
         self
     }
 
-    /// Lay the table out with an **unpublished table** (default off): a second table,
+    /// Lay the table out with an **unpublished table** (`true`), or with the outbox table's
+    /// own claim indexes (`false`). Not set, the store uses the layout it finds an existing
+    /// table in, and a new table gets an unpublished table unless the configuration deletes
+    /// published rows ([`MysqlConfig::new_tables_use_unpublished_table`]). A second table,
     /// `<table>_unpublished`, holds one small row per pending or dead message, and the claim
     /// scans and per-key order probes read it instead of indexes of the outbox table holding
     /// `state`. A completion that keeps its row then deletes that small row and changes no
@@ -232,7 +264,7 @@ impl MysqlConfigBuilder {
     /// and deletes of any writer; change `state` only through the relay and its admin
     /// commands.
     pub fn unpublished_table(mut self, on: bool) -> Self {
-        self.unpublished_table = on;
+        self.unpublished_table = Some(on);
         self
     }
 

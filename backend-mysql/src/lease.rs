@@ -39,8 +39,8 @@ pub(crate) async fn complete(
             token,
             ids,
             Updates {
-                first: store.config().sql().complete_first.as_deref(),
-                then: &store.config().sql().complete,
+                first: store.sql().await?.complete_first.as_deref(),
+                then: &store.sql().await?.complete,
             },
             seq_list,
         )
@@ -66,7 +66,7 @@ pub(crate) async fn fail(
             "fail",
             token,
             &ids,
-            Updates::one(&store.config().sql().fail),
+            Updates::one(&store.sql().await?.fail),
             |held| {
                 let held: Vec<String> = held.iter().map(|row| row.id.clone()).collect();
                 failure_rows(failures, &held)
@@ -103,7 +103,7 @@ pub(crate) async fn release(
             "release",
             token,
             ids,
-            Updates::one(&store.config().sql().release),
+            Updates::one(&store.sql().await?.release),
             seq_list,
         )
         .await
@@ -180,7 +180,7 @@ impl MysqlStore {
         rows: &impl Fn(&[Held]) -> Result<String, Error>,
     ) -> Result<Vec<Held>, Error> {
         let err = self.err(op);
-        let sql = self.config().sql();
+        let sql = self.sql().await?;
         let token = token.0.hyphenated().to_string();
         let mut tx = self.pool().begin_with(BEGIN).await.map_err(&err)?;
         // The rows still held, by a plain read (or as this handle leased them); then locked by
@@ -273,7 +273,7 @@ impl MysqlStore {
         let token = token.0.hyphenated().to_string();
         // Find the token's rows with a plain read, then extend them by primary key: a locking
         // scan of the pending rows would wait for every row an open transaction is inserting.
-        let rows = sqlx::query(&self.config().sql().extend_find)
+        let rows = sqlx::query(&self.sql().await?.extend_find)
             .bind(lease_us)
             .bind(&token)
             .fetch_all(self.pool())
@@ -292,7 +292,7 @@ impl MysqlStore {
             .map_err(|e| decode_error(e, self.config().qualified_table()))?;
         // The fence is checked again, row by row, in the update: a lease that expired in
         // between is not revived.
-        let done = sqlx::query(&self.config().sql().extend)
+        let done = sqlx::query(&self.sql().await?.extend)
             .bind(serde_json::to_string(&seqs).unwrap_or_default())
             .bind(until)
             .bind(&token)

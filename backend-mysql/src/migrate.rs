@@ -8,6 +8,7 @@ use sqlx::{Executor, MySql, MySqlPool};
 
 use crate::config::MysqlConfig;
 use crate::error::map_sqlx;
+use crate::store::table_layout;
 
 /// Prefix of the `GET_LOCK` name taken while migrating. The full name is this prefix and the
 /// MD5 of `database.table` (the connection's database when the config names none), so
@@ -64,12 +65,25 @@ pub async fn migrate(pool: &MySqlPool, config: &MysqlConfig) -> Result<(), Error
             None,
         ));
     }
+    // The layout: the one named, else an existing table's, else a new table's.
+    let sql = match config.unpublished_table() {
+        Some(on) => Ok(config.sql_for(on)),
+        None => table_layout(&mut *guard.conn, config)
+            .await
+            .map(|(exists, unpublished)| {
+                if exists {
+                    config.sql_for(unpublished)
+                } else {
+                    config.sql()
+                }
+            }),
+    };
     // A query without arguments goes through the text protocol, which runs every statement.
-    let migrated = guard
-        .conn
-        .execute(config.migration_sql())
-        .await
-        .map_err(err);
+    let migrated = match sql {
+        Ok(sql) => guard.conn.execute(sql.migrate.as_str()).await.map(|_| ()),
+        Err(e) => Err(e),
+    }
+    .map_err(err);
     sqlx::query(&format!("DO RELEASE_LOCK({lock_name})"))
         .bind(MIGRATION_LOCK_PREFIX)
         .bind(config.database())

@@ -92,7 +92,7 @@ fn unpublished_figures(t: &str, u: &str, delete_published: bool) -> String {
 pub(crate) async fn status(store: &MysqlStore, limit: usize) -> Result<StoreStatus, Error> {
     let config = store.config();
     let t = config.qualified_table();
-    let unpublished = config.sql().unpublished.as_deref();
+    let unpublished = store.sql().await?.unpublished.as_deref();
     let last_minute = if config.delete_published() {
         "NULL".to_owned()
     } else {

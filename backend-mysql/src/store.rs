@@ -2,7 +2,7 @@
 //! shared [`SqlxStore`]); its trait impls are in `claim.rs` (relay side) and `admin.rs`.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use outbox_sql_support::SqlxStore;
 use outbox_traits::Error;
@@ -14,6 +14,7 @@ use crate::config::MysqlConfig;
 use crate::error::{map_sqlx, WHAT};
 use crate::leased::LeasedSeqs;
 use crate::migrate::migrate;
+use crate::sql::Sql;
 use crate::sql::IDLE_TRANSACTION_SECS;
 
 /// How many times a transaction that InnoDB rolled back as a deadlock victim is run again
@@ -32,6 +33,9 @@ pub struct MysqlStore {
     /// The seqs of the rows this handle's claims leased, for their transitions (see
     /// [`LeasedSeqs`]); shared by clones.
     pub(crate) leased: Arc<LeasedSeqs>,
+    /// The layout found for the table when the config names none: whether it has an
+    /// unpublished table (see [`MysqlStore::sql`]); shared by clones.
+    layout: Arc<OnceLock<bool>>,
 }
 
 impl fmt::Debug for MysqlStore {
@@ -47,6 +51,7 @@ impl MysqlStore {
         Self {
             inner: SqlxStore::new(pool, config),
             leased: Arc::default(),
+            layout: Arc::default(),
         }
     }
 
@@ -74,6 +79,7 @@ impl MysqlStore {
         Ok(Self {
             inner: SqlxStore::connect_with(url, WHAT, config, pool).await?,
             leased: Arc::default(),
+            layout: Arc::default(),
         })
     }
 
@@ -96,9 +102,71 @@ impl MysqlStore {
         migrate(self.pool(), self.config()).await
     }
 
+    /// The statements for the table's layout: the one the config names, else the one found
+    /// the first time the table exists (one catalog query per store and its clones; a table
+    /// keeps its layout), else a new table's (the call then fails on the missing table, as
+    /// with any layout, and the next one looks again).
+    pub(crate) async fn sql(&self) -> Result<&Sql, Error> {
+        let config = self.config();
+        if let Some(on) = config
+            .unpublished_table()
+            .or_else(|| self.layout.get().copied())
+        {
+            return Ok(config.sql_for(on));
+        }
+        let (exists, unpublished) = table_layout(self.pool(), config)
+            .await
+            .map_err(self.err("find the table's layout"))?;
+        if !exists {
+            return Ok(config.sql());
+        }
+        Ok(config.sql_for(*self.layout.get_or_init(|| unpublished)))
+    }
+
+    /// [`MysqlStore::sql`] without a query: the layout named or already found, else a new
+    /// table's. For the admin statements, after an `await` of [`MysqlStore::sql`].
+    pub(crate) fn sql_found(&self) -> &Sql {
+        let config = self.config();
+        match config
+            .unpublished_table()
+            .or_else(|| self.layout.get().copied())
+        {
+            Some(on) => config.sql_for(on),
+            None => config.sql(),
+        }
+    }
+
     /// Maps a sqlx error of operation `op` on this store's table.
     pub(crate) fn err(&self, op: &str) -> impl Fn(sqlx::Error) -> Error + '_ {
         let op = op.to_owned();
         move |e| map_sqlx(e, &op, self.config().qualified_table())
     }
+}
+
+/// Whether `config`'s table exists, and whether it is laid out with an unpublished table, from
+/// the catalog: the table without its own claim index (`ix_claim`) is. Read from the outbox
+/// table's own entries, which a user with rights on that table alone sees (the unpublished
+/// table is invisible to one without rights on it, whose calls then fail saying so).
+pub(crate) async fn table_layout<'c, E>(
+    executor: E,
+    config: &MysqlConfig,
+) -> Result<(bool, bool), sqlx::Error>
+where
+    E: sqlx::Executor<'c, Database = MySql>,
+{
+    let (exists, claim_index): (i64, i64) = sqlx::query_as(
+        "SELECT
+            EXISTS (SELECT 1 FROM information_schema.TABLES
+                    WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ?),
+            EXISTS (SELECT 1 FROM information_schema.STATISTICS
+                    WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ?
+                      AND INDEX_NAME = 'ix_claim')",
+    )
+    .bind(config.database())
+    .bind(config.table())
+    .bind(config.database())
+    .bind(config.table())
+    .fetch_one(executor)
+    .await?;
+    Ok((exists != 0, exists != 0 && claim_index == 0))
 }

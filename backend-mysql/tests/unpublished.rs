@@ -248,6 +248,7 @@ async fn migrate_refuses_a_table_of_the_other_layout_and_changes_nothing() {
     let Some(db) = db().await else { return };
     let other = MysqlConfig::builder()
         .table(db.store.config().table())
+        .unpublished_table(false)
         .build()
         .unwrap();
     let store = MysqlStore::new(db.pool().clone(), other);
@@ -261,7 +262,7 @@ async fn migrate_refuses_a_table_of_the_other_layout_and_changes_nothing() {
     assert_eq!(indexes(&db).await, ["PRIMARY", "uq_dedup_key", "uq_id"]);
     db.drop().await;
 
-    let Some(plain) = db_with(|b| b).await else {
+    let Some(plain) = db_with(|b| b.unpublished_table(false)).await else {
         return;
     };
     let other = MysqlConfig::builder()
@@ -287,4 +288,51 @@ async fn migrate_refuses_a_table_of_the_other_layout_and_changes_nothing() {
     .unwrap();
     assert_eq!(made, None);
     plain.drop().await;
+}
+
+#[tokio::test]
+async fn a_store_that_names_no_layout_serves_the_table_in_the_layout_it_has() {
+    // New tables: an unpublished table when published rows are kept, not when deleted.
+    assert!(MysqlConfig::default().new_tables_use_unpublished_table());
+    let deleting = MysqlConfig::builder()
+        .delete_published(true)
+        .build()
+        .unwrap();
+    assert!(!deleting.new_tables_use_unpublished_table());
+    for layout in [false, true] {
+        let Some(db) = db_with(|b| b.unpublished_table(layout)).await else {
+            return;
+        };
+        db.enqueue(&[msg("k", "1"), msg("k", "2"), msg("j", "3")])
+            .await;
+        // A store that names no layout migrates the table in its own layout (the other
+        // layout's migration would refuse it) and claims, completes and reports through it.
+        let config = MysqlConfig::builder()
+            .table(db.store.config().table())
+            .build()
+            .unwrap();
+        assert_eq!(config.unpublished_table(), None);
+        let store = MysqlStore::new(db.pool().clone(), config);
+        store.migrate().await.unwrap();
+        let indexes_now = indexes(&db).await;
+        assert_eq!(indexes_now.contains(&"ix_claim".to_owned()), !layout);
+        let claim = store
+            .claim(&outbox_traits::ClaimRequest {
+                limit: 2,
+                lease: Duration::from_secs(30),
+                head_policy: Block,
+                shard: None,
+            })
+            .await
+            .unwrap();
+        assert_eq!(names(&claim), ["1", "2"], "layout {layout}");
+        store.complete(claim.token, &ids(&claim)).await.unwrap();
+        let status = store.status(0).await.unwrap();
+        assert_eq!((status.pending, status.leased), (1, 0), "layout {layout}");
+        if layout {
+            assert_eq!(entries(&db).await.len(), 1);
+        }
+        assert_eq!(store.purge_published(Duration::ZERO, 10).await.unwrap(), 2);
+        db.drop().await;
+    }
 }

@@ -180,8 +180,8 @@ pub mod harness {
         skewed_clock: bool,
         /// Stores serialise the writers of a key (`lock_keys`, `HarnessCapabilities::key_locks`).
         lock_keys: bool,
-        /// Tables laid out with an unpublished table (`unpublished_table`).
-        unpublished_table: bool,
+        /// The table layout named (`unpublished_table`); `None`: the default.
+        unpublished_table: Option<bool>,
     }
 
     impl MysqlHarness {
@@ -193,14 +193,15 @@ pub mod harness {
                 delete_published: false,
                 skewed_clock: false,
                 lock_keys: false,
-                unpublished_table: false,
+                unpublished_table: None,
             }
         }
 
-        /// Stores whose tables are laid out with an unpublished table.
-        pub fn with_unpublished_table(self) -> Self {
+        /// Stores whose tables have their own claim indexes (`unpublished_table(false)`),
+        /// the layout of tables made before the unpublished table became the default.
+        pub fn with_claim_indexes(self) -> Self {
             Self {
-                unpublished_table: true,
+                unpublished_table: Some(false),
                 ..self
             }
         }
@@ -249,8 +250,8 @@ pub mod harness {
             if self.lock_keys {
                 name.push_str(", key locks");
             }
-            if self.unpublished_table {
-                name.push_str(", unpublished table");
+            if self.unpublished_table == Some(false) {
+                name.push_str(", claim indexes in the outbox table");
             }
             name
         }
@@ -261,12 +262,14 @@ pub mod harness {
                 .get_or_init(|| async { pool(&self.options, 8) })
                 .await
                 .clone();
-            let config = MysqlConfig::builder()
+            let mut config = MysqlConfig::builder()
                 .table(random_table())
                 .delete_published(self.delete_published)
-                .lock_keys(self.lock_keys)
-                .unpublished_table(self.unpublished_table)
-                .build()?;
+                .lock_keys(self.lock_keys);
+            if let Some(on) = self.unpublished_table {
+                config = config.unpublished_table(on);
+            }
+            let config = config.build()?;
             let store = MysqlStore::new(shared, config);
             store.migrate().await?;
             if self.lock_keys {

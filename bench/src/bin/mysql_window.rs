@@ -39,7 +39,11 @@ async fn main() -> Result<(), BoxError> {
     let url = std::env::var("OUTBOX_TEST_MYSQL_URL")
         .map_err(|_| "set OUTBOX_TEST_MYSQL_URL (scripts/services prints it)")?;
     let table = format!("bench_window_{}", uuid::Uuid::new_v4().simple());
-    let config = MysqlConfig::builder().table(table.clone()).build()?;
+    // The claim index this program measures is the outbox table's own (`ix_claim`).
+    let config = MysqlConfig::builder()
+        .table(table.clone())
+        .unpublished_table(false)
+        .build()?;
     let store = MysqlStore::connect(&url, config.clone()).await?;
     store.migrate().await?;
     let result = measure(&store, &config, &table, rows, keys, reps).await;

@@ -169,6 +169,13 @@ impl Db {
                 ))
                 .execute(store.pool())
                 .await?;
+                // And its unpublished table (the default layout of a table keeping published
+                // rows), whose entries a relay reads, moves and deletes.
+                sqlx::query(&format!(
+                    "GRANT SELECT, UPDATE, DELETE ON `{table}_unpublished` TO '{name}'@'%'"
+                ))
+                .execute(store.pool())
+                .await?;
                 let relay_url = MySqlConnectOptions::from_str(url)?
                     .username(name)
                     .password(&password)
