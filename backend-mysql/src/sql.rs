@@ -166,6 +166,10 @@ const SEQ_LIST: &str = "JSON_TABLE(?, '$[*]' COLUMNS (seq BIGINT PATH '$'))";
 const LOCKING_SEQ_LIST: &str =
     "JSON_TABLE(JSON_ARRAY_APPEND(?, '$', -1), '$[*]' COLUMNS (seq BIGINT PATH '$'))";
 
+/// The most rows one purge of a table with an unpublished table reads to find its batch of old
+/// enough published rows (it has no `published_at` index; see `purge_pick`).
+pub(crate) const PURGE_EXAMINED_ROWS: u64 = 100_000;
+
 /// The seq [`LOCKING_SEQ_LIST`] appends to its list.
 pub(crate) const SENTINEL_SEQ: i64 = -1;
 
@@ -1204,19 +1208,17 @@ LIMIT ?"#,
             // row; so pick the batch through the purge index, then delete it by primary key
             // (published rows never change, so no transaction is needed in between).
             // With an unpublished table the outbox table has no index on `published_at`: the
-            // batch is the oldest published rows by seq, of which those old enough go. It reads
-            // at most its batch (and the unpublished rows among them), and a row published
-            // late holds back only the rows after it, until it is old enough itself.
+            // batch is the old enough published rows in seq order (about publish order), read
+            // from the primary key. `ROWS EXAMINED` bounds the read when few rows are old
+            // enough: a purge then deletes what it found among the first
+            // [`PURGE_EXAMINED_ROWS`] rows, and the next finds the rest as they age.
             purge_pick: if u.is_some() {
                 format!(
-                    "SELECT p.seq
-                 FROM (SELECT UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND AS cutoff) c
-                 STRAIGHT_JOIN (
-                     SELECT seq, published_at FROM {t} FORCE INDEX (PRIMARY)
-                     WHERE state = 'published'
-                     ORDER BY seq
-                     LIMIT ?) p
-                 WHERE p.published_at < c.cutoff"
+                    "SELECT seq FROM {t} FORCE INDEX (PRIMARY)
+                 WHERE state = 'published'
+                   AND published_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+                 ORDER BY seq
+                 LIMIT ? ROWS EXAMINED {PURGE_EXAMINED_ROWS}"
                 )
             } else {
                 format!(
