@@ -25,6 +25,10 @@ pub(crate) const FILLFACTOR: u32 = 50;
 /// loaded machine; at 30, none (`BENCHMARKS.md`).
 pub(crate) const CURSOR_FILLFACTOR: u32 = 30;
 
+/// The most published rows one purge of a cursor-layout table reads, in seq order, to find its
+/// batch of old enough ones (that layout has no `published_at` index; see `Sql::purge`).
+pub(crate) const PURGE_EXAMINED_ROWS: u64 = 100_000;
+
 /// The longest a fenced transition (complete, fail, release, extend) or a claim waits for a row
 /// lock another transaction holds, as Postgres's `lock_timeout`; past it the statement fails
 /// with `lock_not_available` (SQLSTATE 55P03), a transient error the relay retries.
@@ -1078,10 +1082,14 @@ cand AS MATERIALIZED (
             // The ctid list bounds the batch; a DELETE with a LIMIT needs that subquery, and
             // ctids are stable here because published rows are never updated.
             purge: if cursor.is_some() {
-                // No index on `published_at` here: the oldest $2 published rows in seq order,
-                // those of them old enough. Rows are published about in seq order, so this
-                // reads at most a batch; one published late, low in seq, holds back the rows
-                // after it only until it is old enough itself.
+                // No index on `published_at` here: up to $2 of the old enough published rows,
+                // read in seq order from the seq index. Rows are published about in seq order,
+                // so this reads about a batch. The inner LIMIT bounds the read when few rows
+                // are old enough: with more than [`PURGE_EXAMINED_ROWS`] young published rows
+                // below the old ones a call deletes fewer than it could, and later calls find
+                // the rest as they age. (Taking the oldest $2 by seq and keeping the old enough
+                // among them broke the contract: one row published just now, low in seq, made
+                // `purge(at most 1)` delete nothing while an older one was due.)
                 format!(
                     "DELETE FROM {t}
                      WHERE ctid = ANY(ARRAY(
@@ -1089,8 +1097,9 @@ cand AS MATERIALIZED (
                              SELECT ctid, published_at FROM {t}
                              WHERE state = 'published'
                              ORDER BY seq
-                             LIMIT $2) p
-                         WHERE p.published_at < now() - $1::bigint * interval '1 microsecond'))
+                             LIMIT {PURGE_EXAMINED_ROWS}) p
+                         WHERE p.published_at < now() - $1::bigint * interval '1 microsecond'
+                         LIMIT $2))
                        AND state = 'published'"
                 )
             } else {
