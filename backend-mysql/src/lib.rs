@@ -4,6 +4,7 @@
 mod admin;
 mod claim;
 mod config;
+mod convert;
 #[cfg(feature = "diesel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "diesel")))]
 pub mod diesel;
@@ -21,6 +22,7 @@ pub mod url;
 
 pub use claim::PREFERRED_CLAIM_SHARDS;
 pub use config::{MysqlConfig, MysqlConfigBuilder, DEFAULT_TABLE};
+pub use convert::convert_to_unpublished_table;
 pub use enqueue::{enqueue, enqueue_batch};
 pub use migrate::{migrate, MIGRATION_LOCK_PREFIX};
 pub use store::MysqlStore;

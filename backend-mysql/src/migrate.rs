@@ -41,30 +41,7 @@ const LOCK_TIMEOUT: Duration = Duration::from_secs(60);
 pub async fn migrate(pool: &MySqlPool, config: &MysqlConfig) -> Result<(), Error> {
     let table = config.qualified_table();
     let err = |e| map_sqlx(e, "migrate", table);
-    // From here until the lock is released, a cancelled call closes the connection.
-    let mut guard = LockGuard {
-        conn: pool.acquire().await.map_err(err)?,
-        may_hold_lock: true,
-    };
-    let lock_name = "CONCAT(?, MD5(CONCAT_WS('.', COALESCE(?, DATABASE(), ''), ?)))";
-    let locked: Option<i64> = sqlx::query_scalar(&format!("SELECT GET_LOCK({lock_name}, ?)"))
-        .bind(MIGRATION_LOCK_PREFIX)
-        .bind(config.database())
-        .bind(config.table())
-        .bind(LOCK_TIMEOUT.as_secs())
-        .fetch_one(&mut *guard.conn)
-        .await
-        .map_err(err)?;
-    if locked != Some(1) {
-        guard.may_hold_lock = false;
-        return Err(Error::transient(
-            format!(
-                "migrate on {table}: another process held the migration lock for {LOCK_TIMEOUT:?}; \
-                 retry later"
-            ),
-            None,
-        ));
-    }
+    let mut guard = LockGuard::acquire(pool, config, "migrate").await?;
     // The layout: the one named, else an existing table's, else a new table's.
     let sql = match config.unpublished_table() {
         Some(on) => Ok(config.sql_for(on)),
@@ -84,23 +61,69 @@ pub async fn migrate(pool: &MySqlPool, config: &MysqlConfig) -> Result<(), Error
         Err(e) => Err(e),
     }
     .map_err(err);
-    sqlx::query(&format!("DO RELEASE_LOCK({lock_name})"))
-        .bind(MIGRATION_LOCK_PREFIX)
-        .bind(config.database())
-        .bind(config.table())
-        .execute(&mut *guard.conn)
-        .await
-        .map_err(err)?;
-    guard.may_hold_lock = false;
+    guard.release(config, "migrate").await?;
     migrated?;
     Ok(())
 }
 
+/// The `GET_LOCK` name of the table, as a SQL expression of three parameters (see
+/// [`MIGRATION_LOCK_PREFIX`]).
+const LOCK_NAME: &str = "CONCAT(?, MD5(CONCAT_WS('.', COALESCE(?, DATABASE(), ''), ?)))";
+
 /// A pooled connection that may hold the migration lock. Dropped while it may, it is closed
 /// instead of returned to the pool: closing the session releases the lock.
-struct LockGuard {
-    conn: PoolConnection<MySql>,
+pub(crate) struct LockGuard {
+    pub(crate) conn: PoolConnection<MySql>,
     may_hold_lock: bool,
+}
+
+impl LockGuard {
+    /// A connection holding the table's migration lock, for operation `op` (named in errors).
+    /// From here until the lock is released, a cancelled call closes the connection.
+    pub(crate) async fn acquire(
+        pool: &MySqlPool,
+        config: &MysqlConfig,
+        op: &str,
+    ) -> Result<Self, Error> {
+        let table = config.qualified_table();
+        let err = |e| map_sqlx(e, op, table);
+        let mut guard = LockGuard {
+            conn: pool.acquire().await.map_err(err)?,
+            may_hold_lock: true,
+        };
+        let locked: Option<i64> = sqlx::query_scalar(&format!("SELECT GET_LOCK({LOCK_NAME}, ?)"))
+            .bind(MIGRATION_LOCK_PREFIX)
+            .bind(config.database())
+            .bind(config.table())
+            .bind(LOCK_TIMEOUT.as_secs())
+            .fetch_one(&mut *guard.conn)
+            .await
+            .map_err(err)?;
+        if locked != Some(1) {
+            guard.may_hold_lock = false;
+            return Err(Error::transient(
+                format!(
+                    "{op} on {table}: another process held the migration lock for \
+                     {LOCK_TIMEOUT:?}; retry later"
+                ),
+                None,
+            ));
+        }
+        Ok(guard)
+    }
+
+    /// Release the lock and return the connection to the pool.
+    pub(crate) async fn release(mut self, config: &MysqlConfig, op: &str) -> Result<(), Error> {
+        sqlx::query(&format!("DO RELEASE_LOCK({LOCK_NAME})"))
+            .bind(MIGRATION_LOCK_PREFIX)
+            .bind(config.database())
+            .bind(config.table())
+            .execute(&mut *self.conn)
+            .await
+            .map_err(|e| map_sqlx(e, op, config.qualified_table()))?;
+        self.may_hold_lock = false;
+        Ok(())
+    }
 }
 
 impl Drop for LockGuard {

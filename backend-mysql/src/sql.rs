@@ -302,6 +302,9 @@ pub(crate) struct Sql {
     /// The unpublished table, quoted like `table`, when the outbox table has one (see
     /// `unpublished_ddl`).
     pub unpublished: Option<String>,
+    /// The unpublished table and its triggers (empty without one): what the conversion of a
+    /// table with claim indexes creates before it fills the table (`crate::convert`).
+    pub unpublished_ddl: String,
     /// Release the held rows, by `seq` (a JSON array of seqs).
     pub release: String,
     /// Fail the held rows, by id (a JSON list of `{"id", "error", "dead", "delay_us"}`).
@@ -1071,6 +1074,10 @@ LIMIT ?"#,
                 )
             }),
             unpublished: u.clone(),
+            unpublished_ddl: u
+                .as_ref()
+                .map(|u| unpublished_ddl(&t, table, u, &qualify))
+                .unwrap_or_default(),
             release: format!(
                 "{SKIP_CHECKS}
                  UPDATE {SEQ_LIST} j

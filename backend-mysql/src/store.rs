@@ -102,6 +102,16 @@ impl MysqlStore {
         migrate(self.pool(), self.config()).await
     }
 
+    /// Convert the table from claim indexes of its own to an unpublished table; `false` when it
+    /// had one already (see [`crate::convert_to_unpublished_table`]: stop the table's relays
+    /// first).
+    ///
+    /// # Errors
+    /// As [`crate::convert_to_unpublished_table`].
+    pub async fn convert_to_unpublished_table(&self) -> Result<bool, Error> {
+        crate::convert_to_unpublished_table(self.pool(), self.config()).await
+    }
+
     /// The statements for the table's layout: the one the config names, else the one found
     /// the first time the table exists (one catalog query per store and its clones; a table
     /// keeps its layout), else a new table's (the call then fails on the missing table, as

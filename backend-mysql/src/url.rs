@@ -37,6 +37,10 @@ impl Migrate for MysqlStore {
     async fn migrate(&self) -> Result<(), Error> {
         MysqlStore::migrate(self).await
     }
+
+    async fn convert_layout(&self) -> Result<bool, Error> {
+        self.convert_to_unpublished_table().await
+    }
 }
 
 #[cfg(test)]

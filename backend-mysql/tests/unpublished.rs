@@ -336,3 +336,161 @@ async fn a_store_that_names_no_layout_serves_the_table_in_the_layout_it_has() {
         db.drop().await;
     }
 }
+
+/// A table with claim indexes, holding published, retried, dead and pending rows, converted to
+/// an unpublished table (`convert_to_unpublished_table`): refused while a message is leased,
+/// then converted once; a store that names no layout then serves it through the unpublished
+/// table, and every message goes on in its key's order, the dead ones after their requeue.
+#[tokio::test]
+async fn a_table_with_claim_indexes_converts_to_an_unpublished_table() {
+    let Some(old) = db_with(|b| b.unpublished_table(false)).await else {
+        return;
+    };
+    old.enqueue(&[
+        msg("a", "a1"),
+        msg("b", "b1"),
+        msg("c", "c1"),
+        msg("d", "d1"),
+        msg("a", "a2"),
+        msg("b", "b2"),
+        msg("c", "c2"),
+        msg("d", "d2"),
+        msg("a", "a3"),
+    ])
+    .await;
+    // a1 published, b1 to retry, c1 dead; d1 stays leased for now.
+    let claim = old.claim(4, Block).await;
+    assert_eq!(names(&claim), ["a1", "b1", "c1", "d1"]);
+    old.store
+        .complete(claim.token, &[claim.messages[0].id])
+        .await
+        .unwrap();
+    let fail = |i: usize, action| Failure {
+        id: claim.messages[i].id,
+        error: "broker said no".into(),
+        action,
+    };
+    let retry = FailAction::Retry {
+        delay: Duration::ZERO,
+    };
+    old.store
+        .fail(claim.token, &[fail(1, retry), fail(2, FailAction::Dead)])
+        .await
+        .unwrap();
+    let table = old.store.config().table().to_owned();
+    let config = MysqlConfig::builder().table(&table).build().unwrap();
+    let fresh = || MysqlStore::new(old.pool().clone(), config.clone());
+    let err = fresh().convert_to_unpublished_table().await.unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    assert!(err.to_string().contains("1 message(s)"), "{err}");
+    assert!(indexes(&old).await.contains(&"ix_claim".to_owned()));
+    let deleting = MysqlConfig::builder()
+        .table(&table)
+        .delete_published(true)
+        .build()
+        .unwrap();
+    let err = MysqlStore::new(old.pool().clone(), deleting)
+        .convert_to_unpublished_table()
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    old.store
+        .release(claim.token, &[claim.messages[3].id])
+        .await
+        .unwrap();
+
+    assert!(fresh().convert_to_unpublished_table().await.unwrap());
+    assert_eq!(indexes(&old).await, ["PRIMARY", "uq_dedup_key", "uq_id"]);
+    assert!(
+        !fresh().convert_to_unpublished_table().await.unwrap(),
+        "again"
+    );
+    // One entry per pending or dead row, in its state.
+    let mut expected: Vec<(String, i64)> = seqs_in(&old, "pending")
+        .await
+        .into_iter()
+        .map(|seq| ("pending".to_owned(), seq))
+        .chain(
+            seqs_in(&old, "dead")
+                .await
+                .into_iter()
+                .map(|seq| ("dead".to_owned(), seq)),
+        )
+        .collect();
+    expected.sort_by_key(|(_, seq)| *seq);
+    assert_eq!(entries(&old).await, expected);
+
+    let db = Db {
+        url: old.url.clone(),
+        store: fresh(),
+        config: config.clone(),
+    };
+    db.store.migrate().await.unwrap();
+    db.enqueue(&[msg("b", "b3"), msg("f", "f1")]).await;
+    let mut published = Vec::new();
+    for _ in 0..10 {
+        let claim = db.claim(3, Block).await;
+        db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+        published.extend(names(&claim));
+    }
+    // c is held by its dead head; the rest in order.
+    assert_eq!(published, ["b1", "d1", "a2", "b2", "d2", "a3", "b3", "f1"]);
+    let dead = db.store.list_dead(None, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(db.store.requeue(&[dead[0].message.id]).await.unwrap(), 1);
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["c1", "c2"]);
+    db.store.complete(claim.token, &ids(&claim)).await.unwrap();
+    assert!(entries(&db).await.is_empty());
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.dead, counts.published), (0, 0, 11));
+    db.drop().await;
+}
+
+/// A writer whose transaction is open when the conversion starts: the conversion waits for it
+/// (the triggers' metadata lock) while it goes on, and its row gets its entry and is claimed in
+/// its key's order.
+#[tokio::test]
+async fn a_writer_open_during_the_conversion_is_waited_for_and_its_row_goes_on() {
+    let Some(old) = db_with(|b| b.unpublished_table(false)).await else {
+        return;
+    };
+    old.enqueue(&[msg("k", "before")]).await;
+    let mut writer = old.pool().begin().await.unwrap();
+    outbox_backend_mysql::enqueue(&mut *writer, &old.config, &msg("k", "during"))
+        .await
+        .unwrap();
+    let table = old.store.config().table().to_owned();
+    let config = MysqlConfig::builder().table(&table).build().unwrap();
+    let store = MysqlStore::new(old.pool().clone(), config.clone());
+    let conversion = tokio::spawn(async move { store.convert_to_unpublished_table().await });
+    let start = std::time::Instant::now();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST
+             WHERE STATE LIKE 'Waiting for table metadata lock%' AND INFO LIKE ?",
+        )
+        .bind(format!("%{table}%"))
+        .fetch_one(old.pool())
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(!conversion.is_finished(), "the conversion did not wait");
+        assert!(start.elapsed() < Duration::from_secs(30), "never waited");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    writer.commit().await.unwrap();
+    assert!(conversion.await.unwrap().unwrap());
+    let db = Db {
+        url: old.url.clone(),
+        store: MysqlStore::new(old.pool().clone(), config.clone()),
+        config,
+    };
+    assert_eq!(entries(&db).await.len(), 2);
+    db.enqueue(&[msg("k", "after")]).await;
+    let claim = db.claim(10, Block).await;
+    assert_eq!(names(&claim), ["before", "during", "after"]);
+    db.drop().await;
+}

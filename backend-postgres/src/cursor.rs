@@ -218,8 +218,9 @@ pub(crate) fn check_layout(config: &PostgresConfig, laid_for_cursor: bool) -> Re
     match (laid_for_cursor, config.cursor_claims()) {
         (false, Some(true)) => Err(Error::invalid_input(format!(
             "the outbox table {table} has the partial-index layout, but the configuration asks \
-             for cursor claims; a migration never converts a table: drop cursor_claims for this \
-             table, or migrate a new table with it under another name"
+             for cursor claims; a migration never converts a table: convert it with \
+             `outbox-relay convert-layout` (PostgresStore::convert_to_cursor_claims, relays \
+             stopped), or drop cursor_claims for this table"
         ))),
         (true, Some(false)) => Err(Error::invalid_input(format!(
             "the outbox table {table} is laid out for cursor claims (index {}), but the \

@@ -4,6 +4,7 @@
 mod admin;
 mod claim;
 mod config;
+mod convert;
 mod cursor;
 #[cfg(feature = "diesel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "diesel")))]
@@ -23,6 +24,7 @@ mod wake;
 
 pub use claim::{PREFERRED_BATCH, PREFERRED_CLAIM_SHARDS};
 pub use config::{PostgresConfig, PostgresConfigBuilder, DEFAULT_SCHEMA, DEFAULT_TABLE};
+pub use convert::{convert_to_cursor_claims, CONVERT_LOCK_TIMEOUT};
 pub use enqueue::{enqueue, enqueue_batch};
 pub use group::group_migration_sql;
 pub use migrate::{migrate, MIGRATION_LOCK_KEY};

@@ -394,9 +394,9 @@ SELECT {premake_function}({PARTITIONS_AHEAD});
     sql
 }
 
-/// What the table named by `config` is: `None` when it does not exist, `Some(true)` when it is
-/// partitioned.
-async fn table_is_partitioned(
+/// What the table named by `config` is: `None` when it does not exist, else whether it is
+/// partitioned and whether it is laid out for cursor claims.
+pub(crate) async fn table_layout(
     conn: &mut sqlx::PgConnection,
     config: &PostgresConfig,
 ) -> Result<Option<(bool, bool)>, sqlx::Error> {
@@ -422,7 +422,7 @@ pub(crate) async fn check_shape(
     config: &PostgresConfig,
 ) -> Result<Option<bool>, Error> {
     let table = config.qualified_table();
-    let found = table_is_partitioned(conn, config)
+    let found = table_layout(conn, config)
         .await
         .map_err(|e| map_sqlx(e, "check the table's shape", table))?;
     let partitioned = found.map(|(partitioned, _)| partitioned);

@@ -82,6 +82,15 @@ impl PostgresStore {
         migrate(self.pool(), self.config()).await
     }
 
+    /// Convert the table from the partial-index layout to the cursor layout; `false` when it
+    /// had it already (see [`crate::convert_to_cursor_claims`]: stop the table's relays first).
+    ///
+    /// # Errors
+    /// As [`crate::convert_to_cursor_claims`].
+    pub async fn convert_to_cursor_claims(&self) -> Result<bool, Error> {
+        crate::convert_to_cursor_claims(self.pool(), self.config()).await
+    }
+
     /// Refuse to run this configuration's statements on a table of the other shape, and learn
     /// the table's layout. The plain table's claims address rows by `ctid`, which is unique
     /// only within one partition, so on a partitioned table they would lease and update rows

@@ -95,6 +95,10 @@ impl Migrate for PostgresStore {
     async fn migrate(&self) -> Result<(), Error> {
         PostgresStore::migrate(self).await
     }
+
+    async fn convert_layout(&self) -> Result<bool, Error> {
+        self.convert_to_cursor_claims().await
+    }
 }
 
 #[cfg(test)]

@@ -684,3 +684,172 @@ async fn a_bounded_purge_finds_old_enough_rows_above_a_row_published_just_now() 
     assert_eq!(left, [claim.messages[0].id], "the young row stays");
     db.drop().await;
 }
+
+/// A table of the partial-index layout, with published, retried, dead (one dead by hand,
+/// without an error) and plain pending rows, converted to the cursor layout
+/// (`convert_to_cursor_claims`): refused while a message is leased, then converted once; a
+/// store that names no layout then serves it with cursor claims, and every message goes on in
+/// its key's order, the dead ones after their requeue.
+#[tokio::test]
+async fn a_table_of_the_partial_index_layout_converts_to_cursor_claims() {
+    use outbox_traits::{FailAction, Failure, OutboxAdmin};
+    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+        return;
+    };
+    old.enqueue(&[
+        msg("a", "a1"),
+        msg("b", "b1"),
+        msg("c", "c1"),
+        msg("d", "d1"),
+        msg("e", "e1"),
+        msg("a", "a2"),
+        msg("b", "b2"),
+        msg("c", "c2"),
+        msg("d", "d2"),
+        msg("e", "e2"),
+        msg("a", "a3"),
+    ])
+    .await;
+    // a1 published, b1 to retry, c1 dead with its error; e1 dead by hand, without one.
+    let claim = old.claim(4, HeadPolicy::Block).await;
+    assert_eq!(names(&claim), ["a1", "b1", "c1", "d1"]);
+    old.store
+        .complete(claim.token, &[claim.messages[0].id])
+        .await
+        .unwrap();
+    let fail = |i: usize, action| Failure {
+        id: claim.messages[i].id,
+        error: "broker said no".into(),
+        action,
+    };
+    let retry = FailAction::Retry {
+        delay: Duration::ZERO,
+    };
+    old.store
+        .fail(claim.token, &[fail(1, retry), fail(2, FailAction::Dead)])
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {} SET state = 'dead' WHERE payload->>'name' = 'e1'",
+        old.table()
+    ))
+    .execute(old.pool())
+    .await
+    .unwrap();
+    // d1 is still leased: a relay is at work, and the conversion changes nothing.
+    let config = outbox_backend_postgres::PostgresConfig::builder()
+        .schema(&old.schema)
+        .build()
+        .unwrap();
+    let fresh = || outbox_backend_postgres::PostgresStore::new(old.pool().clone(), config.clone());
+    let err = fresh().convert_to_cursor_claims().await.unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    assert!(err.to_string().contains("1 message(s)"), "{err}");
+    assert!(!laid_for_cursor(&old).await);
+    old.store
+        .release(claim.token, &[claim.messages[3].id])
+        .await
+        .unwrap();
+    // The deleting configuration has nothing to convert to.
+    let deleting = outbox_backend_postgres::PostgresConfig::builder()
+        .schema(&old.schema)
+        .delete_published(true)
+        .build()
+        .unwrap();
+    let store = outbox_backend_postgres::PostgresStore::new(old.pool().clone(), deleting);
+    let err = store.convert_to_cursor_claims().await.unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+
+    assert!(fresh().convert_to_cursor_claims().await.unwrap());
+    assert!(laid_for_cursor(&old).await);
+    let partial_indexes: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_indexes WHERE schemaname = $1
+           AND indexname IN ('outbox_claim_idx', 'outbox_key_idx', 'outbox_dead_idx',
+                             'outbox_published_idx')",
+    )
+    .bind(&old.schema)
+    .fetch_one(old.pool())
+    .await
+    .unwrap();
+    assert_eq!(partial_indexes, 0);
+    assert!(!fresh().convert_to_cursor_claims().await.unwrap(), "again");
+
+    // A store naming no layout: cursor claims, every message in its key's order.
+    let db = Db {
+        url: old.url.clone(),
+        store: fresh(),
+        config: config.clone(),
+        schema: old.schema.clone(),
+    };
+    db.store.migrate().await.unwrap();
+    db.enqueue(&[msg("b", "b3"), msg("f", "f1")]).await;
+    let mut published = Vec::new();
+    for _ in 0..10 {
+        published.extend(drain_once(&db, 3).await);
+    }
+    // c and e are held by their dead heads; the rest in order.
+    assert_eq!(published, ["b1", "d1", "a2", "b2", "d2", "a3", "b3", "f1"]);
+    settle(&db).await;
+    assert!(cursor(&db).await > 1, "the cursor moved");
+    let dead = db.store.list_dead(None, 10).await.unwrap();
+    assert_eq!(dead.len(), 2, "c1 and e1");
+    let ids: Vec<_> = dead.iter().map(|d| d.message.id).collect();
+    assert_eq!(db.store.requeue(&ids).await.unwrap(), 2);
+    let mut rest = Vec::new();
+    for _ in 0..5 {
+        rest.extend(drain_once(&db, 3).await);
+    }
+    assert_eq!(rest, ["c1", "e1", "c2", "e2"]);
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!((counts.pending, counts.dead, counts.published), (0, 0, 13));
+    db.drop().await;
+}
+
+/// A writer whose transaction is open when the conversion starts: the conversion waits for it
+/// (a moment, well within its lock timeout) while it goes on, and its message is published in
+/// its key's order.
+#[tokio::test]
+async fn a_writer_open_during_the_conversion_is_waited_for_and_its_message_goes_on() {
+    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+        return;
+    };
+    old.enqueue(&[msg("k", "before")]).await;
+    let mut writer = old.pool().begin().await.unwrap();
+    outbox_backend_postgres::enqueue(&mut *writer, &old.config, &msg("k", "during"))
+        .await
+        .unwrap();
+    let config = outbox_backend_postgres::PostgresConfig::builder()
+        .schema(&old.schema)
+        .build()
+        .unwrap();
+    let store = outbox_backend_postgres::PostgresStore::new(old.pool().clone(), config.clone());
+    let conversion = tokio::spawn(async move { store.convert_to_cursor_claims().await });
+    let start = std::time::Instant::now();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE wait_event_type = 'Lock' AND query LIKE '%outbox_convert%'",
+        )
+        .fetch_one(old.pool())
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(!conversion.is_finished(), "the conversion did not wait");
+        assert!(start.elapsed() < Duration::from_secs(30), "never waited");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    writer.commit().await.unwrap();
+    assert!(conversion.await.unwrap().unwrap());
+    let db = Db {
+        url: old.url.clone(),
+        store: outbox_backend_postgres::PostgresStore::new(old.pool().clone(), config.clone()),
+        config,
+        schema: old.schema.clone(),
+    };
+    assert!(laid_for_cursor(&db).await);
+    db.enqueue(&[msg("k", "after")]).await;
+    assert_eq!(drain_once(&db, 10).await, ["before", "during", "after"]);
+    db.drop().await;
+}

@@ -78,6 +78,12 @@ enum Command {
     },
     /// Create the outbox table and indexes if they do not exist.
     Migrate,
+    /// Convert an outbox table made by an earlier release to the layout new tables get when
+    /// published rows are kept (Postgres: cursor claims; MariaDB: an unpublished table), in
+    /// which completing a message changes no index of its row. Stop the table's relays first:
+    /// it refuses while messages are leased. Writers may go on writing. Prints whether it
+    /// converted the table; running it again does nothing.
+    ConvertLayout,
     /// Print how many messages are pending, leased, published and dead (one JSON line).
     Counts {
         /// JSON (the only format; accepted for symmetry with the other commands).
@@ -464,6 +470,11 @@ async fn admin(effective: &Effective, command: Command) -> Result<(), Error> {
         Command::Migrate => {
             opened.migrate().await?;
             ops::print(&json!({"migrated": opened.name()}));
+            Ok(())
+        }
+        Command::ConvertLayout => {
+            let converted = opened.convert_layout().await?;
+            ops::print(&json!({"backend": opened.name(), "converted": converted}));
             Ok(())
         }
         Command::Counts { json: _ } => {

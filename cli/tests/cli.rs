@@ -440,6 +440,84 @@ async fn drains_mariadb_with_migrate() -> TestResult {
     Ok(())
 }
 
+/// `convert-layout` converts a table made in an earlier release's layout in place (Postgres's
+/// partial indexes to cursor claims, MariaDB's claim indexes to an unpublished table), says so,
+/// and does nothing the second time; SQLite has one layout. The messages pending before go on.
+#[tokio::test]
+async fn converts_an_earlier_release_s_table_in_place() -> TestResult {
+    let (Some(pg_url), Some(my_url)) = (
+        service_url("OUTBOX_TEST_POSTGRES_URL"),
+        service_url("OUTBOX_TEST_MYSQL_URL"),
+    ) else {
+        return Ok(());
+    };
+    let suffix = unique_suffix();
+    let schema = format!("cli_convert_{suffix}");
+    let table = format!("cli_convert_{suffix}");
+    let pg_old = format!("{pg_url}?cursor_claims=false");
+    let postgres = ["--store", pg_url.as_str(), "--schema", schema.as_str()];
+    let mysql = ["--store", my_url.as_str(), "--table", table.as_str()];
+    let migrated = json_lines(&["--store", &pg_old, "--schema", &schema, "migrate"]).await?;
+    assert_eq!(migrated, [serde_json::json!({"migrated": "postgres"})]);
+    let old_mysql = outbox::mysql::MysqlConfig::builder()
+        .table(table.clone())
+        .unpublished_table(false)
+        .build()?;
+    let pool = sqlx::MySqlPool::connect(&my_url).await?;
+    outbox::mysql::MysqlStore::new(pool.clone(), old_mysql.clone())
+        .migrate()
+        .await?;
+    let messages: Vec<NewMessage> = (0..4).map(|n| message(n, 2)).collect();
+    let mut tx = pool.begin().await?;
+    outbox::mysql::enqueue_batch(&mut *tx, &old_mysql, &messages).await?;
+    tx.commit().await?;
+    for (store, backend) in [(&postgres, "postgres"), (&mysql, "mysql")] {
+        for converted in [true, false] {
+            let out = json_lines(&[&store[..], &["convert-layout"]].concat()).await?;
+            assert_eq!(
+                out,
+                [serde_json::json!({"backend": backend, "converted": converted})]
+            );
+        }
+    }
+    let out = run(&[&mysql[..], &["drain", "--broker", "stdout://"]].concat()).await?;
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        stdout_ids(&out.stdout)?,
+        messages.iter().map(|m| m.id).collect::<Vec<_>>()
+    );
+    let unpublished: i64 =
+        sqlx::query_scalar(&format!("SELECT COUNT(*) FROM `{table}_unpublished`"))
+            .fetch_one(&pool)
+            .await?;
+    assert_eq!(
+        unpublished, 0,
+        "the drain went through the unpublished table"
+    );
+    let pg = sqlx::PgPool::connect(&pg_url).await?;
+    let cursor_index: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(format!("\"{schema}\".outbox_seq_idx"))
+        .fetch_one(&pg)
+        .await?;
+    assert!(cursor_index);
+    sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .execute(&pg)
+        .await?;
+    sqlx::raw_sql(&old_mysql.drop_sql()).execute(&pool).await?;
+    sqlx::query(&format!("DROP TABLE IF EXISTS `{table}_unpublished`"))
+        .execute(&pool)
+        .await?;
+
+    let dir = tempfile::tempdir()?;
+    let sqlite = format!("sqlite://{}", dir.path().join("o.sqlite").display());
+    let out = json_lines(&["--store", &sqlite, "convert-layout"]).await?;
+    assert_eq!(
+        out,
+        [serde_json::json!({"backend": "sqlite", "converted": false})]
+    );
+    Ok(())
+}
+
 /// `--metrics-addr` serves the relay's counters for Prometheus while it runs.
 #[tokio::test]
 async fn serves_prometheus_metrics_while_running() -> TestResult {

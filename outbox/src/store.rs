@@ -106,6 +106,18 @@ impl OpenedStore {
         self.schema.migrate().await
     }
 
+    /// Convert an existing table made in an older layout to the one this configuration gives
+    /// new tables, with the backend's own conversion (Postgres: cursor claims, MariaDB: an
+    /// unpublished table); `false` when there was nothing to convert (SQLite has one layout).
+    /// Stop the table's relays first.
+    ///
+    /// # Errors
+    /// As the backend's own conversion: [`Error::InvalidInput`] when the configuration gives
+    /// new tables the old layout, the table is missing, or messages are leased.
+    pub async fn convert_layout(&self) -> Result<bool, Error> {
+        self.schema.convert_layout().await
+    }
+
     /// Where relay groups keep their leases, if the backend supports them (Postgres, MariaDB);
     /// SQLite does not, and a relay given a group there runs as without one.
     pub fn group_store(&self) -> Option<Arc<dyn RelayGroupStore>> {

@@ -82,4 +82,13 @@ pub fn store_scheme<'u>(
 pub trait Migrate: Send + Sync {
     /// Create what is missing; a permanent error when the role may not create it.
     async fn migrate(&self) -> Result<(), Error>;
+
+    /// Convert an existing table made in an older layout to the one this configuration gives
+    /// new tables (Postgres: cursor claims; MariaDB: an unpublished table), where the backend
+    /// has more than one. `Ok(true)` when it converted the table, `Ok(false)` when there was
+    /// nothing to convert (the default: one layout). Stop the table's relays first; each
+    /// backend's own function says what it checks.
+    async fn convert_layout(&self) -> Result<bool, Error> {
+        Ok(false)
+    }
 }

@@ -1,0 +1,241 @@
+//! Converting a table made in the partial-index layout (by an earlier release, or with
+//! `cursor_claims(false)`) to the cursor layout that new tables keeping published rows get
+//! (`docs/keep-cursor.md`): [`convert_to_cursor_claims`].
+//!
+//! Writers may go on writing throughout: the new indexes are built `CONCURRENTLY` and the
+//! dead-letter check is validated without blocking writes; two steps take the table's exclusive
+//! lock for a moment (adding that check `NOT VALID`, without a scan, and the last transaction,
+//! which drops the old indexes and creates the cursor objects), each waiting at most
+//! [`CONVERT_LOCK_TIMEOUT`] for it. The table's relays must be stopped: a relay keeps the
+//! statements of the layout it found when it started (see [`convert_to_cursor_claims`]).
+
+use outbox_traits::Error;
+use sqlx::{Executor, PgPool};
+
+use crate::config::PostgresConfig;
+use crate::cursor::seq_index_name;
+use crate::error::map_sqlx;
+use crate::migrate::MIGRATION_LOCK_KEY;
+use crate::sql::derived_name;
+
+/// The longest each step of a conversion waits for a lock (Postgres's `lock_timeout`), e.g. for a
+/// writer's transaction still open on the table; past it the conversion fails with a transient
+/// error and can be run again. A step waiting for the table's exclusive lock holds up the
+/// writers that come after it, so the wait is short.
+pub const CONVERT_LOCK_TIMEOUT: &str = "5s";
+
+/// The cursor layout's indexes: name, then what follows `ON <table>` in its definition. The same
+/// as `crate::cursor::ddl`'s (a unit test compares them); the plain `(seq)` index, whose presence
+/// tells the layout, comes first and is built under a temporary name.
+fn cursor_indexes(table: &str) -> [(String, &'static str); 5] {
+    [
+        (seq_index_name(table), "(seq)"),
+        (derived_name(table, "key_seq_idx"), "(partition_key, seq)"),
+        (
+            derived_name(table, "aside_idx"),
+            "(seq)\n    WHERE last_error IS NOT NULL OR available_at > created_at",
+        ),
+        (
+            derived_name(table, "aside_key_idx"),
+            "(partition_key, seq)\n    WHERE last_error IS NOT NULL OR available_at > created_at",
+        ),
+        (
+            derived_name(table, "failed_key_idx"),
+            "(partition_key, seq)\n    WHERE last_error IS NOT NULL",
+        ),
+    ]
+}
+
+/// The partial-index layout's indexes, which the conversion drops.
+fn partial_indexes(table: &str) -> [String; 4] {
+    ["claim_idx", "key_idx", "dead_idx", "published_idx"].map(|s| derived_name(table, s))
+}
+
+/// Convert the table of `config` from the partial-index layout to the cursor layout
+/// ([`PostgresConfigBuilder::cursor_claims`](crate::PostgresConfigBuilder::cursor_claims)), in
+/// which completing a message that is kept writes no index entry. Returns `true` when it
+/// converted the table, `false` when the table already had the cursor layout (so it is safe to
+/// run again, e.g. after a step failed).
+///
+/// **Stop the table's relays first** (writers may go on writing). A relay keeps the statements
+/// of the layout it found when it started; one of the old layout left running would still be
+/// correct except in one case, a release after the database clock stepped back, which leaves a
+/// row the cursor then passes. The conversion refuses while any message is leased, which a
+/// running relay under load always shows. Store handles that served the table before keep its
+/// old layout too: use new ones (a relay started afterwards finds the new layout itself).
+///
+/// Every step waits at most [`CONVERT_LOCK_TIMEOUT`] for a lock (a writer's transaction open
+/// longer makes the conversion fail with a transient error: run it again). The steps, each
+/// safe to repeat: dead rows without an error get one (`dead before the cursor
+/// layout`: the layout keeps dead rows aside through their `last_error`), and the check that
+/// says so is added without blocking writes; the five cursor-layout indexes are built
+/// `CONCURRENTLY` (an invalid one a failed earlier run left is dropped and built again); then
+/// one transaction, under [`MIGRATION_LOCK_KEY`], gives the plain `(seq)` index its name, drops the four partial
+/// indexes, sets the cursor layout's fill factor (for pages written from then on) and runs the
+/// cursor layout's migration, which creates the cursor table and its settle function.
+///
+/// # Errors
+/// [`Error::InvalidInput`] when the configuration does not lay tables out for cursor claims
+/// (it deletes published rows, names `cursor_claims(false)` or a partition interval), when the
+/// table does not exist (a migration creates it in the cursor layout), or when messages are
+/// leased (a relay is running); classified database errors otherwise, e.g. a transient one when
+/// the last step's lock was not granted in time.
+pub async fn convert_to_cursor_claims(
+    pool: &PgPool,
+    config: &PostgresConfig,
+) -> Result<bool, Error> {
+    let table = config.qualified_table();
+    let err = |e| map_sqlx(e, "convert to cursor claims", table);
+    if !config.new_tables_use_cursor_claims() {
+        return Err(Error::invalid_input(format!(
+            "the configuration of {table} does not lay tables out for cursor claims (it deletes \
+             published rows, names cursor_claims(false) or a partition interval): there is \
+             nothing to convert {table} to; the cursor layout is for tables that keep published \
+             rows"
+        )));
+    }
+    // Its own connection, closed at the end: every step waits at most the lock timeout, and a
+    // pooled connection would keep that setting.
+    let mut conn = pool.acquire().await.map_err(err)?.detach();
+    conn.execute(format!("SET lock_timeout = '{CONVERT_LOCK_TIMEOUT}'").as_str())
+        .await
+        .map_err(err)?;
+    match crate::partition::table_layout(&mut conn, config)
+        .await
+        .map_err(err)?
+    {
+        None => {
+            return Err(Error::invalid_input(format!(
+                "the outbox table {table} does not exist: there is nothing to convert (a \
+                 migration creates it in the cursor layout)"
+            )))
+        }
+        Some((true, _)) => {
+            return Err(Error::invalid_input(format!(
+                "the outbox table {table} is partitioned: a partitioned table has one layout"
+            )))
+        }
+        Some((false, true)) => return Ok(false),
+        Some((false, false)) => {}
+    }
+    let t = table;
+    let leased: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {t} WHERE state = 'pending' AND lease_until > now()"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .map_err(err)?;
+    if leased > 0 {
+        return Err(Error::invalid_input(format!(
+            "{leased} message(s) of {table} are leased: a relay is running on the table. Stop \
+             the table's relays (writers may go on), then convert; nothing was changed"
+        )));
+    }
+    // A dead row is aside through its error (`crate::cursor`): one written without an error by
+    // hand gets one, then the check is added without a scan under the table's exclusive lock.
+    let dead_check = derived_name(config.table(), "dead_check");
+    conn.execute(
+        format!(
+            "UPDATE {t} SET last_error = 'dead before the cursor layout'
+             WHERE state = 'dead' AND last_error IS NULL;
+             DO $outbox_convert$
+             BEGIN
+                 IF NOT EXISTS (
+                     SELECT 1 FROM pg_constraint
+                     WHERE conrelid = '{t}'::regclass AND conname = '{dead_check}'
+                 ) THEN
+                     ALTER TABLE {t} ADD CONSTRAINT \"{dead_check}\"
+                         CHECK (state <> 'dead' OR last_error IS NOT NULL) NOT VALID;
+                 END IF;
+             END
+             $outbox_convert$;"
+        )
+        .as_str(),
+    )
+    .await
+    .map_err(err)?;
+    conn.execute(format!("ALTER TABLE {t} VALIDATE CONSTRAINT \"{dead_check}\"").as_str())
+        .await
+        .map_err(err)?;
+    let schema = config.schema();
+    let indexes = cursor_indexes(config.table());
+    let seq_idx = indexes[0].0.clone();
+    let building = derived_name(config.table(), "seq_idx_new");
+    for (i, (name, def)) in indexes.iter().enumerate() {
+        let name = if i == 0 { &building } else { name };
+        // A build that failed (or was cancelled) leaves an invalid index of that name.
+        let invalid: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                            JOIN pg_namespace n ON n.oid = c.relnamespace
+                            WHERE n.nspname = $1 AND c.relname = $2 AND NOT i.indisvalid)",
+        )
+        .bind(schema)
+        .bind(name)
+        .fetch_one(&mut conn)
+        .await
+        .map_err(err)?;
+        if invalid {
+            conn.execute(format!("DROP INDEX CONCURRENTLY \"{schema}\".\"{name}\"").as_str())
+                .await
+                .map_err(err)?;
+        }
+        conn.execute(
+            format!("CREATE INDEX CONCURRENTLY IF NOT EXISTS \"{name}\" ON {t} {def}").as_str(),
+        )
+        .await
+        .map_err(err)?;
+    }
+    let drops = partial_indexes(config.table())
+        .iter()
+        .map(|name| format!("DROP INDEX IF EXISTS \"{schema}\".\"{name}\";"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut tx = sqlx::Connection::begin(&mut conn).await.map_err(err)?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(MIGRATION_LOCK_KEY)
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?;
+    tx.execute(
+        format!(
+            "ALTER INDEX \"{schema}\".\"{building}\" RENAME TO \"{seq_idx}\";
+             {drops}
+             ALTER TABLE {t} SET (fillfactor = {ff});",
+            ff = crate::sql::CURSOR_FILLFACTOR
+        )
+        .as_str(),
+    )
+    .await
+    .map_err(err)?;
+    tx.execute(config.sql_for(true).migrate.as_str())
+        .await
+        .map_err(err)?;
+    tx.commit().await.map_err(err)?;
+    let _ = sqlx::Connection::close(conn).await;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The conversion builds exactly the indexes the cursor layout's migration creates.
+    #[test]
+    fn the_converted_indexes_are_the_migration_s() {
+        let config = PostgresConfig::builder()
+            .schema("s")
+            .table("events")
+            .build()
+            .unwrap();
+        let migrate = &config.sql_for(true).migrate;
+        for (name, def) in cursor_indexes("events") {
+            let create =
+                format!("CREATE INDEX IF NOT EXISTS \"{name}\" ON \"s\".\"events\" {def};");
+            assert!(migrate.contains(&create), "{create} not in the migration");
+        }
+        let old = &config.sql_for(false).migrate;
+        for name in partial_indexes("events") {
+            assert!(old.contains(&format!("CREATE INDEX IF NOT EXISTS \"{name}\"")));
+        }
+    }
+}
