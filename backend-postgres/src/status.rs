@@ -67,47 +67,42 @@ fn statement(
 
 /// [`statement`] for a table laid out for cursor claims (`crate::cursor`): the same figures, read
 /// from the smallest settled cursor up and from the rows aside below it, never through the kept
-/// history. No index holds `published_at` there, so the last minute's publications are counted
-/// among the rows from the low cursor up and the [`STATUS_WINDOW`] rows just below it, where the
-/// cursor passed them: exact while fewer than that many were published in the minute (claims
-/// publish in about seq order), a lower bound above (still telling a running relay).
+/// history, in **one pass** over the rows from the low cursor up (pending, leased and the last
+/// minute's published rows together; three passes took 1.4 s with 200,000 pending messages,
+/// and `outbox-relay drain` reads the status before it starts and for its progress lines). Leases
+/// are counted exactly, and the heads waiting for a retry come from the aside index: a row
+/// waiting for a retry failed, so it has an error and is aside wherever its seq. No index holds
+/// `published_at` there, so the last minute's publications are counted among the rows from the
+/// low cursor up and the [`STATUS_WINDOW`] rows just below it, where the cursor passed them:
+/// exact while fewer than that many were published in the minute (claims publish in about seq
+/// order), a lower bound above (still telling a running relay).
 fn cursor_statement(
     table: &str,
     names: &crate::cursor::CursorNames,
     delete_published: bool,
 ) -> String {
     let cursors = &names.cursors;
-    let aside_w = crate::cursor::aside("w");
+    let aside_b = crate::cursor::aside("b");
+    let aside_r = crate::cursor::aside("r");
     let aside_e = crate::cursor::aside("e");
-    // The rows of a state in `states`: from the low cursor up, and aside below it.
-    let rows = |alias: &str, states: &str| {
-        let aside = crate::cursor::aside(alias);
-        format!(
-            "(SELECT * FROM {table} {alias}
-              WHERE {alias}.seq >= (SELECT seq FROM low) AND {alias}.state IN {states}
-              UNION ALL
-              SELECT * FROM {table} {alias}
-              WHERE {aside} AND {alias}.seq < (SELECT seq FROM low) AND {alias}.state IN {states})"
-        )
-    };
-    let last_minute = if delete_published {
-        "NULL::bigint".to_owned()
+    let (recent, last_minute) = if delete_published {
+        ("NULL::bigint", "NULL::bigint".to_owned())
     } else {
-        format!(
-            "(SELECT count(*) FROM {table} r
-                 WHERE r.seq >= (SELECT seq FROM low) AND r.state = 'published'
-                   AND r.published_at > now() - interval '1 minute')
+        (
+            "count(*) FILTER (WHERE a.state = 'published'
+                                   AND a.published_at > now() - interval '1 minute')",
+            format!(
+                "(SELECT recent FROM above)
                + (SELECT count(*) FROM (
                     SELECT r.state, r.published_at FROM {table} r
                     WHERE r.seq < (SELECT seq FROM low)
                     ORDER BY r.seq DESC LIMIT {STATUS_WINDOW}) r
                   WHERE r.state = 'published'
                     AND r.published_at > now() - interval '1 minute')"
+            ),
         )
     };
-    let pending = rows("p", "('pending')");
     let blocked_list = blocked_list(table);
-    let candidates = candidates(table, "d.last_error IS NOT NULL AND d.state = 'dead'");
     format!(
         "WITH low AS MATERIALIZED (
             -- Below the smallest cursor of a shard count whose every shard has one, every row
@@ -116,19 +111,26 @@ fn cursor_statement(
                 SELECT min(c.below) AS low FROM {cursors} c
                 GROUP BY c.shards HAVING count(*) = min(c.shards)) s
         ),
-        win AS MATERIALIZED (
-            SELECT w.id, w.seq, w.partition_key, w.lease_token, w.attempts, w.available_at
-            FROM (
-                (SELECT * FROM {table} w
-                 WHERE w.seq >= (SELECT seq FROM low) AND w.state = 'pending'
-                 ORDER BY w.seq LIMIT {STATUS_WINDOW})
-                UNION ALL
-                (SELECT * FROM {table} w
-                 WHERE {aside_w} AND w.seq < (SELECT seq FROM low) AND w.state = 'pending'
-                 ORDER BY w.seq LIMIT {STATUS_WINDOW})) w
-            ORDER BY w.seq LIMIT {STATUS_WINDOW}
+        above AS MATERIALIZED (
+            SELECT count(*) FILTER (WHERE a.state = 'pending') AS pending,
+                   count(*) FILTER (WHERE a.state = 'pending' AND a.lease_token IS NOT NULL)
+                       AS leased,
+                   {recent} AS recent
+            FROM {table} a WHERE a.seq >= (SELECT seq FROM low)
         ),
-        {candidates},
+        below AS MATERIALIZED (
+            SELECT count(*) AS pending, count(*) FILTER (WHERE b.lease_token IS NOT NULL) AS leased
+            FROM {table} b
+            WHERE {aside_b} AND b.seq < (SELECT seq FROM low) AND b.state = 'pending'
+        ),
+        candidates AS (
+            SELECT d.id, d.seq, d.partition_key FROM {table} d
+            WHERE d.last_error IS NOT NULL AND d.state = 'dead' AND d.partition_key IS NOT NULL
+            UNION ALL
+            SELECT r.id, r.seq, r.partition_key FROM {table} r
+            WHERE {aside_r} AND r.state = 'pending' AND r.partition_key IS NOT NULL
+              AND r.attempts > 0 AND r.lease_token IS NULL AND r.available_at > now()
+        ),
         blocked AS MATERIALIZED (
             SELECT c.id, c.seq FROM candidates c
             WHERE NOT EXISTS (
@@ -141,14 +143,27 @@ fn cursor_statement(
                   AND e.seq < (SELECT seq FROM low)
                   AND e.state IN ('pending', 'dead') AND e.seq < c.seq)
         )
-        SELECT (SELECT count(*) FROM {pending} p) AS unpublished,
-               (SELECT count(*) FROM win WHERE lease_token IS NOT NULL) AS leased,
+        SELECT (SELECT pending FROM above) + (SELECT pending FROM below) AS unpublished,
+               (SELECT leased FROM above) + (SELECT leased FROM below) AS leased,
                (SELECT count(*) FROM {table} d
                  WHERE d.last_error IS NOT NULL AND d.state = 'dead') AS dead,
                (SELECT extract(epoch FROM now() - p.created_at)::float8 FROM {pending} p
                  ORDER BY p.seq LIMIT 1) AS oldest,
                {blocked_list},
-{last_minute} AS last_minute"
+               {last_minute} AS last_minute",
+        pending = pending_rows(table)
+    )
+}
+
+/// The pending rows of a cursor-layout table: from the low cursor up, and aside below it.
+fn pending_rows(table: &str) -> String {
+    let aside = crate::cursor::aside("p");
+    format!(
+        "(SELECT * FROM {table} p
+              WHERE p.seq >= (SELECT seq FROM low) AND p.state IN ('pending')
+              UNION ALL
+              SELECT * FROM {table} p
+              WHERE {aside} AND p.seq < (SELECT seq FROM low) AND p.state IN ('pending'))"
     )
 }
 
