@@ -6,8 +6,11 @@
 //! dead-letter check is validated without blocking writes; two steps take the table's exclusive
 //! lock for a moment (adding that check `NOT VALID`, without a scan, and the last transaction,
 //! which drops the old indexes and creates the cursor objects), each waiting at most
-//! [`CONVERT_LOCK_TIMEOUT`] for it. The table's relays must be stopped: a relay keeps the
-//! statements of the layout it found when it started (see [`convert_to_cursor_claims`]).
+//! [`CONVERT_LOCK_TIMEOUT`] for it, since writers queue behind a wait for that lock. The steps
+//! between wait as long as they must (an index built `CONCURRENTLY` waits for every transaction
+//! older than it in the database), holding up nobody. The table's relays must be stopped: a
+//! relay keeps the statements of the layout it found when it started (see
+//! [`convert_to_cursor_claims`]).
 
 use outbox_traits::Error;
 use sqlx::{Executor, PgPool};
@@ -18,11 +21,16 @@ use crate::error::map_sqlx;
 use crate::migrate::MIGRATION_LOCK_KEY;
 use crate::sql::derived_name;
 
-/// The longest each step of a conversion waits for a lock (Postgres's `lock_timeout`), e.g. for a
-/// writer's transaction still open on the table; past it the conversion fails with a transient
-/// error and can be run again. A step waiting for the table's exclusive lock holds up the
-/// writers that come after it, so the wait is short.
+/// The longest each step of a conversion that takes the table's exclusive lock waits for it
+/// (Postgres's `lock_timeout`), e.g. for a writer's transaction still open on the table; past it
+/// the conversion fails with a transient error and can be run again. A step waiting for the
+/// table's exclusive lock holds up the writers that come after it, so the wait is short.
 pub const CONVERT_LOCK_TIMEOUT: &str = "5s";
+
+/// The first key of the session advisory lock a conversion holds throughout
+/// (`pg_try_advisory_lock(CONVERT_LOCK_CLASS, hashtext(<table>))`), so that two conversions of
+/// one table never interleave their steps: the second is refused at once.
+pub const CONVERT_LOCK_CLASS: i32 = 0x6f75_7463;
 
 /// The cursor layout's indexes: name, then what follows `ON <table>` in its definition. The same
 /// as `crate::cursor::ddl`'s (a unit test compares them); the plain `(seq)` index, whose presence
@@ -64,9 +72,11 @@ fn partial_indexes(table: &str) -> [String; 4] {
 /// running relay under load always shows. Store handles that served the table before keep its
 /// old layout too: use new ones (a relay started afterwards finds the new layout itself).
 ///
-/// Every step waits at most [`CONVERT_LOCK_TIMEOUT`] for a lock (a writer's transaction open
-/// longer makes the conversion fail with a transient error: run it again). The steps, each
-/// safe to repeat: dead rows without an error get one (`dead before the cursor
+/// The two steps that take the table's exclusive lock wait at most [`CONVERT_LOCK_TIMEOUT`] for
+/// it (a writer's transaction open longer makes the conversion fail with a transient error: run
+/// it again); the index builds and the check's validation, which block no writer, wait for the
+/// transactions before them as long as those last. One conversion of a table runs at a time: a
+/// second is refused with a transient error. The steps, each safe to repeat: dead rows without an error get one (`dead before the cursor
 /// layout`: the layout keeps dead rows aside through their `last_error`), and the check that
 /// says so is added without blocking writes; the five cursor-layout indexes are built
 /// `CONCURRENTLY` (an invalid one a failed earlier run left is dropped and built again); then
@@ -78,8 +88,9 @@ fn partial_indexes(table: &str) -> [String; 4] {
 /// [`Error::InvalidInput`] when the configuration does not lay tables out for cursor claims
 /// (it deletes published rows, names `cursor_claims(false)` or a partition interval), when the
 /// table does not exist (a migration creates it in the cursor layout), or when messages are
-/// leased (a relay is running); classified database errors otherwise, e.g. a transient one when
-/// the last step's lock was not granted in time.
+/// leased (a relay is running); a transient error when another conversion of the table is
+/// running; classified database errors otherwise, e.g. a transient one when an exclusive lock
+/// was not granted in time.
 pub async fn convert_to_cursor_claims(
     pool: &PgPool,
     config: &PostgresConfig,
@@ -97,10 +108,38 @@ pub async fn convert_to_cursor_claims(
     // Its own connection, closed at the end: every step waits at most the lock timeout, and a
     // pooled connection would keep that setting.
     let mut conn = pool.acquire().await.map_err(err)?.detach();
+    let converted = convert_on(&mut conn, config).await;
+    // Closing the connection also releases the conversion's session lock.
+    let _ = sqlx::Connection::close(conn).await;
+    converted
+}
+
+/// [`convert_to_cursor_claims`] on its own connection `conn`.
+async fn convert_on(conn: &mut sqlx::PgConnection, config: &PostgresConfig) -> Result<bool, Error> {
+    let table = config.qualified_table();
+    let err = |e| map_sqlx(e, "convert to cursor claims", table);
     conn.execute(format!("SET lock_timeout = '{CONVERT_LOCK_TIMEOUT}'").as_str())
         .await
         .map_err(err)?;
-    match crate::partition::table_layout(&mut conn, config)
+    // One conversion of a table at a time: a second one, started while the first builds its
+    // indexes, would take the first's half-built index for a failed run's and drop it, or
+    // build its own under the same temporary name.
+    let alone: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, hashtext($2))")
+        .bind(CONVERT_LOCK_CLASS)
+        .bind(table)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(err)?;
+    if !alone {
+        return Err(Error::transient(
+            format!(
+                "another conversion of {table} is running: run this one again when it has \
+                 ended (on a converted table it does nothing and returns false)"
+            ),
+            None,
+        ));
+    }
+    match crate::partition::table_layout(&mut *conn, config)
         .await
         .map_err(err)?
     {
@@ -122,7 +161,7 @@ pub async fn convert_to_cursor_claims(
     let leased: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM {t} WHERE state = 'pending' AND lease_until > now()"
     ))
-    .fetch_one(&mut conn)
+    .fetch_one(&mut *conn)
     .await
     .map_err(err)?;
     if leased > 0 {
@@ -154,9 +193,18 @@ pub async fn convert_to_cursor_claims(
     )
     .await
     .map_err(err)?;
-    conn.execute(format!("ALTER TABLE {t} VALIDATE CONSTRAINT \"{dead_check}\"").as_str())
-        .await
-        .map_err(err)?;
+    // From here to the last transaction nothing waits for the table's exclusive lock, so no
+    // writer queues behind a wait: no bound (an index build waits for every older transaction
+    // in the database, e.g. a report's, and fails past a bound for no harm to anyone).
+    conn.execute(
+        format!(
+            "SET lock_timeout = 0;
+             ALTER TABLE {t} VALIDATE CONSTRAINT \"{dead_check}\""
+        )
+        .as_str(),
+    )
+    .await
+    .map_err(err)?;
     let schema = config.schema();
     let indexes = cursor_indexes(config.table());
     let seq_idx = indexes[0].0.clone();
@@ -171,7 +219,7 @@ pub async fn convert_to_cursor_claims(
         )
         .bind(schema)
         .bind(name)
-        .fetch_one(&mut conn)
+        .fetch_one(&mut *conn)
         .await
         .map_err(err)?;
         if invalid {
@@ -190,7 +238,10 @@ pub async fn convert_to_cursor_claims(
         .map(|name| format!("DROP INDEX IF EXISTS \"{schema}\".\"{name}\";"))
         .collect::<Vec<_>>()
         .join("\n");
-    let mut tx = sqlx::Connection::begin(&mut conn).await.map_err(err)?;
+    conn.execute(format!("SET lock_timeout = '{CONVERT_LOCK_TIMEOUT}'").as_str())
+        .await
+        .map_err(err)?;
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(err)?;
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
         .bind(MIGRATION_LOCK_KEY)
         .execute(&mut *tx)
@@ -211,7 +262,6 @@ pub async fn convert_to_cursor_claims(
         .await
         .map_err(err)?;
     tx.commit().await.map_err(err)?;
-    let _ = sqlx::Connection::close(conn).await;
     Ok(true)
 }
 

@@ -853,3 +853,160 @@ async fn a_writer_open_during_the_conversion_is_waited_for_and_its_message_goes_
     assert_eq!(drain_once(&db, 10).await, ["before", "during", "after"]);
     db.drop().await;
 }
+
+/// A conversion's store, naming no layout, on the schema of `old`.
+fn converting_store(old: &Db) -> outbox_backend_postgres::PostgresStore {
+    let config = outbox_backend_postgres::PostgresConfig::builder()
+        .schema(&old.schema)
+        .build()
+        .unwrap();
+    outbox_backend_postgres::PostgresStore::new(old.pool().clone(), config)
+}
+
+/// Waits until a conversion (`task`, not finished) is seen waiting for a lock.
+async fn until_conversion_waits(old: &Db, task: &tokio::task::JoinHandle<Result<bool, Error>>) {
+    let start = std::time::Instant::now();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE wait_event_type = 'Lock' AND query LIKE '%outbox_convert%'",
+        )
+        .fetch_one(old.pool())
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        assert!(!task.is_finished(), "the conversion did not wait");
+        assert!(start.elapsed() < Duration::from_secs(30), "never waited");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A writer's transaction open longer than the conversion's lock bound: the conversion gives up
+/// with a transient error instead of holding up the writers queued behind it, the table keeps
+/// its layout, and the conversion run again once the writer has committed converts it.
+#[tokio::test]
+async fn a_conversion_waits_a_bounded_time_for_a_lock_and_can_run_again() {
+    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+        return;
+    };
+    let mut writer = old.pool().begin().await.unwrap();
+    outbox_backend_postgres::enqueue(&mut *writer, &old.config, &msg("k", "open"))
+        .await
+        .unwrap();
+    let err = converting_store(&old)
+        .convert_to_cursor_claims()
+        .await
+        .unwrap_err();
+    assert!(err.is_transient(), "{err}");
+    assert!(err.to_string().contains("lock"), "{err}");
+    assert!(!laid_for_cursor(&old).await, "the layout changed");
+    writer.commit().await.unwrap();
+    assert!(converting_store(&old)
+        .convert_to_cursor_claims()
+        .await
+        .unwrap());
+    assert!(laid_for_cursor(&old).await);
+    old.drop().await;
+}
+
+/// A second conversion of the table started while the first waits is refused at once (it would
+/// otherwise take the first's half-built index for a failed run's), and the first goes on.
+#[tokio::test]
+async fn a_second_conversion_of_the_table_while_one_runs_is_refused() {
+    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+        return;
+    };
+    let mut writer = old.pool().begin().await.unwrap();
+    outbox_backend_postgres::enqueue(&mut *writer, &old.config, &msg("k", "open"))
+        .await
+        .unwrap();
+    let store = converting_store(&old);
+    let first = tokio::spawn(async move { store.convert_to_cursor_claims().await });
+    until_conversion_waits(&old, &first).await;
+    let err = converting_store(&old)
+        .convert_to_cursor_claims()
+        .await
+        .unwrap_err();
+    assert!(err.is_transient(), "{err}");
+    assert!(err.to_string().contains("another conversion"), "{err}");
+    assert!(
+        !first.is_finished(),
+        "the first conversion did not go on waiting"
+    );
+    writer.commit().await.unwrap();
+    assert!(first.await.unwrap().unwrap());
+    assert!(!converting_store(&old)
+        .convert_to_cursor_claims()
+        .await
+        .unwrap());
+    old.drop().await;
+}
+
+/// An index a failed build left invalid (here a unique build over duplicate keys, under the
+/// names a conversion builds) is dropped and built again with the layout's definition.
+#[tokio::test]
+async fn a_conversion_rebuilds_the_invalid_indexes_a_failed_run_left() {
+    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+        return;
+    };
+    old.enqueue(&[msg("k", "one"), msg("k", "two")]).await;
+    for name in ["outbox_seq_idx_new", "outbox_aside_idx"] {
+        let failed = sqlx::query(&format!(
+            "CREATE UNIQUE INDEX CONCURRENTLY \"{name}\" ON {} (partition_key)",
+            old.table()
+        ))
+        .execute(old.pool())
+        .await;
+        assert!(failed.is_err(), "the unique build over duplicates failed");
+    }
+    let invalid = |db: &Db| {
+        let schema = db.schema.clone();
+        let pool = db.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+                 JOIN pg_namespace n ON n.oid = c.relnamespace
+                 WHERE n.nspname = $1 AND NOT i.indisvalid ORDER BY 1",
+            )
+            .bind(schema)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(
+        invalid(&old).await,
+        ["outbox_aside_idx", "outbox_seq_idx_new"]
+    );
+    assert!(converting_store(&old)
+        .convert_to_cursor_claims()
+        .await
+        .unwrap());
+    assert!(invalid(&old).await.is_empty(), "an invalid index is left");
+    let defs: Vec<String> = sqlx::query_scalar(
+        "SELECT indexdef FROM pg_indexes WHERE schemaname = $1
+           AND indexname IN ('outbox_seq_idx', 'outbox_aside_idx') ORDER BY indexname",
+    )
+    .bind(&old.schema)
+    .fetch_all(old.pool())
+    .await
+    .unwrap();
+    assert_eq!(defs.len(), 2, "{defs:?}");
+    assert!(defs.iter().all(|d| !d.contains("UNIQUE")), "{defs:?}");
+    assert!(
+        defs[0].ends_with("(seq) WHERE ((last_error IS NOT NULL) OR (available_at > created_at))"),
+        "{defs:?}"
+    );
+    assert!(defs[1].ends_with("USING btree (seq)"), "{defs:?}");
+    let config = old.config.clone();
+    let db = Db {
+        url: old.url.clone(),
+        store: converting_store(&old),
+        config,
+        schema: old.schema.clone(),
+    };
+    assert_eq!(drain_once(&db, 10).await, ["one", "two"]);
+    db.drop().await;
+}
