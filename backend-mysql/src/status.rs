@@ -5,7 +5,7 @@
 //! (`unpublished_table`) is read through it instead (see [`unpublished_figures`]).
 
 use outbox_traits::uuid::Uuid;
-use outbox_traits::{BlockedKey, Error, StoreStatus};
+use outbox_traits::{Backlog, BlockedKey, Error, StoreStatus};
 use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 
@@ -187,6 +187,30 @@ pub(crate) async fn status(store: &MysqlStore, limit: usize) -> Result<StoreStat
         }
     }
     Ok(status)
+}
+
+/// [`OutboxAdmin::backlog`](outbox_traits::OutboxAdmin::backlog): two counts over the index of
+/// unfinished and dead rows, `ix_claim` (led by `state`), or over the unpublished table where
+/// the table has one, whose entries are exactly the pending and dead rows. No lease, retry time
+/// or key is read: on the unpublished table with 200,000 pending messages this is one scan of
+/// small entries where `status` joins each to its row.
+pub(crate) async fn backlog(store: &MysqlStore) -> Result<Backlog, Error> {
+    let t = store.config().qualified_table();
+    let (from, index) = match store.sql().await?.unpublished.as_deref() {
+        Some(u) => (u.to_owned(), "PRIMARY"),
+        None => (t.to_owned(), "ix_claim"),
+    };
+    let (unfinished, dead): (i64, i64) = sqlx::query_as(&format!(
+        "SELECT (SELECT COUNT(*) FROM {from} FORCE INDEX ({index}) WHERE state = 'pending'),
+                (SELECT COUNT(*) FROM {from} FORCE INDEX ({index}) WHERE state = 'dead')"
+    ))
+    .fetch_one(store.pool())
+    .await
+    .map_err(store.err("backlog"))?;
+    Ok(Backlog {
+        unfinished: u64::try_from(unfinished).unwrap_or(0),
+        dead: u64::try_from(dead).unwrap_or(0),
+    })
 }
 
 pub(crate) async fn ping(store: &MysqlStore) -> Result<(), Error> {

@@ -361,9 +361,11 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
         "relay started"
     );
     let purge_age = effective.purge_older_than;
-    // The store's dead count before the relay starts: rows a claim dead-letters because they
-    // do not decode never reach the relay's counters (see `ops::count_quarantined`).
-    let start = opened.admin.status(0).await.ok();
+    // The store's backlog before the relay starts: `drain`'s progress is measured against it,
+    // and rows a claim dead-letters because they do not decode never reach the relay's
+    // counters (see `ops::count_quarantined`). The backlog query, not the status: it reads no
+    // lease, retry time or key, and costs a fraction of the status on a long backlog.
+    let start = opened.admin.backlog().await.ok();
     let stats = if serve {
         if let Some(age) = purge_age {
             let mut tick = tokio::time::interval(effective.purge_every);
@@ -391,7 +393,7 @@ async fn relay(effective: &Effective, (serve, migrate): (bool, bool)) -> Result<
         let (done, finished) = tokio::sync::oneshot::channel();
         // The backlog is read before the relay starts: read beside it, a short drain could be
         // over first and report "0 of 0". No status, no progress lines; the drain still runs.
-        let backlog = start.as_ref().map(ops::drain_backlog);
+        let backlog = start.map(|b| b.unfinished);
         let opened_admin = opened.admin.clone();
         let watch = tokio::spawn(async move {
             if let Some(backlog) = backlog {

@@ -982,8 +982,8 @@ async fn drain_one(
         tracing::info!(target: TARGET, outbox = %name, broker = %mask_url(&broker_url),
                        "outbox drain started");
         // As the single-outbox drain: rows a claim dead-letters because they do not decode
-        // never reach the relay's counters.
-        let start = admin.status(0).await.ok();
+        // never reach the relay's counters (the backlog query: cheaper than the status).
+        let start = admin.backlog().await.ok();
         let mut stats = relay
             .run_until_drained_or(admin.as_ref(), async move {
                 let _ = stop.wait_for(|stopped| *stopped).await;

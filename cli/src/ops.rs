@@ -4,7 +4,7 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox::{DeadMessage, Error, GroupMember, OutboxAdmin, RelayGroupStore, StoreStatus};
+use outbox::{Backlog, DeadMessage, Error, GroupMember, OutboxAdmin, RelayGroupStore, StoreStatus};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -418,38 +418,33 @@ pub async fn purge_all(
 
 /// Count in `stats.dead` the rows the store dead-lettered during the run without the relay:
 /// a claim dead-letters a row that does not decode (see `outbox_sql_support::quarantine`) and
-/// hands out the rest, so the relay never counts it. `start` is the store's status read before the relay
+/// hands out the rest, so the relay never counts it. `start` is the store's backlog read before the relay
 /// started; `dead` becomes the larger of the relay's own count and the growth of the store's
 /// dead count (which also moves with other relays' dead letters and operators' requeues and
 /// discards meanwhile). Best effort: if the status cannot be read, the relay's count stays.
 pub async fn count_quarantined(
     admin: &dyn OutboxAdmin,
-    start: &StoreStatus,
+    start: &Backlog,
     stats: &mut outbox::relay::RelayStats,
 ) {
-    if let Ok(end) = admin.status(0).await {
+    if let Ok(end) = admin.backlog().await {
         stats.dead = stats.dead.max(end.dead.saturating_sub(start.dead));
     }
 }
 
-/// The backlog `drain` reports progress against: pending and leased messages.
-pub fn drain_backlog(status: &StoreStatus) -> u64 {
-    status.pending + status.leased
-}
-
 /// The progress of `drain`: how much of the backlog `total` (read before the relay started, so a
-/// fast drain cannot empty it first) is gone, read from the store's bounded status query until
-/// `finished`.
+/// fast drain cannot empty it first) is gone, read from the store's backlog query
+/// ([`OutboxAdmin::backlog`], cheaper than its status) until `finished`.
 pub async fn drain_progress(
     admin: Arc<dyn OutboxAdmin>,
     total: u64,
     mut finished: tokio::sync::oneshot::Receiver<()>,
 ) {
     let mut progress = Progress::new("drained", Some(total));
-    // Each update is a status query: once a second for a bar, once per summary line otherwise.
-    // The first one is an interval after the start, not at once: `total` was just read, and a
-    // status query reads every unfinished row (on SQLite it also holds the store's one
-    // connection, so the relay's first claims would wait for it; issue 31).
+    // Each update is a backlog query: once a second for a bar, once per summary line otherwise.
+    // The first one is an interval after the start, not at once: `total` was just read, and the
+    // query counts every unfinished row (on SQLite it also holds the store's one connection, so
+    // the relay's first claims would wait for it; issue 31).
     let every = progress.update_every();
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -458,12 +453,12 @@ pub async fn drain_progress(
             _ = &mut finished => break,
             _ = tick.tick() => {}
         }
-        if let Ok(now) = admin.status(0).await {
-            progress.set(total.saturating_sub(drain_backlog(&now)));
+        if let Ok(now) = admin.backlog().await {
+            progress.set(total.saturating_sub(now.unfinished));
         }
     }
-    if let Ok(now) = admin.status(0).await {
-        progress.set(total.saturating_sub(drain_backlog(&now)));
+    if let Ok(now) = admin.backlog().await {
+        progress.set(total.saturating_sub(now.unfinished));
     }
     progress.finish();
 }
@@ -476,10 +471,11 @@ mod tests {
 
     use super::*;
 
-    /// An admin over an empty outbox that counts its status queries.
+    /// An admin over an empty outbox that counts its status and backlog queries.
     #[derive(Default)]
     struct CountingAdmin {
         statuses: AtomicUsize,
+        backlogs: AtomicUsize,
     }
 
     #[outbox::async_trait]
@@ -503,22 +499,28 @@ mod tests {
             self.statuses.fetch_add(1, Ordering::SeqCst);
             Ok(StoreStatus::default())
         }
+        async fn backlog(&self) -> Result<Backlog, Error> {
+            self.backlogs.fetch_add(1, Ordering::SeqCst);
+            Ok(Backlog::default())
+        }
     }
 
-    /// The drain's progress does not query the status again as it starts (the backlog was
-    /// just read; on SQLite the query would hold the relay's connection over its first claims):
-    /// a drain that ends before the first update reads the status once, for the closing line.
+    /// The drain's progress does not query the backlog again as it starts (it was just read;
+    /// on SQLite the query would hold the relay's connection over its first claims): a drain
+    /// that ends before the first update reads the backlog once, for the closing line, and
+    /// never the whole status.
     #[tokio::test(flavor = "current_thread")]
-    async fn drain_progress_reads_no_status_at_start() {
+    async fn drain_progress_reads_no_backlog_at_start() {
         let admin = Arc::new(CountingAdmin::default());
         let (done, finished) = tokio::sync::oneshot::channel();
         let watch = tokio::spawn(drain_progress(admin.clone(), 10, finished));
         // Let the progress task start and its timer fire anything due at once; far below the
         // first update's interval (5 s off a terminal).
         tokio::time::sleep(Duration::from_millis(200)).await;
-        assert_eq!(admin.statuses.load(Ordering::SeqCst), 0);
+        assert_eq!(admin.backlogs.load(Ordering::SeqCst), 0);
         let _ = done.send(());
         watch.await.expect("progress task");
-        assert_eq!(admin.statuses.load(Ordering::SeqCst), 1);
+        assert_eq!(admin.backlogs.load(Ordering::SeqCst), 1);
+        assert_eq!(admin.statuses.load(Ordering::SeqCst), 0);
     }
 }

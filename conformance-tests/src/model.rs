@@ -2465,6 +2465,22 @@ impl<'a> Runner<'a> {
                 ),
             ));
         }
+        // `backlog()`, asked for beside the status (a drain's progress): the same figures.
+        let backlog = self
+            .admin
+            .backlog()
+            .await
+            .map_err(|e| store_error("backlog", &e))?;
+        let want_backlog = outbox_traits::Backlog {
+            unfinished: want.pending + want.leased,
+            dead: want.dead,
+        };
+        if backlog != want_backlog {
+            return Err(violation(
+                "backlog",
+                format!("backlog() reports {backlog:?}; expected {want_backlog:?}"),
+            ));
+        }
         // The heads: per key, the first message (insert order) not published, committed.
         let mut heads: BTreeMap<u8, usize> = BTreeMap::new();
         for (i, m) in self.msgs.iter().enumerate() {

@@ -147,7 +147,7 @@ pub use store::{
     MAX_GROUP_NAME_BYTES,
 };
 pub use store::{
-    validate_duration, validate_failures, validate_lease_extension, validate_purge_batch,
+    validate_duration, validate_failures, validate_lease_extension, validate_purge_batch, Backlog,
     BlockedKey, Capabilities, Claim, ClaimRequest, ClaimShard, Counts, DeadMessage, FailAction,
     Failure, HeadPolicy, LeaseToken, OutboxAdmin, OutboxStore, StoreStatus, WakeSource,
     MAX_DURATION,

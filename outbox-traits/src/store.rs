@@ -530,6 +530,16 @@ pub struct StoreStatus {
     pub published_last_minute: Option<u64>,
 }
 
+/// What a drain has left to do, and the dead letters: [`OutboxAdmin::backlog`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Backlog {
+    /// Messages not yet published and not dead: pending or leased
+    /// ([`StoreStatus::pending`] + [`StoreStatus::leased`]).
+    pub unfinished: u64,
+    /// Dead-lettered messages ([`StoreStatus::dead`]).
+    pub dead: u64,
+}
+
 /// Operator functions: dead letters, purge and counts.
 ///
 /// Not needed by the relay loop itself; the conformance suite, the CLI and operators use them.
@@ -624,6 +634,24 @@ pub trait OutboxAdmin: Send + Sync {
         })
     }
 
+    /// The unfinished (pending or leased) and dead messages: what `outbox-relay drain` measures
+    /// its progress against, asked for every few seconds while it runs.
+    ///
+    /// # Behavior
+    /// - The same figures as [`OutboxAdmin::status`]: `unfinished` is its `pending + leased`,
+    ///   `dead` its `dead`.
+    /// - SHOULD cost less than `status` where the store can tell unfinished rows without
+    ///   reading their leases, retry times or keys (one index or table of unfinished rows).
+    ///
+    /// The default is built from [`OutboxAdmin::status`] with no blocked key listed.
+    async fn backlog(&self) -> Result<Backlog, Error> {
+        let status = self.status(0).await?;
+        Ok(Backlog {
+            unfinished: status.pending + status.leased,
+            dead: status.dead,
+        })
+    }
+
     /// A cheap query proving the store answers (readiness probes, the `store up` gauge).
     ///
     /// The default lists at most one dead letter.
@@ -684,6 +712,9 @@ macro_rules! forward_store {
             }
             async fn status(&self, blocked_limit: usize) -> Result<StoreStatus, Error> {
                 (**self).status(blocked_limit).await
+            }
+            async fn backlog(&self) -> Result<Backlog, Error> {
+                (**self).backlog().await
             }
             async fn ping(&self) -> Result<(), Error> {
                 (**self).ping().await
