@@ -74,6 +74,10 @@ impl OutboxAdmin for PostgresStore {
         crate::status::status(self, blocked_limit).await
     }
 
+    async fn backlog(&self) -> Result<outbox_traits::Backlog, Error> {
+        crate::status::backlog(self).await
+    }
+
     async fn ping(&self) -> Result<(), Error> {
         crate::status::ping(self).await
     }

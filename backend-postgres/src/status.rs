@@ -2,7 +2,7 @@
 //! statement whose cost grows with the unpublished and dead rows (read through the partial
 //! indexes), never with the published history.
 
-use outbox_traits::{BlockedKey, Error, StoreStatus};
+use outbox_traits::{Backlog, BlockedKey, Error, StoreStatus};
 use sqlx::postgres::PgRow;
 use sqlx::Row;
 
@@ -103,14 +103,9 @@ fn cursor_statement(
         )
     };
     let blocked_list = blocked_list(table);
+    let low = low_cte(cursors);
     format!(
-        "WITH low AS MATERIALIZED (
-            -- Below the smallest cursor of a shard count whose every shard has one, every row
-            -- is published, aside or rolled back.
-            SELECT COALESCE(max(s.low), 0) AS seq FROM (
-                SELECT min(c.below) AS low FROM {cursors} c
-                GROUP BY c.shards HAVING count(*) = min(c.shards)) s
-        ),
+        "WITH {low},
         above AS MATERIALIZED (
             SELECT count(*) FILTER (WHERE a.state = 'pending') AS pending,
                    count(*) FILTER (WHERE a.state = 'pending' AND a.lease_token IS NOT NULL)
@@ -153,6 +148,61 @@ fn cursor_statement(
                {last_minute} AS last_minute",
         pending = pending_rows(table)
     )
+}
+
+/// The `low` CTE of a cursor-layout table whose cursor table is `cursors`: the seq below which
+/// every row is published, aside or rolled back.
+fn low_cte(cursors: &str) -> String {
+    format!(
+        "low AS MATERIALIZED (
+            -- Below the smallest cursor of a shard count whose every shard has one, every row
+            -- is published, aside or rolled back.
+            SELECT COALESCE(max(s.low), 0) AS seq FROM (
+                SELECT min(c.below) AS low FROM {cursors} c
+                GROUP BY c.shards HAVING count(*) = min(c.shards)) s
+        )"
+    )
+}
+
+/// The backlog statement ([`OutboxAdmin::backlog`](outbox_traits::OutboxAdmin::backlog)): the
+/// status's unfinished and dead counts alone, without the leases, the oldest row, the blocked
+/// keys and the last minute. A partial-index table counts its claim and dead indexes; a cursor
+/// table its rows from the low cursor up, its aside rows below and its dead rows.
+fn backlog_statement(table: &str, cursor: Option<&crate::cursor::CursorNames>) -> String {
+    let Some(names) = cursor else {
+        return format!(
+            "SELECT (SELECT count(*) FROM {table} WHERE state = 'pending') AS unfinished,
+                    (SELECT count(*) FROM {table} WHERE state = 'dead') AS dead"
+        );
+    };
+    let low = low_cte(&names.cursors);
+    let aside_b = crate::cursor::aside("b");
+    format!(
+        "WITH {low}
+        SELECT (SELECT count(*) FROM {table} a
+                 WHERE a.seq >= (SELECT seq FROM low) AND a.state = 'pending')
+             + (SELECT count(*) FROM {table} b
+                 WHERE {aside_b} AND b.seq < (SELECT seq FROM low) AND b.state = 'pending')
+                 AS unfinished,
+               (SELECT count(*) FROM {table} d
+                 WHERE d.last_error IS NOT NULL AND d.state = 'dead') AS dead"
+    )
+}
+
+pub(crate) async fn backlog(store: &PostgresStore) -> Result<Backlog, Error> {
+    let table = store.config().qualified_table();
+    let err = |e| map_sqlx(e, "backlog", table);
+    let (unfinished, dead): (i64, i64) = sqlx::query_as(&backlog_statement(
+        table,
+        store.checked_sql().await?.cursor.as_ref(),
+    ))
+    .fetch_one(store.pool())
+    .await
+    .map_err(err)?;
+    Ok(Backlog {
+        unfinished: u64::try_from(unfinished).unwrap_or(0),
+        dead: u64::try_from(dead).unwrap_or(0),
+    })
 }
 
 /// The pending rows of a cursor-layout table: from the low cursor up, and aside below it.
