@@ -89,6 +89,13 @@ impl OutboxAdmin for SqliteStore {
         .await
     }
 
+    async fn backlog(&self) -> Result<outbox_traits::Backlog, Error> {
+        self.run(Ctx::Admin, move |conn, _, table, _| {
+            crate::status::backlog(conn, table)
+        })
+        .await
+    }
+
     async fn ping(&self) -> Result<(), Error> {
         self.run(Ctx::Admin, move |conn, _, table, _| {
             crate::status::ping(conn, table)

@@ -5,7 +5,7 @@
 use rusqlite::{params, Connection};
 
 use outbox_traits::uuid::Uuid;
-use outbox_traits::{BlockedKey, Counts, Error, StoreStatus};
+use outbox_traits::{Backlog, BlockedKey, Counts, Error, StoreStatus};
 
 use crate::error::{map_err, Ctx};
 use crate::sql::{Sql, NOW_MS};
@@ -16,6 +16,28 @@ pub(crate) fn counts(conn: &Connection, sql: &Sql, table: &str) -> Result<Counts
     conn.prepare_cached(&sql.counts)
         .and_then(|mut s| s.query_row([], outbox_sql_support::rusqlite::counts))
         .map_err(|e| map_err(e, Ctx::Admin, table))
+}
+
+/// [`OutboxAdmin::backlog`](outbox_traits::OutboxAdmin::backlog): the unfinished rows through
+/// the live index and the dead ones through the dead index, two index-only counts, without the
+/// published count, the oldest row and the blocked keys the status reads (it holds the store's
+/// one connection meanwhile, so a relay's claims wait for it).
+pub(crate) fn backlog(conn: &Connection, table: &str) -> Result<Backlog, Error> {
+    let t = table;
+    conn.prepare_cached(&format!(
+        "SELECT (SELECT COUNT(*) FROM {t} INDEXED BY {t}_live \
+                   WHERE state IN ('pending', 'leased')), \
+                (SELECT COUNT(*) FROM {t} INDEXED BY {t}_dead WHERE state = 'dead')"
+    ))
+    .and_then(|mut s| {
+        s.query_row([], |r| {
+            Ok(Backlog {
+                unfinished: u64::try_from(r.get::<_, i64>(0)?).unwrap_or(0),
+                dead: u64::try_from(r.get::<_, i64>(1)?).unwrap_or(0),
+            })
+        })
+    })
+    .map_err(|e| map_err(e, Ctx::Admin, table))
 }
 
 pub(crate) fn status(
