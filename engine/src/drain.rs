@@ -4,7 +4,8 @@
 //! A round ([`Mode::Drain`]) ends once a claim finds nothing while nothing is in flight. That
 //! alone says little when other relays work the same table: their leased messages, and the
 //! later messages of those messages' keys, were not claimable then but will be. So after each
-//! round the store's [`StoreStatus`] decides:
+//! round the store's [`StoreStatus`] decides (read only when its backlog,
+//! [`OutboxAdmin::backlog`], is not empty):
 //! - nothing pending and nothing leased: the backlog is done;
 //! - something leased (by another relay: this one has nothing in flight between rounds): drain
 //!   another round after a pause (cut short by a [`Notifier`](crate::Notifier) wake-up); a
@@ -75,6 +76,17 @@ fn after(status: &StoreStatus, clear: &mut Option<(u64, Instant)>, now: Instant)
     }
 }
 
+/// The store's status after a round, for [`after`]: first its backlog
+/// ([`OutboxAdmin::backlog`], cheaper), and the whole status only when something is left
+/// unfinished, to tell leased from pending. The round that ends a drain, which finds the
+/// backlog empty, thus reads no status.
+async fn settled_status(admin: &dyn OutboxAdmin) -> Result<StoreStatus, Error> {
+    if admin.backlog().await?.unfinished == 0 {
+        return Ok(StoreStatus::default());
+    }
+    admin.status(0).await
+}
+
 /// Drain rounds until [`after`] says done, or `stop` resolves (then the round running shuts
 /// down gracefully within `deadline`). Returns a permanent error of a round or of the status.
 pub(crate) async fn until_drained<F>(
@@ -105,7 +117,7 @@ where
         if rec.stats().snapshot().claimed > claimed_before {
             wait = cfg.poll_min;
         }
-        let next = match admin.status(0).await {
+        let next = match settled_status(admin).await {
             Ok(status) => {
                 let next = after(&status, &mut clear, Instant::now());
                 debug!(
@@ -185,5 +197,60 @@ mod tests {
             after(&status(3, 0), &mut clear, t1 + DRAIN_SETTLE),
             After::Done
         );
+    }
+
+    /// An admin whose backlog is `unfinished` messages and whose status says `leased` of them
+    /// are leased; counts its status queries.
+    struct FixedAdmin {
+        unfinished: u64,
+        statuses: std::sync::atomic::AtomicUsize,
+    }
+
+    #[outbox_traits::async_trait]
+    impl OutboxAdmin for FixedAdmin {
+        async fn list_dead(
+            &self,
+            _: Option<i64>,
+            _: usize,
+        ) -> Result<Vec<outbox_traits::DeadMessage>, Error> {
+            Ok(vec![])
+        }
+        async fn requeue(&self, _: &[outbox_traits::uuid::Uuid]) -> Result<u64, Error> {
+            Ok(0)
+        }
+        async fn discard(&self, _: &[outbox_traits::uuid::Uuid]) -> Result<u64, Error> {
+            Ok(0)
+        }
+        async fn purge_published(&self, _: Duration, _: usize) -> Result<u64, Error> {
+            Ok(0)
+        }
+        async fn counts(&self) -> Result<outbox_traits::Counts, Error> {
+            Ok(outbox_traits::Counts::default())
+        }
+        async fn status(&self, _: usize) -> Result<StoreStatus, Error> {
+            self.statuses.fetch_add(1, Ordering::SeqCst);
+            Ok(status(0, self.unfinished))
+        }
+        async fn backlog(&self) -> Result<outbox_traits::Backlog, Error> {
+            Ok(outbox_traits::Backlog {
+                unfinished: self.unfinished,
+                dead: 0,
+            })
+        }
+    }
+
+    /// The round that ends a drain reads the backlog only; one that finds messages left reads
+    /// the status too, whose leases decide.
+    #[tokio::test]
+    async fn the_status_is_read_only_when_the_backlog_is_not_empty() {
+        for (unfinished, statuses) in [(0, 0), (2, 1)] {
+            let admin = FixedAdmin {
+                unfinished,
+                statuses: Default::default(),
+            };
+            let status = settled_status(&admin).await.unwrap();
+            assert_eq!(status.leased, unfinished);
+            assert_eq!(admin.statuses.load(Ordering::SeqCst), statuses);
+        }
     }
 }
