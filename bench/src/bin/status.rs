@@ -1,6 +1,7 @@
 //! Cost of the status query behind the relay's gauges (`OutboxAdmin::status`) on Postgres, for
 //! a 1,000,000-message backlog over a 5,000,000-message published history, against the plain
-//! `counts` (a scan of the whole table) for comparison. Figures go to BENCHMARKS.md.
+//! `counts` (a scan of the whole table) for comparison, and the backlog query behind
+//! `outbox-relay drain`'s progress (`OutboxAdmin::backlog`). Figures go to BENCHMARKS.md.
 //!
 //! ```text
 //! cargo run --release -p outbox-bench --bin status -- [BACKLOG] [HISTORY]
@@ -118,6 +119,12 @@ async fn main() -> Result<(), BoxError> {
     let (min, median) = timed(5, || store.status(20)).await?;
     println!(
         "status query (gauges): min {:.0} ms, median {:.0} ms",
+        min.as_secs_f64() * 1e3,
+        median.as_secs_f64() * 1e3
+    );
+    let (min, median) = timed(5, || store.backlog()).await?;
+    println!(
+        "backlog (drain):       min {:.0} ms, median {:.0} ms",
         min.as_secs_f64() * 1e3,
         median.as_secs_f64() * 1e3
     );
