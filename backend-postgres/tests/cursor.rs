@@ -818,34 +818,15 @@ async fn a_writer_open_during_the_conversion_is_waited_for_and_its_message_goes_
     outbox_backend_postgres::enqueue(&mut *writer, &old.config, &msg("k", "during"))
         .await
         .unwrap();
-    let config = outbox_backend_postgres::PostgresConfig::builder()
-        .schema(&old.schema)
-        .build()
-        .unwrap();
-    let store = outbox_backend_postgres::PostgresStore::new(old.pool().clone(), config.clone());
+    let store = converting_store(&old);
     let conversion = tokio::spawn(async move { store.convert_to_cursor_claims().await });
-    let start = std::time::Instant::now();
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE wait_event_type = 'Lock' AND query LIKE '%outbox_convert%'",
-        )
-        .fetch_one(old.pool())
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(!conversion.is_finished(), "the conversion did not wait");
-        assert!(start.elapsed() < Duration::from_secs(30), "never waited");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_conversion_waits(&old, &conversion).await;
     writer.commit().await.unwrap();
     assert!(conversion.await.unwrap().unwrap());
     let db = Db {
         url: old.url.clone(),
-        store: outbox_backend_postgres::PostgresStore::new(old.pool().clone(), config.clone()),
-        config,
+        store: converting_store(&old),
+        config: old.config.clone(),
         schema: old.schema.clone(),
     };
     assert!(laid_for_cursor(&db).await);
