@@ -421,7 +421,7 @@ pub async fn purge_all(
 /// hands out the rest, so the relay never counts it. `start` is the store's backlog read before the relay
 /// started; `dead` becomes the larger of the relay's own count and the growth of the store's
 /// dead count (which also moves with other relays' dead letters and operators' requeues and
-/// discards meanwhile). Best effort: if the status cannot be read, the relay's count stays.
+/// discards meanwhile). Best effort: if the backlog cannot be read, the relay's count stays.
 pub async fn count_quarantined(
     admin: &dyn OutboxAdmin,
     start: &Backlog,
