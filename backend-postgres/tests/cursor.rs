@@ -823,12 +823,7 @@ async fn a_writer_open_during_the_conversion_is_waited_for_and_its_message_goes_
     until_conversion_waits(&old, &conversion).await;
     writer.commit().await.unwrap();
     assert!(conversion.await.unwrap().unwrap());
-    let db = Db {
-        url: old.url.clone(),
-        store: converting_store(&old),
-        config: old.config.clone(),
-        schema: old.schema.clone(),
-    };
+    let db = converted(&old);
     assert!(laid_for_cursor(&db).await);
     db.enqueue(&[msg("k", "after")]).await;
     assert_eq!(drain_once(&db, 10).await, ["before", "during", "after"]);
@@ -842,6 +837,16 @@ fn converting_store(old: &Db) -> outbox_backend_postgres::PostgresStore {
         .build()
         .unwrap();
     outbox_backend_postgres::PostgresStore::new(old.pool().clone(), config)
+}
+
+/// The table of `old` after its conversion, served by a store naming no layout.
+fn converted(old: &Db) -> Db {
+    Db {
+        url: old.url.clone(),
+        store: converting_store(old),
+        config: old.config.clone(),
+        schema: old.schema.clone(),
+    }
 }
 
 /// Waits until a conversion (`task`, not finished) is seen waiting for a lock.
@@ -876,10 +881,15 @@ async fn a_conversion_waits_a_bounded_time_for_a_lock_and_can_run_again() {
     outbox_backend_postgres::enqueue(&mut *writer, &old.config, &msg("k", "open"))
         .await
         .unwrap();
-    let err = converting_store(&old)
-        .convert_to_cursor_claims()
-        .await
-        .unwrap_err();
+    // Without its bound the conversion would wait for the writer for ever: a guard far above
+    // the bound turns that into a failure instead of a hung suite.
+    let err = tokio::time::timeout(
+        Duration::from_secs(120),
+        converting_store(&old).convert_to_cursor_claims(),
+    )
+    .await
+    .expect("the conversion waited past its lock bound")
+    .unwrap_err();
     assert!(err.is_transient(), "{err}");
     assert!(err.to_string().contains("lock"), "{err}");
     assert!(!laid_for_cursor(&old).await, "the layout changed");
@@ -981,13 +991,7 @@ async fn a_conversion_rebuilds_the_invalid_indexes_a_failed_run_left() {
         "{defs:?}"
     );
     assert!(defs[1].ends_with("USING btree (seq)"), "{defs:?}");
-    let config = old.config.clone();
-    let db = Db {
-        url: old.url.clone(),
-        store: converting_store(&old),
-        config,
-        schema: old.schema.clone(),
-    };
+    let db = converted(&old);
     assert_eq!(drain_once(&db, 10).await, ["one", "two"]);
     db.drop().await;
 }
