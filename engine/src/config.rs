@@ -108,8 +108,9 @@ pub struct RelayConfig {
     /// drains claim every shard.
     pub(crate) group: Option<String>,
     /// How long a group member's heartbeat and shard leases last (database clock); it renews
-    /// them every third of it. A member that dies or freezes has its shards taken over within
-    /// about this long. Default: 10 s.
+    /// them every third of it, and at least every second. A member that dies or freezes has its
+    /// shards taken over within about this long; one that joins gets its share within about a
+    /// second whatever the lease. Default: 10 s.
     pub(crate) group_lease: Duration,
 }
 
@@ -343,8 +344,9 @@ impl RelayConfigBuilder {
     }
 
     /// How long a group member's heartbeat and shard leases last (database clock); it renews
-    /// them every third of it. A member that dies or freezes has its shards taken over within
-    /// about this long. Default: 10 s.
+    /// them every third of it, and at least every second. A member that dies or freezes has its
+    /// shards taken over within about this long; one that joins gets its share within about a
+    /// second whatever the lease. Default: 10 s.
     pub fn group_lease(mut self, group_lease: Duration) -> Self {
         self.config.group_lease = group_lease;
         self
