@@ -16,7 +16,7 @@ use outbox_traits::Error;
 use sqlx::{Executor, PgPool};
 
 use crate::config::PostgresConfig;
-use crate::cursor::seq_index_name;
+use crate::cursor::{seq_index_name, CursorNames};
 use crate::error::map_sqlx;
 use crate::migrate::MIGRATION_LOCK_KEY;
 use crate::sql::derived_name;
@@ -80,9 +80,12 @@ fn partial_indexes(table: &str) -> [String; 4] {
 /// layout`: the layout keeps dead rows aside through their `last_error`), and the check that
 /// says so is added without blocking writes; the five cursor-layout indexes are built
 /// `CONCURRENTLY` (an invalid one a failed earlier run left is dropped and built again); then
-/// one transaction, under [`MIGRATION_LOCK_KEY`], gives the plain `(seq)` index its name, drops the four partial
-/// indexes, sets the cursor layout's fill factor (for pages written from then on) and runs the
-/// cursor layout's migration, which creates the cursor table and its settle function.
+/// one transaction, under [`MIGRATION_LOCK_KEY`] and the table's exclusive lock, gives the
+/// plain `(seq)` index its name, drops the four partial indexes, sets the cursor layout's fill
+/// factor (for pages written from then on), runs the cursor layout's migration, which creates
+/// the cursor table and its settle function, and starts the cursor at the first pending row (at
+/// 0 when a transaction holds the identity sequence, e.g. one that drew a seq by hand, so the
+/// first claims then read the published history once).
 ///
 /// # Errors
 /// [`Error::InvalidInput`] when the configuration does not lay tables out for cursor claims
@@ -247,6 +250,17 @@ async fn convert_on(conn: &mut sqlx::PgConnection, config: &PostgresConfig) -> R
         .execute(&mut *tx)
         .await
         .map_err(err)?;
+    // The table's exclusive lock first (the drops below would take it anyway): from here no
+    // writer of the table is in flight, so the cursor can start where the pending rows start.
+    tx.execute(format!("LOCK TABLE {t} IN ACCESS EXCLUSIVE MODE").as_str())
+        .await
+        .map_err(err)?;
+    // Read while the old layout's pending index still serves it.
+    let start: Option<i64> = sqlx::query_scalar(&cursor_start_sql(t))
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(err)?
+        .flatten();
     tx.execute(
         format!(
             "ALTER INDEX \"{schema}\".\"{building}\" RENAME TO \"{seq_idx}\";
@@ -261,8 +275,48 @@ async fn convert_on(conn: &mut sqlx::PgConnection, config: &PostgresConfig) -> R
     tx.execute(config.sql_for(true).migrate.as_str())
         .await
         .map_err(err)?;
+    // Cursors left by an earlier table of that name mean nothing for this one; without a start
+    // every shard's cursor starts at 0 and the first claims read the history once.
+    let cursors = CursorNames::new(schema, config.table()).cursors;
+    tx.execute(format!("DELETE FROM {cursors}").as_str())
+        .await
+        .map_err(err)?;
+    if let Some(start) = start {
+        // The unsharded cursor; a shard of any count starts from it (the settle function).
+        sqlx::query(&format!(
+            "INSERT INTO {cursors} (shards, shard, below) VALUES (1, 0, $1)"
+        ))
+        .bind(start)
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?;
+    }
     tx.commit().await.map_err(err)?;
     Ok(true)
+}
+
+/// The statement that reads where the converted table's cursor can start, under the table's
+/// exclusive lock: the first pending row's seq (every row below it is published or dead, and a
+/// dead row is aside through its error), or past the last seq drawn when nothing is pending.
+/// NULL (no start, the cursor starts at 0) when a seq may still arrive below that point: a
+/// transaction other than this one holds the sequence (a writer that drew a seq by hand, or a
+/// prepared one), or the sequence caches, so that a session may hand out seqs it drew before.
+fn cursor_start_sql(t: &str) -> String {
+    format!(
+        "SELECT CASE
+                  WHEN s.seqcache <> 1 OR EXISTS (
+                      SELECT 1 FROM pg_locks k
+                      WHERE k.relation = s.seqrelid AND k.mode = 'RowExclusiveLock'
+                        AND k.pid IS DISTINCT FROM pg_backend_pid())
+                  THEN NULL
+                  ELSE COALESCE(
+                      (SELECT min(r.seq) FROM {t} r WHERE r.state = 'pending'),
+                      GREATEST(COALESCE(pg_sequence_last_value(s.seqrelid), 0),
+                               COALESCE((SELECT max(r.seq) FROM {t} r), 0)) + 1)
+                END
+           FROM pg_sequence s
+          WHERE s.seqrelid = pg_get_serial_sequence('{t}', 'seq')::regclass"
+    )
 }
 
 #[cfg(test)]

@@ -805,6 +805,109 @@ async fn a_table_of_the_partial_index_layout_converts_to_cursor_claims() {
     db.drop().await;
 }
 
+/// The converted table's cursor starts at its first pending row, or past its last seq when
+/// nothing is pending, so the first claims after a conversion do not read the published history
+/// from seq 0.
+#[tokio::test]
+async fn a_converted_table_s_cursor_starts_at_its_first_pending_row() {
+    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+        return;
+    };
+    old.enqueue(&[msg("a", "a1"), msg("b", "b1"), msg("a", "a2")])
+        .await;
+    assert_eq!(drain_once(&old, 10).await, ["a1", "b1", "a2"]);
+    assert!(converting_store(&old)
+        .convert_to_cursor_claims()
+        .await
+        .unwrap());
+    let db = converted(&old);
+    assert_eq!(cursor(&db).await, max_seq(&db).await + 1, "nothing pending");
+    db.drop().await;
+
+    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+        return;
+    };
+    old.enqueue(&[
+        msg("a", "a1"),
+        msg("b", "b1"),
+        msg("c", "c1"),
+        msg("a", "a2"),
+    ])
+    .await;
+    assert_eq!(drain_once(&old, 2).await, ["a1", "b1"]);
+    let first_pending = max_seq(&old).await - 1;
+    assert!(converting_store(&old)
+        .convert_to_cursor_claims()
+        .await
+        .unwrap());
+    let db = converted(&old);
+    assert_eq!(cursor(&db).await, first_pending, "c1's seq");
+    db.enqueue(&[msg("b", "b2")]).await;
+    assert_eq!(drain_once(&db, 10).await, ["c1", "a2", "b2"]);
+    db.drop().await;
+}
+
+/// A transaction that drew a seq by hand (`nextval`) and has not written it yet when the
+/// conversion ends: the cursor does not start past that seq, and the row it writes afterwards
+/// is published.
+#[tokio::test]
+async fn a_seq_drawn_by_hand_during_the_conversion_is_not_passed() {
+    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+        return;
+    };
+    old.enqueue(&[msg("a", "a1")]).await;
+    assert_eq!(drain_once(&old, 10).await, ["a1"]);
+    let t = old.table().to_owned();
+    let mut writer = old.pool().begin().await.unwrap();
+    let drawn: i64 = sqlx::query_scalar(&format!(
+        "SELECT nextval(pg_get_serial_sequence('{t}', 'seq'))"
+    ))
+    .fetch_one(&mut *writer)
+    .await
+    .unwrap();
+    // The writer holds the sequence only, not the table: nothing in the conversion waits for
+    // it (the guard turns a wait into a failure instead of a hung suite).
+    assert!(tokio::time::timeout(
+        Duration::from_secs(120),
+        converting_store(&old).convert_to_cursor_claims()
+    )
+    .await
+    .expect("the conversion waited for a transaction that holds only the sequence")
+    .unwrap());
+    let db = converted(&old);
+    db.enqueue(&[msg("b", "b1")]).await;
+    assert_eq!(drain_once(&db, 10).await, ["b1"]);
+    settle(&db).await;
+    assert!(
+        cursor(&db).await <= drawn,
+        "the cursor passed the seq drawn by hand"
+    );
+    // The writer now writes its row under the seq it drew (a copy of b1 with that seq).
+    outbox_backend_postgres::enqueue(&mut *writer, &old.config, &msg("c", "by hand"))
+        .await
+        .unwrap();
+    for statement in [
+        "INSERT INTO {t} OVERRIDING SYSTEM VALUE
+         SELECT (jsonb_populate_record(NULL::{t}, to_jsonb(r)
+                 || jsonb_build_object('seq', $1::bigint, 'id', gen_random_uuid()))).*
+           FROM {t} r WHERE r.payload->>'name' = 'by hand'",
+        "DELETE FROM {t} WHERE payload->>'name' = 'by hand' AND seq <> $1",
+    ] {
+        sqlx::query(&statement.replace("{t}", &t))
+            .bind(drawn)
+            .execute(&mut *writer)
+            .await
+            .unwrap();
+    }
+    writer.commit().await.unwrap();
+    let mut published = Vec::new();
+    for _ in 0..3 {
+        published.extend(drain_once(&db, 10).await);
+    }
+    assert_eq!(published, ["by hand"]);
+    db.drop().await;
+}
+
 /// A writer whose transaction is open when the conversion starts: the conversion waits for it
 /// (a moment, well within its lock timeout) while it goes on, and its message is published in
 /// its key's order.

@@ -7,8 +7,9 @@
 #   defaults (stdout broker into /dev/null); then PENDING more rows and a second drain;
 # - fresh: a new table of the default layout holding the PENDING rows alone, drained the same way.
 # Prints each drain's wall time and rate, and `outbox-relay status --json`'s time before and
-# after. The converted table's cursor starts below every row, so its first claims and first
-# cursor move read the whole history once; the second drain shows what is left of that.
+# after. The conversion starts the cursor at the first pending row (an earlier build started it
+# below every row, so that the first claims read the whole history once); the second drain
+# shows what is left of that.
 #
 #   eval "$(scripts/services)"; cargo build --release -p outbox-cli
 #   bench/sql/keep-cursor/after-convert.sh 2000000 100000 2
