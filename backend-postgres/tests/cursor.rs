@@ -816,11 +816,7 @@ async fn a_converted_table_s_cursor_starts_at_its_first_pending_row() {
     old.enqueue(&[msg("a", "a1"), msg("b", "b1"), msg("a", "a2")])
         .await;
     assert_eq!(drain_once(&old, 10).await, ["a1", "b1", "a2"]);
-    assert!(converting_store(&old)
-        .convert_to_cursor_claims()
-        .await
-        .unwrap());
-    let db = converted(&old);
+    let db = convert(&old).await;
     assert_eq!(cursor(&db).await, max_seq(&db).await + 1, "nothing pending");
     db.drop().await;
 
@@ -836,11 +832,7 @@ async fn a_converted_table_s_cursor_starts_at_its_first_pending_row() {
     .await;
     assert_eq!(drain_once(&old, 2).await, ["a1", "b1"]);
     let first_pending = max_seq(&old).await - 1;
-    assert!(converting_store(&old)
-        .convert_to_cursor_claims()
-        .await
-        .unwrap());
-    let db = converted(&old);
+    let db = convert(&old).await;
     assert_eq!(cursor(&db).await, first_pending, "c1's seq");
     db.enqueue(&[msg("b", "b2")]).await;
     assert_eq!(drain_once(&db, 10).await, ["c1", "a2", "b2"]);
@@ -952,6 +944,16 @@ fn converted(old: &Db) -> Db {
     }
 }
 
+/// Converts the table of `old` (asserting that it did) and serves it with a store naming no
+/// layout.
+async fn convert(old: &Db) -> Db {
+    assert!(converting_store(old)
+        .convert_to_cursor_claims()
+        .await
+        .unwrap());
+    converted(old)
+}
+
 /// Waits until a conversion (`task`, not finished) is seen waiting for a lock.
 async fn until_conversion_waits(old: &Db, task: &tokio::task::JoinHandle<Result<bool, Error>>) {
     let start = std::time::Instant::now();
@@ -997,10 +999,7 @@ async fn a_conversion_waits_a_bounded_time_for_a_lock_and_can_run_again() {
     assert!(err.to_string().contains("lock"), "{err}");
     assert!(!laid_for_cursor(&old).await, "the layout changed");
     writer.commit().await.unwrap();
-    assert!(converting_store(&old)
-        .convert_to_cursor_claims()
-        .await
-        .unwrap());
+    convert(&old).await;
     assert!(laid_for_cursor(&old).await);
     old.drop().await;
 }
@@ -1074,10 +1073,7 @@ async fn a_conversion_rebuilds_the_invalid_indexes_a_failed_run_left() {
         invalid(&old).await,
         ["outbox_aside_idx", "outbox_seq_idx_new"]
     );
-    assert!(converting_store(&old)
-        .convert_to_cursor_claims()
-        .await
-        .unwrap());
+    convert(&old).await;
     assert!(invalid(&old).await.is_empty(), "an invalid index is left");
     let defs: Vec<String> = sqlx::query_scalar(
         "SELECT indexdef FROM pg_indexes WHERE schemaname = $1
