@@ -26,6 +26,11 @@ async fn cursor_db() -> Option<Db> {
     db_with(|b| b.cursor_claims(true)).await
 }
 
+/// A table of the partial-index layout, as an earlier release made it: what a conversion takes.
+async fn partial_index_db() -> Option<Db> {
+    db_with(|b| b.cursor_claims(false)).await
+}
+
 /// The unsharded claim's cursor: every row below it is published, aside or rolled back.
 async fn cursor(db: &Db) -> i64 {
     sqlx::query_scalar(&format!(
@@ -270,7 +275,7 @@ async fn completing_a_kept_row_writes_no_index_entry() {
 
 #[tokio::test]
 async fn a_table_of_the_other_layout_is_refused() {
-    let Some(plain) = db_with(|b| b.cursor_claims(false)).await else {
+    let Some(plain) = partial_index_db().await else {
         return;
     };
     let cursor_config = outbox_backend_postgres::PostgresConfig::builder()
@@ -349,7 +354,7 @@ async fn a_new_table_is_laid_out_for_cursor_claims_unless_published_rows_are_del
 #[tokio::test]
 async fn an_unnamed_layout_takes_an_existing_table_as_it_is() {
     use outbox_traits::OutboxAdmin;
-    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+    let Some(old) = partial_index_db().await else {
         return;
     };
     old.enqueue(&[msg("k", "first"), msg("j", "other")]).await;
@@ -693,7 +698,7 @@ async fn a_bounded_purge_finds_old_enough_rows_above_a_row_published_just_now() 
 #[tokio::test]
 async fn a_table_of_the_partial_index_layout_converts_to_cursor_claims() {
     use outbox_traits::{FailAction, Failure, OutboxAdmin};
-    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+    let Some(old) = partial_index_db().await else {
         return;
     };
     old.enqueue(&[
@@ -810,7 +815,7 @@ async fn a_table_of_the_partial_index_layout_converts_to_cursor_claims() {
 /// from seq 0.
 #[tokio::test]
 async fn a_converted_table_s_cursor_starts_at_its_first_pending_row() {
-    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+    let Some(old) = partial_index_db().await else {
         return;
     };
     old.enqueue(&[msg("a", "a1"), msg("b", "b1"), msg("a", "a2")])
@@ -820,7 +825,7 @@ async fn a_converted_table_s_cursor_starts_at_its_first_pending_row() {
     assert_eq!(cursor(&db).await, max_seq(&db).await + 1, "nothing pending");
     db.drop().await;
 
-    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+    let Some(old) = partial_index_db().await else {
         return;
     };
     old.enqueue(&[
@@ -844,7 +849,7 @@ async fn a_converted_table_s_cursor_starts_at_its_first_pending_row() {
 /// is published.
 #[tokio::test]
 async fn a_seq_drawn_by_hand_during_the_conversion_is_not_passed() {
-    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+    let Some(old) = partial_index_db().await else {
         return;
     };
     old.enqueue(&[msg("a", "a1")]).await;
@@ -905,7 +910,7 @@ async fn a_seq_drawn_by_hand_during_the_conversion_is_not_passed() {
 /// its key's order.
 #[tokio::test]
 async fn a_writer_open_during_the_conversion_is_waited_for_and_its_message_goes_on() {
-    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+    let Some(old) = partial_index_db().await else {
         return;
     };
     old.enqueue(&[msg("k", "before")]).await;
@@ -979,7 +984,7 @@ async fn until_conversion_waits(old: &Db, task: &tokio::task::JoinHandle<Result<
 /// its layout, and the conversion run again once the writer has committed converts it.
 #[tokio::test]
 async fn a_conversion_waits_a_bounded_time_for_a_lock_and_can_run_again() {
-    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+    let Some(old) = partial_index_db().await else {
         return;
     };
     let mut writer = old.pool().begin().await.unwrap();
@@ -1008,7 +1013,7 @@ async fn a_conversion_waits_a_bounded_time_for_a_lock_and_can_run_again() {
 /// otherwise take the first's half-built index for a failed run's), and the first goes on.
 #[tokio::test]
 async fn a_second_conversion_of_the_table_while_one_runs_is_refused() {
-    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+    let Some(old) = partial_index_db().await else {
         return;
     };
     let mut writer = old.pool().begin().await.unwrap();
@@ -1041,7 +1046,7 @@ async fn a_second_conversion_of_the_table_while_one_runs_is_refused() {
 /// names a conversion builds) is dropped and built again with the layout's definition.
 #[tokio::test]
 async fn a_conversion_rebuilds_the_invalid_indexes_a_failed_run_left() {
-    let Some(old) = db_with(|b| b.cursor_claims(false)).await else {
+    let Some(old) = partial_index_db().await else {
         return;
     };
     old.enqueue(&[msg("k", "one"), msg("k", "two")]).await;
