@@ -6,7 +6,7 @@
 //! eval "$(scripts/services)"
 //! cargo build --release -p outbox-cli && \
 //! cargo run --release -p outbox-bench --bin replicas -- [rounds=3] [messages=200000] [keys=1000]
-//!     [shards=6] [batch=2000]
+//!     [shards=6] [batch=2000] [broker=stdout|nats]
 //! ```
 //!
 //! Each round runs every configuration in turn: MESSAGES rows written by plain SQL (one
@@ -20,6 +20,10 @@
 //! one replica in the group, and the CPU time (user + system, from `/proc`) of the relay
 //! processes per message, which with the database's is what bounds scaling on more cores.
 //!
+//! `broker=nats` publishes to NATS JetStream (`OUTBOX_TEST_NATS_URL`, a stream per drain, deleted
+//! after it) instead of stdout into /dev/null: a broker whose acknowledgements the relay waits
+//! for, where more batches in flight can add speed even when the database has spare cores.
+//!
 //! The `outbox-relay` binary is the one beside this program (`target/release/outbox-relay`),
 //! or `OUTBOX_RELAY_BIN`.
 
@@ -31,6 +35,15 @@ use sqlx::postgres::PgPoolOptions;
 use tokio::process::{Child, Command};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The broker: `stdout` (into /dev/null, the default) or `nats` (JetStream at
+/// `OUTBOX_TEST_NATS_URL`, a stream per drain, deleted after it).
+fn broker_arg() -> String {
+    std::env::args()
+        .skip(1)
+        .find_map(|a| a.strip_prefix("broker=").map(str::to_owned))
+        .unwrap_or_else(|| "stdout".to_owned())
+}
 
 fn arg(name: &str, default: usize) -> usize {
     std::env::args()
@@ -55,6 +68,10 @@ async fn main() -> Result<(), BoxError> {
     let keys = arg("keys", 1_000);
     let shards = arg("shards", 6);
     let batch = arg("batch", 2_000);
+    let broker = broker_arg();
+    if broker != "stdout" && broker != "nats" {
+        return Err(format!("broker={broker}: stdout or nats").into());
+    }
     let url = std::env::var("OUTBOX_TEST_POSTGRES_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
     let bin = relay_bin()?;
@@ -85,8 +102,8 @@ async fn main() -> Result<(), BoxError> {
         for (i, (replicas, group, in_flight)) in configs.iter().enumerate() {
             let schema = format!("bench_replicas_{}_{round}_{i}", std::process::id());
             let (rate, cpu_us) = drain(
-                &pool, &url, &bin, &schema, *replicas, *group, *in_flight, messages, keys, shards,
-                batch,
+                &pool, &url, &bin, &broker, &schema, *replicas, *group, *in_flight, messages, keys,
+                shards, batch,
             )
             .await?;
             eprintln!(
@@ -126,6 +143,7 @@ async fn drain(
     pool: &sqlx::PgPool,
     url: &str,
     bin: &std::path::Path,
+    broker: &str,
     schema: &str,
     replicas: usize,
     group: bool,
@@ -158,6 +176,16 @@ async fn drain(
     let shards = shards.to_string();
     let batch = batch.to_string();
     let in_flight = in_flight.to_string();
+    let nats = std::env::var("OUTBOX_TEST_NATS_URL")
+        .unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let stream = schema.to_uppercase();
+    let broker_url = match broker {
+        "nats" => format!(
+            "{nats}?subject={schema}.{{event_type}}&stream={stream}&create_stream=true\
+             &stream_subjects={schema}.>"
+        ),
+        _ => "stdout://".to_owned(),
+    };
     let started = Instant::now();
     let mut children: Vec<Child> = Vec::new();
     for _ in 0..replicas {
@@ -167,7 +195,7 @@ async fn drain(
             "--schema",
             schema,
             "--broker",
-            "stdout://",
+            &broker_url,
             "--claim-shards",
             &shards,
             "--batch-size",
@@ -218,6 +246,11 @@ async fn drain(
             let _ = Command::new("kill").arg(pid.to_string()).status().await;
         }
         let _ = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+    }
+    if broker == "nats" {
+        let client = async_nats::connect(nats.trim_start_matches("nats://")).await?;
+        let js = async_nats::jetstream::new(client);
+        let _ = js.delete_stream(&stream).await;
     }
     sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .execute(pool)
