@@ -844,6 +844,36 @@ async fn a_converted_table_s_cursor_starts_at_its_first_pending_row() {
     db.drop().await;
 }
 
+/// A sequence that cached before the conversion: a session may still hand out seqs it drew
+/// earlier, below any point the conversion could read, so the cursor is not started (it starts
+/// at 0 and settles as in any table).
+#[tokio::test]
+async fn a_caching_sequence_leaves_the_converted_cursor_at_0() {
+    let Some(old) = partial_index_db().await else {
+        return;
+    };
+    old.enqueue(&[msg("a", "a1"), msg("a", "a2")]).await;
+    assert_eq!(drain_once(&old, 1).await, ["a1"]);
+    sqlx::query(&format!(
+        "ALTER TABLE {} ALTER COLUMN seq SET CACHE 20",
+        old.table()
+    ))
+    .execute(old.pool())
+    .await
+    .unwrap();
+    let db = convert(&old).await;
+    let cursors: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{}\".\"outbox_cursors\"",
+        db.schema
+    ))
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(cursors, 0, "a cursor was started over a caching sequence");
+    assert_eq!(drain_once(&db, 10).await, ["a2"]);
+    db.drop().await;
+}
+
 /// A transaction that drew a seq by hand (`nextval`) and has not written it yet when the
 /// conversion ends: the cursor does not start past that seq, and the row it writes afterwards
 /// is published.
